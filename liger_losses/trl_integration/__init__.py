@@ -1,0 +1,1 @@
+"""Layer 3: TRL trainers that take `use_liger=True`."""

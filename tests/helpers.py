@@ -1,0 +1,24 @@
+"""Small helpers the tests share: relative error against a float64 reference, tolerances."""
+
+import torch
+
+# Relative-error bars (issue #2): fp32 1e-5, bf16 1e-2, measured as ||out - ref|| / ||ref||.
+TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 5e-3, torch.float64: 1e-10}
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    """||out - ref|| / ||ref|| in float64 (0 when both are zero)."""
+    out = out.detach().double()
+    ref = ref.detach().double()
+    assert out.shape == ref.shape, (out.shape, ref.shape)
+    assert torch.isfinite(out).all(), "output has NaN/inf"
+    denom = ref.norm()
+    num = (out - ref).norm()
+    if denom == 0:
+        return float(num)
+    return float(num / denom)
+
+
+def assert_close_rel(out, ref, tol, what=""):
+    err = rel_err(out, ref)
+    assert err <= tol, f"{what}: relative error {err:.3e} > {tol:.1e}"
