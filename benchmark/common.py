@@ -1,0 +1,189 @@
+"""Shared benchmark plumbing: timing, peak memory above the inputs, floors, CSV and PNG output.
+
+Every benchmark script builds a list of ``Case``s, each with several ``providers`` (ours, plain
+PyTorch, liger-kernel, ...), calls :func:`measure` for each and hands the rows to
+:func:`write_results`. Times are medians of ``triton.testing.do_bench`` (ms); memory is
+``torch.cuda.max_memory_allocated`` minus what was allocated before the call (MiB), i.e. the peak
+above the inputs. Floors: ``bytes / 4.3 TB/s`` for memory-bound kernels, ``FLOPs / 790 TFLOP/s``
+for GEMM-bound losses (both measured on the H200 this project benchmarks on).
+"""
+
+from __future__ import annotations
+
+import csv
+import gc
+import os
+import sys
+from dataclasses import dataclass, field
+from typing import Callable, Optional
+
+import torch
+
+HBM_BYTES_PER_S = 4.3e12
+BF16_FLOPS_PER_S = 790e12
+MIB = 1024.0**2
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
+
+
+def results_dir() -> str:
+    """Where results go: $OUT on the device machine when set, else benchmark/results/."""
+    out = os.environ.get("BENCH_OUT") or os.environ.get("OUT")
+    path = out if out else os.path.join(ROOT, "benchmark", "results")
+    os.makedirs(path, exist_ok=True)
+    return path
+
+
+def hbm_floor_ms(nbytes: float) -> float:
+    return nbytes / HBM_BYTES_PER_S * 1e3
+
+
+def gemm_floor_ms(flops: float) -> float:
+    return flops / BF16_FLOPS_PER_S * 1e3
+
+
+@dataclass
+class Measurement:
+    ms: float
+    peak_mib: float
+    error: Optional[str] = None
+
+
+def _cleanup():
+    gc.collect()
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+
+
+def time_ms(fn: Callable[[], object], *, warmup: int = 25, rep: int = 100) -> float:
+    """Median wall time of ``fn`` in ms (CUDA events, L2 flushed between runs by do_bench)."""
+    import triton.testing
+
+    return float(triton.testing.do_bench(fn, warmup=warmup, rep=rep, return_mode="median"))
+
+
+def peak_mib(fn: Callable[[], object]) -> float:
+    """Peak memory allocated by one call of ``fn`` above what was allocated before it (MiB)."""
+    _cleanup()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    out = fn()
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated() - base
+    del out
+    _cleanup()
+    return peak / MIB
+
+
+def measure(fn: Callable[[], object], *, warmup: int = 25, rep: int = 100) -> Measurement:
+    """Time and peak memory of ``fn``; an exception (e.g. out of memory) becomes ``error``."""
+    try:
+        fn()  # compile / autotune outside the measurement
+        torch.cuda.synchronize()
+        mem = peak_mib(fn)
+        ms = time_ms(fn, warmup=warmup, rep=rep)
+        return Measurement(ms, mem)
+    except Exception as exc:  # noqa: BLE001 - a provider failing must not stop the table
+        _cleanup()
+        return Measurement(float("nan"), float("nan"), f"{type(exc).__name__}: {str(exc)[:120]}")
+
+
+@dataclass
+class Row:
+    """One line of a results table."""
+
+    bench: str
+    case: str
+    mode: str  # forward | backward | full
+    provider: str
+    ms: float
+    peak_mib: float
+    floor_ms: float = float("nan")
+    floor_mib: float = float("nan")
+    extra: dict = field(default_factory=dict)
+    error: Optional[str] = None
+
+    def as_dict(self) -> dict:
+        d = {
+            "bench": self.bench,
+            "case": self.case,
+            "mode": self.mode,
+            "provider": self.provider,
+            "ms": round(self.ms, 4),
+            "peak_mib": round(self.peak_mib, 1),
+            "floor_ms": round(self.floor_ms, 4),
+            "time_over_floor": round(self.ms / self.floor_ms, 3) if self.floor_ms == self.floor_ms and self.floor_ms > 0 else "",
+            "floor_mib": round(self.floor_mib, 1),
+            "peak_over_floor": round(self.peak_mib / self.floor_mib, 3) if self.floor_mib == self.floor_mib and self.floor_mib > 0 else "",
+            "error": self.error or "",
+        }
+        d.update(self.extra)
+        return d
+
+
+def write_results(name: str, rows: list[Row], *, plot_x: Optional[str] = None) -> str:
+    """Write ``<name>.csv`` (and ``<name>.png`` if matplotlib is present); print a table."""
+    path = results_dir()
+    dicts = [r.as_dict() for r in rows]
+    keys: list[str] = []
+    for d in dicts:
+        for k in d:
+            if k not in keys:
+                keys.append(k)
+    csv_path = os.path.join(path, f"{name}.csv")
+    with open(csv_path, "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=keys)
+        w.writeheader()
+        w.writerows(dicts)
+    print_table(dicts, keys=["case", "mode", "provider", "ms", "floor_ms", "time_over_floor", "peak_mib", "floor_mib", "peak_over_floor", "error"])
+    try:
+        plot(name, rows, x=plot_x)
+    except Exception as exc:  # noqa: BLE001 - plotting is a convenience
+        print(f"(plot skipped: {exc})")
+    return csv_path
+
+
+def print_table(dicts: list[dict], keys: list[str]) -> None:
+    keys = [k for k in keys if any(k in d for d in dicts)]
+    widths = {k: max(len(k), *(len(str(d.get(k, ""))) for d in dicts)) for k in keys}
+    print(" | ".join(k.ljust(widths[k]) for k in keys))
+    for d in dicts:
+        print(" | ".join(str(d.get(k, "")).ljust(widths[k]) for k in keys))
+    sys.stdout.flush()
+
+
+def plot(name: str, rows: list[Row], *, x: Optional[str] = None) -> None:
+    """Bar chart (or line chart over ``extra[x]``) of time and memory per provider and mode."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    modes = sorted({r.mode for r in rows})
+    providers = list(dict.fromkeys(r.provider for r in rows))
+    fig, axes = plt.subplots(len(modes), 2, figsize=(13, 3.6 * len(modes)), squeeze=False)
+    for i, mode in enumerate(modes):
+        sub = [r for r in rows if r.mode == mode]
+        for j, (metric, label) in enumerate((("ms", "time (ms)"), ("peak_mib", "peak memory (MiB)"))):
+            ax = axes[i][j]
+            if x is not None:
+                for p in providers:
+                    pts = sorted((r.extra[x], getattr(r, metric)) for r in sub if r.provider == p and x in r.extra)
+                    if pts:
+                        ax.plot([a for a, _ in pts], [b for _, b in pts], marker="o", label=p)
+                ax.set_xlabel(x)
+            else:
+                cases = list(dict.fromkeys(r.case for r in sub))
+                width = 0.8 / max(1, len(providers))
+                for k, p in enumerate(providers):
+                    vals = [next((getattr(r, metric) for r in sub if r.case == c and r.provider == p), float("nan")) for c in cases]
+                    ax.bar([c + k * width for c in range(len(cases))], vals, width=width, label=p)
+                ax.set_xticks([c + 0.4 - width / 2 for c in range(len(cases))])
+                ax.set_xticklabels(cases, rotation=20, ha="right", fontsize=7)
+            ax.set_title(f"{name} — {mode} — {label}", fontsize=9)
+            ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(os.path.join(results_dir(), f"{name}.png"), dpi=110)
+    plt.close(fig)

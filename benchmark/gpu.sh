@@ -1,0 +1,46 @@
+#!/usr/bin/env bash
+# GPU runner (the device machine, or any CUDA box): installs the carried wheels (./.whl, made by
+# ../shared/gpu/wheels.sh), runs the GPU tests and the benchmarks, and writes logs and results
+# under $OUT (default ./out).
+#
+#   bash benchmark/gpu.sh [tests] [bench:NAME ...] [quick]
+#
+# With no arguments: the GPU tests and every benchmark. `bench:norm` runs benchmark/bench_norm.py;
+# `quick` passes --quick to the benchmarks.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-$PWD/out}
+mkdir -p "$OUT/results"
+export BENCH_OUT="$OUT/results" PYTHONUNBUFFERED=1
+if [ -d .whl ] && ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl \
+    || echo "wheel install failed"
+  export PYTHONPATH=$PWD:/tmp/site
+else
+  export PYTHONPATH=$PWD
+fi
+nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,memory.used --format=csv 2>/dev/null | tee "$OUT/gpu_info.txt"
+python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" | tee -a "$OUT/gpu_info.txt"
+
+args=("$@")
+[ ${#args[@]} -eq 0 ] && args=(tests all)
+quick=""
+for a in "${args[@]}"; do [ "$a" = quick ] && quick="--quick"; done
+for a in "${args[@]}"; do
+  case "$a" in
+    tests)
+      python3 -m pytest -q -m gpu -p no:cacheprovider tests 2>&1 | tee "$OUT/gpu_tests.log" | tail -40 ;;
+    tests:*)
+      python3 -m pytest -q -m gpu -p no:cacheprovider ${a#tests:} 2>&1 | tee -a "$OUT/gpu_tests.log" | tail -40 ;;
+    all)
+      for f in benchmark/bench_*.py; do
+        echo "=== $f"; python3 "$f" $quick 2>&1 | tee -a "$OUT/bench.log"
+      done ;;
+    bench:*)
+      f=benchmark/bench_${a#bench:}.py
+      echo "=== $f"; python3 "$f" $quick 2>&1 | tee -a "$OUT/bench.log" ;;
+    quick) ;;
+    *) echo "unknown argument $a" ;;
+  esac
+done
+(cd "$OUT" && tar czf results.tar.gz results && rm -rf results)
