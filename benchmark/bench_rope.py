@@ -1,0 +1,134 @@
+"""Speed and memory of rotary position embedding on q and k (HF layout: ``[B, T, H, D]`` projections
+viewed as ``[B, H, T, D]`` by ``transpose(1, 2)``), bf16, forward / backward / full.
+
+Providers: ``ours`` (liger_losses ``apply_rotary_pos_emb``), ``hf-torch`` (transformers' llama
+``apply_rotary_pos_emb``, or the same formula when transformers is missing) and ``liger``
+(liger-kernel 0.8.5 ``LigerRopeFunction``, which rotates q/k in place; skipped when not importable).
+
+Floors (HBM): forward and backward each read q, k (or their grads) and write as much, plus cos/sin:
+2 (q + k) + 2 T D x 2 B; full is twice that. Memory floor: q + k bytes (the outputs, or the
+gradients), for full the outputs plus the gradients; an in-place provider can go below it.
+
+Usage (GPU): python benchmark/bench_rope.py [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+from common import MIB, Row, hbm_floor_ms, measure, write_results  # noqa: E402  (adds repo root)
+
+from liger_losses.kernels.rope import apply_rotary_pos_emb
+
+DEVICE = "cuda"
+
+SHAPES = {  # name: (q heads, kv heads, head_dim)
+    "llama3-8b": (32, 8, 128),
+    "qwen2-0.5b": (14, 2, 64),
+}
+
+
+def _hf():
+    try:
+        from transformers.models.llama.modeling_llama import apply_rotary_pos_emb as hf
+
+        return hf
+    except Exception:  # noqa: BLE001
+
+        def rotate_half(x):
+            x1, x2 = x.chunk(2, dim=-1)
+            return torch.cat((-x2, x1), dim=-1)
+
+        def hf(q, k, cos, sin, unsqueeze_dim=1):
+            cos, sin = cos.unsqueeze(unsqueeze_dim), sin.unsqueeze(unsqueeze_dim)
+            return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
+
+        return hf
+
+
+def providers():
+    provs = {
+        "ours": lambda q, k, c, s: apply_rotary_pos_emb(q, k, c, s, impl="triton"),
+        "hf-torch": _hf(),
+    }
+    try:
+        from liger_kernel.ops.rope import LigerRopeFunction
+
+        provs["liger"] = lambda q, k, c, s: LigerRopeFunction.apply(q, k, c, s)
+    except Exception as exc:  # noqa: BLE001
+        print(f"(liger-kernel rope unavailable: {exc})")
+    return provs
+
+
+def cos_sin(seq, head_dim, device, dtype):
+    inv = 1.0 / (500000.0 ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim))
+    freqs = torch.arange(seq, device=device, dtype=torch.float32)[:, None] * inv
+    emb = torch.cat((freqs, freqs), dim=-1)[None]
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def bench_case(shape_name, tokens, modes, rows, rep):
+    n_qh, n_kh, d = SHAPES[shape_name]
+    dev, dt = DEVICE, torch.bfloat16
+    bsz, seq = 1, tokens
+    qk_bytes = bsz * seq * (n_qh + n_kh) * d * 2
+    cs_bytes = 2 * seq * d * 2
+    floors = {"forward": 2 * qk_bytes + cs_bytes, "backward": 2 * qk_bytes + cs_bytes}
+    floors["full"] = floors["forward"] + floors["backward"]
+    mem_floor = {"forward": qk_bytes / MIB, "backward": qk_bytes / MIB, "full": 2 * qk_bytes / MIB}
+    case = f"{shape_name} T={tokens}"
+    cos, sin = cos_sin(seq, d, dev, dt)
+    for name, fn in providers().items():
+        # Projection outputs [B, T, H*D] (non-leaf), viewed as HF does.
+        q_lin = torch.randn(bsz, seq, n_qh * d, device=dev, dtype=dt, requires_grad=True).clone()
+        k_lin = torch.randn(bsz, seq, n_kh * d, device=dev, dtype=dt, requires_grad=True).clone()
+
+        def views():
+            return (q_lin.view(bsz, seq, n_qh, d).transpose(1, 2),
+                    k_lin.view(bsz, seq, n_kh, d).transpose(1, 2))
+
+        gq = torch.randn(bsz, n_qh, seq, d, device=dev, dtype=dt)
+        gk = torch.randn(bsz, n_kh, seq, d, device=dev, dtype=dt)
+        for mode in modes:
+            if mode == "forward":
+                def run():
+                    with torch.no_grad():
+                        return fn(*views(), cos, sin)
+            elif mode == "backward":
+                q, k = views()
+                oq, ok = fn(q, k, cos, sin)
+
+                def run(oq=oq, ok=ok):
+                    return torch.autograd.grad((oq, ok), (q_lin, k_lin), (gq, gk), retain_graph=True)
+            else:
+                def run():
+                    oq, ok = fn(*views(), cos, sin)
+                    return torch.autograd.grad((oq, ok), (q_lin, k_lin), (gq, gk))
+            m = measure(run, rep=rep)
+            rows.append(Row("rope", case, mode, name, m.ms, m.peak_mib,
+                            hbm_floor_ms(floors[mode]), mem_floor[mode],
+                            extra={"tokens": tokens}, error=m.error))
+        del q_lin, k_lin, gq, gk
+        torch.cuda.empty_cache()
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="one 8B size + the small model, fewer reps")
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("bench_rope needs a CUDA GPU")
+    modes = ("forward", "backward", "full")
+    rep = 30 if args.quick else 100
+    sizes = [8192] if args.quick else [4096, 8192, 16384, 32768]
+    rows: list[Row] = []
+    for tokens in sizes:
+        bench_case("llama3-8b", tokens, modes, rows, rep)
+    bench_case("qwen2-0.5b", 8192, modes, rows, rep)
+    write_results("rope", rows)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,235 @@
+"""GeGLU: ``gelu(gate, approximate) * up`` with Triton forward/backward kernels, and the Gemma MLP.
+
+Shapes: ``gate`` and ``up`` have the same shape ``[..., I]`` (any leading dims); so does the output.
+Dtypes: any float dtype; the math runs in fp32 inside the kernel, results are stored in the input
+dtype. ``approximate="tanh"`` is Hugging Face's ``gelu_pytorch_tanh`` (Gemma),
+``approximate="none"`` the exact erf GELU.
+
+    tanh:  gelu(x) = 0.5 x (1 + tanh(u)),  u = sqrt(2/pi) (x + 0.044715 x^3)
+           gelu'(x) = 0.5 (1 + tanh(u)) + 0.5 x (1 - tanh(u)^2) sqrt(2/pi) (1 + 3 * 0.044715 x^2)
+    none:  gelu(x) = 0.5 x (1 + erf(x / sqrt(2))),  gelu'(x) = 0.5 (1 + erf(x / sqrt(2))) + x phi(x)
+
+Backward recomputes gelu from the saved ``gate`` and ``up`` (nothing else is saved):
+``d_up = d_out * gelu(gate)``, ``d_gate = d_out * up * gelu'(gate)``. ``inplace_backward=True``
+writes them into gate's and up's buffers, exactly as in :mod:`liger_losses.kernels.swiglu`
+(only for callers that own those tensors; the Gemma MLP module does).
+
+Public API:
+    geglu(gate, up, *, approximate="tanh", inplace_backward=False, impl="auto") -> Tensor
+    LigerGEGLUMLP(config)   drop-in for GemmaMLP
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from liger_losses.kernels.swiglu import _MAX_GRID_Y, _owns_buffer, _pair_rows
+from liger_losses.kernels.utils import (
+    check_choice,
+    check_same_device,
+    check_tensor,
+    resolve_impl,
+    triton_importable,
+)
+
+if triton_importable():
+    import triton
+    import triton.language as tl
+else:  # pragma: no cover
+    triton = None
+    tl = None
+
+APPROXIMATIONS = ("tanh", "none")
+BLOCK_SIZE = 4096
+NUM_WARPS = 8
+
+
+if triton is not None:
+
+    @triton.jit
+    def _gelu_and_grad(a, TANH: tl.constexpr):
+        """(gelu(a), gelu'(a)) in fp32."""
+        if TANH:
+            a2 = a * a
+            u = 0.7978845608028654 * a * (1.0 + 0.044715 * a2)
+            t = 2.0 * tl.sigmoid(2.0 * u) - 1.0  # tanh(u), no libdevice needed
+            half_1pt = 0.5 * (1.0 + t)
+            gelu = a * half_1pt
+            dgelu = half_1pt + 0.5 * a * (1.0 - t * t) * 0.7978845608028654 * (1.0 + 0.134145 * a2)
+        else:
+            cdf = 0.5 * (1.0 + tl.math.erf(a * 0.7071067811865476))
+            gelu = a * cdf
+            dgelu = cdf + a * 0.3989422804014327 * tl.exp(-0.5 * a * a)
+        return gelu, dgelu
+
+    @triton.jit
+    def _geglu_fwd_kernel(
+        a_ptr, b_ptr, c_ptr,
+        n_cols, stride_a, stride_b, stride_c,
+        TANH: tl.constexpr, BLOCK: tl.constexpr,
+    ):
+        """c = gelu(a) * b over one block of one row (a row is the whole tensor when flat)."""
+        row = tl.program_id(1).to(tl.int64)
+        cols = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        mask = cols < n_cols
+        a = tl.load(a_ptr + row * stride_a + cols, mask=mask, other=0.0).to(tl.float32)
+        b = tl.load(b_ptr + row * stride_b + cols, mask=mask, other=0.0).to(tl.float32)
+        if TANH:
+            u = 0.7978845608028654 * a * (1.0 + 0.044715 * a * a)
+            gelu = a * tl.sigmoid(2.0 * u)  # 0.5 (1 + tanh(u)) == sigmoid(2u)
+        else:
+            gelu = 0.5 * a * (1.0 + tl.math.erf(a * 0.7071067811865476))
+        tl.store(c_ptr + row * stride_c + cols, (gelu * b).to(c_ptr.dtype.element_ty), mask=mask)
+
+    @triton.jit
+    def _geglu_bwd_kernel(
+        dc_ptr, a_ptr, b_ptr, da_ptr, db_ptr,
+        n_cols, stride_dc, stride_a, stride_b, stride_da, stride_db,
+        TANH: tl.constexpr, BLOCK: tl.constexpr,
+    ):
+        """da, db from dc and the recomputed gelu; da/db may alias a/b (read before write)."""
+        row = tl.program_id(1).to(tl.int64)
+        cols = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        mask = cols < n_cols
+        dc = tl.load(dc_ptr + row * stride_dc + cols, mask=mask, other=0.0).to(tl.float32)
+        a = tl.load(a_ptr + row * stride_a + cols, mask=mask, other=0.0).to(tl.float32)
+        b = tl.load(b_ptr + row * stride_b + cols, mask=mask, other=0.0).to(tl.float32)
+        gelu, dgelu = _gelu_and_grad(a, TANH)
+        tl.store(da_ptr + row * stride_da + cols, (dc * b * dgelu).to(da_ptr.dtype.element_ty), mask=mask)
+        tl.store(db_ptr + row * stride_db + cols, (dc * gelu).to(db_ptr.dtype.element_ty), mask=mask)
+
+
+def _launch_fwd(a2, b2, c2, tanh: bool) -> None:
+    rows, cols = a2.shape
+    for r0 in range(0, rows, _MAX_GRID_Y):  # the grid's 2nd axis holds at most 65535 rows
+        r1 = min(rows, r0 + _MAX_GRID_Y)
+        _geglu_fwd_kernel[(triton.cdiv(cols, BLOCK_SIZE), r1 - r0)](
+            a2[r0:r1], b2[r0:r1], c2[r0:r1], cols, a2.stride(0), b2.stride(0), c2.stride(0),
+            TANH=tanh, BLOCK=BLOCK_SIZE, num_warps=NUM_WARPS,
+        )
+
+
+def _launch_bwd(dc2, a2, b2, da2, db2, tanh: bool) -> None:
+    rows, cols = a2.shape
+    for r0 in range(0, rows, _MAX_GRID_Y):
+        r1 = min(rows, r0 + _MAX_GRID_Y)
+        _geglu_bwd_kernel[(triton.cdiv(cols, BLOCK_SIZE), r1 - r0)](
+            dc2[r0:r1], a2[r0:r1], b2[r0:r1], da2[r0:r1], db2[r0:r1], cols,
+            dc2.stride(0), a2.stride(0), b2.stride(0), da2.stride(0), db2.stride(0),
+            TANH=tanh, BLOCK=BLOCK_SIZE, num_warps=NUM_WARPS,
+        )
+
+
+class GEGLUFunction(torch.autograd.Function):
+    """gelu(gate) * up; saves gate and up only. ``inplace_backward`` writes grads into them."""
+
+    @staticmethod
+    def forward(ctx, gate, up, approximate="tanh", inplace_backward=False):
+        tanh = approximate == "tanh"
+        a2, b2 = _pair_rows(gate, up)
+        out = torch.empty(a2.shape, dtype=gate.dtype, device=gate.device)
+        if out.numel():
+            _launch_fwd(a2, b2, out, tanh)
+        ctx.tanh = tanh
+        ctx.inplace = bool(
+            inplace_backward
+            and _owns_buffer(gate, a2) and _owns_buffer(up, b2)
+            and gate.untyped_storage().data_ptr() != up.untyped_storage().data_ptr()
+        )
+        ctx.save_for_backward(gate, up)
+        return out.view(gate.shape)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        gate, up = ctx.saved_tensors
+        a2, b2 = _pair_rows(gate, up)
+        dc2 = grad_out.contiguous().view(a2.shape)
+        if ctx.inplace:
+            da2, db2 = a2, b2
+        else:
+            da2 = torch.empty(a2.shape, dtype=gate.dtype, device=gate.device)
+            db2 = torch.empty(b2.shape, dtype=up.dtype, device=up.device)
+        if da2.numel():
+            _launch_bwd(dc2, a2, b2, da2, db2, ctx.tanh)
+        if ctx.inplace:
+            torch.autograd.graph.increment_version(gate)
+            torch.autograd.graph.increment_version(up)
+            return gate, up, None, None
+        return da2.view(gate.shape), db2.view(up.shape), None, None
+
+
+def _geglu_torch(gate: torch.Tensor, up: torch.Tensor, approximate: str) -> torch.Tensor:
+    return (F.gelu(gate.float(), approximate=approximate) * up.float()).to(gate.dtype)
+
+
+def geglu(
+    gate: torch.Tensor,
+    up: torch.Tensor,
+    *,
+    approximate: str = "tanh",
+    inplace_backward: bool = False,
+    impl: str = "auto",
+) -> torch.Tensor:
+    """``gelu(gate, approximate) * up`` (same shape as the inputs), fp32 inside, gate's dtype out."""
+    check_tensor("gate", gate, min_ndim=1, floating=True)
+    check_tensor("up", up, min_ndim=1, floating=True)
+    if up.shape != gate.shape:
+        raise ValueError(
+            f"up must have the same shape as gate {tuple(gate.shape)}, got {tuple(up.shape)}"
+        )
+    if up.dtype != gate.dtype:
+        raise TypeError(f"up must have gate's dtype {gate.dtype}, got {up.dtype}")
+    check_same_device(gate=gate, up=up)
+    check_choice("approximate", approximate, APPROXIMATIONS)
+    if not isinstance(inplace_backward, bool):
+        raise TypeError(f"inplace_backward must be a bool, got {type(inplace_backward).__name__}")
+    if resolve_impl(impl, gate, up) == "torch":
+        return _geglu_torch(gate, up, approximate)
+    return GEGLUFunction.apply(gate, up, approximate, inplace_backward)
+
+
+# Hugging Face activation names (ACT2FN) -> approximate.
+_GELU_NAMES = {
+    "gelu_pytorch_tanh": "tanh",
+    "gelu_new": "tanh",
+    "gelu_fast": "tanh",
+    "gelu": "none",
+}
+
+
+class LigerGEGLUMLP(nn.Module):
+    """Drop-in for ``GemmaMLP``: gate_proj, up_proj, down_proj without bias, same forward.
+
+    ``forward(x) = down_proj(geglu(gate_proj(x), up_proj(x)))`` with the GELU variant named by
+    ``config.hidden_act`` (or the older ``config.hidden_activation``), ``gelu_pytorch_tanh`` by default.
+    """
+
+    def __init__(self, config, *, impl: str = "auto"):
+        super().__init__()
+        act = getattr(config, "hidden_act", None) or getattr(config, "hidden_activation", None)
+        act = act or "gelu_pytorch_tanh"
+        if act not in _GELU_NAMES:
+            raise ValueError(
+                f"config.hidden_act must be one of {tuple(_GELU_NAMES)} for a GeGLU MLP, got {act!r}"
+            )
+        self.config = config
+        self.hidden_size = config.hidden_size
+        self.intermediate_size = config.intermediate_size
+        self.gate_proj = nn.Linear(self.hidden_size, self.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(self.hidden_size, self.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(self.intermediate_size, self.hidden_size, bias=False)
+        self.approximate = _GELU_NAMES[act]
+        self.impl = impl
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(
+            geglu(
+                self.gate_proj(x), self.up_proj(x),
+                approximate=self.approximate, inplace_backward=True, impl=self.impl,
+            )
+        )
+
+
+liger_geglu = geglu

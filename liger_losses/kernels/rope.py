@@ -1,0 +1,302 @@
+"""Rotary position embedding (Hugging Face "rotate-half" layout) for queries and keys, in one launch.
+
+    q_embed = q * cos + rotate_half(q) * sin,   rotate_half(x) = cat(-x[..., D/2:], x[..., :D/2])
+
+and the same for k, exactly as transformers' llama ``apply_rotary_pos_emb``. Shapes:
+
+* ``unsqueeze_dim=1``: q ``[B, Hq, T, D]``, k ``[B, Hk, T, D]`` (``Hq != Hk`` for GQA);
+  ``unsqueeze_dim=2``: q ``[B, T, Hq, D]``, k ``[B, T, Hk, D]``.
+* cos, sin ``[B or 1, T, R]`` (position ids already applied by the rotary module; batch 1
+  broadcasts). ``R <= D`` and even: when ``R < D`` only the first ``R`` dims of each head rotate
+  and the rest pass through (Phi-3 "partial rotary"). A 2-D table ``[S, R]`` plus ``position_ids``
+  ``[B or 1, T]`` is accepted too and gathered as ``cos[position_ids]``.
+
+q and k may be non-contiguous (HF makes them by ``.view(B, T, H, D).transpose(1, 2)``): the kernel
+takes their strides, so nothing is copied; only the last dim must have unit stride. Dtypes: q and k
+any float dtype (the same one); cos/sin any float dtype; math in fp32, outputs in q's dtype.
+
+One Triton program per token (b, t) loads that token's cos/sin once and rotates all of its q and
+k heads. Backward is the transposed map (the inverse rotation, ``sin -> -sin``):
+
+    dx[:R/2] = g[:R/2] * cos[:R/2] + g[R/2:] * sin[R/2:]
+    dx[R/2:] = g[R/2:] * cos[R/2:] - g[:R/2] * sin[:R/2]
+
+No gradient flows to cos/sin in the Triton path; with ``impl="auto"`` a cos/sin that requires grad
+selects the PyTorch path instead (which differentiates them), ``impl="triton"`` raises.
+
+Public API:
+    apply_rotary_pos_emb(q, k, cos, sin, position_ids=None, unsqueeze_dim=1, *, impl="auto")
+        -> (q_embed, k_embed)
+    liger_rotary_pos_emb = apply_rotary_pos_emb
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from liger_losses.kernels.utils import (
+    check_same_device,
+    check_tensor,
+    next_power_of_2,
+    resolve_impl,
+    triton_importable,
+)
+
+if triton_importable():
+    import triton
+    import triton.language as tl
+else:  # pragma: no cover
+    triton = None
+    tl = None
+
+# Elements of one [heads, R/2] tile the kernel holds per tensor (x1, x2, out1, out2 each).
+TILE_ELEMENTS = 2048
+
+
+if triton is not None:
+
+    @triton.jit
+    def _rotate_heads(
+        x_ptr, o_ptr, x_base, o_base, n_heads, x_sh, o_sh,
+        c1, c2, s1, s2, d, d_mask,
+        HALF: tl.constexpr, PASS: tl.constexpr, PASS_BLOCK: tl.constexpr,
+        BLOCK_H: tl.constexpr, BACKWARD: tl.constexpr,
+    ):
+        """Rotate (or, for BACKWARD, rotate back) all heads of one token of one tensor."""
+        for h0 in range(0, n_heads, BLOCK_H):
+            h = (h0 + tl.arange(0, BLOCK_H)).to(tl.int64)
+            mask = (h < n_heads)[:, None] & d_mask[None, :]
+            xp = x_ptr + x_base + h[:, None] * x_sh + d[None, :]
+            op = o_ptr + o_base + h[:, None] * o_sh + d[None, :]
+            x1 = tl.load(xp, mask=mask, other=0.0).to(tl.float32)
+            x2 = tl.load(xp + HALF, mask=mask, other=0.0).to(tl.float32)
+            if BACKWARD:
+                y1 = x1 * c1 + x2 * s2
+                y2 = x2 * c2 - x1 * s1
+            else:
+                y1 = x1 * c1 - x2 * s1
+                y2 = x2 * c2 + x1 * s2
+            tl.store(op, y1.to(o_ptr.dtype.element_ty), mask=mask)
+            tl.store(op + HALF, y2.to(o_ptr.dtype.element_ty), mask=mask)
+            if PASS > 0:  # partial rotary: copy dims [2*HALF, D) unchanged
+                p = tl.arange(0, PASS_BLOCK)
+                pmask = (h < n_heads)[:, None] & (p < PASS)[None, :]
+                xpp = x_ptr + x_base + h[:, None] * x_sh + 2 * HALF + p[None, :]
+                opp = o_ptr + o_base + h[:, None] * o_sh + 2 * HALF + p[None, :]
+                tl.store(opp, tl.load(xpp, mask=pmask, other=0.0).to(o_ptr.dtype.element_ty), mask=pmask)
+
+    @triton.jit
+    def _rope_kernel(
+        q_ptr, k_ptr, qo_ptr, ko_ptr, cos_ptr, sin_ptr,
+        T, n_qh, n_kh,
+        q_sb, q_st, q_sh, k_sb, k_st, k_sh,
+        qo_sb, qo_st, qo_sh, ko_sb, ko_st, ko_sh,
+        c_sb, c_st, s_sb, s_st,
+        HALF: tl.constexpr, HALF_BLOCK: tl.constexpr,
+        PASS: tl.constexpr, PASS_BLOCK: tl.constexpr,
+        BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr, BACKWARD: tl.constexpr,
+    ):
+        """One program per token: load its cos/sin once, rotate its q heads and its k heads."""
+        pid = tl.program_id(0).to(tl.int64)
+        b = pid // T
+        t = pid % T
+        d = tl.arange(0, HALF_BLOCK)
+        d_mask = d < HALF
+        cp = cos_ptr + b * c_sb + t * c_st + d
+        sp = sin_ptr + b * s_sb + t * s_st + d
+        c1 = tl.load(cp, mask=d_mask, other=0.0).to(tl.float32)[None, :]
+        c2 = tl.load(cp + HALF, mask=d_mask, other=0.0).to(tl.float32)[None, :]
+        s1 = tl.load(sp, mask=d_mask, other=0.0).to(tl.float32)[None, :]
+        s2 = tl.load(sp + HALF, mask=d_mask, other=0.0).to(tl.float32)[None, :]
+        _rotate_heads(
+            q_ptr, qo_ptr, b * q_sb + t * q_st, b * qo_sb + t * qo_st, n_qh, q_sh, qo_sh,
+            c1, c2, s1, s2, d, d_mask, HALF, PASS, PASS_BLOCK, BLOCK_HQ, BACKWARD,
+        )
+        _rotate_heads(
+            k_ptr, ko_ptr, b * k_sb + t * k_st, b * ko_sb + t * ko_st, n_kh, k_sh, ko_sh,
+            c1, c2, s1, s2, d, d_mask, HALF, PASS, PASS_BLOCK, BLOCK_HK, BACKWARD,
+        )
+
+
+def _bth_strides(x: torch.Tensor, head_dim_index: int) -> tuple[int, int, int]:
+    """(batch, token, head) strides of a 4-D q/k whose head axis is ``head_dim_index``."""
+    token_index = 2 if head_dim_index == 1 else 1
+    return x.stride(0), x.stride(token_index), x.stride(head_dim_index)
+
+
+def _unit_last(x: torch.Tensor) -> torch.Tensor:
+    return x if x.stride(-1) == 1 else x.contiguous()
+
+
+def _launch(q, k, cos, sin, head_axis: int, backward: bool):
+    """Rotate q and k (or their gradients) into new tensors of the same shapes and layouts."""
+    q, k = _unit_last(q), _unit_last(k)
+    cos, sin = _unit_last(cos), _unit_last(sin)
+    qo = torch.empty_like(q)
+    ko = torch.empty_like(k)
+    if qo.stride(-1) != 1:  # empty_like keeps odd layouts only when dense; force unit last stride
+        qo = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    if ko.stride(-1) != 1:
+        ko = torch.empty(k.shape, dtype=k.dtype, device=k.device)
+    bsz, d = q.shape[0], q.shape[-1]
+    seq = q.shape[2] if head_axis == 1 else q.shape[1]
+    n_qh, n_kh = q.shape[head_axis], k.shape[head_axis]
+    if bsz * seq == 0 or d == 0:
+        return qo, ko
+    rot = cos.shape[-1]
+    half = rot // 2
+    half_block = next_power_of_2(half)
+    pass_dims = d - rot
+    pass_block = next_power_of_2(pass_dims) if pass_dims else 1
+    max_h = max(1, TILE_ELEMENTS // half_block)
+    block_hq = min(next_power_of_2(max(n_qh, 1)), max_h)
+    block_hk = min(next_power_of_2(max(n_kh, 1)), max_h)
+    warps = 8 if max(block_hq, block_hk) * half_block >= 2048 else 4
+    c_sb = 0 if cos.shape[0] == 1 else cos.stride(0)
+    s_sb = 0 if sin.shape[0] == 1 else sin.stride(0)
+    _rope_kernel[(bsz * seq,)](
+        q, k, qo, ko, cos, sin,
+        seq, n_qh, n_kh,
+        *_bth_strides(q, head_axis), *_bth_strides(k, head_axis),
+        *_bth_strides(qo, head_axis), *_bth_strides(ko, head_axis),
+        c_sb, cos.stride(1), s_sb, sin.stride(1),
+        HALF=half, HALF_BLOCK=half_block, PASS=pass_dims, PASS_BLOCK=pass_block,
+        BLOCK_HQ=block_hq, BLOCK_HK=block_hk, BACKWARD=backward, num_warps=warps,
+    )
+    return qo, ko
+
+
+class RoPEFunction(torch.autograd.Function):
+    """(q, k) -> (q_embed, k_embed); saves only cos and sin. No gradient for cos/sin."""
+
+    @staticmethod
+    def forward(ctx, q, k, cos, sin, head_axis=1):
+        ctx.save_for_backward(cos, sin)
+        ctx.head_axis = head_axis
+        return _launch(q, k, cos, sin, head_axis, backward=False)
+
+    @staticmethod
+    def backward(ctx, dq_embed, dk_embed):
+        cos, sin = ctx.saved_tensors
+        dq, dk = _launch(dq_embed, dk_embed, cos, sin, ctx.head_axis, backward=True)
+        return dq, dk, None, None, None
+
+
+# --------------------------------------------------------------------------- reference path
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def _rope_torch(q, k, cos, sin, head_axis: int):
+    """The Hugging Face formula (partial rotary included), computed in fp32."""
+    cos = cos.unsqueeze(head_axis).float()
+    sin = sin.unsqueeze(head_axis).float()
+    rot = cos.shape[-1]
+
+    def one(x):
+        xf = x.float()
+        x_rot, x_pass = xf[..., :rot], xf[..., rot:]
+        y = x_rot * cos + _rotate_half(x_rot) * sin
+        return torch.cat((y, x_pass), dim=-1).to(x.dtype)
+
+    return one(q), one(k)
+
+
+# --------------------------------------------------------------------------- public function
+
+
+def _check_inputs(q, k, cos, sin, position_ids, unsqueeze_dim):
+    check_tensor("q", q, ndim=4, floating=True)
+    check_tensor("k", k, ndim=4, floating=True)
+    if k.dtype != q.dtype:
+        raise TypeError(f"k must have q's dtype {q.dtype}, got {k.dtype}")
+    if isinstance(unsqueeze_dim, bool) or unsqueeze_dim not in (1, 2, -3, -2):
+        raise ValueError(
+            f"unsqueeze_dim must be 1 (q/k [B, H, T, D]) or 2 (q/k [B, T, H, D]), got {unsqueeze_dim!r}"
+        )
+    head_axis = 1 if unsqueeze_dim in (1, -3) else 2
+    layout = "[B, H, T, D]" if head_axis == 1 else "[B, T, H, D]"
+    bsz, d = q.shape[0], q.shape[-1]
+    seq = q.shape[3 - head_axis]
+    want_k = list(q.shape)
+    want_k[head_axis] = "Hk"
+    if k.shape[0] != bsz or k.shape[3 - head_axis] != seq or k.shape[-1] != d:
+        raise ValueError(
+            f"k must have shape {layout} = {tuple(want_k)} matching q {tuple(q.shape)}, got {tuple(k.shape)}"
+        )
+    if d % 2:
+        raise ValueError(f"q's head_dim (last dimension) must be even, got shape {tuple(q.shape)}")
+    check_tensor("cos", cos, ndim=(2, 3), floating=True)
+    check_tensor("sin", sin, ndim=(2, 3), floating=True)
+    if sin.shape != cos.shape:
+        raise ValueError(f"sin must have cos's shape {tuple(cos.shape)}, got {tuple(sin.shape)}")
+    check_same_device(q=q, k=k, cos=cos, sin=sin, position_ids=position_ids)
+    if cos.dim() == 2:
+        if position_ids is None:
+            raise ValueError(
+                f"cos must have shape [B or 1, T, R] (got {tuple(cos.shape)}); a 2-D table [S, R] "
+                "needs position_ids [B or 1, T]"
+            )
+        check_tensor("position_ids", position_ids, ndim=(1, 2), floating=False)
+        if position_ids.shape[-1] != seq or (position_ids.dim() == 2 and position_ids.shape[0] not in (1, bsz)):
+            raise ValueError(
+                f"position_ids must have shape [{bsz} or 1, {seq}], got {tuple(position_ids.shape)}"
+            )
+        if position_ids.numel() and (int(position_ids.min()) < 0 or int(position_ids.max()) >= cos.shape[0]):
+            raise ValueError(f"position_ids must be in [0, {cos.shape[0]}) (rows of the cos table)")
+        pid2 = position_ids if position_ids.dim() == 2 else position_ids[None]
+        cos, sin = cos[pid2], sin[pid2]
+    rot = cos.shape[-1]
+    if cos.shape[0] not in (1, bsz) or cos.shape[1] != seq:
+        raise ValueError(
+            f"cos and sin must have shape [{bsz} or 1, {seq}, R] (q is {layout} {tuple(q.shape)}), "
+            f"got {tuple(cos.shape)}"
+        )
+    if rot % 2 or rot == 0 or rot > d:
+        raise ValueError(
+            f"cos's last dimension (rotary dim R) must be even and in [2, head_dim={d}], got {rot}"
+        )
+    return cos, sin, head_axis
+
+
+def apply_rotary_pos_emb(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    position_ids: Optional[torch.Tensor] = None,
+    unsqueeze_dim: int = 1,
+    *,
+    impl: str = "auto",
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotary embedding of q and k, same signature and semantics as transformers' llama function.
+
+    ``position_ids`` is only used with a 2-D cos/sin table (then ``cos[position_ids]``); with the
+    usual 3-D cos/sin it is ignored, as in transformers. Because transformers 5 dropped that
+    argument, an ``int`` given in its place is taken as ``unsqueeze_dim``
+    (``apply_rotary_pos_emb(q, k, cos, sin, 2)``). Returns ``(q_embed, k_embed)`` with q's and k's
+    shapes, dtype and (when dense) strides.
+    """
+    if isinstance(position_ids, int) and not isinstance(position_ids, bool):
+        unsqueeze_dim, position_ids = position_ids, None
+    cos, sin, head_axis = _check_inputs(q, k, cos, sin, position_ids, unsqueeze_dim)
+    which = resolve_impl(impl, q, k, cos, sin)
+    cos_grad = torch.is_grad_enabled() and (cos.requires_grad or sin.requires_grad)
+    if which == "triton" and cos_grad:
+        if impl == "triton":
+            raise ValueError(
+                "cos and sin must not require grad with impl='triton' (the kernel gives no cos/sin "
+                "gradient); use impl='torch' or detach them"
+            )
+        which = "torch"
+    if which == "torch":
+        return _rope_torch(q, k, cos, sin, head_axis)
+    return RoPEFunction.apply(q, k, cos, sin, head_axis)
+
+
+liger_rotary_pos_emb = apply_rotary_pos_emb

@@ -1,0 +1,324 @@
+"""SwiGLU: ``silu(gate) * up`` with Triton forward/backward kernels, and the SwiGLU MLP modules.
+
+Shapes: ``gate`` and ``up`` have the same shape ``[..., I]`` (any leading dims); the output has that
+shape too. ``swiglu_packed(gate_up)`` takes the Phi-3 layout ``[..., 2I]`` (gate first, then up) and
+returns ``[..., I]``. Dtypes: any float dtype (fp32, bf16, fp16); the math runs in fp32 inside the
+kernel and results are stored in the input dtype.
+
+Backward recomputes ``sigmoid(gate)`` from the saved ``gate`` and ``up`` (nothing else is saved):
+
+    d_up   = d_out * silu(gate)
+    d_gate = d_out * up * sigmoid(gate) * (1 + gate * (1 - sigmoid(gate)))
+
+By default the gradients go to fresh tensors. With ``inplace_backward=True`` they are written
+into the buffers of ``gate`` and ``up`` (no extra memory in backward); that is only right when the
+caller owns those tensors, as the MLP modules here do (``gate_proj(x)`` is seen by nobody else).
+The buffers' autograd version counters are bumped, so a graph that did save them elsewhere fails
+loudly ("modified by an inplace operation") instead of computing a wrong gradient.
+
+Public API:
+    swiglu(gate, up, *, inplace_backward=False, impl="auto") -> Tensor
+    swiglu_packed(gate_up, *, inplace_backward=False, impl="auto") -> Tensor
+    LigerSwiGLUMLP(config)       drop-in for LlamaMLP / Qwen2MLP / MistralMLP
+    LigerPhi3SwiGLUMLP(config)   drop-in for Phi3MLP (fused gate_up_proj)
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from liger_losses.kernels.utils import (
+    check_same_device,
+    check_tensor,
+    resolve_impl,
+    triton_importable,
+)
+
+if triton_importable():
+    import triton
+    import triton.language as tl
+else:  # pragma: no cover - machines without Triton use the torch path only
+    triton = None
+    tl = None
+
+# Elements per program and warps of the pointwise kernels: 16 elements (two 16-byte bf16
+# vectors) per thread. Kept as module constants so that they are easy to tune on the GPU.
+BLOCK_SIZE = 4096
+NUM_WARPS = 8
+_MAX_GRID_Y = 65535
+
+
+if triton is not None:
+
+    @triton.jit
+    def _swiglu_fwd_kernel(
+        a_ptr, b_ptr, c_ptr,
+        n_cols, stride_a, stride_b, stride_c,
+        BLOCK: tl.constexpr,
+    ):
+        """c = silu(a) * b over one block of one row (a row is the whole tensor when flat)."""
+        row = tl.program_id(1).to(tl.int64)
+        cols = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        mask = cols < n_cols
+        a = tl.load(a_ptr + row * stride_a + cols, mask=mask, other=0.0).to(tl.float32)
+        b = tl.load(b_ptr + row * stride_b + cols, mask=mask, other=0.0).to(tl.float32)
+        c = a * tl.sigmoid(a) * b
+        tl.store(c_ptr + row * stride_c + cols, c.to(c_ptr.dtype.element_ty), mask=mask)
+
+    @triton.jit
+    def _swiglu_bwd_kernel(
+        dc_ptr, a_ptr, b_ptr, da_ptr, db_ptr,
+        n_cols, stride_dc, stride_a, stride_b, stride_da, stride_db,
+        BLOCK: tl.constexpr,
+    ):
+        """da, db from dc and the recomputed sigmoid(a); da/db may alias a/b (read before write)."""
+        row = tl.program_id(1).to(tl.int64)
+        cols = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        mask = cols < n_cols
+        dc = tl.load(dc_ptr + row * stride_dc + cols, mask=mask, other=0.0).to(tl.float32)
+        a = tl.load(a_ptr + row * stride_a + cols, mask=mask, other=0.0).to(tl.float32)
+        b = tl.load(b_ptr + row * stride_b + cols, mask=mask, other=0.0).to(tl.float32)
+        sig = tl.sigmoid(a)
+        silu = a * sig
+        db = dc * silu
+        da = dc * b * (sig + silu * (1.0 - sig))
+        tl.store(da_ptr + row * stride_da + cols, da.to(da_ptr.dtype.element_ty), mask=mask)
+        tl.store(db_ptr + row * stride_db + cols, db.to(db_ptr.dtype.element_ty), mask=mask)
+
+
+# --------------------------------------------------------------------------- launch helpers
+
+
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    """``x`` as a 2-D ``[rows, I]`` view with unit column stride; rows may be strided (the halves
+    of Phi-3's ``gate_up``). Copies only when no such view exists."""
+    try:
+        x2 = x.view(-1, x.shape[-1])
+    except RuntimeError:
+        x2 = x.contiguous().view(-1, x.shape[-1])
+    if x2.stride(-1) != 1 and x2.shape[-1] > 1:
+        x2 = x.contiguous().view(-1, x.shape[-1])
+    return x2
+
+
+def _pair_rows(gate: torch.Tensor, up: torch.Tensor):
+    """(a2, b2): 2-D views of gate/up of equal shape; one flat row of ``numel`` when both are
+    contiguous (a 1-D grid over elements), else ``[rows, I]`` with their row strides."""
+    if gate.is_contiguous() and up.is_contiguous():
+        return gate.view(1, -1), up.view(1, -1)
+    return _rows(gate), _rows(up)
+
+
+def _launch_fwd(a2, b2, c2) -> None:
+    rows, cols = a2.shape
+    for r0 in range(0, rows, _MAX_GRID_Y):  # the grid's 2nd axis holds at most 65535 rows
+        r1 = min(rows, r0 + _MAX_GRID_Y)
+        a, b, c = a2[r0:r1], b2[r0:r1], c2[r0:r1]
+        _swiglu_fwd_kernel[(triton.cdiv(cols, BLOCK_SIZE), r1 - r0)](
+            a, b, c, cols, a2.stride(0), b2.stride(0), c2.stride(0),
+            BLOCK=BLOCK_SIZE, num_warps=NUM_WARPS,
+        )
+
+
+def _launch_bwd(dc2, a2, b2, da2, db2) -> None:
+    rows, cols = a2.shape
+    for r0 in range(0, rows, _MAX_GRID_Y):
+        r1 = min(rows, r0 + _MAX_GRID_Y)
+        _swiglu_bwd_kernel[(triton.cdiv(cols, BLOCK_SIZE), r1 - r0)](
+            dc2[r0:r1], a2[r0:r1], b2[r0:r1], da2[r0:r1], db2[r0:r1], cols,
+            dc2.stride(0), a2.stride(0), b2.stride(0), da2.stride(0), db2.stride(0),
+            BLOCK=BLOCK_SIZE, num_warps=NUM_WARPS,
+        )
+
+
+def _owns_buffer(x: torch.Tensor, x2: torch.Tensor) -> bool:
+    """True when gradients may be written into ``x``'s buffer through its 2-D view ``x2``:
+    ``x`` is an autograd intermediate (not a leaf, whose .grad could alias it), ``x2`` is a view
+    (no copy was made) and its rows do not overlap."""
+    return (
+        x.grad_fn is not None
+        and x2.untyped_storage().data_ptr() == x.untyped_storage().data_ptr()
+        and (x2.shape[0] == 1 or x2.stride(0) >= x2.shape[1])
+    )
+
+
+# --------------------------------------------------------------------------- autograd
+
+
+class SwiGLUFunction(torch.autograd.Function):
+    """silu(gate) * up; saves gate and up only. ``inplace_backward`` writes grads into them."""
+
+    @staticmethod
+    def forward(ctx, gate, up, inplace_backward=False):
+        a2, b2 = _pair_rows(gate, up)
+        out = torch.empty(a2.shape, dtype=gate.dtype, device=gate.device)
+        if out.numel():
+            _launch_fwd(a2, b2, out)
+        ctx.inplace = bool(
+            inplace_backward
+            and _owns_buffer(gate, a2) and _owns_buffer(up, b2)
+            and gate.untyped_storage().data_ptr() != up.untyped_storage().data_ptr()
+        )
+        ctx.save_for_backward(gate, up)
+        return out.view(gate.shape)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        gate, up = ctx.saved_tensors
+        a2, b2 = _pair_rows(gate, up)
+        dc2 = grad_out.contiguous().view(a2.shape)
+        if ctx.inplace:
+            da2, db2 = a2, b2
+        else:
+            da2 = torch.empty(a2.shape, dtype=gate.dtype, device=gate.device)
+            db2 = torch.empty(b2.shape, dtype=up.dtype, device=up.device)
+        if da2.numel():
+            _launch_bwd(dc2, a2, b2, da2, db2)
+        if ctx.inplace:
+            # Anyone else who saved gate/up now gets a loud version-counter error, not wrong grads.
+            torch.autograd.graph.increment_version(gate)
+            torch.autograd.graph.increment_version(up)
+            return gate, up, None
+        return da2.view(gate.shape), db2.view(up.shape), None
+
+
+class SwiGLUPackedFunction(torch.autograd.Function):
+    """silu(gate) * up with ``gate, up = gate_up.chunk(2, -1)``; the gradient is one ``[..., 2I]``."""
+
+    @staticmethod
+    def forward(ctx, gate_up, inplace_backward=False):
+        inter = gate_up.shape[-1] // 2
+        gu2 = gate_up.contiguous().view(-1, 2 * inter)
+        out = torch.empty((gu2.shape[0], inter), dtype=gate_up.dtype, device=gate_up.device)
+        if out.numel():
+            _launch_fwd(gu2[:, :inter], gu2[:, inter:], out)
+        ctx.inplace = bool(inplace_backward and gate_up.is_contiguous() and gate_up.grad_fn is not None)
+        ctx.save_for_backward(gate_up)
+        return out.view(*gate_up.shape[:-1], inter)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        (gate_up,) = ctx.saved_tensors
+        inter = gate_up.shape[-1] // 2
+        gu2 = gate_up.contiguous().view(-1, 2 * inter)
+        d2 = gu2 if ctx.inplace else torch.empty_like(gu2)
+        if d2.numel():
+            dc2 = grad_out.contiguous().view(-1, inter)
+            _launch_bwd(dc2, gu2[:, :inter], gu2[:, inter:], d2[:, :inter], d2[:, inter:])
+        if ctx.inplace:
+            torch.autograd.graph.increment_version(gate_up)
+            return gate_up, None
+        return d2.view(gate_up.shape), None
+
+
+# --------------------------------------------------------------------------- public functions
+
+
+def _swiglu_torch(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    return (F.silu(gate.float()) * up.float()).to(gate.dtype)
+
+
+def swiglu(
+    gate: torch.Tensor,
+    up: torch.Tensor,
+    *,
+    inplace_backward: bool = False,
+    impl: str = "auto",
+) -> torch.Tensor:
+    """``silu(gate) * up`` (same shape as the inputs), computed in fp32, stored in gate's dtype.
+
+    ``inplace_backward=True`` writes the gradients into gate's and up's buffers (see the module
+    docstring: only for callers that own those tensors).
+    """
+    check_tensor("gate", gate, min_ndim=1, floating=True)
+    check_tensor("up", up, min_ndim=1, floating=True)
+    if up.shape != gate.shape:
+        raise ValueError(
+            f"up must have the same shape as gate {tuple(gate.shape)}, got {tuple(up.shape)}"
+        )
+    if up.dtype != gate.dtype:
+        raise TypeError(f"up must have gate's dtype {gate.dtype}, got {up.dtype}")
+    check_same_device(gate=gate, up=up)
+    if not isinstance(inplace_backward, bool):
+        raise TypeError(f"inplace_backward must be a bool, got {type(inplace_backward).__name__}")
+    if resolve_impl(impl, gate, up) == "torch":
+        return _swiglu_torch(gate, up)
+    return SwiGLUFunction.apply(gate, up, inplace_backward)
+
+
+def swiglu_packed(
+    gate_up: torch.Tensor,
+    *,
+    inplace_backward: bool = False,
+    impl: str = "auto",
+) -> torch.Tensor:
+    """``silu(gate) * up`` with ``gate, up = gate_up.chunk(2, dim=-1)`` (Phi-3): ``[..., 2I] -> [..., I]``."""
+    check_tensor("gate_up", gate_up, min_ndim=1, floating=True)
+    if gate_up.shape[-1] % 2:
+        raise ValueError(
+            f"gate_up must have an even last dimension (2 * intermediate_size), got shape {tuple(gate_up.shape)}"
+        )
+    if not isinstance(inplace_backward, bool):
+        raise TypeError(f"inplace_backward must be a bool, got {type(inplace_backward).__name__}")
+    if resolve_impl(impl, gate_up) == "torch":
+        gate, up = gate_up.chunk(2, dim=-1)
+        return _swiglu_torch(gate, up)
+    return SwiGLUPackedFunction.apply(gate_up, inplace_backward)
+
+
+# --------------------------------------------------------------------------- modules
+
+_SILU_NAMES = ("silu", "swish")
+
+
+def _check_silu(config) -> None:
+    act = getattr(config, "hidden_act", "silu")
+    if act not in _SILU_NAMES:
+        raise ValueError(f"config.hidden_act must be one of {_SILU_NAMES} for a SwiGLU MLP, got {act!r}")
+
+
+class LigerSwiGLUMLP(nn.Module):
+    """Drop-in for ``LlamaMLP`` / ``Qwen2MLP`` / ``MistralMLP``: same parameters and forward.
+
+    ``forward(x) = down_proj(swiglu(gate_proj(x), up_proj(x)))``, ``x: [..., hidden_size]``.
+    The gradients of the (private) gate/up projections' outputs are written in place.
+    """
+
+    def __init__(self, config, *, impl: str = "auto"):
+        super().__init__()
+        _check_silu(config)
+        self.config = config
+        self.hidden_size = config.hidden_size
+        self.intermediate_size = config.intermediate_size
+        bias = getattr(config, "mlp_bias", False)
+        self.gate_proj = nn.Linear(self.hidden_size, self.intermediate_size, bias=bias)
+        self.up_proj = nn.Linear(self.hidden_size, self.intermediate_size, bias=bias)
+        self.down_proj = nn.Linear(self.intermediate_size, self.hidden_size, bias=bias)
+        self.impl = impl
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(
+            swiglu(self.gate_proj(x), self.up_proj(x), inplace_backward=True, impl=self.impl)
+        )
+
+
+class LigerPhi3SwiGLUMLP(nn.Module):
+    """Drop-in for ``Phi3MLP``: ``gate_up_proj`` (hidden -> 2I, no bias) and ``down_proj`` (I -> hidden)."""
+
+    def __init__(self, config, *, impl: str = "auto"):
+        super().__init__()
+        _check_silu(config)
+        self.config = config
+        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+        self.impl = impl
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(
+            swiglu_packed(self.gate_up_proj(hidden_states), inplace_backward=True, impl=self.impl)
+        )
+
+
+liger_swiglu = swiglu

@@ -1,0 +1,234 @@
+"""Tests of liger_losses/kernels/rope.py: rotary embedding of q and k (HF rotate-half layout).
+
+Accuracy checks compare against the Hugging Face formula evaluated in float64 by relative error
+(tests/helpers.py): fp32 <= 1e-5, bf16 <= 1e-2, for q_embed, k_embed, d_q and d_k.
+"""
+
+import pytest
+import torch
+
+from liger_losses.kernels.rope import apply_rotary_pos_emb, liger_rotary_pos_emb
+from tests.helpers import TOL, assert_close_rel
+
+IMPLS = ["triton", "torch"]
+DTYPES = [torch.float32, torch.bfloat16]
+
+
+def _cos_sin(positions, rot, dtype):
+    """HF default rotary tables for integer ``positions`` [b, T]: cos/sin [b, T, rot]."""
+    inv = 1.0 / (10000.0 ** (torch.arange(0, rot, 2, dtype=torch.float64, device=positions.device) / rot))
+    freqs = positions[..., None].double() * inv
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def _rotate_half(x):
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def _reference(q, k, cos, sin, unsqueeze_dim, gq, gk):
+    """HF (phi3-style, partial rotary) formula in float64: outputs and input grads."""
+    q64 = q.detach().double().requires_grad_()
+    k64 = k.detach().double().requires_grad_()
+    c = cos.double().unsqueeze(unsqueeze_dim)
+    s = sin.double().unsqueeze(unsqueeze_dim)
+    r = c.shape[-1]
+
+    def one(x):
+        return torch.cat((x[..., :r] * c + _rotate_half(x[..., :r]) * s, x[..., r:]), dim=-1)
+
+    oq, ok = one(q64), one(k64)
+    ((oq * gq.double()).sum() + (ok * gk.double()).sum()).backward()
+    return oq, ok, q64.grad, k64.grad
+
+
+def _make(bsz, seq, n_qh, n_kh, head_dim, rot, cos_batch, unsqueeze_dim, dtype, hf_layout=True):
+    """q/k as HF makes them (view [B, T, H, D] then transpose(1, 2) when unsqueeze_dim=1);
+    cos/sin for random (not 0..T-1) positions."""
+    q = torch.randn(bsz, seq, n_qh, head_dim).to(dtype)
+    k = torch.randn(bsz, seq, n_kh, head_dim).to(dtype)
+    if unsqueeze_dim == 1:
+        q, k = (q.transpose(1, 2), k.transpose(1, 2)) if hf_layout else (
+            q.transpose(1, 2).contiguous(), k.transpose(1, 2).contiguous())
+    positions = torch.randint(0, 4096, (cos_batch, seq))
+    cos, sin = _cos_sin(positions, rot, dtype)
+    return q, k, cos, sin
+
+
+def _run_and_check(q, k, cos, sin, unsqueeze_dim, impl, dtype):
+    q = q.detach().requires_grad_()
+    k = k.detach().requires_grad_()
+    oq, ok = apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=unsqueeze_dim, impl=impl)
+    gq, gk = torch.randn_like(oq), torch.randn_like(ok)
+    ((oq * gq).sum() + (ok * gk).sum()).backward()
+    rq, rk, dq, dk = _reference(q, k, cos, sin, unsqueeze_dim, gq, gk)
+    assert oq.shape == q.shape and ok.shape == k.shape and oq.dtype == dtype
+    tol = TOL[dtype]
+    assert_close_rel(oq, rq, tol, "q_embed")
+    assert_close_rel(ok, rk, tol, "k_embed")
+    assert_close_rel(q.grad, dq, tol, "d_q")
+    assert_close_rel(k.grad, dk, tol, "d_k")
+    return oq, ok
+
+
+CASES = {
+    # bsz, seq, n_qh, n_kh, head_dim, rot, cos_batch, unsqueeze_dim
+    "gqa": (2, 5, 4, 2, 16, 16, 2, 1),
+    "batch_broadcast_cos": (3, 4, 4, 4, 32, 32, 1, 1),
+    "head_dim_48": (2, 3, 3, 1, 48, 48, 2, 1),
+    "one_token": (1, 1, 2, 1, 8, 8, 1, 1),
+    "bthd_layout": (2, 6, 5, 1, 16, 16, 2, 2),
+    "partial_rotary": (2, 4, 3, 1, 32, 12, 1, 1),
+    "many_heads": (1, 2, 40, 8, 128, 128, 1, 1),
+}
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("case", list(CASES))
+def test_rope_matches_float64(case, dtype, impl):
+    """q_embed, k_embed, d_q, d_k within fp32 1e-5 / bf16 1e-2 of float64 for GQA, batch-1 cos/sin,
+    head_dim 48, one token, the [B, T, H, D] layout, partial rotary, more heads than one tile;
+    q/k non-contiguous (HF transpose layout), random positions."""
+    bsz, seq, n_qh, n_kh, head_dim, rot, cos_batch, ud = CASES[case]
+    q, k, cos, sin = _make(bsz, seq, n_qh, n_kh, head_dim, rot, cos_batch, ud, dtype)
+    _run_and_check(q, k, cos, sin, ud, impl, dtype)
+
+
+def test_rope_keeps_layout_and_contiguous_inputs():
+    """Contiguous [B, H, T, D] inputs work too (1e-5); outputs keep the inputs' strides (HF transpose layout)."""
+    q, k, cos, sin = _make(2, 3, 4, 2, 16, 16, 1, 1, torch.float32, hf_layout=False)
+    oq, _ = _run_and_check(q, k, cos, sin, 1, "triton", torch.float32)
+    assert oq.is_contiguous()
+    q, k, cos, sin = _make(2, 3, 4, 2, 16, 16, 1, 1, torch.float32, hf_layout=True)
+    oq, ok = _run_and_check(q, k, cos, sin, 1, "triton", torch.float32)
+    assert oq.stride() == q.stride() and ok.stride() == k.stride()
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_matches_transformers_llama(impl):
+    """Same values as transformers' llama apply_rotary_pos_emb on the same fp32 inputs (1e-5)."""
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb as hf_rope
+
+    q, k, cos, sin = _make(2, 7, 4, 2, 64, 64, 2, 1, torch.float32)
+    oq, ok = apply_rotary_pos_emb(q, k, cos, sin, impl=impl)
+    rq, rk = hf_rope(q, k, cos, sin)
+    assert_close_rel(oq, rq, 1e-5, "q_embed")
+    assert_close_rel(ok, rk, 1e-5, "k_embed")
+
+
+def test_matches_transformers_llama_rotary_module():
+    """With cos/sin from LlamaRotaryEmbedding at position_ids not starting at 0, equals HF (1e-5)."""
+    from transformers import LlamaConfig
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb as hf_rope
+
+    cfg = LlamaConfig(hidden_size=64, num_attention_heads=4, num_key_value_heads=2)
+    rotary = LlamaRotaryEmbedding(cfg)
+    x = torch.randn(2, 5, 64)
+    position_ids = torch.tensor([[3, 4, 5, 6, 7], [100, 101, 102, 103, 104]])
+    cos, sin = rotary(x, position_ids)
+    q, k = torch.randn(2, 5, 4, 16).transpose(1, 2), torch.randn(2, 5, 2, 16).transpose(1, 2)
+    oq, ok = apply_rotary_pos_emb(q, k, cos, sin, impl="triton")
+    rq, rk = hf_rope(q, k, cos, sin)
+    assert_close_rel(oq, rq, 1e-5, "q_embed")
+    assert_close_rel(ok, rk, 1e-5, "k_embed")
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_matches_transformers_phi3_partial(impl):
+    """Partial rotary (cos's last dim < head_dim) equals transformers' phi3 apply_rotary_pos_emb (1e-5)."""
+    from transformers.models.phi3.modeling_phi3 import apply_rotary_pos_emb as hf_rope
+
+    q, k, cos, sin = _make(2, 3, 4, 2, 48, 24, 1, 1, torch.float32)
+    oq, ok = apply_rotary_pos_emb(q, k, cos, sin, impl=impl)
+    rq, rk = hf_rope(q, k, cos, sin)
+    assert_close_rel(oq, rq, 1e-5, "q_embed")
+    assert_close_rel(ok, rk, 1e-5, "k_embed")
+
+
+def test_position_ids_with_table_and_positional_unsqueeze_dim():
+    """A 2-D cos/sin table with position_ids equals pre-gathered 3-D cos/sin (exactly); with 3-D cos/sin
+    position_ids is ignored; an int 5th argument is taken as unsqueeze_dim (transformers 5 order)."""
+    q, k, _, _ = _make(2, 4, 2, 2, 16, 16, 1, 2, torch.float32)
+    table_c, table_s = _cos_sin(torch.arange(50)[None], 16, torch.float32)
+    position_ids = torch.tensor([[7, 3, 9, 1], [0, 49, 2, 2]])
+    a = apply_rotary_pos_emb(q, k, table_c[0], table_s[0], position_ids, 2, impl="triton")
+    c3, s3 = table_c[0][position_ids], table_s[0][position_ids]
+    b = apply_rotary_pos_emb(q, k, c3, s3, unsqueeze_dim=2, impl="triton")
+    c = apply_rotary_pos_emb(q, k, c3, s3, position_ids, unsqueeze_dim=2, impl="triton")
+    d = liger_rotary_pos_emb(q, k, c3, s3, 2, impl="triton")
+    for other in (b, c, d):
+        assert torch.equal(a[0], other[0]) and torch.equal(a[1], other[1])
+
+
+def test_cos_sin_requiring_grad():
+    """cos/sin that require grad: impl='auto' takes the torch path and differentiates them (grad of cos
+    matches float64 to 1e-5); impl='triton' raises ValueError naming cos."""
+    q, k, cos, sin = _make(1, 3, 2, 1, 8, 8, 1, 1, torch.float32)
+    cos = cos.clone().requires_grad_()
+    oq, ok = apply_rotary_pos_emb(q, k, cos, sin)
+    (oq.sum() + ok.sum()).backward()
+    c64 = cos.detach().double().requires_grad_()
+    cu = c64.unsqueeze(1)
+    (q.double() * cu).sum().add((k.double() * cu).sum()).add(
+        (_rotate_half(q.double()) * sin.double().unsqueeze(1)).sum()
+    ).backward()
+    assert_close_rel(cos.grad, c64.grad, 1e-5, "d_cos")
+    with pytest.raises(ValueError, match="cos and sin must not require grad"):
+        apply_rotary_pos_emb(q, k, cos, sin, impl="triton")
+
+
+def test_bad_inputs_raise_clear_errors():
+    """Rank, size, dtype, device and option mistakes raise ValueError/TypeError naming the argument."""
+    q, k, cos, sin = _make(2, 3, 4, 2, 16, 16, 1, 1, torch.float32)
+    with pytest.raises(ValueError, match="q must have 4 dimensions"):
+        apply_rotary_pos_emb(q[0], k, cos, sin)
+    with pytest.raises(ValueError, match="k must have shape"):
+        apply_rotary_pos_emb(q, k[:, :, :2], cos, sin)
+    with pytest.raises(TypeError, match="k must have q's dtype"):
+        apply_rotary_pos_emb(q, k.double(), cos, sin)
+    with pytest.raises(TypeError, match="q must be a floating-point"):
+        apply_rotary_pos_emb(q.long(), k.long(), cos, sin)
+    with pytest.raises(TypeError, match="cos must be a floating-point"):
+        apply_rotary_pos_emb(q, k, cos.long(), sin)
+    with pytest.raises(ValueError, match="head_dim"):
+        apply_rotary_pos_emb(q[..., :15], k[..., :15], cos[..., :14], sin[..., :14])
+    with pytest.raises(ValueError, match="rotary dim R"):
+        apply_rotary_pos_emb(q[..., :8], k[..., :8], cos, sin)
+    with pytest.raises(ValueError, match="rotary dim R"):
+        apply_rotary_pos_emb(q, k, cos[..., :7], sin[..., :7])
+    with pytest.raises(ValueError, match="sin must have cos's shape"):
+        apply_rotary_pos_emb(q, k, cos, sin[:, :2])
+    with pytest.raises(ValueError, match="cos and sin must have shape"):
+        apply_rotary_pos_emb(q, k, cos[:, :2], sin[:, :2])
+    with pytest.raises(ValueError, match="cos and sin must have shape"):
+        apply_rotary_pos_emb(q, k, cos.expand(3, -1, -1), sin.expand(3, -1, -1))
+    with pytest.raises(ValueError, match="unsqueeze_dim must be"):
+        apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=3)
+    with pytest.raises(ValueError, match="needs position_ids"):
+        apply_rotary_pos_emb(q, k, cos[0], sin[0])
+    with pytest.raises(ValueError, match="position_ids must be in"):
+        apply_rotary_pos_emb(q, k, cos[0], sin[0], torch.tensor([[0, 1, 3]]))
+    with pytest.raises(ValueError, match="position_ids must have shape"):
+        apply_rotary_pos_emb(q, k, cos[0], sin[0], torch.tensor([[0, 1]]))
+    with pytest.raises(ValueError, match="one device"):
+        apply_rotary_pos_emb(q, k, cos.to("meta"), sin.to("meta"))
+    with pytest.raises(ValueError, match="impl must be one of"):
+        apply_rotary_pos_emb(q, k, cos, sin, impl="gpu")
+
+
+# --------------------------------------------------------------------------- GPU, 8B shapes
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("seq", [4096, 8192])
+def test_rope_llama3_8b_shape_gpu(seq):
+    """Llama-3-8B attention (32 q / 8 kv heads of 128, bf16, HF transpose layout) on the GPU:
+    q_embed, k_embed and their grads within 1e-2 of float64."""
+    torch.manual_seed(0)
+    q = torch.randn(1, seq, 32, 128, device="cuda", dtype=torch.bfloat16).transpose(1, 2)
+    k = torch.randn(1, seq, 8, 128, device="cuda", dtype=torch.bfloat16).transpose(1, 2)
+    cos, sin = _cos_sin(torch.arange(seq, device="cuda")[None], 128, torch.bfloat16)
+    _run_and_check(q, k, cos, sin, 1, "triton", torch.bfloat16)
