@@ -1,0 +1,438 @@
+"""RMSNorm over the last dimension, with Triton forward/backward kernels and HF drop-in modules.
+
+Computes, for ``hidden`` of shape ``[..., H]`` (any leading dims, any strides) and ``weight`` of
+shape ``[H]`` (or ``None``), with ``rstd = rsqrt(mean(x32**2, -1) + eps)`` and ``x32`` the row in
+fp32 (fp64 stays fp64 on the torch path):
+
+* ``casting_mode="llama"`` (``LlamaRMSNorm``, Qwen, Mistral...):
+  ``out = (offset + weight) * (x32 * rstd).to(hidden.dtype)``; the sum ``offset + weight`` is
+  rounded to ``weight.dtype`` and the product to ``promote_types(weight.dtype, hidden.dtype)``
+  (the output dtype, as in Hugging Face: fp32 weight with bf16 hidden gives an fp32 output).
+* ``casting_mode="gemma"`` (``GemmaRMSNorm``/``Gemma2RMSNorm``, offset 1):
+  ``out = (x32 * rstd * (offset + weight.float())).to(hidden.dtype)``, all in fp32.
+* ``casting_mode="none"``: ``out = (x32 * rstd * (offset + weight).float()).to(hidden.dtype)``:
+  everything in fp32 except the sum ``offset + weight``, which stays in ``weight.dtype``.
+* ``weight=None``: ``out = (x32 * rstd).to(hidden.dtype)`` in every mode.
+
+Output: ``[..., H]``. Dtypes: fp32, bf16, fp16 on the Triton path (fp64 goes to the torch path).
+
+Backward (``g = grad_out * (offset + weight)`` in fp32, ``y = x32 * rstd``):
+``grad_hidden = rstd * (g - y * mean(g * y, -1))`` and
+``grad_weight = sum_rows(grad_out * y)`` (``y`` rounded to ``hidden.dtype`` first in llama mode,
+as the forward uses it). The forward saves ``rstd`` ``[rows]`` fp32 next to ``hidden``. The
+backward reads ``hidden`` and ``grad_out`` once; each of ``num_programs`` programs (a few per SM
+on CUDA) walks a contiguous range of rows and writes its fp32 partial weight-gradient row into a
+``[num_programs, H]`` buffer, summed once afterwards (deterministic, fp32 accumulation).
+
+``inplace_backward=True`` writes ``grad_hidden`` into the buffer of ``grad_out`` (saves one
+``[rows, H]`` tensor in backward, as liger-kernel does by default). It is only right when nobody
+else reads that gradient buffer afterwards: true when the norm's output feeds only Linear layers
+(Hugging Face decoder norms), false when e.g. the output is added to a residual branch as-is.
+
+Public API:
+    rms_norm(hidden, weight, *, eps=1e-6, offset=0.0, casting_mode="llama",
+             inplace_backward=False, impl="auto") -> Tensor
+    RMSNormFunction           the torch.autograd.Function of the Triton path
+    LigerRMSNorm(hidden_size, eps=1e-6, *, offset=0.0, casting_mode="llama",
+                 inplace_backward=False, impl="auto")        drop-in for LlamaRMSNorm
+    LigerGemmaRMSNorm(dim, eps=1e-6, *, inplace_backward=False, impl="auto")
+                                                             drop-in for GemmaRMSNorm/Gemma2RMSNorm
+"""
+
+from __future__ import annotations
+
+import contextlib
+import numbers
+from typing import Optional
+
+import torch
+from torch import nn
+from torch.autograd.function import once_differentiable
+
+from liger_losses.kernels.utils import (
+    as_rows,
+    check_choice,
+    check_last_dim,
+    check_range,
+    check_same_device,
+    check_tensor,
+    next_power_of_2,
+    resolve_impl,
+    row_block_settings,
+    triton_importable,
+)
+
+if triton_importable():
+    import triton
+    import triton.language as tl
+else:  # pragma: no cover - machines without Triton use the torch path only
+    triton = None
+    tl = None
+
+CASTING_MODES = ("llama", "gemma", "none")
+_CASTING_CODE = {"llama": 0, "gemma": 1, "none": 2}
+_TRITON_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+# Tuning knobs (module constants so the benchmark can sweep them on the GPU).
+# A program handles a tile of BLOCK_M rows x next_pow2(H) columns, BLOCK_M chosen so that the
+# tile holds about *_TILE_ELEMS elements (one row when H is large, several when H is small).
+FWD_TILE_ELEMS = 4096
+BWD_TILE_ELEMS = 4096
+MAX_ROWS_PER_TILE = 16
+# Backward programs on CUDA: BWD_PROGRAMS_PER_SM per SM (several resident programs hide memory
+# latency), but at least BWD_MIN_ROWS_PER_PROGRAM rows each, so that the fp32 partial rows
+# ([programs, H], written then summed) stay a small fraction of the traffic.
+BWD_PROGRAMS_PER_SM = 4
+BWD_MIN_ROWS_PER_PROGRAM = 16
+# Backward programs on the CPU interpreter (small: the interpreter is slow per program).
+CPU_BWD_PROGRAMS = 4
+
+
+if triton is not None:
+
+    @triton.jit
+    def _rms_norm_fwd_kernel(
+        x_ptr, w_ptr, y_ptr, rstd_ptr,
+        n_rows, n_cols, stride_x, stride_y,
+        eps, offset,
+        CASTING: tl.constexpr, HAS_WEIGHT: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    ):
+        """One tile of BLOCK_M rows: rstd (fp32, stored) and the normalised, weighted rows."""
+        rows = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
+        cols = tl.arange(0, BLOCK_N)
+        row_mask = rows < n_rows
+        col_mask = cols < n_cols
+        mask = row_mask[:, None] & col_mask[None, :]
+        x = tl.load(x_ptr + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0)
+        x = x.to(tl.float32)
+        rstd = tl.rsqrt(tl.sum(x * x, axis=1) / n_cols + eps)
+        tl.store(rstd_ptr + rows, rstd, mask=row_mask)
+        y = x * rstd[:, None]
+        if HAS_WEIGHT:
+            w = tl.load(w_ptr + cols, mask=col_mask, other=0.0)
+            if CASTING == 1:  # gemma: (offset + w) in fp32
+                w_eff = w.to(tl.float32) + offset
+            else:  # llama / none: (offset + w) rounded to the weight dtype
+                w_eff = (w.to(tl.float32) + offset).to(w_ptr.dtype.element_ty).to(tl.float32)
+            if CASTING == 0:  # llama: y is rounded to the input dtype before the product
+                y = y.to(x_ptr.dtype.element_ty).to(tl.float32)
+            y = y * w_eff[None, :]
+        tl.store(
+            y_ptr + rows[:, None] * stride_y + cols[None, :],
+            y.to(y_ptr.dtype.element_ty),
+            mask=mask,
+        )
+
+    @triton.jit
+    def _rms_norm_bwd_kernel(
+        dy_ptr, x_ptr, w_ptr, rstd_ptr, dx_ptr, dw_partial_ptr,
+        n_rows, n_cols, stride_dy, stride_x, stride_dx,
+        offset, n_blocks, blocks_per_program,
+        CASTING: tl.constexpr, HAS_WEIGHT: tl.constexpr,
+        COMPUTE_DX: tl.constexpr, COMPUTE_DW: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    ):
+        """A contiguous range of row tiles: grad rows (dx may alias dy) and a partial dW row."""
+        pid = tl.program_id(0)
+        cols = tl.arange(0, BLOCK_N)
+        col_mask = cols < n_cols
+        if HAS_WEIGHT:
+            w = tl.load(w_ptr + cols, mask=col_mask, other=0.0)
+            if CASTING == 1:
+                w_eff = w.to(tl.float32) + offset
+            else:
+                w_eff = (w.to(tl.float32) + offset).to(w_ptr.dtype.element_ty).to(tl.float32)
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        first = pid * blocks_per_program
+        last = tl.minimum(first + blocks_per_program, n_blocks)
+        for block in range(first, last):
+            rows = (block * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
+            row_mask = rows < n_rows
+            mask = row_mask[:, None] & col_mask[None, :]
+            x = tl.load(x_ptr + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0)
+            x = x.to(tl.float32)
+            dy = tl.load(dy_ptr + rows[:, None] * stride_dy + cols[None, :], mask=mask, other=0.0)
+            dy = dy.to(tl.float32)
+            rstd = tl.load(rstd_ptr + rows, mask=row_mask, other=0.0)
+            y = x * rstd[:, None]
+            if COMPUTE_DW:
+                if CASTING == 0:
+                    acc += dy * y.to(x_ptr.dtype.element_ty).to(tl.float32)
+                else:
+                    acc += dy * y
+            if COMPUTE_DX:
+                if HAS_WEIGHT:
+                    g = dy * w_eff[None, :]
+                else:
+                    g = dy
+                c = tl.sum(g * y, axis=1) / n_cols
+                dx = (g - y * c[:, None]) * rstd[:, None]
+                tl.store(
+                    dx_ptr + rows[:, None] * stride_dx + cols[None, :],
+                    dx.to(dx_ptr.dtype.element_ty),
+                    mask=mask,
+                )
+        if COMPUTE_DW:
+            tl.store(dw_partial_ptr + pid * n_cols + cols, tl.sum(acc, axis=0), mask=col_mask)
+
+
+# --------------------------------------------------------------------------- host side
+
+
+def _device_ctx(t: torch.Tensor):
+    """Make ``t``'s GPU the current one while launching (Triton launches on the current GPU)."""
+    return torch.cuda.device(t.device) if t.device.type == "cuda" else contextlib.nullcontext()
+
+
+def _tile(n_cols: int, n_rows: int, tile_elems: int) -> tuple[int, int, int]:
+    """(BLOCK_M, BLOCK_N, num_warps) for a tile of whole rows of ``n_cols`` elements."""
+    block_n, _ = row_block_settings(n_cols)
+    block_m = max(1, min(MAX_ROWS_PER_TILE, tile_elems // block_n, next_power_of_2(n_rows)))
+    _, warps = row_block_settings(block_m * block_n)
+    return block_m, block_n, warps
+
+
+def _num_programs(device: torch.device, n_blocks: int, n_rows: int) -> int:
+    """Backward programs: a few per SM on CUDA (fewer for few rows), a constant on the CPU."""
+    if device.type == "cuda":
+        sms = torch.cuda.get_device_properties(device).multi_processor_count
+        target = min(sms * BWD_PROGRAMS_PER_SM, max(sms, n_rows // BWD_MIN_ROWS_PER_PROGRAM))
+    else:
+        target = CPU_BWD_PROGRAMS
+    return max(1, min(target, n_blocks))
+
+
+def _forward(x2, weight, eps, offset, casting_mode, out_dtype):
+    """Launch the forward kernel on ``x2`` ``[rows, H]`` (unit last stride); returns (out, rstd)."""
+    n_rows, n_cols = x2.shape
+    out = torch.empty((n_rows, n_cols), dtype=out_dtype, device=x2.device)
+    rstd = torch.empty((n_rows,), dtype=torch.float32, device=x2.device)
+    block_m, block_n, warps = _tile(n_cols, n_rows, FWD_TILE_ELEMS)
+    grid = (triton.cdiv(n_rows, block_m),)
+    with _device_ctx(x2):
+        _rms_norm_fwd_kernel[grid](
+            x2, weight if weight is not None else x2, out, rstd,
+            n_rows, n_cols, x2.stride(0), out.stride(0),
+            float(eps), float(offset),
+            CASTING=_CASTING_CODE[casting_mode], HAS_WEIGHT=weight is not None,
+            BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps,
+        )
+    return out, rstd
+
+
+def _backward(dy2, x2, weight, rstd, offset, casting_mode, need_dx, need_dw, inplace):
+    """Launch the backward kernel; returns (grad_hidden [rows, H] or None, grad_weight or None)."""
+    n_rows, n_cols = x2.shape
+    dx = None
+    if need_dx:
+        if inplace and dy2.dtype == x2.dtype and dy2.is_contiguous():
+            dx = dy2
+        else:
+            dx = torch.empty_like(x2, memory_format=torch.contiguous_format)
+    block_m, block_n, warps = _tile(n_cols, n_rows, BWD_TILE_ELEMS)
+    n_blocks = triton.cdiv(n_rows, block_m)
+    programs = _num_programs(x2.device, n_blocks, n_rows)
+    blocks_per_program = triton.cdiv(n_blocks, programs)
+    programs = triton.cdiv(n_blocks, blocks_per_program)
+    partial = (
+        torch.empty((programs, n_cols), dtype=torch.float32, device=x2.device) if need_dw else x2
+    )
+    with _device_ctx(x2):
+        _rms_norm_bwd_kernel[(programs,)](
+            dy2, x2, weight if weight is not None else x2, rstd,
+            dx if dx is not None else x2, partial,
+            n_rows, n_cols, dy2.stride(0), x2.stride(0), dx.stride(0) if dx is not None else 0,
+            float(offset), n_blocks, blocks_per_program,
+            CASTING=_CASTING_CODE[casting_mode], HAS_WEIGHT=weight is not None,
+            COMPUTE_DX=need_dx, COMPUTE_DW=need_dw,
+            BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps,
+        )
+    dw = partial.sum(dim=0).to(weight.dtype) if need_dw else None
+    return dx, dw
+
+
+class RMSNormFunction(torch.autograd.Function):
+    """Triton RMSNorm: ``apply(hidden, weight, eps, offset, casting_mode, inplace_backward)``.
+
+    ``hidden`` ``[..., H]`` float, ``weight`` ``[H]`` or ``None``; inputs are assumed checked (use
+    :func:`rms_norm`). Saves ``hidden`` as ``[rows, H]`` and ``rstd`` ``[rows]`` fp32.
+    """
+
+    @staticmethod
+    def forward(ctx, hidden, weight, eps, offset, casting_mode, inplace_backward):
+        shape = hidden.shape
+        x2 = as_rows(hidden)
+        out_dtype = _output_dtype(hidden, weight, casting_mode)
+        out, rstd = _forward(x2, weight, eps, offset, casting_mode, out_dtype)
+        ctx.save_for_backward(x2, weight, rstd)
+        ctx.shape = shape
+        ctx.offset = offset
+        ctx.casting_mode = casting_mode
+        ctx.inplace_backward = inplace_backward
+        return out.view(shape)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_out):
+        x2, weight, rstd = ctx.saved_tensors
+        need_dx = ctx.needs_input_grad[0]
+        need_dw = weight is not None and ctx.needs_input_grad[1]
+        if not (need_dx or need_dw):
+            return None, None, None, None, None, None
+        dy2 = as_rows(grad_out)
+        dx, dw = _backward(
+            dy2, x2, weight, rstd, ctx.offset, ctx.casting_mode,
+            need_dx, need_dw, ctx.inplace_backward,
+        )
+        if dx is not None:
+            dx = dx.view(ctx.shape)
+        return dx, dw, None, None, None, None
+
+
+def _output_dtype(hidden, weight, casting_mode) -> torch.dtype:
+    if casting_mode == "llama" and weight is not None:
+        return torch.promote_types(weight.dtype, hidden.dtype)
+    return hidden.dtype
+
+
+def rms_norm_torch(
+    hidden: torch.Tensor,
+    weight: Optional[torch.Tensor],
+    *,
+    eps: float = 1e-6,
+    offset: float = 0.0,
+    casting_mode: str = "llama",
+) -> torch.Tensor:
+    """Pure-PyTorch RMSNorm (the ``impl="torch"`` path): Hugging Face's ops, autograd through them."""
+    compute = torch.promote_types(hidden.dtype, torch.float32)
+    x = hidden.to(compute)
+    y = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+    if weight is None:
+        return y.to(hidden.dtype)
+    if casting_mode == "llama":
+        w = weight if offset == 0 else offset + weight
+        return w * y.to(hidden.dtype)
+    if casting_mode == "gemma":
+        return (y * (offset + weight.to(compute))).to(hidden.dtype)
+    return (y * (offset + weight).to(compute)).to(hidden.dtype)
+
+
+def _check_number(name: str, value) -> None:
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{name} must be a real number, got {type(value).__name__}")
+
+
+def rms_norm(
+    hidden: torch.Tensor,
+    weight: Optional[torch.Tensor],
+    *,
+    eps: float = 1e-6,
+    offset: float = 0.0,
+    casting_mode: str = "llama",
+    inplace_backward: bool = False,
+    impl: str = "auto",
+) -> torch.Tensor:
+    """RMSNorm of ``hidden`` ``[..., H]`` with ``weight`` ``[H]`` (or None); see the module doc.
+
+    Returns ``[..., H]`` in ``hidden.dtype`` (llama mode with a weight: the promoted dtype of
+    ``weight`` and ``hidden``, as Hugging Face).
+    """
+    check_tensor("hidden", hidden, min_ndim=1, floating=True)
+    hidden_size = hidden.shape[-1]
+    if hidden_size == 0:
+        raise ValueError(f"hidden must have a non-empty last dimension, got shape {tuple(hidden.shape)}")
+    if weight is not None:
+        check_tensor("weight", weight, ndim=1, floating=True)
+        check_last_dim("weight", weight, hidden_size, "the hidden size, hidden.shape[-1]")
+        check_same_device(hidden=hidden, weight=weight)
+    _check_number("eps", eps)
+    check_range("eps", float(eps), 0.0)
+    _check_number("offset", offset)
+    check_choice("casting_mode", casting_mode, CASTING_MODES)
+    which = resolve_impl(impl, hidden, weight)
+    if which == "triton":
+        problem = None
+        if hidden.dtype not in _TRITON_DTYPES or (
+            weight is not None and weight.dtype not in _TRITON_DTYPES
+        ):
+            problem = TypeError(
+                f"impl='triton' supports hidden/weight dtypes {_TRITON_DTYPES}, got "
+                f"{hidden.dtype}/{None if weight is None else weight.dtype}"
+            )
+        elif next_power_of_2(hidden_size) > 65536:
+            problem = ValueError(f"impl='triton' supports hidden sizes up to 65536, got {hidden_size}")
+        if problem is not None:
+            if impl == "triton":
+                raise problem
+            which = "torch"
+    if which == "torch" or hidden.numel() == 0:
+        return rms_norm_torch(hidden, weight, eps=eps, offset=offset, casting_mode=casting_mode)
+    return RMSNormFunction.apply(hidden, weight, eps, offset, casting_mode, bool(inplace_backward))
+
+
+class LigerRMSNorm(nn.Module):
+    """Drop-in for ``LlamaRMSNorm(hidden_size, eps)``: weight of ones, ``variance_epsilon`` attr.
+
+    ``forward(hidden_states)`` -> ``weight * normalize(hidden_states)`` in llama casting mode
+    (other modes and offsets via the keyword options).
+    """
+
+    def __init__(
+        self,
+        hidden_size: int,
+        eps: float = 1e-6,
+        *,
+        offset: float = 0.0,
+        casting_mode: str = "llama",
+        inplace_backward: bool = False,
+        impl: str = "auto",
+    ) -> None:
+        super().__init__()
+        check_choice("casting_mode", casting_mode, CASTING_MODES)
+        check_choice("impl", impl, ("auto", "triton", "torch"))
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.variance_epsilon = eps
+        self.offset = offset
+        self.casting_mode = casting_mode
+        self.inplace_backward = inplace_backward
+        self.impl = impl
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        return rms_norm(
+            hidden_states, self.weight,
+            eps=self.variance_epsilon, offset=self.offset, casting_mode=self.casting_mode,
+            inplace_backward=self.inplace_backward, impl=self.impl,
+        )
+
+    def extra_repr(self) -> str:
+        return f"{tuple(self.weight.shape)}, eps={self.variance_epsilon}"
+
+
+class LigerGemmaRMSNorm(nn.Module):
+    """Drop-in for ``GemmaRMSNorm(dim, eps)`` / ``Gemma2RMSNorm``: weight of zeros, ``eps`` attr,
+    ``out = (normalize(x.float()) * (1 + weight.float())).type_as(x)`` (gemma mode, offset 1)."""
+
+    def __init__(
+        self,
+        dim: int,
+        eps: float = 1e-6,
+        *,
+        inplace_backward: bool = False,
+        impl: str = "auto",
+    ) -> None:
+        super().__init__()
+        check_choice("impl", impl, ("auto", "triton", "torch"))
+        self.eps = eps
+        self.weight = nn.Parameter(torch.zeros(dim))
+        self.inplace_backward = inplace_backward
+        self.impl = impl
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return rms_norm(
+            x, self.weight, eps=self.eps, offset=1.0, casting_mode="gemma",
+            inplace_backward=self.inplace_backward, impl=self.impl,
+        )
+
+    def extra_repr(self) -> str:
+        return f"{tuple(self.weight.shape)}, eps={self.eps}"
