@@ -1,1 +1,32 @@
 """Layer 3: one-line patching of Hugging Face causal LMs with liger_losses kernels."""
+
+from liger_losses.patching.apply import apply_liger_kernels
+from liger_losses.patching.auto import AutoLigerModelForCausalLM
+from liger_losses.patching.causal_lm import causal_lm_fused_loss, make_causal_lm_forward
+from liger_losses.patching.core import revert_liger_kernels
+from liger_losses.patching.families import (
+    SUPPORTED_MODEL_TYPES,
+    apply_liger_kernels_to_gemma,
+    apply_liger_kernels_to_gemma2,
+    apply_liger_kernels_to_llama,
+    apply_liger_kernels_to_mistral,
+    apply_liger_kernels_to_phi3,
+    apply_liger_kernels_to_qwen2,
+    apply_liger_kernels_to_qwen3,
+)
+
+__all__ = [
+    "AutoLigerModelForCausalLM",
+    "SUPPORTED_MODEL_TYPES",
+    "apply_liger_kernels",
+    "apply_liger_kernels_to_gemma",
+    "apply_liger_kernels_to_gemma2",
+    "apply_liger_kernels_to_llama",
+    "apply_liger_kernels_to_mistral",
+    "apply_liger_kernels_to_phi3",
+    "apply_liger_kernels_to_qwen2",
+    "apply_liger_kernels_to_qwen3",
+    "causal_lm_fused_loss",
+    "make_causal_lm_forward",
+    "revert_liger_kernels",
+]

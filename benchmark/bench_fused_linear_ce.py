@@ -1,0 +1,171 @@
+"""Fused linear cross-entropy, forward + backward ("full"), side by side (issue #3, CE rows).
+
+Cases (bf16, all labels valid): H=4096, V=128256, 8192 tokens (the headline row); a sweep over
+tokens 512..16384 at that shape; the small-model shape H=896, V=151936; and chunk-size rows for
+ours (chunk_tokens 512/1024/2048/4096) so the default can be chosen.
+Providers: ours (liger_losses), plain torch (logits = hidden @ W.T; F.cross_entropy(logits.float())
+as HF does), liger-kernel 0.8.5, TRL 1.16 ChunkedLogProbFunction (-mean log-prob), Cut CE 25.1.1.
+Floors: time 6*N*H*V / 790 TFLOP/s; memory (V*H + N*H) * 2 bytes (the two bf16 gradients).
+Accuracy: relative error of loss / grad_hidden / grad_weight vs a float64 reference on 1024 tokens.
+
+Run on the GPU: ``python benchmark/bench_fused_linear_ce.py [--quick]`` (results in $OUT or
+benchmark/results/: bench_fused_linear_ce*.csv/png).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+from benchmark.common import MIB, Row, gemm_floor_ms, measure, write_results  # noqa: E402
+
+BENCH = "fused_linear_ce"
+
+
+# ----------------------------------------------------------------------------- providers
+
+
+def ours(chunk_tokens=None):
+    from liger_losses.chunked.cross_entropy import fused_linear_cross_entropy
+
+    return lambda w, h, y: fused_linear_cross_entropy(w, h, y, chunk_tokens=chunk_tokens)
+
+
+def plain_torch():
+    return lambda w, h, y: F.cross_entropy((h @ w.t()).float(), y)
+
+
+def liger_kernel():
+    from liger_kernel.transformers.fused_linear_cross_entropy import LigerFusedLinearCrossEntropyLoss
+
+    mod = LigerFusedLinearCrossEntropyLoss()
+    return lambda w, h, y: mod(w, h, y)
+
+
+def trl_chunked():
+    from trl.kernels.chunked_logprob import ChunkedLogProbFunction
+
+    def fn(w, h, y):
+        logps = ChunkedLogProbFunction.apply(h, w, None, y, 1.0, 32768, None, 1.0, ())[0]
+        return -logps.mean()
+
+    return fn
+
+
+def cut_ce():
+    from cut_cross_entropy import linear_cross_entropy
+
+    return lambda w, h, y: linear_cross_entropy(h, w, y)
+
+
+PROVIDERS = {
+    "ours": ours,
+    "torch": plain_torch,
+    "liger-kernel": liger_kernel,
+    "trl": trl_chunked,
+    "cut-ce": cut_ce,
+}
+
+
+def make_inputs(N, H, V, dtype=torch.bfloat16, seed=0):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    w = (torch.randn(V, H, device="cuda", generator=g) * 0.02).to(dtype).requires_grad_()
+    h = torch.randn(N, H, device="cuda", generator=g).to(dtype).requires_grad_()
+    y = torch.randint(0, V, (N,), device="cuda", generator=g)
+    return w, h, y
+
+
+def full_step(loss_fn, w, h, y):
+    """forward + backward; returns the grads so the peak includes them."""
+
+    def fn():
+        loss = loss_fn(w, h, y)
+        gw, gh = torch.autograd.grad(loss, (w, h))
+        return loss, gw, gh
+
+    return fn
+
+
+def bench_case(rows, case, N, H, V, providers, extra=None, quick=False):
+    w, h, y = make_inputs(N, H, V)
+    floor_ms = gemm_floor_ms(6.0 * N * H * V)
+    floor_mib = (V * H + N * H) * 2 / MIB
+    for name, make in providers.items():
+        try:
+            loss_fn = make()
+        except Exception as exc:  # noqa: BLE001 - a missing provider must not stop the table
+            rows.append(Row(BENCH, case, "full", name, float("nan"), float("nan"), floor_ms,
+                            floor_mib, dict(extra or {}), f"unavailable: {type(exc).__name__}: {exc}"[:160]))
+            continue
+        m = measure(full_step(loss_fn, w, h, y), warmup=5 if quick else 25, rep=20 if quick else 100)
+        rows.append(Row(BENCH, case, "full", name, m.ms, m.peak_mib, floor_ms, floor_mib,
+                        dict(extra or {}), m.error))
+        print(rows[-1].as_dict(), flush=True)
+    del w, h, y
+    torch.cuda.empty_cache()
+
+
+def accuracy_rows(providers, N=1024, H=4096, V=128256):
+    """rel errors of loss / grad_hidden / grad_weight vs float64, bf16 inputs, N tokens."""
+    w, h, y = make_inputs(N, H, V, seed=1)
+    wd = w.detach().double().requires_grad_()
+    hd = h.detach().double().requires_grad_()
+    ref = F.cross_entropy(hd @ wd.t(), y)
+    ref.backward()
+    ref_gw, ref_gh = wd.grad, hd.grad
+    del wd, hd
+    torch.cuda.empty_cache()
+
+    def rel(a, b):
+        return float((a.double() - b).norm() / b.norm())
+
+    rows = []
+    for name, make in providers.items():
+        extra = {"tokens": N, "H": H, "V": V}
+        try:
+            loss, gw, gh = full_step(make(), w, h, y)()
+            extra.update(err_loss=rel(loss.detach(), ref.detach()), err_grad_hidden=rel(gh, ref_gh),
+                         err_grad_weight=rel(gw, ref_gw))
+            err = None
+        except Exception as exc:  # noqa: BLE001
+            err = f"{type(exc).__name__}: {str(exc)[:120]}"
+        rows.append(Row(BENCH + "_accuracy", f"H{H}_V{V}_N{N}", "accuracy", name, float("nan"),
+                        float("nan"), extra=extra, error=err))
+        print(rows[-1].as_dict(), flush=True)
+    return rows
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--quick", action="store_true", help="fewer cases and repetitions")
+    ap.add_argument("--providers", default=",".join(PROVIDERS), help="comma-separated subset")
+    args = ap.parse_args()
+    providers = {k: PROVIDERS[k] for k in args.providers.split(",")}
+
+    rows: list[Row] = []
+    H, V = 4096, 128256
+    bench_case(rows, f"H{H}_V{V}_N8192", 8192, H, V, providers, {"tokens": 8192}, args.quick)
+    bench_case(rows, "H896_V151936_N8192", 8192, 896, 151936, providers, {"tokens": 8192}, args.quick)
+    for ct in (512, 1024, 2048, 4096):
+        bench_case(rows, f"H{H}_V{V}_N8192_chunk{ct}", 8192, H, V,
+                   {f"ours-chunk{ct}": (lambda ct=ct: ours(ct))}, {"tokens": 8192, "chunk_tokens": ct},
+                   args.quick)
+    write_results(BENCH, rows)
+
+    sweep: list[Row] = []
+    tokens = (2048, 8192) if args.quick else (512, 1024, 2048, 4096, 8192, 16384)
+    for n in tokens:
+        bench_case(sweep, f"H{H}_V{V}_N{n}", n, H, V, providers, {"tokens": n}, args.quick)
+    write_results(BENCH + "_sweep", sweep, plot_x="tokens")
+
+    write_results(BENCH + "_accuracy", accuracy_rows(providers))
+
+
+if __name__ == "__main__":
+    main()

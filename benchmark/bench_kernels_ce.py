@@ -1,0 +1,92 @@
+"""Cross-entropy on given logits, forward + backward ("full"), side by side (issue #2, CE kernel).
+
+Cases: bf16 logits [N, V] for V = 32000, 128256 and N = 4096, 8192 (quick: one case).
+Providers: ours (new gradient buffer), ours with inplace_backward=True, plain torch
+(F.cross_entropy(logits.float()) as HF does), liger-kernel 0.8.5 LigerCrossEntropyLoss.
+Floor: memory-bound, read the logits once and write the gradient once: 2 * N * V * 2 bytes at
+4.3 TB/s; memory floor: the gradient, N * V * 2 bytes.
+
+Run on the GPU: ``python benchmark/bench_kernels_ce.py [--quick]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+from benchmark.common import MIB, Row, hbm_floor_ms, measure, write_results  # noqa: E402
+
+BENCH = "kernels_ce"
+
+
+def ours(inplace=False):
+    from liger_losses.kernels.cross_entropy import cross_entropy
+
+    return lambda x, y: cross_entropy(x, y, inplace_backward=inplace)
+
+
+def plain_torch():
+    return lambda x, y: F.cross_entropy(x.float(), y)
+
+
+def liger_kernel():
+    from liger_kernel.transformers.cross_entropy import LigerCrossEntropyLoss
+
+    mod = LigerCrossEntropyLoss()
+    return lambda x, y: mod(x, y)
+
+
+PROVIDERS = {
+    "ours": ours,
+    "ours-inplace": lambda: ours(True),
+    "torch": plain_torch,
+    "liger-kernel": liger_kernel,
+}
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--quick", action="store_true")
+    args = ap.parse_args()
+    cases = [(8192, 128256)] if args.quick else [(4096, 32000), (8192, 32000), (4096, 128256), (8192, 128256)]
+    rows = []
+    for N, V in cases:
+        base = torch.randn(N, V, device="cuda", dtype=torch.bfloat16) * 2
+        y = torch.randint(0, V, (N,), device="cuda")
+        y[::10] = -100
+        floor_ms = hbm_floor_ms(2 * N * V * 2)
+        floor_mib = N * V * 2 / MIB
+        for name, make in PROVIDERS.items():
+            try:
+                fn_loss = make()
+            except Exception as exc:  # noqa: BLE001
+                rows.append(Row(BENCH, f"N{N}_V{V}", "full", name, float("nan"), float("nan"),
+                                floor_ms, floor_mib, {"N": N, "V": V}, f"unavailable: {exc}"[:160]))
+                continue
+            inplace = name == "ours-inplace"
+
+            def step(fn_loss=fn_loss, inplace=inplace):
+                # the in-place variant destroys its input: give it a fresh non-leaf each call
+                leaf = base.detach().requires_grad_()
+                x = leaf.clone() if inplace else leaf
+                loss = fn_loss(x, y)
+                (g,) = torch.autograd.grad(loss, (leaf,))
+                return loss, g
+
+            m = measure(step, warmup=5 if args.quick else 25, rep=20 if args.quick else 100)
+            rows.append(Row(BENCH, f"N{N}_V{V}", "full", name, m.ms, m.peak_mib, floor_ms, floor_mib,
+                            {"N": N, "V": V}, m.error))
+            print(rows[-1].as_dict(), flush=True)
+        del base
+        torch.cuda.empty_cache()
+    write_results(BENCH, rows)
+
+
+if __name__ == "__main__":
+    main()

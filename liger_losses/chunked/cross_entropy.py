@@ -1,0 +1,260 @@
+"""Fused linear cross-entropy: ``CE(hidden @ weight.T + bias, labels)`` without whole logits.
+
+``weight [V, H]``, ``hidden [..., H]``, ``labels [...]`` (integer, ``ignore_index`` allowed),
+``bias [V]`` optional. Logits are transformed as in ``kernels.logits_tile`` (``logit_scale``,
+then ``softcap * tanh(. / softcap)``); the per-token loss is
+``(1 - eps) * nll + eps * mean_v(-log p_v) + z_loss_weight * lse**2``.
+
+Reductions: ``"mean"`` (sum over non-ignored tokens divided by their count, or by
+``num_items_in_batch`` when given -- Hugging Face's convention for gradient accumulation),
+``"sum"``, ``"none"`` (``[...]``, zeros at ignored positions). All-ignored input gives 0.
+
+``mean``/``sum``: gradients are computed in the forward, chunk by chunk (one pass, no
+recompute) and scaled by ``grad_output`` in backward. ``none``: the forward only computes the
+losses; backward recomputes each tile with the per-token upstream gradient as the row scale.
+Tiles and GEMMs run in the compute dtype (autocast dtype, else the weight dtype); the loss is
+float32; gradients have the dtypes of their inputs.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Union
+
+import torch
+from torch import Tensor, nn
+
+from liger_losses.chunked.engine import (
+    _check_common,
+    _scaled_grads,
+    compact_tokens,
+    compute_dtype,
+    gather_weight,
+    run_tiles,
+    scatter_rows,
+    weight_grad_like,
+)
+from liger_losses.chunked.output import LossOutput
+from liger_losses.kernels.utils import check_choice, check_range
+
+REDUCTIONS = ("mean", "sum", "none")
+
+
+def _prepare(weight, hidden, labels, bias, cfg):
+    w_full = gather_weight(weight)
+    cdt = cfg["compute_dtype"]
+    w_c = w_full if w_full.dtype == cdt else w_full.to(cdt)
+    h_valid, l_valid, index = compact_tokens(hidden, labels, cfg["ignore_index"])
+    return w_full, w_c, h_valid, l_valid, index
+
+
+class _FusedLinearCEFunction(torch.autograd.Function):
+    """mean / sum: gradients computed in forward."""
+
+    @staticmethod
+    def forward(ctx, weight, hidden, bias, labels, denom, cfg, sink):
+        needs_w, needs_h, needs_b = ctx.needs_input_grad[:3]
+        needs_b = needs_b and bias is not None
+        w_full, w_c, h_valid, l_valid, index = _prepare(weight, hidden, labels, bias, cfg)
+        grad = needs_h or needs_w or needs_b
+        scale = 1.0
+        if denom is not None:  # 1/denom applied in the kernel (fp32), not to bf16 gradients later
+            scale = (1.0 / denom).reshape(1).expand(h_valid.shape[0]).contiguous()
+        stats, gh, gw, gb = run_tiles(
+            w_c, h_valid, l_valid, bias, mode="ce", grad=grad, grad_scale=scale,
+            kernel_opts=cfg["kernel_opts"],
+            chunk_tokens=cfg["chunk_tokens"], accum_dtype=cfg["accum_dtype"] or w_full.dtype,
+            needs_hidden=needs_h, needs_weight=needs_w, needs_bias=needs_b,
+        )
+        total = stats["loss"].sum()
+        loss = total / denom if denom is not None else total
+        sink["num_tokens"] = h_valid.shape[0]
+        sink["correct"] = stats["correct"].sum()
+        sink["z_sum"] = (stats["lse"] ** 2).sum() * cfg["z_loss_weight"]
+        if gh is not None:
+            gh = scatter_rows(gh, index, hidden.shape, dtype=hidden.dtype)
+        ctx.save_for_backward(gh, gw, gb)
+        ctx.has = (gh is not None, gw is not None, gb is not None)
+        ctx.weight_ref = weight
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        gh, gw, gb = _scaled_grads(ctx, grad_loss)
+        return gw, gh, gb, None, None, None, None
+
+
+class _FusedLinearCENoneFunction(torch.autograd.Function):
+    """reduction none: forward statistics only; backward recomputes tiles with row scales."""
+
+    @staticmethod
+    def forward(ctx, weight, hidden, bias, labels, cfg, sink):
+        with torch.no_grad():
+            w_full, w_c, h_valid, l_valid, index = _prepare(weight, hidden, labels, bias, cfg)
+            stats, _, _, _ = run_tiles(
+                w_c, h_valid, l_valid, bias, mode="ce", grad=False,
+                kernel_opts=cfg["kernel_opts"], chunk_tokens=cfg["chunk_tokens"],
+            )
+        sink["num_tokens"] = h_valid.shape[0]
+        sink["correct"] = stats["correct"].sum()
+        sink["z_sum"] = (stats["lse"] ** 2).sum() * cfg["z_loss_weight"]
+        out = scatter_rows(stats["loss"].unsqueeze(1), index, tuple(labels.shape) + (1,)).squeeze(-1)
+        ctx.save_for_backward(weight, hidden, bias, labels)
+        ctx.cfg = cfg
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        weight, hidden, bias, labels = ctx.saved_tensors
+        cfg = ctx.cfg
+        return _recompute_backward(ctx, weight, hidden, bias, labels, grad_out, cfg, "ce") + (None, None, None)
+
+
+def _recompute_backward(ctx, weight, hidden, bias, labels, grad_out, cfg, mode):
+    """(grad_weight, grad_hidden, grad_bias) of sum(grad_out * per-token objective)."""
+    needs_w, needs_h, needs_b = ctx.needs_input_grad[:3]
+    needs_b = needs_b and bias is not None
+    w_full, w_c, h_valid, l_valid, index = _prepare(weight, hidden, labels, bias, cfg)
+    scale = grad_out.reshape(-1).float()
+    scale = scale.index_select(0, index) if scale.shape[0] != index.shape[0] else scale
+    _, gh, gw, gb = run_tiles(
+        w_c, h_valid, l_valid, bias, mode=mode, grad=True, grad_scale=scale.contiguous(),
+        kernel_opts=cfg["kernel_opts"], chunk_tokens=cfg["chunk_tokens"],
+        accum_dtype=cfg.get("accum_dtype") or w_full.dtype,
+        needs_hidden=needs_h, needs_weight=needs_w, needs_bias=needs_b,
+    )
+    if gh is not None:
+        gh = scatter_rows(gh, index, hidden.shape, dtype=hidden.dtype)
+    if gw is not None:
+        gw = weight_grad_like(weight, gw if gw.dtype == weight.dtype else gw.to(weight.dtype))
+    if gb is not None:
+        gb = gb.to(bias.dtype)
+    return gw, gh, gb
+
+
+def fused_linear_cross_entropy(
+    weight: Tensor,
+    hidden: Tensor,
+    labels: Tensor,
+    *,
+    bias: Optional[Tensor] = None,
+    ignore_index: int = -100,
+    label_smoothing: float = 0.0,
+    z_loss_weight: float = 0.0,
+    softcap: Optional[float] = None,
+    logit_scale: float = 1.0,
+    reduction: str = "mean",
+    num_items_in_batch: Optional[Union[int, float, Tensor]] = None,
+    return_token_accuracy: bool = False,
+    return_z_loss: bool = False,
+    chunk_tokens: Optional[int] = None,
+    accum_dtype: Optional[torch.dtype] = None,
+    impl: str = "auto",
+):
+    """Cross-entropy of ``hidden [..., H] @ weight[V, H].T (+ bias)`` against ``labels [...]``.
+
+    Returns the loss (0-d for mean/sum, ``[...]`` for none) or, when ``return_token_accuracy``
+    or ``return_z_loss``, ``LossOutput(loss, metrics)`` with ``metrics["token_accuracy"]`` (share
+    of non-ignored tokens whose argmax is the label) and ``metrics["z_loss"]`` (the z-loss part
+    of the loss, reduced like the loss; mean over valid tokens for ``none``), both detached.
+    """
+    check_choice("reduction", reduction, REDUCTIONS)
+    check_range("label_smoothing", float(label_smoothing), 0.0, 1.0)
+    check_range("z_loss_weight", float(z_loss_weight), 0.0, None)
+    _check_common(weight, hidden, labels, bias, ignore_index, 1.0, softcap, logit_scale,
+                  chunk_tokens, accum_dtype, impl)
+    denom = None
+    if num_items_in_batch is not None:
+        if reduction != "mean":
+            raise ValueError(
+                f"num_items_in_batch only applies to reduction='mean', got reduction={reduction!r}"
+            )
+        if isinstance(num_items_in_batch, Tensor):
+            if num_items_in_batch.numel() != 1:
+                raise ValueError(
+                    f"num_items_in_batch must be a number or a 1-element tensor, got shape "
+                    f"{tuple(num_items_in_batch.shape)}"
+                )
+            denom = num_items_in_batch.detach().reshape(()).to(device=hidden.device, dtype=torch.float32)
+        else:
+            if float(num_items_in_batch) <= 0:
+                raise ValueError(f"num_items_in_batch must be positive, got {num_items_in_batch!r}")
+            denom = torch.tensor(float(num_items_in_batch), device=hidden.device)
+    cfg = dict(
+        ignore_index=ignore_index, compute_dtype=compute_dtype(weight), chunk_tokens=chunk_tokens,
+        accum_dtype=accum_dtype, z_loss_weight=float(z_loss_weight),
+        kernel_opts=dict(
+            ignore_index=ignore_index, label_smoothing=float(label_smoothing),
+            z_loss_weight=float(z_loss_weight), softcap=None if softcap is None else float(softcap),
+            logit_scale=float(logit_scale), impl=impl,
+        ),
+    )
+    sink: dict = {}
+    if reduction == "none":
+        loss = _FusedLinearCENoneFunction.apply(weight, hidden, bias, labels, cfg, sink)
+    else:
+        if reduction == "mean" and denom is None:
+            # number of valid tokens, at least 1 (all ignored -> loss 0, zero grads)
+            denom = (labels != ignore_index).sum().clamp_min(1).float()
+        loss = _FusedLinearCEFunction.apply(weight, hidden, bias, labels, denom, cfg, sink)
+    if not (return_token_accuracy or return_z_loss):
+        return loss
+    n = sink["num_tokens"]
+    metrics = {}
+    if return_token_accuracy:
+        metrics["token_accuracy"] = (sink["correct"].float() / max(n, 1)).detach()
+    if return_z_loss:
+        z = sink["z_sum"]
+        if reduction == "mean":
+            z = z / denom
+        elif reduction == "none":
+            z = z / max(n, 1)
+        metrics["z_loss"] = z.detach()
+    return LossOutput(loss, metrics)
+
+
+class LigerFusedLinearCrossEntropyLoss(nn.Module):
+    """Module form of :func:`fused_linear_cross_entropy`:
+    ``forward(weight, hidden, labels, *, bias=None, num_items_in_batch=None)``."""
+
+    def __init__(
+        self,
+        ignore_index: int = -100,
+        label_smoothing: float = 0.0,
+        z_loss_weight: float = 0.0,
+        softcap: Optional[float] = None,
+        logit_scale: float = 1.0,
+        reduction: str = "mean",
+        return_token_accuracy: bool = False,
+        chunk_tokens: Optional[int] = None,
+        accum_dtype: Optional[torch.dtype] = None,
+        impl: str = "auto",
+    ):
+        super().__init__()
+        check_choice("reduction", reduction, REDUCTIONS)
+        check_range("label_smoothing", float(label_smoothing), 0.0, 1.0)
+        check_range("z_loss_weight", float(z_loss_weight), 0.0, None)
+        self.ignore_index = ignore_index
+        self.label_smoothing = label_smoothing
+        self.z_loss_weight = z_loss_weight
+        self.softcap = softcap
+        self.logit_scale = logit_scale
+        self.reduction = reduction
+        self.return_token_accuracy = return_token_accuracy
+        self.chunk_tokens = chunk_tokens
+        self.accum_dtype = accum_dtype
+        self.impl = impl
+
+    def forward(self, weight, hidden, labels, *, bias=None, num_items_in_batch=None):
+        return fused_linear_cross_entropy(
+            weight, hidden, labels, bias=bias, ignore_index=self.ignore_index,
+            label_smoothing=self.label_smoothing, z_loss_weight=self.z_loss_weight,
+            softcap=self.softcap, logit_scale=self.logit_scale, reduction=self.reduction,
+            num_items_in_batch=num_items_in_batch, return_token_accuracy=self.return_token_accuracy,
+            chunk_tokens=self.chunk_tokens, accum_dtype=self.accum_dtype, impl=self.impl,
+        )
+
+    def extra_repr(self) -> str:
+        return (
+            f"ignore_index={self.ignore_index}, label_smoothing={self.label_smoothing}, "
+            f"z_loss_weight={self.z_loss_weight}, softcap={self.softcap}, reduction={self.reduction!r}"
+        )

@@ -1,0 +1,830 @@
+"""The chunked fused-linear engine: primitives and the sequence-objective driver.
+
+Computes losses of ``logits = hidden @ weight.T (+ bias)`` without ever holding the whole
+``[tokens, vocab]`` logits: tokens whose label is ``ignore_index`` are dropped first
+(:func:`compact_tokens`), the remaining ``N`` tokens are cut into chunks whose logits tile fits a
+memory budget (:func:`chunk_bounds`, :func:`group_chunk_bounds`), each tile is formed by
+:func:`project` (``[n, V]`` in the compute dtype), a logits-tile kernel
+(``liger_losses.kernels.logits_tile``) writes row statistics and the gradient
+``d loss / d logits`` into the tile in place, and :func:`backprop_tile` turns that gradient into
+``grad_hidden`` (``G @ W``, written into the caller's buffer) and ``grad_weight`` (``G^T @ hidden``,
+accumulated across chunks in the weight dtype or ``accum_dtype``).
+
+Shapes and dtypes: ``weight [V, H]``, ``hidden [..., H]``, ``labels [...]`` integer, ``bias [V]``.
+The compute dtype of the tiles and GEMMs is the autocast dtype when autocast is on for the
+device, else the weight's dtype. Row statistics are float32.
+
+:func:`fused_linear_sequence_objective` is the driver of the preference losses: it reduces
+token log-probabilities to per-sequence sums and hands them (:class:`SequenceStats`) to a small
+PyTorch ``objective``; gradients are computed inside the forward (one pass when units fit a
+chunk, else two phases with recompute) and scaled by ``grad_output`` in backward.
+
+Sharded weights: :func:`gather_weight` is the one place a sharded LM head becomes full, and
+:func:`weight_grad_like` maps the full gradient back to the weight's layout.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+import torch
+from torch import Tensor
+
+from liger_losses.kernels.logits_tile import logits_tile
+from liger_losses.kernels.utils import (
+    check_labels,
+    check_range,
+    check_same_device,
+    check_tensor,
+    resolve_impl,
+)
+
+# Default memory budget of one logits tile (bytes). 256 MiB -> ~1024 tokens at V=128256 in bf16,
+# which keeps the peak above the inputs near 1.25x the gradient floor (see bench_fused_linear_ce).
+DEFAULT_BUDGET_BYTES = 256 * 1024 * 1024
+# Chunk sizes found from the budget are rounded to a multiple of this (GEMM efficiency).
+CHUNK_ALIGN = 128
+
+
+# --------------------------------------------------------------------------- sharded weights
+
+
+def _dtensor_type():
+    try:
+        from torch.distributed.tensor import DTensor
+
+        return DTensor
+    except Exception:  # pragma: no cover - depends on the torch build
+        return None
+
+
+def _is_dtensor(t) -> bool:
+    dt = _dtensor_type()
+    return dt is not None and isinstance(t, dt)
+
+
+def gather_weight(weight: Tensor) -> Tensor:
+    """The full ``[V, H]`` weight: a ``DTensor`` is gathered (``full_tensor()``), a plain tensor
+    is returned as is, and a DeepSpeed ZeRO-3 partitioned parameter raises ``ValueError`` (gather
+    it first with ``deepspeed.zero.GatheredParameters``, as the TRL adapter does)."""
+    if _is_dtensor(weight):
+        return weight.full_tensor()
+    if hasattr(weight, "ds_id") or hasattr(weight, "ds_status"):
+        status = getattr(weight, "ds_status", None)
+        name = getattr(status, "name", str(status))
+        if name != "AVAILABLE" or weight.numel() == 0:
+            raise ValueError(
+                "weight is a DeepSpeed ZeRO-3 partitioned parameter (ds_status="
+                f"{name}); gather it before calling the loss, e.g. "
+                "`with deepspeed.zero.GatheredParameters([lm_head.weight]): loss = ...`"
+            )
+    return weight
+
+
+def weight_grad_like(weight: Tensor, full_grad: Tensor) -> Tensor:
+    """The gradient autograd must return for ``weight`` given the full ``[V, H]`` gradient:
+    for a ``DTensor`` the gradient is laid out with the weight's mesh and placements (every rank
+    holds the same full gradient, so each keeps its own shard; no communication); else as is."""
+    if not _is_dtensor(weight):
+        return full_grad
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    for p in weight.placements:
+        if not isinstance(p, (Shard, Replicate)):
+            raise ValueError(
+                f"weight has placement {p}; only Shard and Replicate weights are supported"
+            )
+    try:
+        return distribute_tensor(
+            full_grad, weight.device_mesh, weight.placements, src_data_rank=None
+        )
+    except TypeError:  # older torch without src_data_rank
+        return distribute_tensor(full_grad, weight.device_mesh, weight.placements)
+
+
+# --------------------------------------------------------------------------- token compaction
+
+
+def _compact(hidden: Tensor, labels: Tensor, ignore_index: int, order: Optional[Tensor] = None):
+    """Shared core of :func:`compact_tokens`: ``order`` permutes dim 0 of ``labels [B, T]``."""
+    h2 = hidden.reshape(-1, hidden.shape[-1])
+    if order is None:
+        flat = labels.reshape(-1)
+        index = (flat != ignore_index).nonzero().squeeze(1)  # the one host sync
+        if index.numel() == flat.numel():
+            return h2, flat.long(), index
+    else:
+        T = labels.shape[1]
+        mask = labels.index_select(0, order) != ignore_index
+        pos = mask.reshape(-1).nonzero().squeeze(1)
+        index = order[pos // T] * T + pos % T
+        flat = labels.reshape(-1)
+    return h2.index_select(0, index), flat.index_select(0, index).long(), index
+
+
+def compact_tokens(hidden: Tensor, labels: Tensor, ignore_index: int) -> tuple[Tensor, Tensor, Tensor]:
+    """Drop ignored tokens: ``hidden [..., H]``, ``labels [...]`` ->
+    ``(hidden_valid [N, H], labels_valid [N] long, index [N] long)`` where ``index`` holds the
+    positions in the flattened ``[...]`` layout. One host sync. When no token is ignored the
+    returned hidden is a view (no copy)."""
+    return _compact(hidden, labels, ignore_index)
+
+
+# --------------------------------------------------------------------------- chunk sizing
+
+
+def _max_chunk(vocab: int, chunk_tokens, budget_bytes, itemsize) -> tuple[int, bool]:
+    if chunk_tokens is not None:
+        if int(chunk_tokens) < 1:
+            raise ValueError(f"chunk_tokens must be a positive integer, got {chunk_tokens!r}")
+        return int(chunk_tokens), True
+    budget = DEFAULT_BUDGET_BYTES if budget_bytes is None else int(budget_bytes)
+    if budget <= 0:
+        raise ValueError(f"budget_bytes must be positive, got {budget_bytes!r}")
+    return max(1, budget // max(1, vocab * itemsize)), False
+
+
+def chunk_bounds(
+    num_tokens: int,
+    vocab: int,
+    *,
+    chunk_tokens: Optional[int] = None,
+    budget_bytes: Optional[int] = None,
+    itemsize: int = 2,
+) -> list[tuple[int, int]]:
+    """Split ``[0, num_tokens)`` into ``(start, end)`` chunks whose ``[n, vocab]`` tile of
+    ``itemsize`` bytes fits ``budget_bytes`` (default :data:`DEFAULT_BUDGET_BYTES`). From the
+    budget, chunks are balanced (equal sizes, rounded up to a multiple of 128 when that still
+    fits); ``chunk_tokens`` instead fixes the chunk size exactly (the last chunk may be short)."""
+    if num_tokens <= 0:
+        return []
+    size, exact = _max_chunk(vocab, chunk_tokens, budget_bytes, itemsize)
+    if not exact:
+        k = math.ceil(num_tokens / size)
+        bal = math.ceil(num_tokens / k)
+        aligned = math.ceil(bal / CHUNK_ALIGN) * CHUNK_ALIGN
+        size = aligned if aligned <= size else bal
+    return [(s, min(s + size, num_tokens)) for s in range(0, num_tokens, size)]
+
+
+def group_chunk_bounds(
+    group_token_counts: list[int],
+    vocab: int,
+    *,
+    chunk_tokens: Optional[int] = None,
+    budget_bytes: Optional[int] = None,
+    itemsize: int = 2,
+) -> Optional[list[tuple[int, int, int, int]]]:
+    """Chunks of whole groups (sequences or pairs), greedily filled up to the token limit:
+    ``(group_start, group_end, token_start, token_end)``; groups are laid out contiguously in
+    the given order. ``None`` when one group alone exceeds the limit."""
+    limit, _ = _max_chunk(vocab, chunk_tokens, budget_bytes, itemsize)
+    out: list[tuple[int, int, int, int]] = []
+    g0, t0, t = 0, 0, 0
+    for g, c in enumerate(group_token_counts):
+        c = int(c)
+        if c > limit:
+            return None
+        if t + c - t0 > limit and g > g0:
+            out.append((g0, g, t0, t))
+            g0, t0 = g, t
+        t += c
+    if len(group_token_counts) > g0:
+        out.append((g0, len(group_token_counts), t0, t))
+    return out
+
+
+# --------------------------------------------------------------------------- GEMMs
+
+
+def compute_dtype(weight: Tensor) -> torch.dtype:
+    """The dtype of tiles and GEMMs: the autocast dtype when autocast is on for the weight's
+    device type, else the weight's dtype."""
+    dev = weight.device.type
+    try:
+        if torch.is_autocast_enabled(dev):
+            return torch.get_autocast_dtype(dev)
+    except (TypeError, RuntimeError):  # pragma: no cover - older torch signatures
+        if dev == "cuda" and torch.is_autocast_enabled():
+            return torch.get_autocast_gpu_dtype()
+    return weight.dtype
+
+
+def project(hidden: Tensor, weight: Tensor, bias: Optional[Tensor] = None) -> Tensor:
+    """Logits tile ``[n, V] = hidden [n, H] @ weight[V, H].T (+ bias)`` in the compute dtype
+    (autocast dtype if autocast is on, else the weight dtype), contiguous, no autograd."""
+    dtype = compute_dtype(weight)
+    dev = weight.device.type
+    with torch.autocast(device_type=dev, enabled=False):
+        h = hidden if hidden.dtype == dtype else hidden.to(dtype)
+        w = weight if weight.dtype == dtype else weight.to(dtype)
+        if bias is not None:
+            b = bias if bias.dtype == dtype else bias.to(dtype)
+            return torch.addmm(b, h, w.t())
+        return torch.mm(h, w.t())
+
+
+_OUT_DTYPE_MM = {}
+
+
+def _mm_into(out: Tensor, a: Tensor, b: Tensor, accumulate: bool) -> None:
+    """``out (+)= a @ b``; ``out`` may have a wider dtype (fp32 accumulator for bf16 operands)."""
+    if out.dtype == a.dtype:
+        if accumulate:
+            out.addmm_(a, b)
+        else:
+            torch.mm(a, b, out=out)
+        return
+    key = (out.device.type, a.dtype, out.dtype)
+    if _OUT_DTYPE_MM.get(key, True):
+        try:
+            if accumulate:
+                torch.addmm(out, a, b, out_dtype=out.dtype, out=out)
+            else:
+                torch.mm(a, b, out_dtype=out.dtype, out=out)
+            _OUT_DTYPE_MM[key] = True
+            return
+        except (RuntimeError, TypeError, NotImplementedError):
+            _OUT_DTYPE_MM[key] = False
+    prod = torch.mm(a, b)
+    if accumulate:
+        out.add_(prod)
+    else:
+        out.copy_(prod)
+
+
+def backprop_tile(
+    grad_logits: Tensor,
+    hidden: Tensor,
+    weight: Tensor,
+    *,
+    grad_hidden: Optional[Tensor],
+    grad_weight: Optional[Tensor],
+    grad_bias: Optional[Tensor],
+    accumulate: bool,
+    row_scale: Optional[Tensor] = None,
+) -> None:
+    """Back-propagate a gradient tile ``G = d loss / d logits [n, V]`` through the projection.
+
+    * ``grad_hidden [n, H]`` (buffer, overwritten) ``= row_scale * (G @ W)``
+    * ``grad_weight [V, H]`` ``(+)= G^T @ (row_scale * hidden)`` (``accumulate=False`` overwrites)
+    * ``grad_bias [V]`` (fp32) ``(+)= G^T @ row_scale`` (column sums of the scaled ``G``)
+
+    ``row_scale [n]`` (float32) is the per-row upstream factor, applied to the small ``[n, H]``
+    matrices, never to the tile. ``None`` buffers are skipped (frozen weight: no ``G^T`` GEMM).
+    """
+    dtype = grad_logits.dtype
+    dev = grad_logits.device.type
+    with torch.autocast(device_type=dev, enabled=False):
+        w = weight if weight.dtype == dtype else weight.to(dtype)
+        if grad_hidden is not None:
+            if grad_hidden.dtype == dtype and grad_hidden.is_contiguous():
+                torch.mm(grad_logits, w, out=grad_hidden)
+            else:
+                grad_hidden.copy_(torch.mm(grad_logits, w))
+            if row_scale is not None:
+                grad_hidden.mul_(row_scale.unsqueeze(1))
+        if grad_weight is not None:
+            if row_scale is not None:
+                h = (hidden.float() * row_scale.unsqueeze(1)).to(dtype)
+            else:
+                h = hidden if hidden.dtype == dtype else hidden.to(dtype)
+            _mm_into(grad_weight, grad_logits.t(), h, accumulate)
+        if grad_bias is not None:
+            if row_scale is not None:
+                colsum = torch.mv(grad_logits.t(), row_scale.to(dtype)).float()
+            else:
+                colsum = grad_logits.sum(0, dtype=torch.float32)
+            if accumulate:
+                grad_bias.add_(colsum)
+            else:
+                grad_bias.copy_(colsum)
+
+
+# --------------------------------------------------------------------------- sequence objectives
+
+
+@dataclass
+class SequenceStats:
+    """Per-sequence statistics handed to a sequence objective; ``[S]`` float32 tensors for the
+    ``S`` sequences of the call (for pairs: ``[chosen of the units; rejected of the units]``)."""
+
+    logps: Tensor  # sum over valid tokens of token_weight * log p(label); differentiable in the driver
+    num_tokens: Tensor  # valid tokens per sequence
+    logits_sum: Tensor  # sum over valid tokens of the mean-over-vocab (transformed) logit
+    correct: Tensor  # valid tokens whose argmax is the label
+    entropy_sum: Optional[Tensor]  # sum over valid tokens of the softmax entropy (need_entropy)
+    ref_logps: Optional[Tensor]  # reference sum log-probs (same token weights), or None
+    batch_num_tokens: Tensor  # [B] valid tokens of every sequence of the whole batch
+    index: Tensor  # [S] long: positions of these sequences in the whole batch
+
+
+Objective = Callable[[SequenceStats], tuple[Tensor, dict]]
+
+_ACCUM_DTYPES = (None, torch.float32, torch.float64, torch.bfloat16, torch.float16)
+
+
+def _check_common(weight, hidden, labels, bias, ignore_index, temperature, softcap, logit_scale,
+                  chunk_tokens, accum_dtype, impl, *, hidden_ndim=None):
+    """Checks shared by every fused-linear loss; returns V."""
+    check_tensor("weight", weight, ndim=2, floating=True)
+    if hidden_ndim is None:
+        check_tensor("hidden", hidden, min_ndim=1, floating=True)
+    else:
+        check_tensor("hidden", hidden, ndim=hidden_ndim, floating=True)
+    check_tensor("labels", labels, floating=False)
+    V, H = weight.shape
+    if hidden.shape[-1] != H:
+        raise ValueError(
+            f"hidden must have last dimension {H} (weight is [V={V}, H={H}]), "
+            f"got shape {tuple(hidden.shape)}"
+        )
+    if tuple(labels.shape) != tuple(hidden.shape[:-1]):
+        raise ValueError(
+            f"labels must have shape {tuple(hidden.shape[:-1])} (hidden.shape[:-1]), "
+            f"got {tuple(labels.shape)}"
+        )
+    if bias is not None:
+        check_tensor("bias", bias, ndim=1, floating=True)
+        if bias.shape[0] != V:
+            raise ValueError(f"bias must have shape [{V}] (vocab of weight), got {tuple(bias.shape)}")
+    check_same_device(weight=weight, hidden=hidden, labels=labels, bias=bias)
+    if not isinstance(ignore_index, int):
+        raise TypeError(f"ignore_index must be an int, got {type(ignore_index).__name__}")
+    check_range("temperature", float(temperature), 0.0, None, low_inclusive=False)
+    check_range("logit_scale", float(logit_scale), 0.0, None, low_inclusive=False)
+    if softcap is not None:
+        check_range("softcap", float(softcap), 0.0, None, low_inclusive=False)
+    if chunk_tokens is not None and (not isinstance(chunk_tokens, int) or chunk_tokens < 1):
+        raise ValueError(f"chunk_tokens must be a positive int or None, got {chunk_tokens!r}")
+    if accum_dtype not in _ACCUM_DTYPES:
+        raise ValueError(f"accum_dtype must be one of {_ACCUM_DTYPES}, got {accum_dtype!r}")
+    resolve_impl(impl, hidden)
+    check_labels("labels", labels, V, ignore_index)
+    return V
+
+
+def _segment_sum(values: Tensor, seg: Tensor, size: int) -> Tensor:
+    return torch.zeros(size, dtype=torch.float32, device=values.device).index_add_(0, seg, values.float())
+
+
+class _SequenceObjectiveFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, weight, hidden, bias, cfg, sink):
+        needs_w, needs_h, needs_b = ctx.needs_input_grad[:3]
+        loss, gh, gw, gb = _run_sequence_objective(
+            weight, hidden, bias, cfg, sink, needs_h, needs_w, needs_b and bias is not None
+        )
+        ctx.save_for_backward(gh, gw, gb)
+        ctx.weight_ref = weight if needs_w else None
+        ctx.has = (gh is not None, gw is not None, gb is not None)
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        gh, gw, gb = _scaled_grads(ctx, grad_loss)
+        return gw, gh, gb, None, None
+
+
+def _scaled_grads(ctx, grad_scale, saved=None):
+    """Multiply the gradients computed in forward by the upstream scalar (in place, once);
+    returns ``(grad_hidden, grad_weight, grad_bias)`` (None where not computed)."""
+    if getattr(ctx, "consumed", False):
+        raise RuntimeError(
+            "backward through a fused-linear loss ran twice; its gradients are computed in the "
+            "forward and released by the first backward (retain_graph is not supported)"
+        )
+    ctx.consumed = True
+    gh, gw, gb = ctx.saved_tensors[:3] if saved is None else saved
+    has_h, has_w, has_b = ctx.has
+    out = []
+    if has_h:
+        gh.mul_(grad_scale)
+        out.append(gh)
+    else:
+        out.append(None)
+    if has_w:
+        gw.mul_(grad_scale)
+        w = ctx.weight_ref
+        g = gw if gw.dtype == w.dtype else gw.to(w.dtype)
+        out.append(weight_grad_like(w, g))
+    else:
+        out.append(None)
+    if has_b:
+        out.append(gb.mul_(grad_scale))
+    else:
+        out.append(None)
+    return tuple(out)
+
+
+def _run_sequence_objective(weight, hidden, bias, cfg, sink, needs_h, needs_w, needs_b):
+    B, T, H = hidden.shape
+    g = cfg["group_size"]
+    U_total = B // g
+    dev = hidden.device
+    impl = cfg["impl"]
+    ign = cfg["ignore_index"]
+    labels = cfg["labels"]
+    kopts = dict(
+        temperature=cfg["temperature"], softcap=cfg["softcap"], logit_scale=cfg["logit_scale"],
+        ignore_index=ign, impl=impl,
+    )
+    need_entropy = cfg["need_entropy"]
+    w_full = gather_weight(weight)
+    cdt = cfg["compute_dtype"]
+    w_c = w_full if w_full.dtype == cdt else w_full.to(cdt)
+    b_c = bias
+    V = w_c.shape[0]
+
+    # sequences in unit order: pairs interleaved (c0, r0, c1, r1, ...) so that a chunk of whole
+    # units is one contiguous token range
+    mask = labels != ign
+    counts = mask.sum(1)
+    batch_num_tokens = counts.float()
+    if g == 2:
+        P = B // 2
+        order_list = [i for p in range(P) for i in (p, p + P)]
+        order = torch.tensor(order_list, device=dev, dtype=torch.long)
+    else:
+        order_list, order = list(range(B)), None
+    counts_host = counts.tolist()  # host sync (before the loop)
+    ordered_counts = [counts_host[i] for i in order_list]
+    h_valid, l_valid, index = _compact(hidden, labels, ign, order)
+    N = index.numel()
+    pos_of_tok = torch.repeat_interleave(
+        torch.arange(B, device=dev), torch.tensor(ordered_counts, device=dev, dtype=torch.long),
+        output_size=N,
+    )
+    order_t = order if order is not None else torch.arange(B, device=dev)
+    tw = cfg["token_weights"]
+    tw_valid = tw.reshape(-1).index_select(0, index).float() if tw is not None else None
+    ref_logps_in = cfg["ref_logps"]
+    ref_hidden = cfg["ref_hidden"]
+    if ref_hidden is not None:
+        rh_valid = ref_hidden.reshape(-1, ref_hidden.shape[-1]).index_select(0, index)
+        rw = cfg["ref_weight"]
+        rw = w_c if rw is None else gather_weight(rw)
+        rw = rw if rw.dtype == cdt else rw.to(cdt)
+        rb = cfg["ref_bias"]
+        if rb is None and cfg["ref_weight"] is None:
+            rb = bias  # the reference shares the policy's head
+    need_grad = needs_h or needs_w or needs_b
+    itemsize = torch.finfo(cdt).bits // 8
+
+    # per-position accumulators (positions = sequences in unit order)
+    acc = {k: torch.zeros(B, dtype=torch.float32, device=dev)
+           for k in ("logps", "logits_sum", "correct", "entropy_sum", "ref_logps")}
+    gh = torch.empty(N, H, dtype=cdt, device=dev) if needs_h else None
+    accum = cfg["accum_dtype"] or w_full.dtype
+    gw = torch.empty(V, H, dtype=accum, device=dev) if needs_w else None
+    gb = torch.zeros(V, dtype=torch.float32, device=dev) if needs_b else None
+    first = [True]
+
+    def chunk_stats(ts, te, p0, p1, with_grad):
+        """Tile of tokens [ts, te) (positions [p0, p1)): per-position sums; tile keeps the grad."""
+        seg = pos_of_tok[ts:te] - p0
+        size = p1 - p0
+        if ref_hidden is not None and ref_logps_in is None:
+            rt = project(rh_valid[ts:te], rw, rb)
+            rs = logits_tile(rt, l_valid[ts:te], mode="logp", grad=False, **kopts)
+            del rt
+            v = rs.logp if tw_valid is None else rs.logp * tw_valid[ts:te]
+            acc["ref_logps"][p0:p1] += _segment_sum(v, seg, size)
+        tile = project(h_valid[ts:te], w_c, b_c)
+        st = logits_tile(tile, l_valid[ts:te], mode="logp", grad=with_grad,
+                         need_entropy=need_entropy, **kopts)
+        v = st.logp if tw_valid is None else st.logp * tw_valid[ts:te]
+        out = {
+            "logps": _segment_sum(v, seg, size),
+            "logits_sum": _segment_sum(st.logits_sum / V, seg, size),
+            "correct": _segment_sum(st.correct.float(), seg, size),
+        }
+        if need_entropy:
+            out["entropy_sum"] = _segment_sum(st.entropy, seg, size)
+        for k, val in out.items():
+            acc[k][p0:p1] += val
+        return tile, seg
+
+    def backprop(tile, ts, te, row_scale):
+        if tw_valid is not None:
+            row_scale = row_scale * tw_valid[ts:te]
+        backprop_tile(
+            tile, h_valid[ts:te], w_c,
+            grad_hidden=gh[ts:te] if gh is not None else None,
+            grad_weight=gw, grad_bias=gb, accumulate=not first[0], row_scale=row_scale,
+        )
+        first[0] = False
+
+    def full_ref(p0, p1):
+        if ref_logps_in is not None:
+            return ref_logps_in.float().index_select(0, order_t[p0:p1])
+        if ref_hidden is not None:
+            return acc["ref_logps"][p0:p1]
+        return None
+
+    def make_stats(p0, p1, perm, logps):
+        pos = torch.arange(p0, p1, device=dev)[perm]
+        ref = full_ref(p0, p1)
+        return SequenceStats(
+            logps=logps,
+            num_tokens=batch_num_tokens.index_select(0, order_t[pos]),
+            logits_sum=acc["logits_sum"][pos],
+            correct=acc["correct"][pos],
+            entropy_sum=acc["entropy_sum"][pos] if need_entropy else None,
+            ref_logps=ref[perm] if ref is not None else None,
+            batch_num_tokens=batch_num_tokens,
+            index=order_t[pos],
+        )
+
+    def call_objective(p0, p1, want_grad):
+        """Objective on positions [p0, p1); returns (loss sum/U_total, metrics, grad per position)."""
+        size = p1 - p0
+        if g == 2:
+            perm = torch.cat([torch.arange(0, size, 2), torch.arange(1, size, 2)]).to(dev)
+        else:
+            perm = torch.arange(size, device=dev)
+        with torch.enable_grad():
+            leaf = acc["logps"][p0:p1][perm].detach().clone().requires_grad_(want_grad)
+            stats = make_stats(p0, p1, perm, leaf)
+            losses, metrics = cfg["objective"](stats)
+            u = size // g
+            if not isinstance(losses, Tensor) or losses.numel() != u:
+                raise ValueError(
+                    f"objective must return losses of shape [{u}] (one per unit), got "
+                    f"{tuple(losses.shape) if isinstance(losses, Tensor) else type(losses).__name__}"
+                )
+            total = losses.float().sum() / U_total
+            grad_pos = None
+            if want_grad:
+                if total.requires_grad:
+                    (gl,) = torch.autograd.grad(total, leaf, allow_unused=True)
+                else:
+                    gl = None
+                grad_pos = torch.zeros(size, dtype=torch.float32, device=dev)
+                if gl is not None:
+                    grad_pos[perm] = gl.float()
+        mets = {}
+        for k, m in (metrics or {}).items():
+            m = m.detach()
+            if m.numel() != u:
+                raise ValueError(f"objective metric {k!r} must have shape [{u}], got {tuple(m.shape)}")
+            mets[k] = m.reshape(u)
+        return total.detach(), mets, grad_pos
+
+    loss = torch.zeros((), dtype=torch.float32, device=dev)
+    metric_parts: dict[str, list] = {}
+    groups = [sum(ordered_counts[u * g:(u + 1) * g]) for u in range(U_total)]
+    plan = None
+    if cfg["separable"]:
+        plan = group_chunk_bounds(groups, V, chunk_tokens=cfg["chunk_tokens"], itemsize=itemsize)
+    if plan is not None:
+        # one pass: every chunk holds whole units; gradients computed while the tile exists
+        for u0, u1, ts, te in plan:
+            p0, p1 = u0 * g, u1 * g
+            tile, seg = chunk_stats(ts, te, p0, p1, need_grad)
+            total, mets, grad_pos = call_objective(p0, p1, need_grad)
+            loss = loss + total
+            for k, m in mets.items():
+                metric_parts.setdefault(k, []).append(m)
+            if need_grad and te > ts:
+                backprop(tile, ts, te, grad_pos[seg])
+            del tile
+    else:
+        # two phases: statistics of the whole batch, objective, then recompute with row scales
+        bounds = chunk_bounds(N, V, chunk_tokens=cfg["chunk_tokens"], itemsize=itemsize)
+        for ts, te in bounds:
+            tile, _ = chunk_stats(ts, te, 0, B, False)  # statistics only, sums into all positions
+            del tile
+        total, mets, grad_pos = call_objective(0, B, need_grad)
+        loss = loss + total
+        for k, m in mets.items():
+            metric_parts.setdefault(k, []).append(m)
+        if need_grad:
+            for ts, te in bounds:
+                tile = project(h_valid[ts:te], w_c, b_c)
+                logits_tile(tile, l_valid[ts:te], mode="logp", grad=True, **kopts)
+                backprop(tile, ts, te, grad_pos[pos_of_tok[ts:te]])
+                del tile
+
+    if needs_w and first[0]:
+        gw.zero_()
+    # outputs
+    metrics = {k: torch.cat(v) for k, v in metric_parts.items()}  # [U_total], unit order
+    full = {}
+    for k in ("logps", "logits_sum", "correct", "entropy_sum", "ref_logps"):
+        t = torch.empty(B, dtype=torch.float32, device=dev)
+        t[order_t] = acc[k]
+        full[k] = t
+    ref_full = None
+    if ref_logps_in is not None:
+        ref_full = ref_logps_in.float().detach()
+    elif ref_hidden is not None:
+        ref_full = full["ref_logps"]
+    sink["metrics"] = metrics
+    sink["stats"] = SequenceStats(
+        logps=full["logps"], num_tokens=batch_num_tokens, logits_sum=full["logits_sum"],
+        correct=full["correct"], entropy_sum=full["entropy_sum"] if need_entropy else None,
+        ref_logps=ref_full, batch_num_tokens=batch_num_tokens,
+        index=torch.arange(B, device=dev),
+    )
+    grad_hidden = None
+    if needs_h:
+        if N == B * T and order is None:
+            grad_hidden = gh.view(B, T, H)
+        else:
+            grad_hidden = torch.zeros(B * T, H, dtype=cdt, device=dev).index_copy_(0, index, gh)
+            grad_hidden = grad_hidden.view(B, T, H)
+        if grad_hidden.dtype != hidden.dtype:
+            grad_hidden = grad_hidden.to(hidden.dtype)
+    return loss, grad_hidden, gw, gb
+
+
+def fused_linear_sequence_objective(
+    weight: Tensor,
+    hidden: Tensor,
+    labels: Tensor,
+    objective: Objective,
+    *,
+    group_size: int = 1,
+    separable: bool = True,
+    bias: Optional[Tensor] = None,
+    ref_hidden: Optional[Tensor] = None,
+    ref_weight: Optional[Tensor] = None,
+    ref_bias: Optional[Tensor] = None,
+    ref_logps: Optional[Tensor] = None,
+    token_weights: Optional[Tensor] = None,
+    ignore_index: int = -100,
+    temperature: float = 1.0,
+    softcap: Optional[float] = None,
+    logit_scale: float = 1.0,
+    need_entropy: bool = False,
+    chunk_tokens: Optional[int] = None,
+    accum_dtype: Optional[torch.dtype] = None,
+    impl: str = "auto",
+) -> tuple[Tensor, dict, SequenceStats]:
+    """A loss on per-sequence sums of token log-probabilities, computed chunk by chunk.
+
+    ``hidden [B, T, H]`` is scored against ``labels [B, T]`` (already shifted) through
+    ``weight [V, H]`` (+ ``bias [V]``). Units: ``group_size=1`` -> each sequence; ``group_size=2``
+    -> pairs, the batch laid out ``[chosen; rejected]`` on dim 0 (pair ``p`` = sequences ``p`` and
+    ``p + B/2``). ``objective(stats) -> (losses [U], metrics {name: [U]})`` is plain PyTorch,
+    differentiable in ``stats.logps``; for pairs the stats come ordered
+    ``[chosen of the units; rejected of the units]``. The loss is the mean over all units.
+
+    Reference log-probs: ``ref_logps [B]`` if given, else computed from ``ref_hidden [B, T, Hr]``
+    with ``ref_weight [V, Hr]`` and ``ref_bias`` under no grad, else None. ``ref_weight=None``
+    means the reference shares the policy head: ``weight`` and, unless ``ref_bias`` is given,
+    ``bias``; a given ``ref_weight`` without ``ref_bias`` has no bias.
+    ``token_weights [B, T]`` weight each token's log-prob in ``logps`` (and ``ref_logps``).
+
+    ``separable=True`` and whole units fit the chunk budget -> one pass (gradients computed while
+    each tile exists, objective called per chunk of units); otherwise two phases (statistics of the
+    whole batch, objective once, then tiles recomputed for the gradient).
+
+    Returns ``(loss, unit_metrics, stats)``: ``loss`` 0-d, differentiable w.r.t. ``hidden``,
+    ``weight``, ``bias``; ``unit_metrics`` ``{name: [U]}`` detached, in unit order; ``stats`` the
+    detached :class:`SequenceStats` of the whole batch in batch order (``index = arange(B)``).
+    """
+    _check_common(weight, hidden, labels, bias, ignore_index, temperature, softcap, logit_scale,
+                  chunk_tokens, accum_dtype, impl, hidden_ndim=3)
+    if not callable(objective):
+        raise TypeError(f"objective must be callable, got {type(objective).__name__}")
+    if group_size not in (1, 2):
+        raise ValueError(f"group_size must be 1 (sequences) or 2 (pairs), got {group_size!r}")
+    B, T, _ = hidden.shape
+    V = weight.shape[0]
+    if group_size == 2 and B % 2 != 0:
+        raise ValueError(
+            f"group_size=2 needs an even batch laid out [chosen; rejected] on dim 0, got B={B}"
+        )
+    if ref_weight is not None:
+        check_tensor("ref_weight", ref_weight, ndim=2, floating=True)
+        if ref_weight.shape[0] != V:
+            raise ValueError(
+                f"ref_weight must have shape [{V}, Hr] (same vocab as weight), got {tuple(ref_weight.shape)}"
+            )
+    if ref_hidden is not None:
+        check_tensor("ref_hidden", ref_hidden, ndim=3, floating=True)
+        Hr = (ref_weight if ref_weight is not None else weight).shape[1]
+        if tuple(ref_hidden.shape) != (B, T, Hr):
+            raise ValueError(
+                f"ref_hidden must have shape {(B, T, Hr)} ([B, T] of hidden, H of ref_weight), "
+                f"got {tuple(ref_hidden.shape)}"
+            )
+    if ref_bias is not None:
+        check_tensor("ref_bias", ref_bias, ndim=1, floating=True)
+        if ref_bias.shape[0] != V:
+            raise ValueError(f"ref_bias must have shape [{V}], got {tuple(ref_bias.shape)}")
+    if ref_logps is not None:
+        check_tensor("ref_logps", ref_logps, floating=True)
+        if tuple(ref_logps.shape) != (B,):
+            raise ValueError(f"ref_logps must have shape [{B}] (one per sequence), got {tuple(ref_logps.shape)}")
+    if token_weights is not None:
+        check_tensor("token_weights", token_weights, floating=True)
+        if tuple(token_weights.shape) != (B, T):
+            raise ValueError(f"token_weights must have shape {(B, T)} (as labels), got {tuple(token_weights.shape)}")
+    check_same_device(hidden=hidden, ref_hidden=ref_hidden, ref_weight=ref_weight,
+                      ref_bias=ref_bias, ref_logps=ref_logps, token_weights=token_weights)
+    cfg = dict(
+        labels=labels, objective=objective, group_size=group_size, separable=bool(separable),
+        ref_hidden=None if ref_hidden is None else ref_hidden.detach(),
+        ref_weight=None if ref_weight is None else ref_weight.detach(),
+        ref_bias=None if ref_bias is None else ref_bias.detach(),
+        ref_logps=None if ref_logps is None else ref_logps.detach(),
+        token_weights=None if token_weights is None else token_weights.detach(),
+        ignore_index=ignore_index, temperature=float(temperature),
+        softcap=None if softcap is None else float(softcap), logit_scale=float(logit_scale),
+        need_entropy=bool(need_entropy), chunk_tokens=chunk_tokens, accum_dtype=accum_dtype,
+        impl=impl, compute_dtype=compute_dtype(weight),
+    )
+    sink: dict = {}
+    loss = _SequenceObjectiveFunction.apply(weight, hidden, bias, cfg, sink)
+    return loss, sink["metrics"], sink["stats"]
+
+
+# --------------------------------------------------------------------------- per-token passes
+
+
+def run_tiles(
+    weight: Tensor,
+    hidden_valid: Tensor,
+    labels_valid: Tensor,
+    bias: Optional[Tensor],
+    *,
+    mode: str,
+    grad: bool,
+    grad_scale=1.0,
+    need_entropy: bool = False,
+    kernel_opts: Optional[dict] = None,
+    chunk_tokens: Optional[int] = None,
+    accum_dtype: Optional[torch.dtype] = None,
+    needs_hidden: bool = True,
+    needs_weight: bool = True,
+    needs_bias: bool = False,
+):
+    """One chunked pass of a per-token loss over compacted tokens.
+
+    ``weight [V, H]`` (full, already in the compute dtype), ``hidden_valid [N, H]``,
+    ``labels_valid [N]``. Per chunk: :func:`project`, the logits-tile kernel in ``mode``
+    ("ce" | "logp") with ``grad_scale`` (float or ``[N]`` tensor, sliced per chunk), and when
+    ``grad`` :func:`backprop_tile`. Returns ``(stats, grad_hidden [N, H] | None,
+    grad_weight [V, H] (accum_dtype or weight dtype) | None, grad_bias [V] fp32 | None)`` where
+    ``stats`` maps loss/lse/logp/correct/logits_sum(/entropy) to ``[N]`` tensors.
+    """
+    kernel_opts = dict(kernel_opts or {})
+    N, H = hidden_valid.shape
+    V = weight.shape[0]
+    dev = hidden_valid.device
+    cdt = weight.dtype
+    gh = torch.empty(N, H, dtype=cdt, device=dev) if grad and needs_hidden else None
+    gw = (torch.empty(V, H, dtype=accum_dtype or cdt, device=dev)
+          if grad and needs_weight else None)
+    gb = torch.zeros(V, dtype=torch.float32, device=dev) if grad and needs_bias else None
+    per_row = isinstance(grad_scale, Tensor)
+    parts: dict[str, list] = {}
+    first = True
+    for ts, te in chunk_bounds(N, V, chunk_tokens=chunk_tokens, itemsize=torch.finfo(cdt).bits // 8):
+        tile = project(hidden_valid[ts:te], weight, bias)
+        st = logits_tile(
+            tile, labels_valid[ts:te], mode=mode, grad=grad,
+            grad_scale=grad_scale[ts:te] if per_row else grad_scale,
+            need_entropy=need_entropy, **kernel_opts,
+        )
+        for k, v in st._asdict().items():
+            if v is not None:
+                parts.setdefault(k, []).append(v)
+        if grad:
+            backprop_tile(
+                tile, hidden_valid[ts:te], weight,
+                grad_hidden=gh[ts:te] if gh is not None else None,
+                grad_weight=gw, grad_bias=gb, accumulate=not first,
+            )
+            first = False
+        del tile
+    if gw is not None and first:
+        gw.zero_()
+    stats = {}
+    for k in ("loss", "lse", "logp", "correct", "logits_sum", "entropy"):
+        if k in parts:
+            stats[k] = torch.cat(parts[k])
+        elif k != "entropy" or need_entropy:
+            stats[k] = torch.zeros(0, dtype=torch.bool if k == "correct" else torch.float32, device=dev)
+    return stats, gh, gw, gb
+
+
+def scatter_rows(rows: Tensor, index: Tensor, shape, *, dtype: Optional[torch.dtype] = None) -> Tensor:
+    """Rows ``[N, ...]`` of the compacted tokens put back at ``index`` of a zero tensor of
+    ``shape`` (leading dims flattened); a plain view when ``index`` covers every position in order."""
+    total = 1
+    for s in shape[: len(shape) - (rows.dim() - 1)]:
+        total *= int(s)
+    dtype = dtype or rows.dtype
+    if rows.shape[0] == total:  # compaction kept every row in order (see compact_tokens)
+        out = rows
+    else:
+        out = torch.zeros((total,) + tuple(rows.shape[1:]), dtype=rows.dtype, device=rows.device)
+        out.index_copy_(0, index, rows)
+    out = out.view(tuple(shape))
+    return out if out.dtype == dtype else out.to(dtype)

@@ -1,0 +1,175 @@
+"""Cross-entropy on given logits, with an online-softmax Triton kernel (``kernels.logits_tile``).
+
+``logits [..., V]`` (bf16 / fp16 / fp32) against ``labels [...]`` (integer; ``ignore_index``
+positions give zero loss and zero gradient). Per token, with ``z = softcap * tanh(x / softcap)``
+(``softcap`` optional), class weights ``w`` (default 1) and smoothing ``eps``::
+
+    loss = (1 - eps) * w[y] * (-log p_y) + eps / V * sum_v w[v] * (-log p_v) + z_loss_weight * lse**2
+
+Reductions as ``torch.nn.functional.cross_entropy``: ``"mean"`` divides the sum by the summed
+``w[y]`` of the non-ignored tokens (their count without weights), ``"sum"``, ``"none"``
+(``[...]``, zeros at ignored positions). Unlike torch, an all-ignored batch gives 0 (not NaN)
+with ``"mean"``. The loss is returned in the logits' dtype (as torch does); statistics are fp32.
+
+Memory: for ``mean``/``sum`` the gradient is computed in the forward into a new buffer the size
+of the logits, or -- with ``inplace_backward=True`` -- into the logits themselves. That saves the
+buffer but destroys the logits' values: use it only when nothing else reads the logits
+afterwards (not the caller, and no autograd op that saved them, e.g. a softcap ``tanh`` done
+outside; a matmul producing them is fine). ``"none"`` keeps the logits and computes the gradient
+in backward with the per-token upstream gradient.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import Tensor, nn
+
+from liger_losses.kernels.logits_tile import logits_tile
+from liger_losses.kernels.utils import (
+    check_choice,
+    check_labels,
+    check_range,
+    check_same_device,
+    check_tensor,
+    resolve_impl,
+)
+
+REDUCTIONS = ("mean", "sum", "none")
+
+
+class _CrossEntropyFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, logits, labels, weight, cfg):
+        shape = logits.shape
+        V = shape[-1]
+        x = logits.reshape(-1, V)
+        lab = labels.reshape(-1)
+        red = cfg["reduction"]
+        kopts = cfg["kernel_opts"]
+        ctx.shape = shape
+        ctx.per_token = red == "none"
+        if red == "none":
+            st = logits_tile(x, lab, mode="ce", grad=False, class_weight=weight, **kopts)
+            ctx.save_for_backward(logits, labels, weight)
+            ctx.cfg = cfg
+            return st.loss.reshape(shape[:-1]).to(logits.dtype)
+        valid = lab != kopts["ignore_index"]
+        if red == "mean":
+            if weight is not None:
+                w_y = weight.float()[torch.where(valid, lab, torch.zeros_like(lab))]
+                denom = (w_y * valid).sum()
+            else:
+                denom = valid.sum().float()
+            denom = torch.where(denom > 0, denom, torch.ones_like(denom))
+            scale = (1.0 / denom).reshape(1).expand(x.shape[0]).contiguous()
+        else:
+            denom, scale = None, 1.0
+        grad = ctx.needs_input_grad[0]
+        if grad:
+            if cfg["inplace_backward"] and x.data_ptr() == logits.data_ptr() and x.is_contiguous():
+                buf = x
+            else:
+                buf = x.clone(memory_format=torch.contiguous_format)
+        else:
+            buf = x
+        st = logits_tile(buf, lab, mode="ce", grad=grad, grad_scale=scale, class_weight=weight, **kopts)
+        total = st.loss.sum()
+        loss = total / denom if denom is not None else total
+        ctx.save_for_backward(buf if grad else None)
+        return loss.to(logits.dtype)
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        if ctx.per_token:
+            logits, labels, weight = ctx.saved_tensors
+            cfg = ctx.cfg
+            V = logits.shape[-1]
+            buf = logits.reshape(-1, V).clone(memory_format=torch.contiguous_format)
+            logits_tile(
+                buf, labels.reshape(-1), mode="ce", grad=True,
+                grad_scale=grad_loss.reshape(-1).float().contiguous(), class_weight=weight,
+                **cfg["kernel_opts"],
+            )
+            return buf.view(ctx.shape), None, None, None
+        (buf,) = ctx.saved_tensors
+        return buf.mul_(grad_loss).view(ctx.shape), None, None, None
+
+
+def cross_entropy(
+    logits: Tensor,
+    labels: Tensor,
+    *,
+    ignore_index: int = -100,
+    label_smoothing: float = 0.0,
+    z_loss_weight: float = 0.0,
+    softcap: Optional[float] = None,
+    reduction: str = "mean",
+    weight: Optional[Tensor] = None,
+    inplace_backward: bool = False,
+    impl: str = "auto",
+) -> Tensor:
+    """Cross-entropy of ``logits [..., V]`` against ``labels [...]`` (see the module docstring).
+    ``weight [V]``: class weights as in torch."""
+    check_tensor("logits", logits, min_ndim=1, floating=True)
+    check_tensor("labels", labels, floating=False)
+    if tuple(labels.shape) != tuple(logits.shape[:-1]):
+        raise ValueError(
+            f"labels must have shape {tuple(logits.shape[:-1])} (logits.shape[:-1]), got {tuple(labels.shape)}"
+        )
+    V = logits.shape[-1]
+    check_choice("reduction", reduction, REDUCTIONS)
+    check_range("label_smoothing", float(label_smoothing), 0.0, 1.0)
+    check_range("z_loss_weight", float(z_loss_weight), 0.0, None)
+    if softcap is not None:
+        check_range("softcap", float(softcap), 0.0, None, low_inclusive=False)
+    if weight is not None:
+        check_tensor("weight", weight, ndim=1, floating=True)
+        if weight.shape[0] != V:
+            raise ValueError(f"weight must have shape [{V}] (one per class), got {tuple(weight.shape)}")
+    if not isinstance(ignore_index, int):
+        raise TypeError(f"ignore_index must be an int, got {type(ignore_index).__name__}")
+    check_same_device(logits=logits, labels=labels, weight=weight)
+    resolve_impl(impl, logits)
+    check_labels("labels", labels, V, ignore_index)
+    cfg = dict(
+        reduction=reduction, inplace_backward=bool(inplace_backward),
+        kernel_opts=dict(
+            ignore_index=ignore_index, label_smoothing=float(label_smoothing),
+            z_loss_weight=float(z_loss_weight), softcap=None if softcap is None else float(softcap),
+            impl=impl,
+        ),
+    )
+    return _CrossEntropyFunction.apply(logits, labels, weight, cfg)
+
+
+class LigerCrossEntropyLoss(nn.Module):
+    """Drop-in for ``torch.nn.CrossEntropyLoss`` on ``[..., V]`` logits (class dim last), plus
+    ``z_loss_weight`` and ``softcap``: ``forward(logits, labels)``."""
+
+    def __init__(
+        self,
+        ignore_index: int = -100,
+        reduction: str = "mean",
+        label_smoothing: float = 0.0,
+        z_loss_weight: float = 0.0,
+        softcap: Optional[float] = None,
+        weight: Optional[Tensor] = None,
+    ):
+        super().__init__()
+        check_choice("reduction", reduction, REDUCTIONS)
+        check_range("label_smoothing", float(label_smoothing), 0.0, 1.0)
+        self.ignore_index = ignore_index
+        self.reduction = reduction
+        self.label_smoothing = label_smoothing
+        self.z_loss_weight = z_loss_weight
+        self.softcap = softcap
+        self.register_buffer("weight", weight)
+
+    def forward(self, logits: Tensor, labels: Tensor) -> Tensor:
+        return cross_entropy(
+            logits, labels, ignore_index=self.ignore_index, label_smoothing=self.label_smoothing,
+            z_loss_weight=self.z_loss_weight, softcap=self.softcap, reduction=self.reduction,
+            weight=self.weight,
+        )

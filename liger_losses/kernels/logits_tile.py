@@ -1,0 +1,332 @@
+"""Row statistics of one logits tile and its gradient written in place (layer 1).
+
+Input: a logits tile ``x [n, V]`` (bf16 / fp16 / fp32, any row stride, unit column stride) and
+``labels [n]`` (integer; ``ignore_index`` rows give zero statistics and a zero gradient row).
+Each row is transformed ``y = logit_scale * x``; ``y = softcap * tanh(y / softcap)`` when
+``softcap`` is set; ``z = y / temperature``; ``p = softmax(z)``. Per row (all float32, ``[n]``):
+
+* ``lse = logsumexp(z)``, ``logp = z[label] - lse``
+* ``loss``: in ``mode="ce"`` the cross-entropy
+  ``(1 - eps) * w[label] * (-logp) + eps / V * sum_v w[v] * (-log p_v) + z_loss_weight * lse**2``
+  (``w`` = class weights, 1 when not given; ``eps`` = label smoothing), in ``mode="logp"``
+  ``loss = logp`` (the objective the preference losses differentiate)
+* ``entropy = -sum_v p_v log p_v`` (only if ``need_entropy``), ``correct = z[label] == max(z)``
+  (argmax hit; ties count as hits), ``logits_sum = sum_v z_v``
+
+With ``grad=True`` the tile is overwritten, in its own dtype, by
+``grad_scale[row] * d loss[row] / d x[row, :]`` (through softcap, scale and temperature); with
+``grad=False`` the tile is left untouched (statistics only, e.g. for a reference model). All
+arithmetic is float32 in registers. Triton: one program per row, two passes over the row in
+blocks (online max / sum-exp, then the gradient). ``impl="torch"``: same semantics in PyTorch.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple, Optional, Union
+
+import torch
+from torch import Tensor
+
+from liger_losses.kernels.utils import (
+    check_choice,
+    check_range,
+    check_same_device,
+    check_tensor,
+    next_power_of_2,
+    resolve_impl,
+    triton_importable,
+    triton_interpret,
+)
+
+MODES = ("ce", "logp")
+
+
+class TileStats(NamedTuple):
+    """Per-row statistics of a logits tile, each ``[n]`` (float32 except ``correct``: bool)."""
+
+    loss: Tensor
+    lse: Tensor
+    logp: Tensor
+    entropy: Optional[Tensor]
+    correct: Tensor
+    logits_sum: Tensor
+
+
+if triton_importable():
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def _transform(x, logit_scale, inv_temp, softcap, HAS_SOFTCAP: tl.constexpr):
+        """z = (softcap * tanh(logit_scale * x / softcap)) / T, and tanh (0 without softcap)."""
+        y = x * logit_scale
+        t = y * 0.0
+        if HAS_SOFTCAP:
+            u = y / softcap
+            e = tl.exp(-2.0 * tl.abs(u))
+            t = (1.0 - e) / (1.0 + e)
+            t = tl.where(u < 0, -t, t)
+            y = softcap * t
+        return y * inv_temp, t
+
+    @triton.jit
+    def _logits_tile_kernel(
+        X, stride_x, LABELS, SCALE, scale_value, CW,
+        LOSS, LSE, LOGP, ENT, CORRECT, LSUM,
+        V, ignore_index, logit_scale, inv_temp, softcap, eps, z_w,
+        MODE_CE: tl.constexpr, WRITE_GRAD: tl.constexpr, SCALE_PER_ROW: tl.constexpr,
+        HAS_SOFTCAP: tl.constexpr, HAS_CW: tl.constexpr, NEED_ENT: tl.constexpr,
+        BLOCK: tl.constexpr,
+    ):
+        row = tl.program_id(0).to(tl.int64)
+        x_ptr = X + row * stride_x
+        label = tl.load(LABELS + row).to(tl.int64)
+        valid = label != ignore_index
+        safe = tl.where(valid, label, 0)
+        n_blocks = tl.cdiv(V, BLOCK)
+        n_iter = tl.where(valid, n_blocks, 0)
+        offs = tl.arange(0, BLOCK)
+
+        m_vec = tl.full([BLOCK], -1e30, tl.float32)
+        d_vec = tl.zeros([BLOCK], tl.float32)
+        s_vec = tl.zeros([BLOCK], tl.float32)
+        e_vec = tl.zeros([BLOCK], tl.float32)
+        sw_vec = tl.zeros([BLOCK], tl.float32)
+        w_vec = tl.zeros([BLOCK], tl.float32)
+        # pass 1: online max / sum-exp (+ sums for smoothing, entropy, mean logit)
+        for b in range(0, n_iter):
+            cols = b * BLOCK + offs
+            mask = cols < V
+            x = tl.load(x_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+            z, _t = _transform(x, logit_scale, inv_temp, softcap, HAS_SOFTCAP)
+            z = tl.where(mask, z, 0.0)
+            zm = tl.where(mask, z, float("-inf"))
+            m_new = tl.maximum(m_vec, zm)
+            alpha = tl.exp(m_vec - m_new)
+            p = tl.exp(zm - m_new)
+            d_vec = d_vec * alpha + p
+            if NEED_ENT:
+                e_vec = e_vec * alpha + p * z
+            m_vec = m_new
+            s_vec += z
+            if HAS_CW:
+                w = tl.load(CW + cols, mask=mask, other=0.0).to(tl.float32)
+                sw_vec += w * z
+                w_vec += w
+        m = tl.max(m_vec, axis=0)
+        r = tl.exp(m_vec - m)
+        d = tl.sum(d_vec * r, axis=0)
+        d = tl.where(valid, d, 1.0)  # ignored rows: no NaN/inf on the way to the zero outputs
+        lse = tl.where(valid, m + tl.log(d), 0.0)
+        s = tl.sum(s_vec, axis=0)
+
+        x_y = tl.load(x_ptr + safe).to(tl.float32)
+        z_y, _ty = _transform(x_y, logit_scale, inv_temp, softcap, HAS_SOFTCAP)
+        logp = z_y - lse
+        if HAS_CW:
+            w_y = tl.load(CW + safe).to(tl.float32)
+            w_sum = tl.sum(w_vec, axis=0)
+            sw = tl.sum(sw_vec, axis=0)
+        else:
+            w_y = 1.0
+            w_sum = V * 1.0
+            sw = s
+        if MODE_CE:
+            loss = (1.0 - eps) * w_y * (-logp) + eps / V * (w_sum * lse - sw) + z_w * lse * lse
+        else:
+            loss = logp
+        tl.store(LOSS + row, tl.where(valid, loss, 0.0))
+        tl.store(LSE + row, tl.where(valid, lse, 0.0))
+        tl.store(LOGP + row, tl.where(valid, logp, 0.0))
+        tl.store(CORRECT + row, tl.where(valid & (z_y >= m), 1, 0).to(tl.int8))
+        tl.store(LSUM + row, tl.where(valid, s, 0.0))
+        if NEED_ENT:
+            ent = lse - tl.sum(e_vec * r, axis=0) / d
+            tl.store(ENT + row, tl.where(valid, ent, 0.0))
+
+        # pass 2: gradient d loss / d x, times the row scale, in place
+        if WRITE_GRAD:
+            if SCALE_PER_ROW:
+                scale = tl.load(SCALE + row).to(tl.float32)
+            else:
+                scale = scale_value
+            lse_s = tl.where(valid, lse, 0.0)
+            zc = 2.0 * z_w * lse_s
+            for b in range(0, n_blocks):
+                cols = b * BLOCK + offs
+                mask = cols < V
+                x = tl.load(x_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+                z, t = _transform(x, logit_scale, inv_temp, softcap, HAS_SOFTCAP)
+                p = tl.exp(tl.minimum(z - lse_s, 0.0))
+                hit = cols == safe
+                if MODE_CE:
+                    if HAS_CW:
+                        w = tl.load(CW + cols, mask=mask, other=0.0).to(tl.float32)
+                        g = (1.0 - eps) * w_y * (p - tl.where(hit, 1.0, 0.0)) + eps / V * (w_sum * p - w) + zc * p
+                    else:
+                        g = p * (1.0 + zc) - tl.where(hit, 1.0 - eps, 0.0) - eps / V
+                else:
+                    g = tl.where(hit, 1.0, 0.0) - p
+                g = g * (inv_temp * logit_scale * scale)
+                if HAS_SOFTCAP:
+                    g = g * (1.0 - t * t)
+                g = tl.where(valid, g, 0.0)
+                tl.store(x_ptr + cols, g.to(X.dtype.element_ty), mask=mask)
+
+
+def _transform_torch(x: Tensor, logit_scale, temperature, softcap):
+    y = x.float() * logit_scale
+    t = None
+    if softcap is not None:
+        t = torch.tanh(y / softcap)
+        y = softcap * t
+    return y / temperature, t
+
+
+def _logits_tile_torch(
+    logits, labels, scale, ignore_index, logit_scale, temperature, softcap, eps, z_w,
+    class_weight, mode_ce, grad, need_entropy,
+) -> TileStats:
+    n, V = logits.shape
+    valid = labels != ignore_index
+    safe = torch.where(valid, labels, torch.zeros_like(labels)).long()
+    z, t = _transform_torch(logits, logit_scale, temperature, softcap)
+    lse = torch.logsumexp(z, dim=1)
+    z_y = z.gather(1, safe[:, None]).squeeze(1)
+    logp = z_y - lse
+    s = z.sum(1)
+    if class_weight is not None:
+        w = class_weight.float()
+        w_y = w[safe]
+        w_sum = w.sum()
+        sw = z @ w
+    else:
+        w = None
+        w_y = torch.ones_like(lse)
+        w_sum = float(V)
+        sw = s
+    if mode_ce:
+        loss = (1.0 - eps) * w_y * (-logp) + eps / V * (w_sum * lse - sw) + z_w * lse * lse
+    else:
+        loss = logp
+    zero = torch.zeros_like(lse)
+    p = torch.exp(z - lse[:, None])
+    entropy = None
+    if need_entropy:
+        entropy = torch.where(valid, lse - (p * z).sum(1), zero)
+    correct = valid & (z_y >= z.max(1).values)
+    stats = TileStats(
+        torch.where(valid, loss, zero), torch.where(valid, lse, zero),
+        torch.where(valid, logp, zero), entropy, correct, torch.where(valid, s, zero),
+    )
+    if grad:
+        onehot = torch.zeros_like(z).scatter_(1, safe[:, None], 1.0)
+        if mode_ce:
+            if w is not None:
+                g = (1.0 - eps) * w_y[:, None] * (p - onehot) + eps / V * (w_sum * p - w[None, :])
+            else:
+                g = (1.0 - eps) * (p - onehot) + eps * (p - 1.0 / V)
+            g = g + 2.0 * z_w * lse[:, None] * p
+        else:
+            g = onehot - p
+        g = g * (logit_scale / temperature)
+        if t is not None:
+            g = g * (1.0 - t * t)
+        scale = scale if isinstance(scale, Tensor) else torch.full_like(lse, float(scale))
+        g = g * torch.where(valid, scale.float(), zero)[:, None]
+        logits.copy_(g)
+    return stats
+
+
+def _block_settings(V: int) -> tuple[int, int]:
+    cap = 1024 if triton_interpret() else 4096
+    block = min(next_power_of_2(V), cap)
+    warps = 8 if block >= 2048 else 4
+    return block, warps
+
+
+def logits_tile(
+    logits: Tensor,
+    labels: Tensor,
+    *,
+    mode: str = "ce",
+    grad: bool = True,
+    grad_scale: Union[float, Tensor] = 1.0,
+    ignore_index: int = -100,
+    logit_scale: float = 1.0,
+    softcap: Optional[float] = None,
+    temperature: float = 1.0,
+    label_smoothing: float = 0.0,
+    z_loss_weight: float = 0.0,
+    class_weight: Optional[Tensor] = None,
+    need_entropy: bool = False,
+    impl: str = "auto",
+) -> TileStats:
+    """Row statistics of ``logits [n, V]`` against ``labels [n]``; with ``grad=True`` the tile
+    is overwritten by ``grad_scale * d loss / d logits`` (see the module docstring).
+
+    ``grad_scale`` is a float or a ``[n]`` tensor (cast to float32). ``class_weight [V]`` only
+    applies to ``mode="ce"``. Returns :class:`TileStats`.
+    """
+    check_tensor("logits", logits, ndim=2, floating=True)
+    check_tensor("labels", labels, ndim=1, floating=False)
+    n, V = logits.shape
+    if labels.shape[0] != n:
+        raise ValueError(f"labels must have shape [{n}] (rows of logits), got {tuple(labels.shape)}")
+    check_choice("mode", mode, MODES)
+    check_range("logit_scale", float(logit_scale), 0.0, None, low_inclusive=False)
+    check_range("temperature", float(temperature), 0.0, None, low_inclusive=False)
+    check_range("label_smoothing", float(label_smoothing), 0.0, 1.0)
+    check_range("z_loss_weight", float(z_loss_weight), 0.0, None)
+    if softcap is not None:
+        check_range("softcap", float(softcap), 0.0, None, low_inclusive=False)
+    if class_weight is not None:
+        check_tensor("class_weight", class_weight, ndim=1, floating=True)
+        if class_weight.shape[0] != V:
+            raise ValueError(f"class_weight must have shape [{V}], got {tuple(class_weight.shape)}")
+    per_row = isinstance(grad_scale, Tensor)
+    if per_row:
+        check_tensor("grad_scale", grad_scale, floating=True)
+        if grad_scale.dim() == 0:
+            grad_scale = grad_scale.reshape(1).expand(n)
+        if tuple(grad_scale.shape) != (n,):
+            raise ValueError(f"grad_scale must be a float or a [{n}] tensor, got {tuple(grad_scale.shape)}")
+        grad_scale = grad_scale.float().contiguous()
+    check_same_device(logits=logits, labels=labels, class_weight=class_weight,
+                      grad_scale=grad_scale if per_row else None)
+    if grad and logits.stride(1) != 1:
+        raise ValueError("logits must have unit stride in the last dimension to take the gradient in place")
+    mode_ce = mode == "ce"
+    eps = float(label_smoothing) if mode_ce else 0.0
+    z_w = float(z_loss_weight) if mode_ce else 0.0
+    cw = class_weight if mode_ce else None
+
+    if resolve_impl(impl, logits) == "torch" or n == 0:
+        return _logits_tile_torch(
+            logits, labels, grad_scale, ignore_index, float(logit_scale), float(temperature),
+            None if softcap is None else float(softcap), eps, z_w, cw, mode_ce, grad, need_entropy,
+        )
+
+    x = logits if logits.stride(1) == 1 else logits.contiguous()
+    lab = labels.contiguous()
+    dev = logits.device
+    loss = torch.empty(n, dtype=torch.float32, device=dev)
+    lse = torch.empty_like(loss)
+    logp = torch.empty_like(loss)
+    lsum = torch.empty_like(loss)
+    ent = torch.empty_like(loss) if need_entropy else loss
+    correct = torch.empty(n, dtype=torch.int8, device=dev)
+    cw_arg = cw.float().contiguous() if cw is not None else loss
+    scale_ptr = grad_scale if per_row else loss
+    scale_value = 0.0 if per_row else float(grad_scale)
+    block, warps = _block_settings(V)
+    _logits_tile_kernel[(n,)](
+        x, x.stride(0), lab, scale_ptr, scale_value, cw_arg,
+        loss, lse, logp, ent, correct, lsum,
+        V, int(ignore_index), float(logit_scale), 1.0 / float(temperature),
+        float(softcap) if softcap is not None else 1.0, eps, z_w,
+        MODE_CE=mode_ce, WRITE_GRAD=bool(grad), SCALE_PER_ROW=per_row,
+        HAS_SOFTCAP=softcap is not None, HAS_CW=cw is not None, NEED_ENT=bool(need_entropy),
+        BLOCK=block, num_warps=warps,
+    )
+    return TileStats(loss, lse, logp, ent if need_entropy else None, correct.bool(), lsum)

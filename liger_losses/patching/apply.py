@@ -1,0 +1,48 @@
+"""``apply_liger_kernels(model, ...)``: patch a Hugging Face causal LM in place, by its model_type.
+
+Detects the family from ``model.config.model_type`` (through a PEFT wrapper if there is one) and
+calls the family's patch function (see ``families.py`` for the table and ``core.py`` for what is
+swapped). ``swiglu`` applies to SwiGLU families (llama, mistral, qwen2, qwen3, phi3), ``geglu`` to
+GeGLU families (gemma, gemma2). Returns ``model`` itself. The RoPE patch is module-level: it
+affects every model of that family in the process (``revert_liger_kernels`` undoes it).
+"""
+
+from __future__ import annotations
+
+from torch import nn
+
+from liger_losses.patching.core import patch_family, unwrap_model
+from liger_losses.patching.families import FAMILIES, SUPPORTED_MODEL_TYPES
+
+
+def family_of(model: nn.Module):
+    """The ``FamilySpec`` of ``model``; ``ValueError`` listing the supported types if none."""
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    config = getattr(unwrap_model(model), "config", None)
+    model_type = getattr(config, "model_type", None)
+    if model_type not in FAMILIES:
+        raise ValueError(
+            f"model.config.model_type must be one of {SUPPORTED_MODEL_TYPES}, got {model_type!r}"
+        )
+    return FAMILIES[model_type]
+
+
+def apply_liger_kernels(
+    model: nn.Module,
+    *,
+    rms_norm: bool = True,
+    rope: bool = True,
+    swiglu: bool = True,
+    geglu: bool = True,
+    cross_entropy: bool = True,
+) -> nn.Module:
+    """Swap in liger_losses kernels (RMSNorm, RoPE, SwiGLU/GeGLU MLP, fused-linear CE) in place."""
+    spec = family_of(model)
+    for name, value in (("swiglu", swiglu), ("geglu", geglu)):
+        if not isinstance(value, bool):
+            raise TypeError(f"{name} must be a bool, got {type(value).__name__}")
+    mlp = geglu if spec.mlp_kind == "geglu" else swiglu
+    return patch_family(
+        spec, model, rms_norm=rms_norm, rope=rope, mlp=mlp, cross_entropy=cross_entropy
+    )

@@ -1,0 +1,116 @@
+"""The supported model families and their one-line patch functions.
+
+Each ``apply_liger_kernels_to_<family>(model=None, *, rms_norm=True, rope=True, swiglu|geglu=True,
+cross_entropy=True)`` patches ``model`` in place and returns it, or, with ``model=None``, patches
+the family's modeling module so that models created afterwards use our kernels (and returns
+``None``). See ``core.py`` for what is swapped and the process-wide effect of the RoPE patch.
+
+| model_type | norm                        | MLP                           | notes                     |
+|------------|-----------------------------|-------------------------------|---------------------------|
+| llama      | LigerRMSNorm                | LigerSwiGLUMLP                |                           |
+| mistral    | LigerRMSNorm                | LigerSwiGLUMLP                |                           |
+| qwen2      | LigerRMSNorm                | LigerSwiGLUMLP                |                           |
+| qwen3      | LigerRMSNorm (+ q/k norms)  | LigerSwiGLUMLP                |                           |
+| gemma      | LigerGemmaRMSNorm (1 + w)   | LigerGEGLUMLP (tanh GELU)     |                           |
+| gemma2     | LigerGemmaRMSNorm (sandwich)| LigerGEGLUMLP (tanh GELU)     | final logit softcapping   |
+| phi3       | LigerRMSNorm                | LigerPhi3SwiGLUMLP (gate_up)  | partial rotary supported  |
+"""
+
+from __future__ import annotations
+
+from typing import Dict, Optional
+
+from torch import nn
+
+from liger_losses.patching.core import FamilySpec, patch_family
+
+
+def _spec(model_type, stem, norm_kind="llama", mlp_kind="swiglu") -> FamilySpec:
+    return FamilySpec(
+        model_type=model_type,
+        module=f"transformers.models.{model_type}.modeling_{model_type}",
+        causal_lm=f"{stem}ForCausalLM",
+        rms_norm=f"{stem}RMSNorm",
+        norm_kind=norm_kind,
+        mlp=f"{stem}MLP",
+        mlp_kind=mlp_kind,
+    )
+
+
+FAMILIES: Dict[str, FamilySpec] = {
+    s.model_type: s
+    for s in (
+        _spec("llama", "Llama"),
+        _spec("mistral", "Mistral"),
+        _spec("qwen2", "Qwen2"),
+        _spec("qwen3", "Qwen3"),
+        _spec("gemma", "Gemma", "gemma", "geglu"),
+        _spec("gemma2", "Gemma2", "gemma", "geglu"),
+        _spec("phi3", "Phi3", "llama", "phi3"),
+    )
+}
+
+SUPPORTED_MODEL_TYPES = tuple(FAMILIES)
+
+
+def apply_liger_kernels_to_llama(
+    model: Optional[nn.Module] = None, *, rms_norm=True, rope=True, swiglu=True, cross_entropy=True
+):
+    """Patch a Llama model (or, with ``model=None``, the Llama modeling module)."""
+    return patch_family(
+        FAMILIES["llama"], model, rms_norm=rms_norm, rope=rope, mlp=swiglu, cross_entropy=cross_entropy
+    )
+
+
+def apply_liger_kernels_to_mistral(
+    model: Optional[nn.Module] = None, *, rms_norm=True, rope=True, swiglu=True, cross_entropy=True
+):
+    """Patch a Mistral model (or, with ``model=None``, the Mistral modeling module)."""
+    return patch_family(
+        FAMILIES["mistral"], model, rms_norm=rms_norm, rope=rope, mlp=swiglu, cross_entropy=cross_entropy
+    )
+
+
+def apply_liger_kernels_to_qwen2(
+    model: Optional[nn.Module] = None, *, rms_norm=True, rope=True, swiglu=True, cross_entropy=True
+):
+    """Patch a Qwen2 model (or, with ``model=None``, the Qwen2 modeling module)."""
+    return patch_family(
+        FAMILIES["qwen2"], model, rms_norm=rms_norm, rope=rope, mlp=swiglu, cross_entropy=cross_entropy
+    )
+
+
+def apply_liger_kernels_to_qwen3(
+    model: Optional[nn.Module] = None, *, rms_norm=True, rope=True, swiglu=True, cross_entropy=True
+):
+    """Patch a Qwen3 model (or, with ``model=None``, the Qwen3 modeling module); q/k norms too."""
+    return patch_family(
+        FAMILIES["qwen3"], model, rms_norm=rms_norm, rope=rope, mlp=swiglu, cross_entropy=cross_entropy
+    )
+
+
+def apply_liger_kernels_to_gemma(
+    model: Optional[nn.Module] = None, *, rms_norm=True, rope=True, geglu=True, cross_entropy=True
+):
+    """Patch a Gemma model (or, with ``model=None``, the Gemma modeling module)."""
+    return patch_family(
+        FAMILIES["gemma"], model, rms_norm=rms_norm, rope=rope, mlp=geglu, cross_entropy=cross_entropy
+    )
+
+
+def apply_liger_kernels_to_gemma2(
+    model: Optional[nn.Module] = None, *, rms_norm=True, rope=True, geglu=True, cross_entropy=True
+):
+    """Patch a Gemma-2 model (or its modeling module); the loss honours final_logit_softcapping."""
+    return patch_family(
+        FAMILIES["gemma2"], model, rms_norm=rms_norm, rope=rope, mlp=geglu, cross_entropy=cross_entropy
+    )
+
+
+def apply_liger_kernels_to_phi3(
+    model: Optional[nn.Module] = None, *, rms_norm=True, rope=True, swiglu=True, cross_entropy=True
+):
+    """Patch a Phi-3 model (or, with ``model=None``, the Phi-3 modeling module)."""
+    return patch_family(
+        FAMILIES["phi3"], model, rms_norm=rms_norm, rope=rope, mlp=swiglu, cross_entropy=cross_entropy
+    )

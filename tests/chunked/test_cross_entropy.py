@@ -1,0 +1,216 @@
+"""Tests of liger_losses/chunked/cross_entropy.py against a float64 reference (full logits).
+
+Bars: fp32 1e-5 relative error on the loss and the gradients of hidden, weight and bias; bf16
+1e-2. chunk_tokens=4 so that several chunks (and boundaries inside sequences) are exercised.
+"""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from liger_losses.chunked.cross_entropy import (
+    LigerFusedLinearCrossEntropyLoss,
+    fused_linear_cross_entropy,
+)
+from liger_losses.chunked.output import LossOutput
+from tests.helpers import TOL, assert_close_rel, rel_err
+
+FP32 = TOL[torch.float32]
+B, T, H, V = 3, 5, 16, 60
+
+
+def _inputs(seed=0, dtype=torch.float32):
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(V, H, generator=g).to(dtype).requires_grad_()
+    h = torch.randn(B, T, H, generator=g).to(dtype).requires_grad_()
+    b = torch.randn(V, generator=g).to(dtype).requires_grad_()
+    labels = torch.randint(0, V, (B, T), generator=g)
+    labels[:, :2] = -100
+    return w, h, b, labels
+
+
+def reference(w, h, b, labels, reduction="mean", *, label_smoothing=0.0, z_loss_weight=0.0,
+              softcap=None, logit_scale=1.0, num_items_in_batch=None):
+    """float64 loss and the leaves (for gradients) of the plain formula on full logits."""
+    wd, hd = w.detach().double().requires_grad_(), h.detach().double().requires_grad_()
+    bd = b.detach().double().requires_grad_() if b is not None else None
+    z = (hd @ wd.T + (bd if bd is not None else 0)) * logit_scale
+    if softcap is not None:
+        z = softcap * torch.tanh(z / softcap)
+    z2, l2 = z.reshape(-1, V), labels.reshape(-1)
+    valid = l2 != -100
+    per = F.cross_entropy(z2, l2, reduction="none", label_smoothing=label_smoothing)
+    per = per + z_loss_weight * torch.logsumexp(z2, -1) ** 2 * valid
+    if reduction == "none":
+        loss = per.reshape(labels.shape)
+    elif reduction == "sum":
+        loss = per.sum()
+    else:
+        loss = per.sum() / (num_items_in_batch if num_items_in_batch is not None else max(int(valid.sum()), 1))
+    return loss, (wd, hd, bd)
+
+
+def _grads_close(ours, leaves, tol, w, h, b):
+    wd, hd, bd = leaves
+    assert_close_rel(h.grad, hd.grad, tol, "grad_hidden")
+    assert_close_rel(w.grad, wd.grad, tol, "grad_weight")
+    if b is not None:
+        assert_close_rel(b.grad, bd.grad, tol, "grad_bias")
+
+
+OPTIONS = [
+    {},
+    {"label_smoothing": 0.1, "z_loss_weight": 1e-3},
+    {"softcap": 3.0, "logit_scale": 0.7},
+]
+
+
+@pytest.mark.parametrize("impl", ["torch", "triton"])
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+@pytest.mark.parametrize("opt", range(len(OPTIONS)))
+def test_matches_fp64(impl, reduction, opt):
+    """Every option x reduction x implementation: loss and all gradients within 1e-5 of float64
+    (random upstream gradient for reduction='none', which recomputes in backward)."""
+    w, h, b, labels = _inputs(opt)
+    ref, leaves = reference(w, h, b, labels, reduction, **OPTIONS[opt])
+    go = torch.randn_like(ref)
+    (ref * go).sum().backward()
+    out = fused_linear_cross_entropy(w, h, labels, bias=b, reduction=reduction, chunk_tokens=4,
+                                     impl=impl, **OPTIONS[opt])
+    (out * go).sum().backward()
+    assert_close_rel(out, ref, FP32, "loss")
+    _grads_close(out, leaves, FP32, w, h, b)
+
+
+@pytest.mark.parametrize("as_tensor", [False, True])
+def test_num_items_in_batch(as_tensor):
+    """reduction='mean' with num_items_in_batch divides the summed loss by it (HF gradient
+    accumulation), as a number or a tensor; within 1e-5."""
+    w, h, b, labels = _inputs(1)
+    ref, leaves = reference(w, h, b, labels, num_items_in_batch=17)
+    ref.backward()
+    n = torch.tensor(17) if as_tensor else 17
+    out = fused_linear_cross_entropy(w, h, labels, bias=b, num_items_in_batch=n, chunk_tokens=4)
+    out.backward()
+    assert_close_rel(out, ref, FP32, "loss")
+    _grads_close(out, leaves, FP32, w, h, b)
+
+
+def test_metrics_and_upstream_scale():
+    """Token accuracy equals the argmax hit rate of the reference logits; z_loss metric equals
+    the z-loss term; a non-unit upstream gradient (x 3) scales every gradient."""
+    w, h, b, labels = _inputs(2)
+    ref, leaves = reference(w, h, b, labels, z_loss_weight=1e-2)
+    (3 * ref).backward()
+    out = fused_linear_cross_entropy(w, h, labels, bias=b, z_loss_weight=1e-2,
+                                     return_token_accuracy=True, return_z_loss=True, chunk_tokens=4)
+    assert isinstance(out, LossOutput)
+    (3 * out.loss).backward()
+    _grads_close(out, leaves, FP32, w, h, b)
+    z = h.detach().double() @ w.detach().double().T + b.detach().double()
+    valid = labels != -100
+    acc = ((z.argmax(-1) == labels) & valid).sum() / valid.sum()
+    assert abs(float(out.metrics["token_accuracy"]) - float(acc)) < 1e-6
+    zl = (1e-2 * torch.logsumexp(z, -1) ** 2 * valid).sum() / valid.sum()
+    assert_close_rel(out.metrics["z_loss"], zl, FP32, "z_loss")
+
+
+def test_all_ignored_and_frozen_weight():
+    """All labels ignored: loss 0, zero hidden gradient, no NaN. Frozen weight (no grad) and no
+    bias: no weight gradient, no error."""
+    w, h, _, labels = _inputs(3)
+    labels[:] = -100
+    w = w.detach()
+    out = fused_linear_cross_entropy(w, h, labels)
+    out.backward()
+    assert out.item() == 0.0 and torch.all(h.grad == 0) and w.grad is None
+
+
+def test_frozen_weight_grad_hidden():
+    """Frozen weight: hidden gradient still within 1e-5 of float64."""
+    w, h, b, labels = _inputs(4)
+    ref, leaves = reference(w, h, b, labels)
+    ref.backward()
+    out = fused_linear_cross_entropy(w.detach(), h, labels, bias=b.detach(), chunk_tokens=4)
+    out.backward()
+    assert_close_rel(h.grad, leaves[1].grad, FP32, "grad_hidden")
+
+
+def test_bf16_and_autocast():
+    """bf16 weight/hidden: loss and gradients within 1e-2 of float64 on the same rounded
+    inputs; fp32 inputs under torch.autocast(bf16) likewise, gradients in fp32."""
+    w, h, b, labels = _inputs(5, torch.bfloat16)
+    ref, leaves = reference(w, h, b, labels)
+    ref.backward()
+    out = fused_linear_cross_entropy(w, h, labels, bias=b, chunk_tokens=4)
+    out.backward()
+    assert h.grad.dtype == torch.bfloat16 and w.grad.dtype == torch.bfloat16
+    assert_close_rel(out, ref, TOL[torch.bfloat16], "loss")
+    _grads_close(out, leaves, TOL[torch.bfloat16], w, h, b)
+
+    w, h, b, labels = _inputs(6)
+    ref, leaves = reference(w, h, b, labels)
+    ref.backward()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = fused_linear_cross_entropy(w, h, labels, bias=b, chunk_tokens=4, accum_dtype=torch.float32)
+    out.backward()
+    assert w.grad.dtype == torch.float32
+    assert_close_rel(out, ref, TOL[torch.bfloat16], "loss")
+    _grads_close(out, leaves, TOL[torch.bfloat16], w, h, b)
+
+
+def test_module():
+    """LigerFusedLinearCrossEntropyLoss(...)(weight, hidden, labels, bias=...) equals the
+    function within 1e-6 and returns LossOutput when return_token_accuracy."""
+    w, h, b, labels = _inputs(7)
+    mod = LigerFusedLinearCrossEntropyLoss(label_smoothing=0.1, return_token_accuracy=True)
+    out = mod(w, h, labels, bias=b)
+    ref = fused_linear_cross_entropy(w, h, labels, bias=b, label_smoothing=0.1)
+    assert rel_err(out.loss, ref) < 1e-6 and "token_accuracy" in out.metrics
+
+
+def test_bad_inputs():
+    """Mismatched H, labels shape, out-of-range labels, bias shape, bad reduction, device-free
+    dtype errors and num_items_in_batch misuse raise errors naming the argument."""
+    w, h, b, labels = _inputs(8)
+    f = fused_linear_cross_entropy
+    with pytest.raises(ValueError, match="hidden"):
+        f(w, h[..., :3], labels)
+    with pytest.raises(ValueError, match="labels"):
+        f(w, h, labels[:, :2])
+    with pytest.raises(ValueError, match="labels"):
+        f(w, h, labels.clamp(min=0) + V)
+    with pytest.raises(ValueError, match="bias"):
+        f(w, h, labels, bias=b[:3])
+    with pytest.raises(ValueError, match="reduction"):
+        f(w, h, labels, reduction="avg")
+    with pytest.raises(TypeError, match="labels"):
+        f(w, h, labels.float())
+    with pytest.raises(ValueError, match="num_items_in_batch"):
+        f(w, h, labels, reduction="sum", num_items_in_batch=3)
+    with pytest.raises(ValueError, match="chunk_tokens"):
+        f(w, h, labels, chunk_tokens=0)
+
+
+@pytest.mark.gpu
+def test_gpu_bf16_accuracy_vs_plain():
+    """GPU, bf16, N=2048, H=1024, V=32000: gradient errors vs float64 no worse than 2x those of
+    plain PyTorch bf16 autograd (logits.float() + F.cross_entropy, as HF does)."""
+    dev = "cuda"
+    w = (torch.randn(32000, 1024, device=dev) * 0.02).bfloat16()
+    h = torch.randn(2048, 1024, device=dev).bfloat16()
+    labels = torch.randint(0, 32000, (2048,), device=dev)
+    labels[::9] = -100
+
+    def run(fn, dtype):
+        wx = w.detach().to(dtype).requires_grad_()
+        hx = h.detach().to(dtype).requires_grad_()
+        fn(wx, hx).backward()
+        return wx.grad, hx.grad
+
+    plain = lambda wx, hx: F.cross_entropy((hx @ wx.T).float(), labels)  # noqa: E731
+    ref = run(plain, torch.float64)
+    pl = run(plain, torch.bfloat16)
+    ours = run(lambda wx, hx: fused_linear_cross_entropy(wx, hx, labels), torch.bfloat16)
+    for o, p, r in zip(ours, pl, ref):
+        assert rel_err(o, r) <= 2 * max(rel_err(p, r), 1e-3)

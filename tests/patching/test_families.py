@@ -1,0 +1,167 @@
+"""Each supported family, patched, computes what the unpatched model computes (fp32, rel err 1e-5).
+
+The reference is the same tiny random model before patching (a deep copy is patched), run first:
+the RoPE patch is process-wide, so the reference must not run while it is active. fp32 bar 1e-5
+(tests/helpers.TOL): every kernel computes in fp32 like Hugging Face, so only summation order
+differs (observed errors ~1e-6).
+"""
+
+import copy
+import importlib
+
+import pytest
+import torch
+
+from liger_losses.patching import apply_liger_kernels
+from liger_losses.patching.causal_lm import is_liger_forward
+from liger_losses.patching.families import (
+    FAMILIES as SPECS,
+    apply_liger_kernels_to_gemma2,
+    apply_liger_kernels_to_llama,
+)
+from liger_losses.patching.rope import liger_rotary_pos_emb, liger_rotary_pos_emb_with_position_ids
+from tests.helpers import TOL, assert_close_rel
+from tests.patching.tiny_models import FAMILIES, loss_and_grads, tiny_batch, tiny_model
+
+FP32 = TOL[torch.float32]
+
+
+def _reference(ref, batch):
+    """(logits without labels in eval mode, loss outputs and grads in train mode) of ``ref``."""
+    ref.eval()
+    with torch.no_grad():
+        logits = ref(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+    ref.train()
+    out, grads = loss_and_grads(ref, batch)
+    return logits, out.loss.detach(), grads
+
+
+def _modules_swapped(model, spec):
+    from liger_losses.kernels.geglu import LigerGEGLUMLP
+    from liger_losses.kernels.rms_norm import LigerGemmaRMSNorm, LigerRMSNorm
+    from liger_losses.kernels.swiglu import LigerPhi3SwiGLUMLP, LigerSwiGLUMLP
+
+    modeling = importlib.import_module(spec.module)
+    hf_norm, hf_mlp = getattr(modeling, spec.rms_norm), getattr(modeling, spec.mlp)
+    assert not any(isinstance(m, (hf_norm, hf_mlp)) for m in model.modules())
+    norm_cls = LigerGemmaRMSNorm if spec.norm_kind == "gemma" else LigerRMSNorm
+    mlp_cls = {"swiglu": LigerSwiGLUMLP, "phi3": LigerPhi3SwiGLUMLP, "geglu": LigerGEGLUMLP}[
+        spec.mlp_kind
+    ]
+    for layer in model.model.layers:
+        assert isinstance(layer.mlp, mlp_cls)
+        assert isinstance(layer.input_layernorm, norm_cls)
+        assert isinstance(layer.post_attention_layernorm, norm_cls)
+    assert isinstance(model.model.norm, norm_cls)
+    assert modeling.apply_rotary_pos_emb in (
+        liger_rotary_pos_emb,
+        liger_rotary_pos_emb_with_position_ids,
+    )
+    assert is_liger_forward(model.forward)
+
+
+@pytest.mark.parametrize("model_type", FAMILIES)
+def test_patched_family_matches_unpatched(model_type):
+    """Patched model: logits (no labels), loss (labels with -100) and the gradient of every
+    parameter equal the unpatched model's within 1e-5 relative error (fp32); the modules really
+    are ours; with labels in training mode the lm_head is never called and logits are None."""
+    ref = tiny_model(model_type)
+    model = copy.deepcopy(ref)
+    batch = tiny_batch(ref.config)
+    ref_logits, ref_loss, ref_grads = _reference(ref, batch)
+
+    n_params = len(list(model.parameters()))
+    assert apply_liger_kernels(model) is model
+    assert len(list(model.parameters())) == n_params  # re-bound, nothing new
+    _modules_swapped(model, SPECS[model_type])
+
+    head_calls = []
+    hook = model.lm_head.register_forward_hook(lambda *a: head_calls.append(1))
+    out, grads = loss_and_grads(model, batch)
+    hook.remove()
+    assert out.logits is None and not head_calls
+    assert_close_rel(out.loss, ref_loss, FP32, "loss")
+    assert set(grads) == set(ref_grads)
+    for name, g in ref_grads.items():
+        assert_close_rel(grads[name], g, FP32, f"grad {name}")
+
+    model.eval()
+    with torch.no_grad():
+        logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+    assert_close_rel(logits, ref_logits, FP32, "logits")
+
+
+def test_qwen3_qk_norms_swapped():
+    """Qwen3's per-head q_norm/k_norm are RMSNorms too and must be swapped (they hold weights)."""
+    from liger_losses.kernels.rms_norm import LigerRMSNorm
+
+    model = apply_liger_kernels(tiny_model("qwen3"))
+    attn = model.model.layers[0].self_attn
+    assert isinstance(attn.q_norm, LigerRMSNorm) and isinstance(attn.k_norm, LigerRMSNorm)
+    assert attn.q_norm.weight.shape == (model.config.head_dim,)
+
+
+def test_gemma2_softcap_is_applied():
+    """Gemma-2's final_logit_softcapping (1.0 here, logits ~N(0, 1)) changes the loss by far more
+    than the tolerance, and the patched loss matches HF's capped loss to 1e-5 (fp32)."""
+    ref = tiny_model("gemma2")
+    model = copy.deepcopy(ref)
+    batch = tiny_batch(ref.config)
+    with torch.no_grad():
+        ref_loss = ref(**batch).loss
+        ref.config.final_logit_softcapping = None
+        uncapped = ref(**batch).loss
+    assert abs(float(uncapped - ref_loss)) > 1e-2 * float(ref_loss)
+    apply_liger_kernels_to_gemma2(model)
+    with torch.no_grad():
+        loss = model(**batch).loss
+    assert_close_rel(loss, ref_loss, FP32, "capped loss")
+
+
+def test_flags_leave_parts_unpatched():
+    """With every flag False nothing is swapped: HF classes remain, the forward is HF's, RoPE is
+    HF's; with only rms_norm=True only the norms change."""
+    from transformers.models.llama import modeling_llama as ml
+
+    from liger_losses.kernels.rms_norm import LigerRMSNorm
+
+    original_rope = ml.apply_rotary_pos_emb
+    model = tiny_model("llama")
+    apply_liger_kernels(model, rms_norm=False, rope=False, swiglu=False, cross_entropy=False)
+    assert isinstance(model.model.norm, ml.LlamaRMSNorm)
+    assert isinstance(model.model.layers[0].mlp, ml.LlamaMLP)
+    assert ml.apply_rotary_pos_emb is original_rope
+    assert not is_liger_forward(model.forward)
+    apply_liger_kernels(model, rope=False, swiglu=False, cross_entropy=False)
+    assert isinstance(model.model.norm, LigerRMSNorm)
+    assert isinstance(model.model.layers[0].mlp, ml.LlamaMLP)
+
+
+def test_bad_arguments():
+    """Unsupported model_type -> ValueError listing the supported ones; a model of another family
+    given to a per-family function -> ValueError; non-bool flag -> TypeError; not a module ->
+    TypeError."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    gpt2 = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=32, n_positions=16))
+    with pytest.raises(ValueError, match="llama.*gemma2.*phi3.*gpt2"):
+        apply_liger_kernels(gpt2)
+    qwen2 = tiny_model("qwen2")
+    with pytest.raises(ValueError, match="'llama'.*'qwen2'"):
+        apply_liger_kernels_to_llama(qwen2)
+    with pytest.raises(TypeError, match="rope must be a bool"):
+        apply_liger_kernels(qwen2, rope="yes")
+    with pytest.raises(TypeError, match="model must be a torch.nn.Module"):
+        apply_liger_kernels("llama")
+
+
+def test_unsupported_activation_leaves_mlp_with_warning():
+    """A Llama config with hidden_act='gelu' cannot use the SwiGLU kernel: MLPs stay HF's (with a
+    warning), everything else is patched."""
+    from transformers.models.llama import modeling_llama as ml
+
+    model = tiny_model("llama", hidden_act="gelu")
+    with pytest.warns(UserWarning, match="MLPs left unpatched"):
+        apply_liger_kernels(model)
+    assert isinstance(model.model.layers[0].mlp, ml.LlamaMLP)
+    assert not isinstance(model.model.norm, ml.LlamaRMSNorm)
