@@ -1,0 +1,179 @@
+"""Shared pieces of the preference losses: input checks, pair splitting, metrics from sequence stats.
+
+Every preference loss is a small formula on per-sequence statistics (``SequenceStats`` of the
+chunked engine: ``[S]`` float32 tensors). This module holds what the DPO/ORPO/CPO/SimPO/KTO modules
+share:
+
+* :func:`check_inputs` -- shape/dtype/device checks of ``weight [V, H]``, ``hidden [B, T, H]``,
+  ``labels [B, T]`` (and the reference tensors) with errors that name the argument;
+* :func:`split_pairs` -- ``[chosen; rejected]`` halves of a ``[2P]`` tensor (TRL's layout);
+* :func:`token_mean` -- ``sum(num) / sum(den)`` with 0 for an empty denominator (no NaN);
+* :func:`chosen_nll_per_unit` -- the per-pair share of a batch-token-averaged NLL term on the
+  chosen sequences, so that the engine's mean over pairs gives exactly the token mean;
+* :func:`sequence_metrics` -- token-weighted mean logits, token accuracy and entropy of a subset of
+  sequences, read off the (detached) whole-batch stats: no extra GEMM.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Dict, Optional
+
+import torch
+
+from ...kernels.utils import check_last_dim, check_same_device, check_tensor
+
+# All preference logps/ratios are float32 [S] tensors from the engine; formulas run in that dtype.
+
+
+def check_inputs(
+    weight: torch.Tensor,
+    hidden: torch.Tensor,
+    labels: torch.Tensor,
+    *,
+    paired: bool,
+    bias: Optional[torch.Tensor] = None,
+    ref_hidden: Optional[torch.Tensor] = None,
+    ref_weight: Optional[torch.Tensor] = None,
+    ref_bias: Optional[torch.Tensor] = None,
+    hidden_name: str = "hidden",
+    labels_name: str = "labels",
+    ref_hidden_name: str = "ref_hidden",
+) -> None:
+    """Raise ``TypeError``/``ValueError`` naming the argument when the inputs don't fit together.
+
+    weight ``[V, H]`` float; hidden ``[B, T, H]`` float; labels ``[B, T]`` integer; bias ``[V]``;
+    ref_hidden ``[B, T, H_ref]`` with ``H_ref`` the last dim of ``ref_weight`` (default ``weight``);
+    ``paired`` requires an even ``B`` (``[chosen; rejected]`` on dim 0). Label values are checked by
+    the engine (one host sync).
+    """
+    check_tensor("weight", weight, ndim=2, floating=True)
+    check_tensor(hidden_name, hidden, ndim=3, floating=True)
+    check_tensor(labels_name, labels, ndim=2, floating=False)
+    vocab, hdim = weight.shape
+    check_last_dim(hidden_name, hidden, hdim, "the hidden size of weight [V, H]")
+    if tuple(labels.shape) != tuple(hidden.shape[:2]):
+        raise ValueError(
+            f"{labels_name} must have shape {tuple(hidden.shape[:2])} ({hidden_name}'s [B, T]), "
+            f"got {tuple(labels.shape)}"
+        )
+    if paired and hidden.shape[0] % 2 != 0:
+        raise ValueError(
+            f"{hidden_name} must hold an even number of sequences laid out [chosen; rejected] on dim 0, "
+            f"got batch size {hidden.shape[0]}"
+        )
+    if bias is not None:
+        check_tensor("bias", bias, ndim=1, floating=True)
+        if bias.shape[0] != vocab:
+            raise ValueError(f"bias must have shape [{vocab}] (weight's vocab size), got {tuple(bias.shape)}")
+    if ref_weight is not None:
+        check_tensor("ref_weight", ref_weight, ndim=2, floating=True)
+        if ref_weight.shape[0] != vocab:
+            raise ValueError(
+                f"ref_weight must have {vocab} rows (weight's vocab size), got shape {tuple(ref_weight.shape)}"
+            )
+    if ref_bias is not None:
+        check_tensor("ref_bias", ref_bias, ndim=1, floating=True)
+        if ref_bias.shape[0] != vocab:
+            raise ValueError(f"ref_bias must have shape [{vocab}] (the vocab size), got {tuple(ref_bias.shape)}")
+    if ref_hidden is not None:
+        check_tensor(ref_hidden_name, ref_hidden, ndim=3, floating=True)
+        ref_h = (ref_weight if ref_weight is not None else weight).shape[1]
+        if tuple(ref_hidden.shape[:2]) != tuple(hidden.shape[:2]):
+            raise ValueError(
+                f"{ref_hidden_name} must have [B, T] = {tuple(hidden.shape[:2])} like {hidden_name}, "
+                f"got shape {tuple(ref_hidden.shape)}"
+            )
+        check_last_dim(ref_hidden_name, ref_hidden, ref_h, "the hidden size of the reference weight")
+    check_same_device(
+        weight=weight, **{hidden_name: hidden, labels_name: labels, ref_hidden_name: ref_hidden},
+        bias=bias, ref_weight=ref_weight, ref_bias=ref_bias,
+    )
+
+
+def check_sequence_values(name: str, value, size: int, device: torch.device) -> torch.Tensor:
+    """Check a per-sequence float tensor (e.g. precomputed reference logps) of shape ``[size]``."""
+    check_tensor(name, value, ndim=1, floating=True)
+    if value.shape[0] != size:
+        raise ValueError(f"{name} must have shape [{size}], got {tuple(value.shape)}")
+    if value.device != device:
+        raise ValueError(f"{name} must be on {device} like hidden, got {value.device}")
+    return value.detach().float()
+
+
+def split_pairs(x: torch.Tensor):
+    """``(chosen, rejected)`` halves of a ``[2P]`` tensor laid out ``[chosen; rejected]``."""
+    half = x.shape[0] // 2
+    return x[:half], x[half:]
+
+
+def token_mean(num: torch.Tensor, den: torch.Tensor) -> torch.Tensor:
+    """0-d ``num.sum() / den.sum()``; 0 when the denominator is 0 (TRL logs 0.0 there too)."""
+    n = num.sum()
+    d = den.sum()
+    return torch.where(d > 0, n / d.clamp(min=1e-30), torch.zeros_like(n))
+
+
+def safe_mean(x: torch.Tensor) -> torch.Tensor:
+    """0-d mean that is 0 for an empty tensor (instead of NaN)."""
+    return x.mean() if x.numel() > 0 else x.new_zeros(())
+
+
+def average_logps(logps: torch.Tensor, num_tokens: torch.Tensor) -> torch.Tensor:
+    """Per-sequence mean log-prob ``logps / num_tokens``; 0 for a sequence with no valid token.
+
+    TRL divides by the raw count and gives NaN there; an empty sequence's log-prob is 0 here.
+    """
+    return logps / num_tokens.clamp(min=1.0)
+
+
+def chosen_nll_per_unit(
+    chosen_logps: torch.Tensor, batch_num_tokens: torch.Tensor
+) -> torch.Tensor:
+    """Per-pair share of the chosen-token NLL ``-sum(chosen logps) / N_chosen`` of the WHOLE batch.
+
+    ``chosen_logps [U]`` (summed log-probs of the chosen sequences of the units in this call),
+    ``batch_num_tokens [B]`` (valid tokens of every sequence of the whole batch, ``[chosen; rejected]``).
+    Returns ``[U]`` values whose mean over all ``P = B/2`` pairs of the batch is the token-averaged
+    NLL over the batch's chosen tokens (``nn.CrossEntropyLoss`` mean, as TRL computes it), so the
+    term stays separable over pairs. 0 when the batch has no chosen token.
+    """
+    num_pairs = batch_num_tokens.shape[0] // 2
+    n_chosen = batch_num_tokens[:num_pairs].sum()
+    scale = num_pairs / n_chosen.clamp(min=1.0)
+    return -chosen_logps * scale
+
+
+def batch_chosen_nll(logps: torch.Tensor, num_tokens: torch.Tensor) -> torch.Tensor:
+    """0-d token-averaged NLL over the chosen half of a ``[chosen; rejected]`` batch (0 if empty)."""
+    c_logps, _ = split_pairs(logps)
+    c_tokens, _ = split_pairs(num_tokens)
+    return -token_mean(c_logps, c_tokens)
+
+
+def sequence_metrics(stats, select: torch.Tensor, prefix: str) -> Dict[str, torch.Tensor]:
+    """``{prefix}_logits_mean``: token-weighted mean logit of the selected sequences (TRL's
+    ``logits/chosen``: sum over valid tokens of the mean-over-vocab logit / number of tokens).
+
+    ``select`` is a bool ``[B]`` mask or a slice over the batch's sequences.
+    """
+    return {f"{prefix}_logits_mean": token_mean(stats.logits_sum[select], stats.num_tokens[select])}
+
+
+def entropy_metric(stats) -> Dict[str, torch.Tensor]:
+    """``entropy``: mean softmax entropy over all valid tokens of the batch, when the engine gave it."""
+    if stats.entropy_sum is None:
+        return {}
+    return {"entropy": token_mean(stats.entropy_sum, stats.num_tokens)}
+
+
+def zero_objective(stats):
+    """Objective with zero loss, for forward-only passes (e.g. KTO's KL sequences)."""
+    return stats.logps * 0.0, {}
+
+
+def log1mexp(x: torch.Tensor) -> torch.Tensor:
+    """``log(1 - exp(x))`` for ``x < 0``, stable on both sides of ``-log 2``."""
+    return torch.where(
+        x < -math.log(2.0), torch.log1p(-torch.exp(x)), torch.log(-torch.expm1(x))
+    )

@@ -1,0 +1,317 @@
+"""CPO and SimPO (and AlphaPO) from hidden states, reference-free.
+
+``fused_linear_cpo_loss(weight, hidden, labels, *, bias=None, beta=0.1, loss_type="sigmoid", ...)``
+and ``fused_linear_simpo_loss(...)`` with ``weight [V, H]``, ``hidden [2P, T, H]`` laid out
+``[chosen; rejected]`` on dim 0, ``labels [2P, T]`` int (shifted; ignored positions
+``ignore_index``), optional ``bias [V]``. Statistics and loss are float32.
+
+As TRL 1.16's ``CPOTrainer`` (``trl.experimental.cpo``): per sequence ``s`` = summed completion
+log-prob (``"sigmoid"``, ``"hinge"``) or mean per token (``"ipo"``, ``"simpo"``); with AlphaPO's
+``alpha != 0`` the reward is ``r = (1 - e^{-alpha s}) / alpha`` (TRL writes ``(1 - p^-alpha)/alpha``
+with ``p = e^s``; same value, no overflow), else ``r = s``. With ``z = r_c - r_r``
+(``- simpo_gamma/beta`` for SimPO):
+
+    sigmoid/simpo: -(1-eps) logsigmoid(beta z) - eps logsigmoid(-beta z)
+    hinge:         relu(1 - beta z)
+    ipo:           (z - 1/(2 beta))^2
+    loss = mean_pairs(losses) + cpo_alpha * NLL_chosen   (token-averaged over the batch's chosen tokens)
+
+SimPO is ``loss_type="simpo"`` (TRL's ``CPOConfig(loss_type="simpo", cpo_alpha=0)``); its module
+defaults to ``beta=2.0, gamma=0.5, cpo_alpha=0.0``. Difference from TRL: ``logits/chosen`` is the mean
+logit over valid tokens (TRL: over every position, prompt and padding included). An empty sequence
+has mean log-prob 0 (TRL: NaN).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ...kernels.utils import check_choice, check_range
+from ..engine import fused_linear_sequence_objective
+from ..output import LossOutput
+from .common import (
+    average_logps,
+    batch_chosen_nll,
+    check_inputs,
+    chosen_nll_per_unit,
+    entropy_metric,
+    safe_mean,
+    sequence_metrics,
+    split_pairs,
+)
+
+CPO_LOSS_TYPES = ("sigmoid", "hinge", "ipo", "simpo")
+AVERAGED_LOSS_TYPES = frozenset({"ipo", "simpo"})
+
+# our metric key -> the name TRL 1.16's CPOTrainer logs
+TRL_METRIC_NAMES = {
+    "chosen_rewards": "rewards/chosen",
+    "rejected_rewards": "rewards/rejected",
+    "reward_accuracies": "rewards/accuracies",
+    "reward_margins": "rewards/margins",
+    "chosen_logps": "logps/chosen",
+    "rejected_logps": "logps/rejected",
+    "chosen_logits_mean": "logits/chosen",
+    "rejected_logits_mean": "logits/rejected",
+    "nll_loss": "nll_loss",
+    "entropy": "entropy",
+}
+
+
+def alphapo_rewards(logps: torch.Tensor, alpha: float) -> torch.Tensor:
+    """AlphaPO reward ``(1 - p^-alpha) / alpha`` with ``p = exp(logps)``, as ``-expm1(-alpha logps) / alpha``."""
+    if alpha == 0.0:
+        return logps
+    return -torch.expm1(-alpha * logps) / alpha
+
+
+def cpo_pair_losses(
+    chosen_logps: torch.Tensor,
+    rejected_logps: torch.Tensor,
+    *,
+    beta: float = 0.1,
+    loss_type: str = "sigmoid",
+    label_smoothing: float = 0.0,
+    simpo_gamma: float = 0.5,
+    alpha: float = 0.0,
+) -> torch.Tensor:
+    """Per-pair CPO/SimPO preference losses ``[P]`` (without the NLL term), TRL 1.16's ``cpo_loss``.
+
+    ``chosen_logps``/``rejected_logps`` are already averaged for ``"ipo"``/``"simpo"``.
+    """
+    z = alphapo_rewards(chosen_logps, alpha) - alphapo_rewards(rejected_logps, alpha)
+    eps = label_smoothing
+    if loss_type == "simpo":
+        z = z - simpo_gamma / beta
+        return -F.logsigmoid(beta * z) * (1 - eps) - F.logsigmoid(-beta * z) * eps
+    if loss_type == "sigmoid":
+        return -F.logsigmoid(beta * z) * (1 - eps) - F.logsigmoid(-beta * z) * eps
+    if loss_type == "hinge":
+        return torch.relu(1 - beta * z)
+    if loss_type == "ipo":
+        return (z - 1 / (2 * beta)) ** 2
+    raise ValueError(f"loss_type must be one of {CPO_LOSS_TYPES}, got {loss_type!r}")
+
+
+def normalize_cpo_options(*, beta, loss_type, label_smoothing, cpo_alpha, simpo_gamma, alpha) -> tuple[str, float]:
+    """Validate the CPO options; ``"alphapo"`` becomes ``("simpo", cpo_alpha=0)`` as in TRL.
+
+    Returns ``(loss_type, cpo_alpha)``.
+    """
+    check_choice("loss_type", loss_type, CPO_LOSS_TYPES + ("alphapo",))
+    if loss_type == "alphapo":
+        loss_type, cpo_alpha = "simpo", 0.0
+    check_range("beta", beta, 0.0, None, low_inclusive=False)
+    check_range("label_smoothing", label_smoothing, 0.0, 1.0)
+    check_range("cpo_alpha", cpo_alpha, 0.0, None)
+    return loss_type, float(cpo_alpha)
+
+
+class CPOObjective:
+    """``objective(stats) -> (losses [U], {})`` for the chunked engine (pairs, separable)."""
+
+    separable = True
+
+    def __init__(self, *, beta, loss_type, label_smoothing, cpo_alpha, simpo_gamma, alpha):
+        self.beta = beta
+        self.loss_type = loss_type
+        self.label_smoothing = label_smoothing
+        self.cpo_alpha = cpo_alpha
+        self.simpo_gamma = simpo_gamma
+        self.alpha = alpha
+
+    def __call__(self, stats):
+        logps = stats.logps
+        if self.loss_type in AVERAGED_LOSS_TYPES:
+            logps = average_logps(logps, stats.num_tokens)
+        chosen, rejected = split_pairs(logps)
+        losses = cpo_pair_losses(
+            chosen, rejected, beta=self.beta, loss_type=self.loss_type, label_smoothing=self.label_smoothing,
+            simpo_gamma=self.simpo_gamma, alpha=self.alpha,
+        )
+        if self.cpo_alpha != 0.0:
+            chosen_sum, _ = split_pairs(stats.logps)
+            losses = losses + self.cpo_alpha * chosen_nll_per_unit(chosen_sum, stats.batch_num_tokens)
+        return losses, {}
+
+
+def cpo_metrics(stats, *, beta: float, loss_type: str, cpo_alpha: float, alpha: float) -> dict:
+    """The 0-d means TRL's CPOTrainer logs, from the whole-batch (detached) stats."""
+    logps = stats.logps
+    if loss_type in AVERAGED_LOSS_TYPES:
+        logps = average_logps(logps, stats.num_tokens)
+    chosen, rejected = split_pairs(logps)
+    chosen_rewards = beta * alphapo_rewards(chosen, alpha)
+    rejected_rewards = beta * alphapo_rewards(rejected, alpha)
+    half = chosen.shape[0]
+    nll = batch_chosen_nll(stats.logps, stats.num_tokens) if cpo_alpha != 0.0 else stats.logps.new_zeros(())
+    metrics = {
+        "chosen_rewards": safe_mean(chosen_rewards),
+        "rejected_rewards": safe_mean(rejected_rewards),
+        "reward_accuracies": safe_mean((chosen_rewards > rejected_rewards).float()),
+        "reward_margins": safe_mean(chosen_rewards - rejected_rewards),
+        "chosen_logps": safe_mean(chosen),
+        "rejected_logps": safe_mean(rejected),
+        **sequence_metrics(stats, slice(0, half), "chosen"),
+        **sequence_metrics(stats, slice(half, 2 * half), "rejected"),
+        "nll_loss": nll,
+        **entropy_metric(stats),
+    }
+    return {k: v.detach() for k, v in metrics.items()}
+
+
+def fused_linear_cpo_loss(
+    weight: torch.Tensor,
+    hidden: torch.Tensor,
+    labels: torch.Tensor,
+    *,
+    bias: Optional[torch.Tensor] = None,
+    beta: float = 0.1,
+    loss_type: str = "sigmoid",
+    cpo_alpha: float = 1.0,
+    label_smoothing: float = 0.0,
+    simpo_gamma: float = 0.5,
+    alpha: float = 0.0,
+    need_entropy: bool = False,
+    ignore_index: int = -100,
+    softcap: Optional[float] = None,
+    logit_scale: float = 1.0,
+    chunk_tokens: Optional[int] = None,
+    accum_dtype: Optional[torch.dtype] = None,
+    impl: str = "auto",
+) -> LossOutput:
+    """CPO/SimPO/AlphaPO loss of TRL 1.16 from hidden states; see the module docstring."""
+    loss_type, cpo_alpha = normalize_cpo_options(
+        beta=beta, loss_type=loss_type, label_smoothing=label_smoothing, cpo_alpha=cpo_alpha,
+        simpo_gamma=simpo_gamma, alpha=alpha,
+    )
+    check_inputs(weight, hidden, labels, paired=True, bias=bias)
+
+
+    objective = CPOObjective(
+        beta=beta, loss_type=loss_type, label_smoothing=label_smoothing, cpo_alpha=cpo_alpha,
+        simpo_gamma=simpo_gamma, alpha=alpha,
+    )
+    loss, _, stats = fused_linear_sequence_objective(
+        weight, hidden, labels, objective, group_size=2, separable=True, bias=bias, ignore_index=ignore_index,
+        softcap=softcap, logit_scale=logit_scale, need_entropy=need_entropy, chunk_tokens=chunk_tokens,
+        accum_dtype=accum_dtype, impl=impl,
+    )
+    metrics = cpo_metrics(stats, beta=beta, loss_type=loss_type, cpo_alpha=cpo_alpha, alpha=alpha)
+    return LossOutput(loss, metrics)
+
+
+def fused_linear_simpo_loss(
+    weight: torch.Tensor,
+    hidden: torch.Tensor,
+    labels: torch.Tensor,
+    *,
+    bias: Optional[torch.Tensor] = None,
+    beta: float = 2.0,
+    gamma: float = 0.5,
+    label_smoothing: float = 0.0,
+    cpo_alpha: float = 0.0,
+    alpha: float = 0.0,
+    need_entropy: bool = False,
+    ignore_index: int = -100,
+    softcap: Optional[float] = None,
+    logit_scale: float = 1.0,
+    chunk_tokens: Optional[int] = None,
+    accum_dtype: Optional[torch.dtype] = None,
+    impl: str = "auto",
+) -> LossOutput:
+    """SimPO: :func:`fused_linear_cpo_loss` with ``loss_type="simpo"``, ``simpo_gamma=gamma``."""
+    return fused_linear_cpo_loss(
+        weight, hidden, labels, bias=bias, beta=beta, loss_type="simpo", cpo_alpha=cpo_alpha,
+        label_smoothing=label_smoothing, simpo_gamma=gamma, alpha=alpha, need_entropy=need_entropy,
+        ignore_index=ignore_index, softcap=softcap, logit_scale=logit_scale, chunk_tokens=chunk_tokens,
+        accum_dtype=accum_dtype, impl=impl,
+    )
+
+
+class LigerFusedLinearCPOLoss(nn.Module):
+    """Module twin of :func:`fused_linear_cpo_loss`: ``loss_fn(weight, hidden, labels, *, bias=None)``."""
+
+    TRL_METRIC_NAMES = TRL_METRIC_NAMES
+
+    def __init__(
+        self,
+        beta: float = 0.1,
+        loss_type: str = "sigmoid",
+        cpo_alpha: float = 1.0,
+        label_smoothing: float = 0.0,
+        simpo_gamma: float = 0.5,
+        *,
+        alpha: float = 0.0,
+        need_entropy: bool = False,
+        ignore_index: int = -100,
+        softcap: Optional[float] = None,
+        logit_scale: float = 1.0,
+        chunk_tokens: Optional[int] = None,
+        accum_dtype: Optional[torch.dtype] = None,
+        impl: str = "auto",
+    ):
+        super().__init__()
+        normalize_cpo_options(
+            beta=beta, loss_type=loss_type, label_smoothing=label_smoothing, cpo_alpha=cpo_alpha,
+            simpo_gamma=simpo_gamma, alpha=alpha,
+        )
+        self.options = dict(
+            beta=beta, loss_type=loss_type, cpo_alpha=cpo_alpha, label_smoothing=label_smoothing,
+            simpo_gamma=simpo_gamma, alpha=alpha, need_entropy=need_entropy, ignore_index=ignore_index,
+            softcap=softcap, logit_scale=logit_scale, chunk_tokens=chunk_tokens, accum_dtype=accum_dtype,
+            impl=impl,
+        )
+
+    def forward(
+        self, weight: torch.Tensor, hidden: torch.Tensor, labels: torch.Tensor, *, bias: Optional[torch.Tensor] = None
+    ) -> LossOutput:
+        return fused_linear_cpo_loss(weight, hidden, labels, bias=bias, **self.options)
+
+    def extra_repr(self) -> str:
+        return ", ".join(f"{k}={self.options[k]!r}" for k in ("beta", "loss_type", "cpo_alpha"))
+
+
+class LigerFusedLinearSimPOLoss(nn.Module):
+    """SimPO module: ``loss_fn(weight, hidden, labels, *, bias=None)``; CPO ``loss_type="simpo"``."""
+
+    TRL_METRIC_NAMES = TRL_METRIC_NAMES
+
+    def __init__(
+        self,
+        beta: float = 2.0,
+        gamma: float = 0.5,
+        *,
+        label_smoothing: float = 0.0,
+        cpo_alpha: float = 0.0,
+        alpha: float = 0.0,
+        need_entropy: bool = False,
+        ignore_index: int = -100,
+        softcap: Optional[float] = None,
+        logit_scale: float = 1.0,
+        chunk_tokens: Optional[int] = None,
+        accum_dtype: Optional[torch.dtype] = None,
+        impl: str = "auto",
+    ):
+        super().__init__()
+        normalize_cpo_options(
+            beta=beta, loss_type="simpo", label_smoothing=label_smoothing, cpo_alpha=cpo_alpha,
+            simpo_gamma=gamma, alpha=alpha,
+        )
+        self.options = dict(
+            beta=beta, gamma=gamma, label_smoothing=label_smoothing, cpo_alpha=cpo_alpha, alpha=alpha,
+            need_entropy=need_entropy, ignore_index=ignore_index, softcap=softcap, logit_scale=logit_scale,
+            chunk_tokens=chunk_tokens, accum_dtype=accum_dtype, impl=impl,
+        )
+
+    def forward(
+        self, weight: torch.Tensor, hidden: torch.Tensor, labels: torch.Tensor, *, bias: Optional[torch.Tensor] = None
+    ) -> LossOutput:
+        return fused_linear_simpo_loss(weight, hidden, labels, bias=bias, **self.options)
+
+    def extra_repr(self) -> str:
+        return f"beta={self.options['beta']!r}, gamma={self.options['gamma']!r}"

@@ -1,0 +1,512 @@
+"""DPO and its family (IPO, EXO, NCA, robust, BCO, SPPO, AOT, APO, DiscoPOP, SFT/RPO, ...) from hidden states.
+
+``fused_linear_dpo_loss(weight, hidden, ref_hidden, labels, ...)`` computes TRL 1.16's ``DPOTrainer``
+loss straight from the last hidden states and the LM head, in chunks (logits never held whole):
+
+* ``weight [V, H]``, ``hidden [2P, T, H]`` laid out ``[chosen; rejected]`` on dim 0 (TRL's layout),
+  ``labels [2P, T]`` int (already shifted: ``hidden[b, t]`` is scored against ``labels[b, t]``;
+  prompt and padding positions hold ``ignore_index``), optional ``bias [V]``;
+* the reference: ``ref_hidden [2P, T, H_ref]`` (with ``ref_weight``/``ref_bias``, default the
+  policy's head) or precomputed ``ref_chosen_logps``/``ref_rejected_logps [P]`` or
+  ``reference_free=True`` (reference log-probs 0);
+* float32 statistics and loss whatever the input dtype (bf16/fp16/fp32 GEMMs in the input dtype).
+
+Per sequence the engine gives ``logps = sum_t w_t log p(label_t)`` (``w_t = 1``, or LD-DPO's
+``ld_alpha`` beyond the pair's shared completion length); :func:`dpo_pair_losses` turns the pair
+statistics into per-pair losses exactly as TRL 1.16 does for every ``loss_type`` (and weighted
+lists of them), ``f_divergence_type``, ``label_smoothing``, ``discopop_tau``. The loss is the mean
+over pairs. Returns ``LossOutput(loss, metrics)`` with the 0-d means TRL logs (``TRL_METRIC_NAMES``).
+
+Not supported: ``use_weighting`` (WPO needs per-token ``log sum_v p_v^2``, which the engine does
+not compute) and ``ld_alpha`` together with an ``"sft"`` term (TRL's SFT term uses the unweighted
+log-probs, a second statistic the engine does not return); both raise ``NotImplementedError``.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from typing import Optional, Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ...kernels.utils import check_choice, check_range
+from ..engine import fused_linear_sequence_objective
+from ..output import LossOutput
+from .common import (
+    check_inputs,
+    check_sequence_values,
+    chosen_nll_per_unit,
+    entropy_metric,
+    safe_mean,
+    sequence_metrics,
+    split_pairs,
+    token_mean,
+)
+
+DPO_LOSS_TYPES = (
+    "sigmoid", "hinge", "ipo", "exo_pair", "nca_pair", "robust", "bco_pair", "sppo_hard", "aot",
+    "aot_unpaired", "apo_zero", "apo_down", "discopop", "sft", "sigmoid_norm",
+)
+F_DIVERGENCE_TYPES = ("reverse_kl", "forward_kl", "js_divergence", "alpha_divergence")
+# Loss types built on the chosen-rejected score difference: the only ones with an f-DPO generalisation.
+F_DIVERGENCE_LOSS_TYPES = frozenset(
+    {"sigmoid", "sigmoid_norm", "hinge", "ipo", "exo_pair", "robust", "discopop", "sft"}
+)
+# Loss types that sort over the batch: not separable over pairs (objective sees the whole batch).
+SORTING_LOSS_TYPES = frozenset({"aot", "aot_unpaired"})
+
+# our metric key -> the name TRL 1.16's DPOTrainer logs
+TRL_METRIC_NAMES = {
+    "chosen_logps": "logps/chosen",
+    "rejected_logps": "logps/rejected",
+    "chosen_rewards": "rewards/chosen",
+    "rejected_rewards": "rewards/rejected",
+    "reward_margins": "rewards/margins",
+    "reward_accuracies": "rewards/accuracies",
+    "chosen_logits_mean": "logits/chosen",
+    "rejected_logits_mean": "logits/rejected",
+    "mean_token_accuracy": "mean_token_accuracy",
+    "entropy": "entropy",
+}
+
+
+# --------------------------------------------------------------------------- the formula
+
+
+def f_divergence_scores(
+    logratios: torch.Tensor, f_divergence_type: str = "reverse_kl", f_alpha_divergence_coef: float = 0.5
+) -> torch.Tensor:
+    """f'(π/π_ref) of the f-DPO paper applied to ``logratios = log π - log π_ref`` (TRL 1.16)."""
+    if f_divergence_type == "reverse_kl":
+        return logratios
+    if f_divergence_type == "forward_kl":
+        return 1 - torch.exp(-logratios)
+    if f_divergence_type == "js_divergence":
+        return math.log(2) + F.logsigmoid(logratios)
+    if f_divergence_type == "alpha_divergence":
+        a = f_alpha_divergence_coef
+        if abs(a - 1.0) < 1e-6:  # limit alpha -> 1 is log t
+            return logratios
+        t = (a - 1.0) * logratios
+        clamp_max = {torch.float16: 11.0}.get(t.dtype, 80.0)
+        return (torch.exp(torch.clamp(t.float(), max=clamp_max)) - 1.0).to(t.dtype) / (a - 1.0)
+    raise ValueError(f"f_divergence_type must be one of {F_DIVERGENCE_TYPES}, got {f_divergence_type!r}")
+
+
+def dpo_pair_losses(
+    chosen_logps: torch.Tensor,
+    rejected_logps: torch.Tensor,
+    ref_chosen_logps: torch.Tensor,
+    ref_rejected_logps: torch.Tensor,
+    *,
+    beta: float = 0.1,
+    loss_type: str | Sequence[str] = "sigmoid",
+    loss_weights: Optional[Sequence[float]] = None,
+    label_smoothing: float = 0.0,
+    f_divergence_type: str = "reverse_kl",
+    f_alpha_divergence_coef: float = 0.5,
+    discopop_tau: float = 0.05,
+    chosen_num_tokens: Optional[torch.Tensor] = None,
+    rejected_num_tokens: Optional[torch.Tensor] = None,
+    chosen_nll: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
+    """Per-pair DPO-family losses ``[P]`` whose mean over the batch is TRL 1.16's loss.
+
+    All inputs ``[P]`` float. ``chosen_num_tokens``/``rejected_num_tokens`` (completion lengths) are
+    needed by ``"ipo"`` and ``"sigmoid_norm"``; ``chosen_nll`` (``[P]`` values whose mean is the
+    token-averaged NLL of the chosen tokens, see ``common.chosen_nll_per_unit``) by ``"sft"``.
+    For several loss types the result is ``sum_k loss_weights[k] * losses_k``. ``"aot"`` and
+    ``"aot_unpaired"`` sort over the given pairs, so their values are per rank, not per pair: only
+    their mean is meaningful, and they must see the whole batch at once.
+    """
+    types = [loss_type] if isinstance(loss_type, str) else list(loss_type)
+    weights = [1.0] * len(types) if loss_weights is None else list(loss_weights)
+    if len(weights) != len(types):
+        raise ValueError(f"loss_weights must have {len(types)} entries (one per loss_type), got {len(weights)}")
+    beta = float(beta)
+    eps = float(label_smoothing)
+
+    chosen_logratios = chosen_logps - ref_chosen_logps
+    rejected_logratios = rejected_logps - ref_rejected_logps
+    chosen_scores = f_divergence_scores(chosen_logratios, f_divergence_type, f_alpha_divergence_coef)
+    rejected_scores = f_divergence_scores(rejected_logratios, f_divergence_type, f_alpha_divergence_coef)
+    delta_score = chosen_scores - rejected_scores
+
+    def need_lengths(name):
+        if chosen_num_tokens is None or rejected_num_tokens is None:
+            raise ValueError(f"loss_type {name!r} needs chosen_num_tokens and rejected_num_tokens")
+        return chosen_num_tokens.clamp(min=1.0), rejected_num_tokens.clamp(min=1.0)
+
+    total = torch.zeros_like(chosen_logps)
+    for name, weight in zip(types, weights):
+        if name == "sigmoid":
+            losses = -F.logsigmoid(beta * delta_score)
+        elif name == "hinge":
+            losses = torch.relu(1 - beta * delta_score)
+        elif name == "ipo":
+            # length-normalised (per completion token), as TRL does
+            c_len, r_len = need_lengths(name)
+            ipo_delta = chosen_scores / c_len - rejected_scores / r_len
+            losses = (ipo_delta - 1 / (2 * beta)) ** 2
+        elif name == "exo_pair":
+            z = beta * delta_score
+            losses = torch.sigmoid(z) * (F.logsigmoid(z) - math.log1p(-eps)) + torch.sigmoid(-z) * (
+                F.logsigmoid(-z) - math.log(eps)
+            )
+        elif name == "nca_pair":
+            cr, rr = beta * chosen_logratios, beta * rejected_logratios
+            losses = -F.logsigmoid(cr) - 0.5 * F.logsigmoid(-cr) - 0.5 * F.logsigmoid(-rr)
+        elif name == "robust":
+            z = beta * delta_score
+            losses = (-(1 - eps) * F.logsigmoid(z) + eps * F.logsigmoid(-z)) / (1 - 2 * eps)
+        elif name == "bco_pair":
+            losses = -F.logsigmoid(beta * chosen_logratios) - F.logsigmoid(-beta * rejected_logratios)
+        elif name == "sppo_hard":
+            losses = (chosen_logratios - 0.5 / beta) ** 2 + (rejected_logratios + 0.5 / beta) ** 2
+        elif name == "aot":
+            logratios, _ = torch.sort(chosen_logps - rejected_logps, dim=0)
+            ref_logratios, _ = torch.sort(ref_chosen_logps - ref_rejected_logps, dim=0)
+            delta = logratios - ref_logratios
+            losses = -F.logsigmoid(beta * delta) * (1 - eps) - F.logsigmoid(-beta * delta) * eps
+        elif name == "aot_unpaired":
+            c_sorted, _ = torch.sort(chosen_logratios, dim=0)
+            r_sorted, _ = torch.sort(rejected_logratios, dim=0)
+            delta = c_sorted - r_sorted
+            losses = -F.logsigmoid(beta * delta) * (1 - eps) - F.logsigmoid(-beta * delta) * eps
+        elif name == "apo_zero":
+            losses = (1 - torch.sigmoid(beta * chosen_logratios)) + torch.sigmoid(beta * rejected_logratios)
+        elif name == "apo_down":
+            losses = torch.sigmoid(beta * chosen_logratios) + (
+                1 - torch.sigmoid(beta * (chosen_logratios - rejected_logratios))
+            )
+        elif name == "discopop":
+            z = beta * delta_score
+            modulation = torch.sigmoid(z / discopop_tau)
+            losses = -F.logsigmoid(z) * (1 - modulation) + torch.exp(-z) * modulation
+        elif name == "sft":
+            if chosen_nll is None:
+                raise ValueError("loss_type 'sft' needs chosen_nll")
+            losses = chosen_nll
+        elif name == "sigmoid_norm":
+            c_len, r_len = need_lengths(name)
+            losses = -F.logsigmoid(beta * (chosen_scores / c_len - rejected_scores / r_len))
+        else:
+            raise ValueError(f"loss_type entries must be in {DPO_LOSS_TYPES}, got {name!r}")
+        total = total + weight * losses
+    return total
+
+
+# --------------------------------------------------------------------------- options
+
+
+def normalize_dpo_options(
+    *,
+    beta: float,
+    loss_type,
+    loss_weights,
+    label_smoothing: float,
+    f_divergence_type: str,
+    f_alpha_divergence_coef: float,
+    discopop_tau: float,
+    ld_alpha: Optional[float],
+    use_weighting: bool,
+    rpo_alpha: Optional[float],
+) -> tuple[tuple[str, ...], tuple[float, ...]]:
+    """Validate the DPO options (TRL 1.16's rules) and return ``(loss_types, loss_weights)``.
+
+    ``rpo_alpha`` (RPO, older TRL's option) is sugar for appending ``"sft"`` with weight ``rpo_alpha``.
+    """
+    types = [loss_type] if isinstance(loss_type, str) else list(loss_type)
+    if not types:
+        raise ValueError("loss_type must name at least one loss type")
+    for t in types:
+        check_choice("loss_type", t, DPO_LOSS_TYPES)
+    if loss_weights is None:
+        weights = [1.0] * len(types)
+    else:
+        weights = [float(w) for w in loss_weights]
+        if len(weights) != len(types):
+            raise ValueError(
+                f"loss_weights must have the same length as loss_type ({len(types)}), got {len(weights)}"
+            )
+    if rpo_alpha is not None:
+        types.append("sft")
+        weights.append(float(rpo_alpha))
+    check_range("beta", beta, 0.0, None, low_inclusive=False)
+    check_range("label_smoothing", label_smoothing, 0.0, 1.0, high_inclusive=False)
+    check_choice("f_divergence_type", f_divergence_type, F_DIVERGENCE_TYPES)
+    if f_divergence_type != "reverse_kl" and not set(types) <= F_DIVERGENCE_LOSS_TYPES:
+        raise ValueError(
+            f"f_divergence_type={f_divergence_type!r} is only supported for loss types "
+            f"{sorted(F_DIVERGENCE_LOSS_TYPES)}, got {types}"
+        )
+    check_range("discopop_tau", discopop_tau, 0.0, None, low_inclusive=False)
+    if "exo_pair" in types and label_smoothing == 0.0:
+        raise ValueError("label_smoothing must be > 0 for loss_type 'exo_pair' (the EXO paper suggests 1e-3)")
+    if "robust" in types:
+        if label_smoothing == 0.5:
+            raise ValueError("label_smoothing must not be 0.5 for loss_type 'robust' (division by 1 - 2*0.5)")
+        if not 0.0 <= label_smoothing < 0.5:
+            warnings.warn(
+                f"label_smoothing should lie in [0.0, 0.5) for the 'robust' loss, got {label_smoothing}",
+                stacklevel=3,
+            )
+    if ld_alpha is not None:
+        check_range("ld_alpha", ld_alpha, 0.0, 1.0)
+        if "sft" in types:
+            raise NotImplementedError(
+                "ld_alpha together with an 'sft' term (or rpo_alpha) is not supported: TRL's SFT term uses the "
+                "unweighted log-probs, a second per-sequence statistic the chunked engine does not compute"
+            )
+    if use_weighting:
+        raise NotImplementedError(
+            "use_weighting (WPO) is not supported: its weights need the per-token log sum_v p_v^2, which the "
+            "chunked engine does not compute"
+        )
+    return tuple(types), tuple(weights)
+
+
+def ld_token_weights(labels: torch.Tensor, ld_alpha: float, ignore_index: int = -100) -> torch.Tensor:
+    """LD-DPO token weights ``[2P, T]`` float32 from the labels mask.
+
+    The k-th valid token (k = 1, 2, ...) of a sequence gets weight 1 when ``k <= min(len_chosen,
+    len_rejected)`` of its pair, ``ld_alpha`` beyond; ignored positions 0. TRL applies the same
+    weights to the reference log-probs, and so does the engine.
+    """
+    mask = labels != ignore_index
+    pos = mask.cumsum(dim=1)
+    lens = mask.sum(dim=1)
+    c_len, r_len = split_pairs(lens)
+    shared = torch.minimum(c_len, r_len)
+    shared = torch.cat([shared, shared]).unsqueeze(1)
+    weights = torch.where(pos <= shared, 1.0, float(ld_alpha)).to(torch.float32)
+    return weights * mask
+
+
+# --------------------------------------------------------------------------- engine objective
+
+
+class DPOObjective:
+    """``objective(stats) -> (losses [U], {})`` for the chunked engine (pairs, ``group_size=2``)."""
+
+    def __init__(
+        self,
+        *,
+        beta: float,
+        loss_types: Sequence[str],
+        loss_weights: Sequence[float],
+        label_smoothing: float,
+        f_divergence_type: str,
+        f_alpha_divergence_coef: float,
+        discopop_tau: float,
+    ):
+        self.beta = beta
+        self.loss_types = tuple(loss_types)
+        self.loss_weights = tuple(loss_weights)
+        self.label_smoothing = label_smoothing
+        self.f_divergence_type = f_divergence_type
+        self.f_alpha_divergence_coef = f_alpha_divergence_coef
+        self.discopop_tau = discopop_tau
+
+    @property
+    def separable(self) -> bool:
+        """False when a loss type ranks over the whole batch (AOT)."""
+        return not (set(self.loss_types) & SORTING_LOSS_TYPES)
+
+    def __call__(self, stats):
+        if stats.ref_logps is None:
+            raise ValueError("the DPO objective needs reference log-probs (stats.ref_logps is None)")
+        chosen, rejected = split_pairs(stats.logps)
+        ref_chosen, ref_rejected = split_pairs(stats.ref_logps)
+        c_len, r_len = split_pairs(stats.num_tokens)
+        nll = chosen_nll_per_unit(chosen, stats.batch_num_tokens) if "sft" in self.loss_types else None
+        losses = dpo_pair_losses(
+            chosen, rejected, ref_chosen, ref_rejected,
+            beta=self.beta, loss_type=self.loss_types, loss_weights=self.loss_weights,
+            label_smoothing=self.label_smoothing, f_divergence_type=self.f_divergence_type,
+            f_alpha_divergence_coef=self.f_alpha_divergence_coef, discopop_tau=self.discopop_tau,
+            chosen_num_tokens=c_len, rejected_num_tokens=r_len, chosen_nll=nll,
+        )
+        return losses, {}
+
+
+def dpo_metrics(stats, *, beta: float) -> dict:
+    """The 0-d means TRL 1.16's DPOTrainer logs, from the whole-batch (detached) stats."""
+    chosen, rejected = split_pairs(stats.logps)
+    ref_chosen, ref_rejected = split_pairs(stats.ref_logps)
+    chosen_rewards = beta * (chosen - ref_chosen)
+    rejected_rewards = beta * (rejected - ref_rejected)
+    half = chosen.shape[0]
+    c_sel, r_sel = slice(0, half), slice(half, 2 * half)
+    metrics = {
+        "chosen_logps": safe_mean(chosen),
+        "rejected_logps": safe_mean(rejected),
+        "chosen_rewards": safe_mean(chosen_rewards),
+        "rejected_rewards": safe_mean(rejected_rewards),
+        "reward_margins": safe_mean(chosen_rewards - rejected_rewards),
+        "reward_accuracies": safe_mean((chosen_rewards > rejected_rewards).float()),
+        **sequence_metrics(stats, c_sel, "chosen"),
+        **sequence_metrics(stats, r_sel, "rejected"),
+        "mean_token_accuracy": token_mean(stats.correct[c_sel], stats.num_tokens[c_sel]),
+        **entropy_metric(stats),
+    }
+    return {k: v.detach() for k, v in metrics.items()}
+
+
+# --------------------------------------------------------------------------- functional + module
+
+
+def fused_linear_dpo_loss(
+    weight: torch.Tensor,
+    hidden: torch.Tensor,
+    ref_hidden: Optional[torch.Tensor],
+    labels: torch.Tensor,
+    *,
+    bias: Optional[torch.Tensor] = None,
+    ref_weight: Optional[torch.Tensor] = None,
+    ref_bias: Optional[torch.Tensor] = None,
+    ref_chosen_logps: Optional[torch.Tensor] = None,
+    ref_rejected_logps: Optional[torch.Tensor] = None,
+    beta: float = 0.1,
+    loss_type: str | Sequence[str] = "sigmoid",
+    loss_weights: Optional[Sequence[float]] = None,
+    label_smoothing: float = 0.0,
+    f_divergence_type: str = "reverse_kl",
+    f_alpha_divergence_coef: float = 0.5,
+    discopop_tau: float = 0.05,
+    ld_alpha: Optional[float] = None,
+    use_weighting: bool = False,
+    rpo_alpha: Optional[float] = None,
+    reference_free: bool = False,
+    need_entropy: bool = False,
+    ignore_index: int = -100,
+    softcap: Optional[float] = None,
+    logit_scale: float = 1.0,
+    chunk_tokens: Optional[int] = None,
+    accum_dtype: Optional[torch.dtype] = None,
+    impl: str = "auto",
+) -> LossOutput:
+    """DPO-family loss of TRL 1.16 from hidden states; see the module docstring for shapes.
+
+    Returns ``LossOutput(loss 0-d float32 differentiable w.r.t. hidden/weight/bias, metrics)``.
+    """
+    types, weights = normalize_dpo_options(
+        beta=beta, loss_type=loss_type, loss_weights=loss_weights, label_smoothing=label_smoothing,
+        f_divergence_type=f_divergence_type, f_alpha_divergence_coef=f_alpha_divergence_coef,
+        discopop_tau=discopop_tau, ld_alpha=ld_alpha, use_weighting=use_weighting, rpo_alpha=rpo_alpha,
+    )
+    check_inputs(
+        weight, hidden, labels, paired=True, bias=bias, ref_hidden=ref_hidden,
+        ref_weight=ref_weight, ref_bias=ref_bias,
+    )
+    num_pairs = hidden.shape[0] // 2
+    ref_logps = None
+    have_pre = (ref_chosen_logps is not None, ref_rejected_logps is not None)
+    if any(have_pre) and not all(have_pre):
+        raise ValueError("ref_chosen_logps and ref_rejected_logps must be given together")
+    if reference_free:
+        if ref_hidden is not None or any(have_pre):
+            raise ValueError("reference_free=True takes no ref_hidden, ref_chosen_logps or ref_rejected_logps")
+        ref_logps = torch.zeros(2 * num_pairs, device=hidden.device, dtype=torch.float32)
+    elif all(have_pre):
+        if ref_hidden is not None:
+            raise ValueError("give either ref_hidden or ref_chosen_logps/ref_rejected_logps, not both")
+        ref_logps = torch.cat(
+            [
+                check_sequence_values("ref_chosen_logps", ref_chosen_logps, num_pairs, hidden.device),
+                check_sequence_values("ref_rejected_logps", ref_rejected_logps, num_pairs, hidden.device),
+            ]
+        )
+    elif ref_hidden is None:
+        raise ValueError(
+            "DPO needs a reference: pass ref_hidden, or ref_chosen_logps and ref_rejected_logps, "
+            "or set reference_free=True"
+        )
+    token_weights = ld_token_weights(labels, ld_alpha, ignore_index) if ld_alpha is not None else None
+
+
+    objective = DPOObjective(
+        beta=beta, loss_types=types, loss_weights=weights, label_smoothing=label_smoothing,
+        f_divergence_type=f_divergence_type, f_alpha_divergence_coef=f_alpha_divergence_coef,
+        discopop_tau=discopop_tau,
+    )
+    loss, _, stats = fused_linear_sequence_objective(
+        weight, hidden, labels, objective, group_size=2, separable=objective.separable,
+        bias=bias, ref_hidden=None if ref_logps is not None else ref_hidden, ref_weight=ref_weight,
+        ref_bias=ref_bias, ref_logps=ref_logps, token_weights=token_weights, ignore_index=ignore_index,
+        softcap=softcap, logit_scale=logit_scale, need_entropy=need_entropy, chunk_tokens=chunk_tokens,
+        accum_dtype=accum_dtype, impl=impl,
+    )
+    return LossOutput(loss, dpo_metrics(stats, beta=beta))
+
+
+class LigerFusedLinearDPOLoss(nn.Module):
+    """Module twin of :func:`fused_linear_dpo_loss`: options at construction, tensors at call.
+
+    ``loss_fn(weight, hidden, ref_hidden, labels, *, bias=None, ref_weight=None, ref_bias=None,
+    ref_chosen_logps=None, ref_rejected_logps=None) -> LossOutput``.
+    """
+
+    TRL_METRIC_NAMES = TRL_METRIC_NAMES
+
+    def __init__(
+        self,
+        beta: float = 0.1,
+        loss_type: str | Sequence[str] = "sigmoid",
+        loss_weights: Optional[Sequence[float]] = None,
+        label_smoothing: float = 0.0,
+        *,
+        f_divergence_type: str = "reverse_kl",
+        f_alpha_divergence_coef: float = 0.5,
+        discopop_tau: float = 0.05,
+        ld_alpha: Optional[float] = None,
+        use_weighting: bool = False,
+        rpo_alpha: Optional[float] = None,
+        reference_free: bool = False,
+        need_entropy: bool = False,
+        ignore_index: int = -100,
+        softcap: Optional[float] = None,
+        logit_scale: float = 1.0,
+        chunk_tokens: Optional[int] = None,
+        accum_dtype: Optional[torch.dtype] = None,
+        impl: str = "auto",
+    ):
+        super().__init__()
+        self.options = dict(
+            beta=beta, loss_type=loss_type if isinstance(loss_type, str) else tuple(loss_type),
+            loss_weights=None if loss_weights is None else tuple(loss_weights),
+            label_smoothing=label_smoothing, f_divergence_type=f_divergence_type,
+            f_alpha_divergence_coef=f_alpha_divergence_coef, discopop_tau=discopop_tau, ld_alpha=ld_alpha,
+            use_weighting=use_weighting, rpo_alpha=rpo_alpha, reference_free=reference_free,
+            need_entropy=need_entropy, ignore_index=ignore_index, softcap=softcap, logit_scale=logit_scale,
+            chunk_tokens=chunk_tokens, accum_dtype=accum_dtype, impl=impl,
+        )
+        normalize_dpo_options(  # fail at construction on bad options
+            beta=beta, loss_type=loss_type, loss_weights=loss_weights, label_smoothing=label_smoothing,
+            f_divergence_type=f_divergence_type, f_alpha_divergence_coef=f_alpha_divergence_coef,
+            discopop_tau=discopop_tau, ld_alpha=ld_alpha, use_weighting=use_weighting, rpo_alpha=rpo_alpha,
+        )
+
+    def forward(
+        self,
+        weight: torch.Tensor,
+        hidden: torch.Tensor,
+        ref_hidden: Optional[torch.Tensor],
+        labels: torch.Tensor,
+        *,
+        bias: Optional[torch.Tensor] = None,
+        ref_weight: Optional[torch.Tensor] = None,
+        ref_bias: Optional[torch.Tensor] = None,
+        ref_chosen_logps: Optional[torch.Tensor] = None,
+        ref_rejected_logps: Optional[torch.Tensor] = None,
+    ) -> LossOutput:
+        return fused_linear_dpo_loss(
+            weight, hidden, ref_hidden, labels, bias=bias, ref_weight=ref_weight, ref_bias=ref_bias,
+            ref_chosen_logps=ref_chosen_logps, ref_rejected_logps=ref_rejected_logps, **self.options,
+        )
+
+    def extra_repr(self) -> str:
+        return ", ".join(f"{k}={v!r}" for k, v in self.options.items() if k in ("beta", "loss_type"))

@@ -1,0 +1,330 @@
+"""KTO (Kahneman-Tversky optimisation, unpaired) from hidden states.
+
+``fused_linear_kto_loss(weight, hidden, ref_hidden, labels, *, preference_labels, ...)`` with
+``weight [V, H]``, ``hidden [B, T, H]``, ``labels [B, T]`` int (shifted; ignored positions
+``ignore_index``), ``preference_labels [B]`` bool (True = desirable), the reference as
+``ref_hidden [B, T, H_ref]`` (with ``ref_weight``/``ref_bias``, default the policy head) or
+precomputed ``ref_logps [B]``. The KL estimate uses mismatched completions: ``kl_hidden [B', T', H]``
+with ``kl_labels [B', T']`` and their reference ``kl_ref_hidden`` or ``ref_kl_logps [B']``.
+Statistics and loss are float32.
+
+As TRL 1.16's ``KTOTrainer``: with ``r = logp - ref_logp`` per sequence and
+``kl = clamp(mean(kl_logps - ref_kl_logps), min=0)`` (detached: the KL forward runs without grad),
+
+    loss_type="kto":               desirable  w_d (1 - sigmoid(beta (r - kl)))
+                                   undesirable w_u (1 - sigmoid(beta (kl - r)))
+    loss_type="apo_zero_unpaired": desirable  w_d (1 - sigmoid(beta r)),  undesirable w_u sigmoid(beta r)
+    loss = mean over all B sequences.
+
+``"apo_zero_unpaired"`` needs no KL sequences (TRL doesn't build them); any KL inputs are ignored.
+Note: TRL averages ``kl`` over all processes before the loss; here it is this call's batch (the
+caller can pass ``kl=`` a gathered value instead).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import nn
+
+from ...kernels.utils import check_choice, check_range, check_tensor
+from ..engine import fused_linear_sequence_objective
+from ..output import LossOutput
+from .common import (
+    check_inputs,
+    check_sequence_values,
+    entropy_metric,
+    token_mean,
+    zero_objective,
+)
+
+KTO_LOSS_TYPES = ("kto", "apo_zero_unpaired")
+
+# our metric key -> the name TRL 1.16's KTOTrainer logs
+TRL_METRIC_NAMES = {
+    "kl": "kl",
+    "entropy": "entropy",
+    "chosen_logits_mean": "logits/chosen",
+    "rejected_logits_mean": "logits/rejected",
+    "chosen_rewards": "rewards/chosen",
+    "chosen_logps": "logps/chosen",
+    "rejected_rewards": "rewards/rejected",
+    "rejected_logps": "logps/rejected",
+    "reward_margins": "rewards/margins",
+}
+
+
+def kto_sequence_losses(
+    logps: torch.Tensor,
+    ref_logps: torch.Tensor,
+    desirable: torch.Tensor,
+    kl,
+    *,
+    beta: float = 0.1,
+    loss_type: str = "kto",
+    desirable_weight: float = 1.0,
+    undesirable_weight: float = 1.0,
+) -> torch.Tensor:
+    """Per-sequence KTO losses ``[S]`` (TRL 1.16); ``desirable`` bool ``[S]``, ``kl`` 0-d (detached)."""
+    logratios = logps - ref_logps
+    if loss_type == "kto":
+        chosen = 1 - torch.sigmoid(beta * (logratios - kl))
+        rejected = 1 - torch.sigmoid(beta * (kl - logratios))
+    elif loss_type == "apo_zero_unpaired":
+        chosen = 1 - torch.sigmoid(beta * logratios)
+        rejected = torch.sigmoid(beta * logratios)
+    else:
+        raise ValueError(f"loss_type must be one of {KTO_LOSS_TYPES}, got {loss_type!r}")
+    return torch.where(desirable, desirable_weight * chosen, undesirable_weight * rejected)
+
+
+class KTOObjective:
+    """``objective(stats) -> (losses [S], {})`` for the chunked engine (single sequences, separable)."""
+
+    separable = True
+
+    def __init__(self, *, preference_labels, kl, beta, loss_type, desirable_weight, undesirable_weight):
+        self.preference_labels = preference_labels
+        self.kl = kl
+        self.beta = beta
+        self.loss_type = loss_type
+        self.desirable_weight = desirable_weight
+        self.undesirable_weight = undesirable_weight
+
+    def __call__(self, stats):
+        if stats.ref_logps is None:
+            raise ValueError("the KTO objective needs reference log-probs (stats.ref_logps is None)")
+        desirable = self.preference_labels[stats.index]
+        losses = kto_sequence_losses(
+            stats.logps, stats.ref_logps, desirable, self.kl, beta=self.beta, loss_type=self.loss_type,
+            desirable_weight=self.desirable_weight, undesirable_weight=self.undesirable_weight,
+        )
+        return losses, {}
+
+
+def kto_metrics(stats, preference_labels: torch.Tensor, kl: torch.Tensor, *, beta: float) -> dict:
+    """What TRL's KTOTrainer logs, from the whole-batch (detached) stats.
+
+    As TRL, keys whose count is zero are left out (``chosen_*`` without desirable sequences,
+    ``*_logits_mean`` without tokens, ``reward_margins`` unless both kinds are present). One host sync.
+    """
+    des = preference_labels
+    und = ~preference_labels
+    rewards = beta * (stats.logps - stats.ref_logps)
+    counts = torch.stack(
+        [des.sum(), und.sum(), stats.num_tokens[des].sum(), stats.num_tokens[und].sum()]
+    ).tolist()
+    n_des, n_und, tok_des, tok_und = counts
+    metrics = {"kl": kl.reshape(()), **entropy_metric(stats)}
+    if tok_des > 0:
+        metrics["chosen_logits_mean"] = token_mean(stats.logits_sum[des], stats.num_tokens[des])
+    if tok_und > 0:
+        metrics["rejected_logits_mean"] = token_mean(stats.logits_sum[und], stats.num_tokens[und])
+    if n_des > 0:
+        metrics["chosen_rewards"] = rewards[des].nansum() / n_des
+        metrics["chosen_logps"] = stats.logps[des].nansum() / n_des
+    if n_und > 0:
+        metrics["rejected_rewards"] = rewards[und].nansum() / n_und
+        metrics["rejected_logps"] = stats.logps[und].nansum() / n_und
+    if n_des > 0 and n_und > 0:
+        metrics["reward_margins"] = metrics["chosen_rewards"] - metrics["rejected_rewards"]
+    return {k: v.detach() for k, v in metrics.items()}
+
+
+def kto_kl(
+    weight: torch.Tensor,
+    kl_hidden: torch.Tensor,
+    kl_labels: torch.Tensor,
+    *,
+    bias: Optional[torch.Tensor] = None,
+    kl_ref_hidden: Optional[torch.Tensor] = None,
+    ref_weight: Optional[torch.Tensor] = None,
+    ref_bias: Optional[torch.Tensor] = None,
+    ref_kl_logps: Optional[torch.Tensor] = None,
+    ignore_index: int = -100,
+    softcap: Optional[float] = None,
+    logit_scale: float = 1.0,
+    chunk_tokens: Optional[int] = None,
+    impl: str = "auto",
+) -> torch.Tensor:
+    """KTO's KL estimate, 0-d float32, detached: ``clamp(mean_b(kl_logps_b - ref_kl_logps_b), min=0)``.
+
+    Forward only (no gradient, no weight-gradient GEMM): one policy and (unless ``ref_kl_logps``
+    is given) one reference pass over the mismatched KL completions.
+    """
+
+    with torch.no_grad():
+        _, _, stats = fused_linear_sequence_objective(
+            weight.detach(), kl_hidden.detach(), kl_labels, zero_objective, group_size=1, separable=True,
+            bias=None if bias is None else bias.detach(),
+            ref_hidden=None if ref_kl_logps is not None else kl_ref_hidden, ref_weight=ref_weight,
+            ref_bias=ref_bias, ref_logps=ref_kl_logps, ignore_index=ignore_index, softcap=softcap,
+            logit_scale=logit_scale, chunk_tokens=chunk_tokens, impl=impl,
+        )
+    return (stats.logps - stats.ref_logps).mean().clamp(min=0).detach()
+
+
+def fused_linear_kto_loss(
+    weight: torch.Tensor,
+    hidden: torch.Tensor,
+    ref_hidden: Optional[torch.Tensor],
+    labels: torch.Tensor,
+    *,
+    preference_labels: torch.Tensor,
+    bias: Optional[torch.Tensor] = None,
+    ref_weight: Optional[torch.Tensor] = None,
+    ref_bias: Optional[torch.Tensor] = None,
+    kl_hidden: Optional[torch.Tensor] = None,
+    kl_ref_hidden: Optional[torch.Tensor] = None,
+    kl_labels: Optional[torch.Tensor] = None,
+    ref_logps: Optional[torch.Tensor] = None,
+    ref_kl_logps: Optional[torch.Tensor] = None,
+    kl: Optional[torch.Tensor] = None,
+    beta: float = 0.1,
+    loss_type: str = "kto",
+    desirable_weight: float = 1.0,
+    undesirable_weight: float = 1.0,
+    need_entropy: bool = False,
+    ignore_index: int = -100,
+    softcap: Optional[float] = None,
+    logit_scale: float = 1.0,
+    chunk_tokens: Optional[int] = None,
+    accum_dtype: Optional[torch.dtype] = None,
+    impl: str = "auto",
+) -> LossOutput:
+    """KTO loss of TRL 1.16 from hidden states; see the module docstring for shapes and formula.
+
+    ``kl`` (0-d, optional) replaces the KL estimate from ``kl_hidden`` (e.g. one gathered across
+    processes); it is used as given (detached).
+    """
+    check_choice("loss_type", loss_type, KTO_LOSS_TYPES)
+    check_range("beta", beta, 0.0, None, low_inclusive=False)
+    check_range("desirable_weight", desirable_weight, 0.0, None)
+    check_range("undesirable_weight", undesirable_weight, 0.0, None)
+    check_inputs(
+        weight, hidden, labels, paired=False, bias=bias, ref_hidden=ref_hidden, ref_weight=ref_weight,
+        ref_bias=ref_bias,
+    )
+    batch = hidden.shape[0]
+    check_tensor("preference_labels", preference_labels, ndim=1)
+    if preference_labels.shape[0] != batch:
+        raise ValueError(
+            f"preference_labels must have shape [{batch}] (one per sequence of hidden), "
+            f"got {tuple(preference_labels.shape)}"
+        )
+    if preference_labels.is_floating_point():
+        raise TypeError(f"preference_labels must be bool (True = desirable), got dtype {preference_labels.dtype}")
+    if preference_labels.device != hidden.device:
+        raise ValueError(f"preference_labels must be on {hidden.device} like hidden, got {preference_labels.device}")
+    preference_labels = preference_labels.bool()
+
+    if (ref_hidden is None) == (ref_logps is None):
+        raise ValueError("KTO needs exactly one reference: ref_hidden or ref_logps")
+    if ref_logps is not None:
+        ref_logps = check_sequence_values("ref_logps", ref_logps, batch, hidden.device)
+
+    if loss_type == "apo_zero_unpaired":
+        kl_value = torch.zeros((), device=hidden.device, dtype=torch.float32)
+    elif kl is not None:
+        check_tensor("kl", kl, floating=True)
+        if kl.numel() != 1:
+            raise ValueError(f"kl must hold one value, got shape {tuple(kl.shape)}")
+        kl_value = kl.detach().float().reshape(()).to(hidden.device)
+    else:
+        if kl_hidden is None or kl_labels is None:
+            raise ValueError(
+                "loss_type 'kto' needs the KL completions: kl_hidden and kl_labels (or a precomputed kl=)"
+            )
+        if (kl_ref_hidden is None) == (ref_kl_logps is None):
+            raise ValueError("loss_type 'kto' needs exactly one KL reference: kl_ref_hidden or ref_kl_logps")
+        check_inputs(
+            weight, kl_hidden, kl_labels, paired=False, bias=bias, ref_hidden=kl_ref_hidden,
+            ref_weight=ref_weight, ref_bias=ref_bias, hidden_name="kl_hidden", labels_name="kl_labels",
+            ref_hidden_name="kl_ref_hidden",
+        )
+        if ref_kl_logps is not None:
+            ref_kl_logps = check_sequence_values("ref_kl_logps", ref_kl_logps, kl_hidden.shape[0], hidden.device)
+        kl_value = kto_kl(
+            weight, kl_hidden, kl_labels, bias=bias, kl_ref_hidden=kl_ref_hidden, ref_weight=ref_weight,
+            ref_bias=ref_bias, ref_kl_logps=ref_kl_logps, ignore_index=ignore_index, softcap=softcap,
+            logit_scale=logit_scale, chunk_tokens=chunk_tokens, impl=impl,
+        )
+
+
+    objective = KTOObjective(
+        preference_labels=preference_labels, kl=kl_value, beta=beta, loss_type=loss_type,
+        desirable_weight=desirable_weight, undesirable_weight=undesirable_weight,
+    )
+    loss, _, stats = fused_linear_sequence_objective(
+        weight, hidden, labels, objective, group_size=1, separable=True, bias=bias,
+        ref_hidden=ref_hidden if ref_logps is None else None, ref_weight=ref_weight, ref_bias=ref_bias,
+        ref_logps=ref_logps, ignore_index=ignore_index, softcap=softcap, logit_scale=logit_scale,
+        need_entropy=need_entropy, chunk_tokens=chunk_tokens, accum_dtype=accum_dtype, impl=impl,
+    )
+    return LossOutput(loss, kto_metrics(stats, preference_labels, kl_value, beta=beta))
+
+
+class LigerFusedLinearKTOLoss(nn.Module):
+    """Module twin of :func:`fused_linear_kto_loss`.
+
+    ``loss_fn(weight, hidden, ref_hidden, labels, *, preference_labels, bias=None, ref_weight=None,
+    ref_bias=None, kl_hidden=None, kl_ref_hidden=None, kl_labels=None, ref_logps=None,
+    ref_kl_logps=None, kl=None) -> LossOutput``.
+    """
+
+    TRL_METRIC_NAMES = TRL_METRIC_NAMES
+
+    def __init__(
+        self,
+        beta: float = 0.1,
+        desirable_weight: float = 1.0,
+        undesirable_weight: float = 1.0,
+        *,
+        loss_type: str = "kto",
+        need_entropy: bool = False,
+        ignore_index: int = -100,
+        softcap: Optional[float] = None,
+        logit_scale: float = 1.0,
+        chunk_tokens: Optional[int] = None,
+        accum_dtype: Optional[torch.dtype] = None,
+        impl: str = "auto",
+    ):
+        super().__init__()
+        check_choice("loss_type", loss_type, KTO_LOSS_TYPES)
+        check_range("beta", beta, 0.0, None, low_inclusive=False)
+        check_range("desirable_weight", desirable_weight, 0.0, None)
+        check_range("undesirable_weight", undesirable_weight, 0.0, None)
+        self.options = dict(
+            beta=beta, loss_type=loss_type, desirable_weight=desirable_weight,
+            undesirable_weight=undesirable_weight, need_entropy=need_entropy, ignore_index=ignore_index,
+            softcap=softcap, logit_scale=logit_scale, chunk_tokens=chunk_tokens, accum_dtype=accum_dtype,
+            impl=impl,
+        )
+
+    def forward(
+        self,
+        weight: torch.Tensor,
+        hidden: torch.Tensor,
+        ref_hidden: Optional[torch.Tensor],
+        labels: torch.Tensor,
+        *,
+        preference_labels: torch.Tensor,
+        bias: Optional[torch.Tensor] = None,
+        ref_weight: Optional[torch.Tensor] = None,
+        ref_bias: Optional[torch.Tensor] = None,
+        kl_hidden: Optional[torch.Tensor] = None,
+        kl_ref_hidden: Optional[torch.Tensor] = None,
+        kl_labels: Optional[torch.Tensor] = None,
+        ref_logps: Optional[torch.Tensor] = None,
+        ref_kl_logps: Optional[torch.Tensor] = None,
+        kl: Optional[torch.Tensor] = None,
+    ) -> LossOutput:
+        return fused_linear_kto_loss(
+            weight, hidden, ref_hidden, labels, preference_labels=preference_labels, bias=bias,
+            ref_weight=ref_weight, ref_bias=ref_bias, kl_hidden=kl_hidden, kl_ref_hidden=kl_ref_hidden,
+            kl_labels=kl_labels, ref_logps=ref_logps, ref_kl_logps=ref_kl_logps, kl=kl, **self.options,
+        )
+
+    def extra_repr(self) -> str:
+        return ", ".join(f"{k}={self.options[k]!r}" for k in ("beta", "loss_type"))

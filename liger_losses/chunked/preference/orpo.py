@@ -1,0 +1,194 @@
+"""ORPO (odds-ratio preference optimisation) from hidden states, reference-free.
+
+``fused_linear_orpo_loss(weight, hidden, labels, *, bias=None, beta=0.1, ...)`` with ``weight [V, H]``,
+``hidden [2P, T, H]`` laid out ``[chosen; rejected]`` on dim 0, ``labels [2P, T]`` int (shifted;
+ignored positions ``ignore_index``), optional ``bias [V]``. Statistics and loss are float32.
+
+As TRL 1.16's ``ORPOTrainer`` (``trl.experimental.orpo``): with ``a_c, a_r`` the per-token mean
+log-probs of the chosen/rejected completions,
+
+    log_odds = (a_c - a_r) - (log(1 - e^{a_c}) - log(1 - e^{a_r}))
+    loss     = NLL_chosen - beta * mean_pairs(logsigmoid(log_odds))
+
+where ``NLL_chosen`` is the token-averaged cross-entropy over all chosen tokens of the batch.
+
+Differences from TRL, both forced by computing from hidden states without the full logits:
+* TRL's NLL term counts the chosen *prompt* tokens too (labels from the attention mask); here it
+  is over the tokens ``labels`` marks valid (pass prompt labels to include them, which also puts
+  them in the odds ratio);
+* TRL's ``logits/chosen`` averages over every position (prompt and padding included); here over
+  the valid tokens.
+An empty sequence (no valid token) has mean log-prob 0 (TRL: NaN); a pair with an empty side gets
+no odds-ratio term (its NLL share stays), and ``log(1 - e^a)`` is kept finite by clamping ``a`` to
+``<= -tiny``.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ...kernels.utils import check_range
+from ..engine import fused_linear_sequence_objective
+from ..output import LossOutput
+from .common import (
+    average_logps,
+    batch_chosen_nll,
+    check_inputs,
+    chosen_nll_per_unit,
+    entropy_metric,
+    log1mexp,
+    safe_mean,
+    sequence_metrics,
+    split_pairs,
+)
+
+# our metric key -> the name TRL 1.16's ORPOTrainer logs
+TRL_METRIC_NAMES = {
+    "chosen_rewards": "rewards/chosen",
+    "rejected_rewards": "rewards/rejected",
+    "reward_accuracies": "rewards/accuracies",
+    "reward_margins": "rewards/margins",
+    "chosen_logps": "logps/chosen",
+    "rejected_logps": "logps/rejected",
+    "chosen_logits_mean": "logits/chosen",
+    "rejected_logits_mean": "logits/rejected",
+    "nll_loss": "nll_loss",
+    "log_odds_ratio": "log_odds_ratio",
+    "log_odds_chosen": "log_odds_chosen",
+    "entropy": "entropy",
+}
+
+
+def orpo_log_odds(chosen_avg_logps: torch.Tensor, rejected_avg_logps: torch.Tensor) -> torch.Tensor:
+    """``[P]`` log odds ratio of the chosen over the rejected completion (mean log-probs in)."""
+    tiny = torch.finfo(chosen_avg_logps.dtype).tiny
+    c = chosen_avg_logps
+    r = rejected_avg_logps
+    return (c - r) - (log1mexp(c.clamp(max=-tiny)) - log1mexp(r.clamp(max=-tiny)))
+
+
+def orpo_pair_losses(
+    chosen_avg_logps: torch.Tensor,
+    rejected_avg_logps: torch.Tensor,
+    chosen_nll: torch.Tensor,
+    *,
+    beta: float = 0.1,
+    valid_pairs: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
+    """Per-pair ORPO losses ``[P]``: ``chosen_nll - beta * logsigmoid(log_odds)``; the mean over the
+    batch is TRL's loss when ``chosen_nll`` has the batch's token-averaged NLL as its mean.
+
+    ``valid_pairs`` (bool ``[P]``): pairs where both completions have a valid token; the odds-ratio
+    term of the others is 0 (TRL gives NaN there).
+    """
+    ratio = F.logsigmoid(orpo_log_odds(chosen_avg_logps, rejected_avg_logps))
+    if valid_pairs is not None:
+        ratio = torch.where(valid_pairs, ratio, torch.zeros_like(ratio))
+    return chosen_nll - beta * ratio
+
+
+class ORPOObjective:
+    """``objective(stats) -> (losses [U], {})`` for the chunked engine (pairs, separable)."""
+
+    separable = True
+
+    def __init__(self, *, beta: float):
+        self.beta = beta
+
+    def __call__(self, stats):
+        avg = average_logps(stats.logps, stats.num_tokens)
+        chosen_avg, rejected_avg = split_pairs(avg)
+        chosen_sum, _ = split_pairs(stats.logps)
+        nll = chosen_nll_per_unit(chosen_sum, stats.batch_num_tokens)
+        c_len, r_len = split_pairs(stats.num_tokens)
+        valid = (c_len > 0) & (r_len > 0)
+        return orpo_pair_losses(chosen_avg, rejected_avg, nll, beta=self.beta, valid_pairs=valid), {}
+
+
+def orpo_metrics(stats, *, beta: float) -> dict:
+    """The 0-d means TRL's ORPOTrainer logs, from the whole-batch (detached) stats."""
+    avg = average_logps(stats.logps, stats.num_tokens)
+    chosen, rejected = split_pairs(avg)
+    log_odds = orpo_log_odds(chosen, rejected)
+    chosen_rewards, rejected_rewards = beta * chosen, beta * rejected
+    half = chosen.shape[0]
+    metrics = {
+        "chosen_rewards": safe_mean(chosen_rewards),
+        "rejected_rewards": safe_mean(rejected_rewards),
+        "reward_accuracies": safe_mean((chosen_rewards > rejected_rewards).float()),
+        "reward_margins": safe_mean(chosen_rewards - rejected_rewards),
+        "chosen_logps": safe_mean(chosen),
+        "rejected_logps": safe_mean(rejected),
+        **sequence_metrics(stats, slice(0, half), "chosen"),
+        **sequence_metrics(stats, slice(half, 2 * half), "rejected"),
+        "nll_loss": batch_chosen_nll(stats.logps, stats.num_tokens),
+        "log_odds_ratio": safe_mean(F.logsigmoid(log_odds)),
+        "log_odds_chosen": safe_mean(log_odds),
+        **entropy_metric(stats),
+    }
+    return {k: v.detach() for k, v in metrics.items()}
+
+
+def fused_linear_orpo_loss(
+    weight: torch.Tensor,
+    hidden: torch.Tensor,
+    labels: torch.Tensor,
+    *,
+    bias: Optional[torch.Tensor] = None,
+    beta: float = 0.1,
+    need_entropy: bool = False,
+    ignore_index: int = -100,
+    softcap: Optional[float] = None,
+    logit_scale: float = 1.0,
+    chunk_tokens: Optional[int] = None,
+    accum_dtype: Optional[torch.dtype] = None,
+    impl: str = "auto",
+) -> LossOutput:
+    """ORPO loss of TRL 1.16 from hidden states; see the module docstring for shapes and formula."""
+    check_range("beta", beta, 0.0, None)
+    check_inputs(weight, hidden, labels, paired=True, bias=bias)
+
+
+    loss, _, stats = fused_linear_sequence_objective(
+        weight, hidden, labels, ORPOObjective(beta=beta), group_size=2, separable=True, bias=bias,
+        ignore_index=ignore_index, softcap=softcap, logit_scale=logit_scale, need_entropy=need_entropy,
+        chunk_tokens=chunk_tokens, accum_dtype=accum_dtype, impl=impl,
+    )
+    return LossOutput(loss, orpo_metrics(stats, beta=beta))
+
+
+class LigerFusedLinearORPOLoss(nn.Module):
+    """Module twin of :func:`fused_linear_orpo_loss`: ``loss_fn(weight, hidden, labels, *, bias=None)``."""
+
+    TRL_METRIC_NAMES = TRL_METRIC_NAMES
+
+    def __init__(
+        self,
+        beta: float = 0.1,
+        *,
+        need_entropy: bool = False,
+        ignore_index: int = -100,
+        softcap: Optional[float] = None,
+        logit_scale: float = 1.0,
+        chunk_tokens: Optional[int] = None,
+        accum_dtype: Optional[torch.dtype] = None,
+        impl: str = "auto",
+    ):
+        super().__init__()
+        check_range("beta", beta, 0.0, None)
+        self.options = dict(
+            beta=beta, need_entropy=need_entropy, ignore_index=ignore_index, softcap=softcap,
+            logit_scale=logit_scale, chunk_tokens=chunk_tokens, accum_dtype=accum_dtype, impl=impl,
+        )
+
+    def forward(
+        self, weight: torch.Tensor, hidden: torch.Tensor, labels: torch.Tensor, *, bias: Optional[torch.Tensor] = None
+    ) -> LossOutput:
+        return fused_linear_orpo_loss(weight, hidden, labels, bias=bias, **self.options)
+
+    def extra_repr(self) -> str:
+        return f"beta={self.options['beta']!r}"

@@ -1,0 +1,81 @@
+"""CPO (and AlphaPO): the chunked loss vs TRL 1.16's CPOTrainer code on float64 full logits.
+
+Reference (``reference.trl_cpo_reference``): float64 logits, TRL's ``get_batch_logps`` (summed, or mean
+per token for ipo/simpo), TRL's ``cpo_loss`` and ``cpo_alpha`` x the chosen NLL (``nn.CrossEntropyLoss``),
+metrics as TRL logs them (``logits/*`` over valid tokens: our documented difference).
+Tolerance: relative error <= 1e-5 (fp32 bar) on loss, grads of hidden/weight/bias and metrics.
+"""
+
+import pytest
+import torch
+
+from liger_losses.chunked.preference.cpo import (
+    CPO_LOSS_TYPES,
+    TRL_METRIC_NAMES,
+    LigerFusedLinearCPOLoss,
+    fused_linear_cpo_loss,
+)
+from tests.chunked.preference.reference import (
+    assert_metrics_match,
+    grads,
+    leaf64,
+    make_inputs,
+    trl_cpo_reference,
+)
+from tests.helpers import TOL, rel_err
+
+SHAPE = dict(batch=6, seq=8, hid=16, vocab=64)
+
+
+def run_vs_trl(options, *, impl="torch", chunk_tokens=24, bias=False, seed=0, trl_options=None):
+    w, h, _, lab, b = make_inputs(**SHAPE, bias=bias, seed=seed)
+    out = fused_linear_cpo_loss(w, h, lab, bias=b, impl=impl, chunk_tokens=chunk_tokens, **options)
+    w64, h64, b64 = leaf64(w, h, b)
+    loss64, m64 = trl_cpo_reference(w64, h64, b64, lab, **(trl_options or options))
+    assert rel_err(out.loss, loss64) <= TOL[torch.float32], (float(out.loss.detach()), float(loss64.detach()))
+    for name, got, want in zip(("hidden", "weight", "bias"), grads(out.loss, h, w, b), grads(loss64, h64, w64, b64)):
+        if want is not None:
+            assert rel_err(got, want) <= TOL[torch.float32], name
+    assert_metrics_match(out.metrics, m64, TRL_METRIC_NAMES)
+
+
+@pytest.mark.parametrize("loss_type", CPO_LOSS_TYPES)
+@pytest.mark.parametrize("extra", [dict(), dict(label_smoothing=0.1, cpo_alpha=0.5), dict(alpha=0.2, cpo_alpha=0.0)])
+def test_matches_trl(loss_type, extra):
+    """Every CPO loss type, with label smoothing + a weighted NLL, and with AlphaPO rewards (alpha=0.2)
+    and no NLL: loss, grads and metrics within 1e-5 of TRL in float64."""
+    run_vs_trl(dict(beta=0.2, loss_type=loss_type, simpo_gamma=0.3, **extra))
+
+
+def test_alphapo_sugar():
+    """loss_type='alphapo' is TRL's sugar for loss_type='simpo' with cpo_alpha=0 (within 1e-5)."""
+    run_vs_trl(dict(beta=1.0, loss_type="alphapo", alpha=0.5),
+               trl_options=dict(beta=1.0, loss_type="simpo", alpha=0.5, cpo_alpha=0.0))
+
+
+@pytest.mark.parametrize("chunk_tokens", [5, 24])
+def test_triton_tiles_with_bias(chunk_tokens):
+    """Triton tiles (interpreter) with bias; two-phase (5) and one-pass (24) chunking: within 1e-5."""
+    run_vs_trl(dict(beta=0.1, loss_type="sigmoid", cpo_alpha=1.0), impl="auto", chunk_tokens=chunk_tokens,
+               bias=True, seed=2)
+
+
+def test_module_equals_functional_and_bad_options():
+    """The module gives the functional's loss exactly; unknown loss_type, label_smoothing > 1, negative
+    cpo_alpha and beta <= 0 raise ValueError naming the option; an odd batch raises ValueError."""
+    w, h, _, lab, _ = make_inputs(**SHAPE)
+    mod = LigerFusedLinearCPOLoss(beta=0.1, loss_type="hinge", cpo_alpha=0.5, impl="torch")
+    loss, metrics = mod(w, h, lab)
+    ref = fused_linear_cpo_loss(w, h, lab, beta=0.1, loss_type="hinge", cpo_alpha=0.5, impl="torch")
+    assert float(loss.detach()) == float(ref.loss.detach())
+    assert set(metrics) <= set(TRL_METRIC_NAMES)
+    for kwargs, match in [
+        (dict(loss_type="kto_pair"), "loss_type"),
+        (dict(label_smoothing=1.5), "label_smoothing"),
+        (dict(cpo_alpha=-1.0), "cpo_alpha"),
+        (dict(beta=0.0), "beta"),
+    ]:
+        with pytest.raises(ValueError, match=match):
+            LigerFusedLinearCPOLoss(**kwargs)
+    with pytest.raises(ValueError, match="even"):
+        mod(w, h[:5], lab[:5])
