@@ -163,7 +163,8 @@ def sweep(rep: int) -> None:
     """Time ours at a few knob settings (backward: programs per SM x tile size; forward: tile)."""
     results = []
     for kind, mod in (("rms", rms_mod), ("layer", ln_mod)):
-        defaults = (mod.BWD_PROGRAMS_PER_SM, mod.BWD_TILE_ELEMS, mod.FWD_TILE_ELEMS)
+        defaults = (mod.BWD_PROGRAMS_PER_SM, mod.BWD_TILE_ELEMS, mod.FWD_TILE_ELEMS,
+                    mod.BWD_SMALL_H_TILE_ELEMS)
         for N, H in SWEEP_CASES:
             x = torch.randn(N, H, device=DEVICE, dtype=DTYPE).requires_grad_()
             dy = torch.randn(N, H, device=DEVICE, dtype=DTYPE)
@@ -173,12 +174,14 @@ def sweep(rep: int) -> None:
             for pps in (1, 2, 4, 8):
                 for tile in (4096, 8192, 16384):
                     mod.BWD_PROGRAMS_PER_SM, mod.BWD_TILE_ELEMS = pps, tile
+                    mod.BWD_SMALL_H_TILE_ELEMS = tile
                     m = measure(fns["backward"], rep=rep)
                     results.append(dict(kind=kind, N=N, H=H, mode="backward", programs_per_sm=pps,
                                         tile=tile, ms=round(m.ms, 4),
                                         over_floor=round(m.ms / fl["backward"][0], 3),
                                         peak_mib=round(m.peak_mib, 1), error=m.error or ""))
             mod.BWD_PROGRAMS_PER_SM, mod.BWD_TILE_ELEMS = defaults[0], defaults[1]
+            mod.BWD_SMALL_H_TILE_ELEMS = defaults[3]
             for tile in (1024, 2048, 4096, 8192, 16384):
                 mod.FWD_TILE_ELEMS = tile
                 m = measure(fns["forward"], rep=rep)

@@ -25,11 +25,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from liger_losses.kernels.swiglu import _MAX_GRID_Y, _owns_buffer, _pair_rows
 from liger_losses.kernels.utils import (
     check_choice,
     check_same_device,
+    MAX_GRID_Y,
     check_tensor,
+    device_ctx,
+    owns_buffer,
+    pair_rows,
     resolve_impl,
     triton_importable,
 )
@@ -103,23 +106,39 @@ if triton is not None:
 
 def _launch_fwd(a2, b2, c2, tanh: bool) -> None:
     rows, cols = a2.shape
-    for r0 in range(0, rows, _MAX_GRID_Y):  # the grid's 2nd axis holds at most 65535 rows
-        r1 = min(rows, r0 + _MAX_GRID_Y)
-        _geglu_fwd_kernel[(triton.cdiv(cols, BLOCK_SIZE), r1 - r0)](
-            a2[r0:r1], b2[r0:r1], c2[r0:r1], cols, a2.stride(0), b2.stride(0), c2.stride(0),
-            TANH=tanh, BLOCK=BLOCK_SIZE, num_warps=NUM_WARPS,
-        )
+    grid_x = triton.cdiv(cols, BLOCK_SIZE)
+    with device_ctx(a2):
+        if rows <= MAX_GRID_Y:  # the usual case (one flat row): one launch, no slicing
+            _geglu_fwd_kernel[(grid_x, rows)](
+                a2, b2, c2, cols, a2.stride(0), b2.stride(0), c2.stride(0),
+                TANH=tanh, BLOCK=BLOCK_SIZE, num_warps=NUM_WARPS,
+            )
+            return
+        for r0 in range(0, rows, MAX_GRID_Y):  # the grid's 2nd axis holds at most 65535 rows
+            r1 = min(rows, r0 + MAX_GRID_Y)
+            _geglu_fwd_kernel[(grid_x, r1 - r0)](
+                a2[r0:r1], b2[r0:r1], c2[r0:r1], cols, a2.stride(0), b2.stride(0), c2.stride(0),
+                TANH=tanh, BLOCK=BLOCK_SIZE, num_warps=NUM_WARPS,
+            )
 
 
 def _launch_bwd(dc2, a2, b2, da2, db2, tanh: bool) -> None:
     rows, cols = a2.shape
-    for r0 in range(0, rows, _MAX_GRID_Y):
-        r1 = min(rows, r0 + _MAX_GRID_Y)
-        _geglu_bwd_kernel[(triton.cdiv(cols, BLOCK_SIZE), r1 - r0)](
-            dc2[r0:r1], a2[r0:r1], b2[r0:r1], da2[r0:r1], db2[r0:r1], cols,
-            dc2.stride(0), a2.stride(0), b2.stride(0), da2.stride(0), db2.stride(0),
-            TANH=tanh, BLOCK=BLOCK_SIZE, num_warps=NUM_WARPS,
-        )
+    grid_x = triton.cdiv(cols, BLOCK_SIZE)
+    strides = (dc2.stride(0), a2.stride(0), b2.stride(0), da2.stride(0), db2.stride(0))
+    with device_ctx(a2):
+        if rows <= MAX_GRID_Y:
+            _geglu_bwd_kernel[(grid_x, rows)](
+                dc2, a2, b2, da2, db2, cols, *strides,
+                TANH=tanh, BLOCK=BLOCK_SIZE, num_warps=NUM_WARPS,
+            )
+            return
+        for r0 in range(0, rows, MAX_GRID_Y):
+            r1 = min(rows, r0 + MAX_GRID_Y)
+            _geglu_bwd_kernel[(grid_x, r1 - r0)](
+                dc2[r0:r1], a2[r0:r1], b2[r0:r1], da2[r0:r1], db2[r0:r1], cols, *strides,
+                TANH=tanh, BLOCK=BLOCK_SIZE, num_warps=NUM_WARPS,
+            )
 
 
 class GEGLUFunction(torch.autograd.Function):
@@ -128,14 +147,14 @@ class GEGLUFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, gate, up, approximate="tanh", inplace_backward=False):
         tanh = approximate == "tanh"
-        a2, b2 = _pair_rows(gate, up)
+        a2, b2 = pair_rows(gate, up)
         out = torch.empty(a2.shape, dtype=gate.dtype, device=gate.device)
         if out.numel():
             _launch_fwd(a2, b2, out, tanh)
         ctx.tanh = tanh
         ctx.inplace = bool(
             inplace_backward
-            and _owns_buffer(gate, a2) and _owns_buffer(up, b2)
+            and owns_buffer(gate, a2) and owns_buffer(up, b2)
             and gate.untyped_storage().data_ptr() != up.untyped_storage().data_ptr()
         )
         ctx.save_for_backward(gate, up)
@@ -144,7 +163,7 @@ class GEGLUFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out):
         gate, up = ctx.saved_tensors
-        a2, b2 = _pair_rows(gate, up)
+        a2, b2 = pair_rows(gate, up)
         dc2 = grad_out.contiguous().view(a2.shape)
         if ctx.inplace:
             da2, db2 = a2, b2

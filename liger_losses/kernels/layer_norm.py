@@ -27,7 +27,6 @@ Public API:
 
 from __future__ import annotations
 
-import contextlib
 import numbers
 from typing import Optional
 
@@ -43,9 +42,11 @@ from liger_losses.kernels.utils import (
     check_range,
     check_same_device,
     check_tensor,
+    device_ctx,
     next_power_of_2,
+    num_row_programs,
     resolve_impl,
-    row_block_settings,
+    row_tile,
     triton_importable,
 )
 
@@ -60,12 +61,23 @@ _TRITON_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 # Tuning knobs (module constants so the benchmark can sweep them on the GPU); same meaning as in
 # rms_norm.py: a tile is BLOCK_M whole rows holding about *_TILE_ELEMS elements.
+# From the first H200 sweep (bf16, N=16384, H=4096): forward one-row tiles (tile <= 4096 all
+# give BLOCK_M=1 at H=4096; 0.072 ms, 1.16x floor, at its best); backward best with 8
+# programs/SM and 4-row tiles (0.228 ms) or 4/SM and 2-row tiles (0.237). Short rows (H <= 1024)
+# use 8-row backward tiles as RMSNorm does.
 FWD_TILE_ELEMS = 4096
-BWD_TILE_ELEMS = 4096
+BWD_TILE_ELEMS = 16384
+BWD_SMALL_H = 1024
+BWD_SMALL_H_TILE_ELEMS = 8192
 MAX_ROWS_PER_TILE = 16
-BWD_PROGRAMS_PER_SM = 4
+BWD_PROGRAMS_PER_SM = 8
 BWD_MIN_ROWS_PER_PROGRAM = 16
 CPU_BWD_PROGRAMS = 4
+
+
+def _bwd_tile_elems(n_cols: int) -> int:
+    """Backward tile size: multi-row tiles for short rows (see the knobs above)."""
+    return BWD_SMALL_H_TILE_ELEMS if n_cols <= BWD_SMALL_H else BWD_TILE_ELEMS
 
 
 if triton is not None:
@@ -159,38 +171,15 @@ if triton is not None:
 # --------------------------------------------------------------------------- host side
 
 
-def _device_ctx(t: torch.Tensor):
-    """Make ``t``'s GPU the current one while launching (Triton launches on the current GPU)."""
-    return torch.cuda.device(t.device) if t.device.type == "cuda" else contextlib.nullcontext()
-
-
-def _tile(n_cols: int, n_rows: int, tile_elems: int) -> tuple[int, int, int]:
-    """(BLOCK_M, BLOCK_N, num_warps) for a tile of whole rows of ``n_cols`` elements."""
-    block_n, _ = row_block_settings(n_cols)
-    block_m = max(1, min(MAX_ROWS_PER_TILE, tile_elems // block_n, next_power_of_2(n_rows)))
-    _, warps = row_block_settings(block_m * block_n)
-    return block_m, block_n, warps
-
-
-def _num_programs(device: torch.device, n_blocks: int, n_rows: int) -> int:
-    """Backward programs: a few per SM on CUDA (fewer for few rows), a constant on the CPU."""
-    if device.type == "cuda":
-        sms = torch.cuda.get_device_properties(device).multi_processor_count
-        target = min(sms * BWD_PROGRAMS_PER_SM, max(sms, n_rows // BWD_MIN_ROWS_PER_PROGRAM))
-    else:
-        target = CPU_BWD_PROGRAMS
-    return max(1, min(target, n_blocks))
-
-
 def _forward(x2, weight, bias, eps):
     """Launch the forward kernel on ``x2`` ``[rows, H]``; returns (out, mean, rstd)."""
     n_rows, n_cols = x2.shape
     out = torch.empty((n_rows, n_cols), dtype=x2.dtype, device=x2.device)
     mean = torch.empty((n_rows,), dtype=torch.float32, device=x2.device)
     rstd = torch.empty((n_rows,), dtype=torch.float32, device=x2.device)
-    block_m, block_n, warps = _tile(n_cols, n_rows, FWD_TILE_ELEMS)
+    block_m, block_n, warps = row_tile(n_cols, n_rows, FWD_TILE_ELEMS, MAX_ROWS_PER_TILE)
     grid = (triton.cdiv(n_rows, block_m),)
-    with _device_ctx(x2):
+    with device_ctx(x2):
         _layer_norm_fwd_kernel[grid](
             x2, weight if weight is not None else x2, bias if bias is not None else x2,
             out, mean, rstd,
@@ -205,15 +194,23 @@ def _backward(dy2, x2, weight, mean, rstd, need_dx, need_dw, need_db):
     """Launch the backward kernel; returns (grad_hidden [rows, H], grad_weight, grad_bias)."""
     n_rows, n_cols = x2.shape
     dx = torch.empty_like(x2, memory_format=torch.contiguous_format) if need_dx else None
-    block_m, block_n, warps = _tile(n_cols, n_rows, BWD_TILE_ELEMS)
+    block_m, block_n, warps = row_tile(n_cols, n_rows, _bwd_tile_elems(n_cols), MAX_ROWS_PER_TILE)
     n_blocks = triton.cdiv(n_rows, block_m)
-    programs = _num_programs(x2.device, n_blocks, n_rows)
+    programs = num_row_programs(
+        x2.device, n_blocks, n_rows, per_sm=BWD_PROGRAMS_PER_SM,
+        min_rows=BWD_MIN_ROWS_PER_PROGRAM, cpu_programs=CPU_BWD_PROGRAMS,
+    )
     blocks_per_program = triton.cdiv(n_blocks, programs)
     programs = triton.cdiv(n_blocks, blocks_per_program)
-    f32 = dict(dtype=torch.float32, device=x2.device)
-    dw_partial = torch.empty((programs, n_cols), **f32) if need_dw else x2
-    db_partial = torch.empty((programs, n_cols), **f32) if need_db else x2
-    with _device_ctx(x2):
+    # One fp32 buffer for both partial sums: one allocation and one reduction launch.
+    n_partial = int(need_dw) + int(need_db)
+    partial = (
+        torch.empty((n_partial, programs, n_cols), dtype=torch.float32, device=x2.device)
+        if n_partial else None
+    )
+    dw_partial = partial[0] if need_dw else x2
+    db_partial = partial[n_partial - 1] if need_db else x2
+    with device_ctx(x2):
         _layer_norm_bwd_kernel[(programs,)](
             dy2, x2, weight if weight is not None else x2, mean, rstd,
             dx if dx is not None else x2, dw_partial, db_partial,
@@ -223,8 +220,9 @@ def _backward(dy2, x2, weight, mean, rstd, need_dx, need_dw, need_db):
             COMPUTE_DW=need_dw, COMPUTE_DB=need_db,
             BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps,
         )
-    dw = dw_partial.sum(dim=0) if need_dw else None
-    db = db_partial.sum(dim=0) if need_db else None
+    sums = partial.sum(dim=1) if n_partial else None
+    dw = sums[0] if need_dw else None
+    db = sums[n_partial - 1] if need_db else None
     return dx, dw, db
 
 

@@ -41,7 +41,6 @@ Public API:
 
 from __future__ import annotations
 
-import contextlib
 import numbers
 from typing import Optional
 
@@ -56,9 +55,11 @@ from liger_losses.kernels.utils import (
     check_range,
     check_same_device,
     check_tensor,
+    device_ctx,
     next_power_of_2,
+    num_row_programs,
     resolve_impl,
-    row_block_settings,
+    row_tile,
     triton_importable,
 )
 
@@ -76,16 +77,28 @@ _TRITON_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # Tuning knobs (module constants so the benchmark can sweep them on the GPU).
 # A program handles a tile of BLOCK_M rows x next_pow2(H) columns, BLOCK_M chosen so that the
 # tile holds about *_TILE_ELEMS elements (one row when H is large, several when H is small).
+# Set from the first H200 sweep (bench_norm.py --sweep, bf16): forward tiles of 2048-4096 were
+# best (at H=4096 every tile <= 4096 is the same one-row tile); backward 8 programs/SM with a
+# one-row tile at H=4096 (0.154 ms vs 0.25-0.28 with 4/SM at N=16384), and for short rows
+# (H <= 1024) 8-row tiles (BWD_SMALL_H_TILE_ELEMS: 0.150 ms at H=896 vs 0.23-0.38 otherwise).
 FWD_TILE_ELEMS = 4096
 BWD_TILE_ELEMS = 4096
+BWD_SMALL_H = 1024
+BWD_SMALL_H_TILE_ELEMS = 8192
 MAX_ROWS_PER_TILE = 16
 # Backward programs on CUDA: BWD_PROGRAMS_PER_SM per SM (several resident programs hide memory
 # latency), but at least BWD_MIN_ROWS_PER_PROGRAM rows each, so that the fp32 partial rows
-# ([programs, H], written then summed) stay a small fraction of the traffic.
-BWD_PROGRAMS_PER_SM = 4
+# ([programs, H], written then summed) stay a small fraction of the traffic (at most 1/16 of
+# the rows: 16 MiB of partials for 16384 x 4096).
+BWD_PROGRAMS_PER_SM = 8
 BWD_MIN_ROWS_PER_PROGRAM = 16
 # Backward programs on the CPU interpreter (small: the interpreter is slow per program).
 CPU_BWD_PROGRAMS = 4
+
+
+def _bwd_tile_elems(n_cols: int) -> int:
+    """Backward tile size: multi-row tiles for short rows (see the knobs above)."""
+    return BWD_SMALL_H_TILE_ELEMS if n_cols <= BWD_SMALL_H else BWD_TILE_ELEMS
 
 
 if triton is not None:
@@ -180,37 +193,14 @@ if triton is not None:
 # --------------------------------------------------------------------------- host side
 
 
-def _device_ctx(t: torch.Tensor):
-    """Make ``t``'s GPU the current one while launching (Triton launches on the current GPU)."""
-    return torch.cuda.device(t.device) if t.device.type == "cuda" else contextlib.nullcontext()
-
-
-def _tile(n_cols: int, n_rows: int, tile_elems: int) -> tuple[int, int, int]:
-    """(BLOCK_M, BLOCK_N, num_warps) for a tile of whole rows of ``n_cols`` elements."""
-    block_n, _ = row_block_settings(n_cols)
-    block_m = max(1, min(MAX_ROWS_PER_TILE, tile_elems // block_n, next_power_of_2(n_rows)))
-    _, warps = row_block_settings(block_m * block_n)
-    return block_m, block_n, warps
-
-
-def _num_programs(device: torch.device, n_blocks: int, n_rows: int) -> int:
-    """Backward programs: a few per SM on CUDA (fewer for few rows), a constant on the CPU."""
-    if device.type == "cuda":
-        sms = torch.cuda.get_device_properties(device).multi_processor_count
-        target = min(sms * BWD_PROGRAMS_PER_SM, max(sms, n_rows // BWD_MIN_ROWS_PER_PROGRAM))
-    else:
-        target = CPU_BWD_PROGRAMS
-    return max(1, min(target, n_blocks))
-
-
 def _forward(x2, weight, eps, offset, casting_mode, out_dtype):
     """Launch the forward kernel on ``x2`` ``[rows, H]`` (unit last stride); returns (out, rstd)."""
     n_rows, n_cols = x2.shape
     out = torch.empty((n_rows, n_cols), dtype=out_dtype, device=x2.device)
     rstd = torch.empty((n_rows,), dtype=torch.float32, device=x2.device)
-    block_m, block_n, warps = _tile(n_cols, n_rows, FWD_TILE_ELEMS)
+    block_m, block_n, warps = row_tile(n_cols, n_rows, FWD_TILE_ELEMS, MAX_ROWS_PER_TILE)
     grid = (triton.cdiv(n_rows, block_m),)
-    with _device_ctx(x2):
+    with device_ctx(x2):
         _rms_norm_fwd_kernel[grid](
             x2, weight if weight is not None else x2, out, rstd,
             n_rows, n_cols, x2.stride(0), out.stride(0),
@@ -230,15 +220,18 @@ def _backward(dy2, x2, weight, rstd, offset, casting_mode, need_dx, need_dw, inp
             dx = dy2
         else:
             dx = torch.empty_like(x2, memory_format=torch.contiguous_format)
-    block_m, block_n, warps = _tile(n_cols, n_rows, BWD_TILE_ELEMS)
+    block_m, block_n, warps = row_tile(n_cols, n_rows, _bwd_tile_elems(n_cols), MAX_ROWS_PER_TILE)
     n_blocks = triton.cdiv(n_rows, block_m)
-    programs = _num_programs(x2.device, n_blocks, n_rows)
+    programs = num_row_programs(
+        x2.device, n_blocks, n_rows, per_sm=BWD_PROGRAMS_PER_SM,
+        min_rows=BWD_MIN_ROWS_PER_PROGRAM, cpu_programs=CPU_BWD_PROGRAMS,
+    )
     blocks_per_program = triton.cdiv(n_blocks, programs)
     programs = triton.cdiv(n_blocks, blocks_per_program)
     partial = (
         torch.empty((programs, n_cols), dtype=torch.float32, device=x2.device) if need_dw else x2
     )
-    with _device_ctx(x2):
+    with device_ctx(x2):
         _rms_norm_bwd_kernel[(programs,)](
             dy2, x2, weight if weight is not None else x2, rstd,
             dx if dx is not None else x2, partial,

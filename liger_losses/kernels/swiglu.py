@@ -31,7 +31,11 @@ from torch import nn
 
 from liger_losses.kernels.utils import (
     check_same_device,
+    MAX_GRID_Y,
     check_tensor,
+    device_ctx,
+    owns_buffer,
+    pair_rows,
     resolve_impl,
     triton_importable,
 )
@@ -47,7 +51,6 @@ else:  # pragma: no cover - machines without Triton use the torch path only
 # vectors) per thread. Kept as module constants so that they are easy to tune on the GPU.
 BLOCK_SIZE = 4096
 NUM_WARPS = 8
-_MAX_GRID_Y = 65535
 
 
 if triton is not None:
@@ -91,57 +94,40 @@ if triton is not None:
 # --------------------------------------------------------------------------- launch helpers
 
 
-def _rows(x: torch.Tensor) -> torch.Tensor:
-    """``x`` as a 2-D ``[rows, I]`` view with unit column stride; rows may be strided (the halves
-    of Phi-3's ``gate_up``). Copies only when no such view exists."""
-    try:
-        x2 = x.view(-1, x.shape[-1])
-    except RuntimeError:
-        x2 = x.contiguous().view(-1, x.shape[-1])
-    if x2.stride(-1) != 1 and x2.shape[-1] > 1:
-        x2 = x.contiguous().view(-1, x.shape[-1])
-    return x2
-
-
-def _pair_rows(gate: torch.Tensor, up: torch.Tensor):
-    """(a2, b2): 2-D views of gate/up of equal shape; one flat row of ``numel`` when both are
-    contiguous (a 1-D grid over elements), else ``[rows, I]`` with their row strides."""
-    if gate.is_contiguous() and up.is_contiguous():
-        return gate.view(1, -1), up.view(1, -1)
-    return _rows(gate), _rows(up)
-
-
 def _launch_fwd(a2, b2, c2) -> None:
     rows, cols = a2.shape
-    for r0 in range(0, rows, _MAX_GRID_Y):  # the grid's 2nd axis holds at most 65535 rows
-        r1 = min(rows, r0 + _MAX_GRID_Y)
-        a, b, c = a2[r0:r1], b2[r0:r1], c2[r0:r1]
-        _swiglu_fwd_kernel[(triton.cdiv(cols, BLOCK_SIZE), r1 - r0)](
-            a, b, c, cols, a2.stride(0), b2.stride(0), c2.stride(0),
-            BLOCK=BLOCK_SIZE, num_warps=NUM_WARPS,
-        )
+    grid_x = triton.cdiv(cols, BLOCK_SIZE)
+    with device_ctx(a2):
+        if rows <= MAX_GRID_Y:  # the usual case (one flat row): one launch, no slicing
+            _swiglu_fwd_kernel[(grid_x, rows)](
+                a2, b2, c2, cols, a2.stride(0), b2.stride(0), c2.stride(0),
+                BLOCK=BLOCK_SIZE, num_warps=NUM_WARPS,
+            )
+            return
+        for r0 in range(0, rows, MAX_GRID_Y):  # the grid's 2nd axis holds at most 65535 rows
+            r1 = min(rows, r0 + MAX_GRID_Y)
+            _swiglu_fwd_kernel[(grid_x, r1 - r0)](
+                a2[r0:r1], b2[r0:r1], c2[r0:r1], cols, a2.stride(0), b2.stride(0), c2.stride(0),
+                BLOCK=BLOCK_SIZE, num_warps=NUM_WARPS,
+            )
 
 
 def _launch_bwd(dc2, a2, b2, da2, db2) -> None:
     rows, cols = a2.shape
-    for r0 in range(0, rows, _MAX_GRID_Y):
-        r1 = min(rows, r0 + _MAX_GRID_Y)
-        _swiglu_bwd_kernel[(triton.cdiv(cols, BLOCK_SIZE), r1 - r0)](
-            dc2[r0:r1], a2[r0:r1], b2[r0:r1], da2[r0:r1], db2[r0:r1], cols,
-            dc2.stride(0), a2.stride(0), b2.stride(0), da2.stride(0), db2.stride(0),
-            BLOCK=BLOCK_SIZE, num_warps=NUM_WARPS,
-        )
-
-
-def _owns_buffer(x: torch.Tensor, x2: torch.Tensor) -> bool:
-    """True when gradients may be written into ``x``'s buffer through its 2-D view ``x2``:
-    ``x`` is an autograd intermediate (not a leaf, whose .grad could alias it), ``x2`` is a view
-    (no copy was made) and its rows do not overlap."""
-    return (
-        x.grad_fn is not None
-        and x2.untyped_storage().data_ptr() == x.untyped_storage().data_ptr()
-        and (x2.shape[0] == 1 or x2.stride(0) >= x2.shape[1])
-    )
+    grid_x = triton.cdiv(cols, BLOCK_SIZE)
+    strides = (dc2.stride(0), a2.stride(0), b2.stride(0), da2.stride(0), db2.stride(0))
+    with device_ctx(a2):
+        if rows <= MAX_GRID_Y:
+            _swiglu_bwd_kernel[(grid_x, rows)](
+                dc2, a2, b2, da2, db2, cols, *strides, BLOCK=BLOCK_SIZE, num_warps=NUM_WARPS,
+            )
+            return
+        for r0 in range(0, rows, MAX_GRID_Y):
+            r1 = min(rows, r0 + MAX_GRID_Y)
+            _swiglu_bwd_kernel[(grid_x, r1 - r0)](
+                dc2[r0:r1], a2[r0:r1], b2[r0:r1], da2[r0:r1], db2[r0:r1], cols, *strides,
+                BLOCK=BLOCK_SIZE, num_warps=NUM_WARPS,
+            )
 
 
 # --------------------------------------------------------------------------- autograd
@@ -152,13 +138,13 @@ class SwiGLUFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, gate, up, inplace_backward=False):
-        a2, b2 = _pair_rows(gate, up)
+        a2, b2 = pair_rows(gate, up)
         out = torch.empty(a2.shape, dtype=gate.dtype, device=gate.device)
         if out.numel():
             _launch_fwd(a2, b2, out)
         ctx.inplace = bool(
             inplace_backward
-            and _owns_buffer(gate, a2) and _owns_buffer(up, b2)
+            and owns_buffer(gate, a2) and owns_buffer(up, b2)
             and gate.untyped_storage().data_ptr() != up.untyped_storage().data_ptr()
         )
         ctx.save_for_backward(gate, up)
@@ -167,7 +153,7 @@ class SwiGLUFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out):
         gate, up = ctx.saved_tensors
-        a2, b2 = _pair_rows(gate, up)
+        a2, b2 = pair_rows(gate, up)
         dc2 = grad_out.contiguous().view(a2.shape)
         if ctx.inplace:
             da2, db2 = a2, b2

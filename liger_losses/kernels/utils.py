@@ -14,6 +14,7 @@ that bad input never reaches a kernel.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 from typing import Iterable, Optional, Sequence
@@ -196,3 +197,92 @@ def as_rows(x: torch.Tensor) -> torch.Tensor:
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
     return x2
+
+
+# --------------------------------------------------------------------------- launch helpers
+# Host-side helpers shared by the kernel wrappers. They are on every call's path, so they avoid
+# anything that synchronises with the GPU or queries the driver more than once per device.
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def num_sms(device: torch.device) -> int:
+    """Streaming multiprocessors of a CUDA ``device`` (cached per device: no query per call)."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return _sm_count(index)
+
+
+def device_ctx(t: torch.Tensor):
+    """Context making ``t``'s GPU current while launching (Triton launches on the current GPU);
+    a no-op context on the CPU and when that GPU is already current (the usual case)."""
+    device = t.device
+    if device.type != "cuda" or device.index is None or device.index == torch.cuda.current_device():
+        return contextlib.nullcontext()
+    return torch.cuda.device(device)
+
+
+def row_tile(n_cols: int, n_rows: int, tile_elems: int, max_rows: int) -> tuple[int, int, int]:
+    """(BLOCK_M, BLOCK_N, num_warps) for a tile of BLOCK_M whole rows of ``n_cols`` elements,
+    holding about ``tile_elems`` elements (one row when rows are long, up to ``max_rows``)."""
+    block_n, _ = row_block_settings(n_cols)
+    block_m = max(1, min(max_rows, tile_elems // block_n, next_power_of_2(n_rows)))
+    _, warps = row_block_settings(block_m * block_n)
+    return block_m, block_n, warps
+
+
+def num_row_programs(
+    device: torch.device,
+    n_blocks: int,
+    n_rows: int,
+    *,
+    per_sm: int,
+    min_rows: int,
+    cpu_programs: int,
+) -> int:
+    """Programs of a persistent row kernel with per-program partial sums: ``per_sm`` per SM on
+    CUDA but at least ``min_rows`` rows each (never fewer than one per SM), ``cpu_programs`` on
+    the CPU interpreter; never more than ``n_blocks``."""
+    if device.type == "cuda":
+        sms = num_sms(device)
+        target = min(sms * per_sm, max(sms, n_rows // min_rows))
+    else:
+        target = cpu_programs
+    return max(1, min(target, n_blocks))
+
+
+# The second axis of a CUDA grid holds at most 65535 programs.
+MAX_GRID_Y = 65535
+
+
+def rows_view(x: torch.Tensor) -> torch.Tensor:
+    """``x`` as a 2-D ``[rows, last_dim]`` view with unit column stride; rows may be strided (the
+    halves of Phi-3's ``gate_up``). Copies only when no such view exists."""
+    try:
+        x2 = x.view(-1, x.shape[-1])
+    except RuntimeError:
+        x2 = x.contiguous().view(-1, x.shape[-1])
+    if x2.stride(-1) != 1 and x2.shape[-1] > 1:
+        x2 = x.contiguous().view(-1, x.shape[-1])
+    return x2
+
+
+def pair_rows(gate: torch.Tensor, up: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(a2, b2): 2-D views of gate/up of equal shape; one flat row of ``numel`` when both are
+    contiguous (a 1-D grid over elements), else ``[rows, I]`` with their row strides."""
+    if gate.is_contiguous() and up.is_contiguous():
+        return gate.view(1, -1), up.view(1, -1)
+    return rows_view(gate), rows_view(up)
+
+
+def owns_buffer(x: torch.Tensor, x2: torch.Tensor) -> bool:
+    """True when gradients may be written into ``x``'s buffer through its 2-D view ``x2``:
+    ``x`` is an autograd intermediate (not a leaf, whose .grad could alias it), ``x2`` is a view
+    (no copy was made) and its rows do not overlap."""
+    return (
+        x.grad_fn is not None
+        and x2.untyped_storage().data_ptr() == x.untyped_storage().data_ptr()
+        and (x2.shape[0] == 1 or x2.stride(0) >= x2.shape[1])
+    )

@@ -1,0 +1,185 @@
+"""``CPOTrainer``: TRL 1.16's CPO trainer (CPO, SimPO, AlphaPO) whose loss can come from our chunked CPO loss.
+
+``CPOTrainer(model, args, ..., use_liger=False, liger_patch_model=True, liger_chunk_tokens=None)`` takes every
+argument of ``trl.experimental.cpo.CPOTrainer`` plus three keywords:
+
+* ``use_liger=False``: exactly TRL's trainer (nothing overridden does anything).
+* ``use_liger=True``: ``get_batch_loss_metrics`` (TRL's method that runs the model on the ``[chosen; rejected]``
+  batch and applies the CPO formula, in training and evaluation) runs the policy *backbone* to get the last
+  hidden states ``[2P, T, H]`` and the loss comes from
+  :class:`liger_losses.chunked.preference.cpo.LigerFusedLinearCPOLoss` on ``hidden[:, :-1]``, the completion
+  labels ``[2P, T-1]`` (int64, ``-100`` on prompt and padding) and the LM head ``weight [V, H]`` (+ ``bias``) --
+  the ``[2P, T, V]`` logits are never held whole. SimPO is ``CPOConfig(loss_type="simpo", cpo_alpha=0)``,
+  AlphaPO ``alpha != 0``. Every metric TRL logs (``rewards/*``, ``logps/*``, ``logits/*``, ``nll_loss``) is
+  returned under TRL's name (``eval_`` prefixed in evaluation). ``logits/chosen`` / ``logits/rejected`` are, as in
+  TRL, the mean logit over *every* position and vocabulary entry of the chosen / rejected rows, obtained without
+  logits from ``mean(hidden) . mean_v(weight) + mean(bias)`` (see :func:`mean_logit_all_positions`).
+  ``liger_patch_model=True`` also swaps the model's layers for our kernels; ``liger_chunk_tokens`` fixes the
+  tokens per logits tile.
+
+Options TRL supports that use_liger=True cannot serve raise ``ValueError`` at construction, naming the option:
+encoder-decoder models (``is_encoder_decoder``), MoE router auxiliary loss (``output_router_logits``), PEFT
+prompt learning. Also :func:`mean_logit_all_positions` and :func:`gathered_metric_means` live here and are
+shared by the ORPO adapter.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Dict, Mapping, Optional
+
+import torch
+from trl.experimental.cpo import CPOConfig
+from trl.experimental.cpo import CPOTrainer as _TRLCPOTrainer
+
+from ..chunked.preference.cpo import TRL_METRIC_NAMES, LigerFusedLinearCPOLoss
+from .base import (
+    IGNORE_INDEX,
+    LigerTrainerMixin,
+    build_loss,
+    gathered_params,
+    head_logit_options,
+    reject,
+    unwrap_causal_lm,
+)
+
+# CPOConfig field -> keyword of LigerFusedLinearCPOLoss
+_CPO_OPTIONS = {
+    "beta": "beta",
+    "loss_type": "loss_type",
+    "cpo_alpha": "cpo_alpha",
+    "label_smoothing": "label_smoothing",
+    "simpo_gamma": "simpo_gamma",
+    "alpha": "alpha",
+}
+
+
+def mean_logit_all_positions(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None, *,
+                             softcap: Optional[float] = None, logit_scale: float = 1.0,
+                             chunk_rows: int = 1024) -> torch.Tensor:
+    """0-d float32 mean of ``logits = softcap(logit_scale * (hidden @ weight.T + bias))`` over every row of
+    ``hidden [..., H]`` and every vocabulary entry of ``weight [V, H]``, under no grad.
+
+    Without softcap the mean is linear: ``logit_scale * (mean_rows(hidden) . mean_v(weight) + mean(bias))``, two
+    reductions and no GEMM. With a softcap the logits are formed ``chunk_rows`` rows at a time (forward only).
+    0 for an empty ``hidden``.
+    """
+    with torch.no_grad():
+        rows = hidden.reshape(-1, hidden.shape[-1])
+        n, vocab = rows.shape[0], weight.shape[0]
+        if n == 0:
+            return torch.zeros((), dtype=torch.float32, device=hidden.device)
+        if softcap is None:
+            w_mean = weight.sum(0, dtype=torch.float32) / vocab
+            if hasattr(w_mean, "full_tensor"):  # DTensor (sharded head): only the [H] result is gathered
+                w_mean = w_mean.full_tensor()
+            value = rows.sum(0, dtype=torch.float32).div_(n) @ w_mean.to(rows.device)
+            if bias is not None:
+                b = bias.sum(dtype=torch.float32) / vocab
+                value = value + (b.full_tensor() if hasattr(b, "full_tensor") else b).to(value.device)
+            return value * float(logit_scale)
+        w = weight.full_tensor() if hasattr(weight, "full_tensor") else weight
+        b = bias.full_tensor() if hasattr(bias, "full_tensor") else bias
+        total = torch.zeros((), dtype=torch.float32, device=hidden.device)
+        for start in range(0, n, chunk_rows):
+            z = rows[start:start + chunk_rows] @ w.to(rows.dtype).t()
+            if b is not None:
+                z = z + b.to(z.dtype)
+            z = z.float() * float(logit_scale)
+            total += (float(softcap) * torch.tanh(z / float(softcap))).sum()
+        return total / (n * vocab)
+
+
+def gathered_metric_means(accelerator, metrics: Mapping[str, torch.Tensor], names: Mapping[str, str],
+                          prefix: str = "") -> Dict[str, float]:
+    """``{prefix + names[key]: mean over processes of metrics[key]}`` as Python floats (keys absent from
+    ``metrics`` are skipped); TRL's CPO/ORPO ``gather_for_metrics(x).mean().item()``."""
+    out = {}
+    for key, trl_name in names.items():
+        if key not in metrics:
+            continue
+        value = metrics[key].detach().float().reshape(1)
+        out[prefix + trl_name] = accelerator.gather_for_metrics(value).mean().item()
+    return out
+
+
+def build_cpo_loss(args, *, chunk_tokens: Optional[int] = None, softcap=None, logit_scale: float = 1.0):
+    """The :class:`LigerFusedLinearCPOLoss` serving a ``CPOConfig`` (ValueError for what it can't)."""
+    options = {field: (kw, getattr(args, field)) for field, kw in _CPO_OPTIONS.items()}
+    options["liger_chunk_tokens"] = ("chunk_tokens", chunk_tokens)
+    options["ignore_index"] = ("ignore_index", IGNORE_INDEX)
+    defaults = {f: getattr(CPOConfig, f, None) for f in _CPO_OPTIONS}
+    defaults.update(liger_chunk_tokens=None, ignore_index=IGNORE_INDEX, final_logit_softcapping=None, logit_scale=1.0)
+    if softcap is not None:
+        options["final_logit_softcapping"] = ("softcap", softcap)
+    if logit_scale != 1.0:
+        options["logit_scale"] = ("logit_scale", logit_scale)
+    return build_loss(LigerFusedLinearCPOLoss, options, defaults, "CPOConfig")
+
+
+def check_paired_model(trainer) -> None:
+    """Construction checks shared by the CPO and ORPO adapters (after TRL's ``__init__``)."""
+    if trainer.is_encoder_decoder:
+        reject("is_encoder_decoder", True, "encoder-decoder models are not supported (decoder-only causal LMs)")
+    if trainer.aux_loss_enabled:
+        reject("output_router_logits", True, "the MoE load-balancing loss needs the router logits of the model's "
+               "forward")
+
+
+class CPOTrainer(LigerTrainerMixin, _TRLCPOTrainer):
+    """``trl.experimental.cpo.CPOTrainer`` with ``use_liger`` (see the module docstring)."""
+
+    def __init__(
+        self,
+        model=None,
+        args: Optional[CPOConfig] = None,
+        *trl_args: Any,
+        use_liger: bool = False,
+        liger_patch_model: bool = True,
+        liger_chunk_tokens: Optional[int] = None,
+        **trl_kwargs: Any,
+    ):
+        self._liger_setup(
+            use_liger=use_liger, liger_patch_model=liger_patch_model, liger_chunk_tokens=liger_chunk_tokens
+        )
+        if use_liger and args is not None:
+            self.liger_loss = build_cpo_loss(args, chunk_tokens=liger_chunk_tokens)  # option checks, fail fast
+        super().__init__(model, args, *trl_args, **trl_kwargs)
+        if not use_liger:
+            return
+        check_paired_model(self)
+        self._liger_logit_opts = head_logit_options(unwrap_causal_lm(self.model).config)
+        self.liger_loss = build_cpo_loss(self.args, chunk_tokens=liger_chunk_tokens, **self._liger_logit_opts)
+        user_optimizer = trl_kwargs.get("optimizers", (None, None))[0] is not None
+        self._liger_after_init(self.model, user_optimizer=user_optimizer)
+
+    def _liger_padding_value(self) -> int:
+        return self.pad_token_id
+
+    def get_batch_loss_metrics(self, model, batch, train_eval="train"):
+        """``(loss, {TRL metric name: float})`` of one ``[chosen; rejected]`` batch."""
+        if not self.use_liger:
+            return super().get_batch_loss_metrics(model, batch, train_eval)
+        cat = self.concatenated_inputs(
+            batch, is_encoder_decoder=False, padding_value=self._liger_padding_value(),
+            device=self.accelerator.device,
+        )
+        num_pairs = batch["chosen_labels"].shape[0]
+        model_kwargs = {"input_ids": cat["concatenated_input_ids"],
+                        "attention_mask": cat["concatenated_attention_mask"], "use_cache": False}
+        labels = cat["concatenated_labels"][:, 1:]
+
+        def head_loss():
+            hidden = self._liger_backbone_hidden(model, model_kwargs)
+            weight, bias = self._liger_head(model)
+            with gathered_params(weight, bias):
+                out = self.liger_loss(weight, hidden[:, :-1], labels.to(hidden.device), bias=bias)
+                logits_means = (
+                    mean_logit_all_positions(hidden[:num_pairs], weight, bias, **self._liger_logit_opts),
+                    mean_logit_all_positions(hidden[num_pairs:], weight, bias, **self._liger_logit_opts),
+                )
+            return out, logits_means
+
+        (loss, metrics), (logits_chosen, logits_rejected) = self._liger_run(model, head_loss)
+        metrics = dict(metrics, chosen_logits_mean=logits_chosen, rejected_logits_mean=logits_rejected)
+        prefix = "eval_" if train_eval == "eval" else ""
+        return loss, gathered_metric_means(self.accelerator, metrics, TRL_METRIC_NAMES, prefix)

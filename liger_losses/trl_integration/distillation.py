@@ -1,0 +1,98 @@
+"""``DistillationTrainer``: TRL 1.16's on-policy distillation trainer with our chunked distillation loss (``use_liger``).
+
+``DistillationTrainer(model, teacher_model=None, args=None, ..., use_liger=False, liger_patch_model=True,
+liger_chunk_tokens=None)`` takes every argument of ``trl.DistillationTrainer`` plus three keywords:
+
+* ``use_liger=False``: exactly TRL's trainer.
+* ``use_liger=True``: ``_compute_loss`` (the method TRL runs inside the student's forward redirection, after its
+  on-policy generation built the batch) gets the student's and, under ``no_grad``, the teacher's last hidden
+  states aligned to the completion tokens (``[B, K, H]`` / ``[B, K, Ht]``, TRL's own ``_get_last_hidden_state``),
+  and the loss is :func:`liger_losses.chunked.distillation.fused_linear_distillation_loss` on them, the completion
+  tokens as labels (``-100`` where TRL's loss mask -- completion mask times tool mask -- is 0) and both LM heads
+  (``weight [V, H]``, teacher ``[V, Ht]``): the generalized JSD with ``DistillationConfig.beta`` (0 = forward KL,
+  1 = reverse KL) at ``temperature``, summed over the valid tokens and divided by their number or by TRL's
+  ``num_items_in_batch``. Generation, batching, tool calls are TRL's, untouched. TRL's ``entropy`` metric (the
+  student's mean per-token entropy at the temperature) is logged from our loss's statistics, reduced across
+  processes as TRL does; the generation metrics are TRL's own. ``liger_patch_model=True`` also swaps both
+  models' layers for our kernels; ``liger_chunk_tokens`` fixes the tokens per logits tile.
+
+Options TRL supports that use_liger=True cannot serve raise ``ValueError`` at construction, naming the option:
+a student or teacher with a logit softcap or logit scale (the distillation loss has no such transform),
+vision-language models, a trainer without a local ``teacher_model``, PEFT prompt learning.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+import trl
+
+from ..chunked.distillation import fused_linear_distillation_loss
+from .base import IGNORE_INDEX, LigerTrainerMixin, gathered_params, reject
+from .gkd import check_plain_head
+
+
+class DistillationTrainer(LigerTrainerMixin, trl.DistillationTrainer):
+    """``trl.DistillationTrainer`` with ``use_liger`` (see the module docstring)."""
+
+    def __init__(
+        self,
+        model,
+        teacher_model=None,
+        args: Optional[trl.DistillationConfig] = None,
+        *trl_args: Any,
+        use_liger: bool = False,
+        liger_patch_model: bool = True,
+        liger_chunk_tokens: Optional[int] = None,
+        **trl_kwargs: Any,
+    ):
+        self._liger_setup(
+            use_liger=use_liger, liger_patch_model=liger_patch_model, liger_chunk_tokens=liger_chunk_tokens
+        )
+        super().__init__(model, teacher_model, args, *trl_args, **trl_kwargs)
+        if not use_liger:
+            return
+        if self._is_vlm:
+            reject("processing_class", type(self.processing_class).__name__,
+                   "vision-language models are not supported (text-only causal LMs)")
+        if self.teacher_model is None:
+            reject("teacher_model", None, "the chunked loss needs a local teacher model (its hidden states and head)")
+        check_plain_head(self.model, "model")
+        check_plain_head(self.teacher_model, "teacher_model")
+        user_optimizer = trl_kwargs.get("optimizers", (None, None))[0] is not None
+        self._liger_after_init(self.model, self.teacher_model, user_optimizer=user_optimizer)
+
+    def _compute_loss(self, unwrapped_student, inputs, num_items_in_batch):
+        """``(loss, entropy_sum, num_valid_tokens)`` of one generated batch (TRL's contract)."""
+        if not self.use_liger:
+            return super()._compute_loss(unwrapped_student, inputs, num_items_in_batch)
+        input_ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], dim=1)
+        attention_mask = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], dim=1)
+        loss_mask = inputs["completion_mask"]
+        if "tool_mask" in inputs:
+            loss_mask = loss_mask * inputs["tool_mask"]
+        labels = inputs["completion_ids"].masked_fill(loss_mask == 0, IGNORE_INDEX)
+        logits_to_keep = inputs["completion_ids"].size(1)
+
+        hidden = self._get_last_hidden_state(unwrapped_student, input_ids, attention_mask, logits_to_keep)
+        self.teacher_model.eval()
+        unwrapped_teacher = self.accelerator.unwrap_model(self.teacher_model)
+        with torch.no_grad():
+            teacher_hidden = self._forward_redirection(
+                self.teacher_model, unwrapped_teacher, self._get_last_hidden_state, unwrapped_teacher,
+                input_ids, attention_mask, logits_to_keep,
+            )
+        weight, bias = self._liger_head(unwrapped_student)
+        t_weight, t_bias = self._liger_head(unwrapped_teacher)
+        with gathered_params(weight, bias, t_weight, t_bias):
+            out = fused_linear_distillation_loss(
+                weight, hidden, teacher_hidden.to(hidden.device), labels.to(hidden.device),
+                teacher_weight=t_weight.detach(), teacher_bias=None if t_bias is None else t_bias.detach(),
+                bias=bias, divergence="jsd", beta=float(self.beta), temperature=float(self.temperature),
+                ignore_index=IGNORE_INDEX, reduction="batchmean", num_items_in_batch=num_items_in_batch,
+                chunk_tokens=self.liger_chunk_tokens,
+            )
+        num_valid = out.metrics["num_tokens"].detach()
+        entropy_sum = (out.metrics["entropy"] * num_valid).detach()
+        return out.loss, entropy_sum, num_valid.round().long()

@@ -1,0 +1,103 @@
+"""``GKDTrainer``: TRL 1.16's GKD trainer whose loss can come from our chunked distillation loss (``use_liger=True``).
+
+``GKDTrainer(model, teacher_model, args, ..., use_liger=False, liger_patch_model=True, liger_chunk_tokens=None)``
+takes every argument of ``trl.experimental.gkd.GKDTrainer`` plus three keywords:
+
+* ``use_liger=False``: exactly TRL's trainer.
+* ``use_liger=True``: ``compute_loss`` runs the student's and (under ``no_grad``) the teacher's *backbones* to get
+  the last hidden states ``[B, T, H]`` / ``[B, T, Ht]`` and the loss is
+  :func:`liger_losses.chunked.distillation.fused_linear_distillation_loss` on ``hidden[:, :-1]``, the labels
+  ``labels[:, 1:]`` (``-100`` on prompt and padding) and both LM heads (student ``weight [V, H]``, teacher
+  ``[V, Ht]``) -- neither model's ``[B, T, V]`` logits are held whole. As TRL's ``generalized_jsd_loss`` in
+  ``GKDTrainer.compute_loss``: the generalized JSD with ``GKDConfig.beta`` (0 = forward KL, 1 = reverse KL) at
+  temperature 1 (GKD's ``temperature`` only drives sampling), summed over the valid tokens and divided by their
+  number, or by ``num_items_in_batch`` when the Trainer gives it. On-policy generation (``lmbda``) and sequence KD
+  (``seq_kd``) are TRL's, untouched: they only change the batch. TRL's GKD logs no metric besides the loss; nor
+  does this. ``liger_patch_model=True`` also swaps both models' layers for our kernels.
+
+Options TRL supports that use_liger=True cannot serve raise ``ValueError`` at construction, naming the option:
+a student or teacher with a logit softcap or logit scale (the distillation loss has no such transform),
+vision-language models, PEFT prompt learning.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+from trl.experimental.gkd import GKDConfig
+from trl.experimental.gkd import GKDTrainer as _TRLGKDTrainer
+
+from ..chunked.distillation import fused_linear_distillation_loss
+from .base import IGNORE_INDEX, LigerTrainerMixin, gathered_params, head_logit_options, reject, unwrap_causal_lm
+
+
+def check_plain_head(model, role: str) -> None:
+    """Reject a model whose logits the distillation loss cannot reproduce (softcap / logit scale)."""
+    opts = head_logit_options(unwrap_causal_lm(model).config)
+    if opts["softcap"] is not None:
+        reject(f"{role}.config.final_logit_softcapping", opts["softcap"],
+               "the chunked distillation loss has no logit softcap")
+    if opts["logit_scale"] != 1.0:
+        reject(f"{role}.config logit scale", opts["logit_scale"], "the chunked distillation loss has no logit scale")
+
+
+class GKDTrainer(LigerTrainerMixin, _TRLGKDTrainer):
+    """``trl.experimental.gkd.GKDTrainer`` with ``use_liger`` (see the module docstring)."""
+
+    def __init__(
+        self,
+        model=None,
+        teacher_model=None,
+        args: Optional[GKDConfig] = None,
+        *trl_args: Any,
+        use_liger: bool = False,
+        liger_patch_model: bool = True,
+        liger_chunk_tokens: Optional[int] = None,
+        **trl_kwargs: Any,
+    ):
+        self._liger_setup(
+            use_liger=use_liger, liger_patch_model=liger_patch_model, liger_chunk_tokens=liger_chunk_tokens
+        )
+        super().__init__(model, teacher_model, args, *trl_args, **trl_kwargs)
+        if not use_liger:
+            return
+        if self._is_vlm:
+            reject("processing_class", type(self.processing_class).__name__,
+                   "vision-language models are not supported (text-only causal LMs)")
+        check_plain_head(self.model, "model")
+        check_plain_head(self.teacher_model, "teacher_model")
+        user_optimizer = trl_kwargs.get("optimizers", (None, None))[0] is not None
+        self._liger_after_init(self.model, self.teacher_model, user_optimizer=user_optimizer)
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        if not self.use_liger:
+            return super().compute_loss(model, inputs, return_outputs=return_outputs,
+                                        num_items_in_batch=num_items_in_batch)
+        model_kwargs = {"input_ids": inputs["input_ids"], "attention_mask": inputs["attention_mask"]}
+        labels = inputs["labels"][:, 1:]
+
+        teacher = self.teacher_model
+        teacher.eval()
+        with torch.no_grad():
+            teacher_hidden = self._liger_run(teacher, self._liger_backbone_hidden, teacher, model_kwargs)[:, :-1]
+        t_weight, t_bias = self._liger_head(teacher)
+
+        def head_loss():
+            hidden = self._liger_backbone_hidden(model, model_kwargs)[:, :-1]
+            weight, bias = self._liger_head(model)
+            with gathered_params(weight, bias, t_weight, t_bias):
+                return fused_linear_distillation_loss(
+                    weight, hidden, teacher_hidden.to(hidden.device), labels.to(hidden.device),
+                    teacher_weight=t_weight.detach(), teacher_bias=None if t_bias is None else t_bias.detach(),
+                    bias=bias, divergence="jsd", beta=float(self.beta), temperature=1.0,
+                    ignore_index=IGNORE_INDEX, reduction="batchmean", num_items_in_batch=num_items_in_batch,
+                    chunk_tokens=self.liger_chunk_tokens,
+                )
+
+        loss, _ = self._liger_run(model, head_loss)
+        if return_outputs:  # TRL returns the student's outputs: logits by an extra forward
+            with torch.no_grad():
+                outputs = model(**model_kwargs)
+            return loss, outputs
+        return loss
