@@ -44,6 +44,9 @@ from liger_losses.kernels.utils import (
 # Default memory budget of one logits tile (bytes). 256 MiB -> ~1024 tokens at V=128256 in bf16,
 # which keeps the peak above the inputs near 1.25x the gradient floor (see bench_fused_linear_ce).
 DEFAULT_BUDGET_BYTES = 256 * 1024 * 1024
+# One-pass preference losses need a whole unit (pair) in one tile: a unit may take up to this
+# many default budgets before the engine falls back to two phases (recompute).
+UNIT_BUDGET_FACTOR = 2
 # Chunk sizes found from the budget are rounded to a multiple of this (GEMM efficiency).
 CHUNK_ALIGN = 128
 
@@ -579,6 +582,14 @@ def _run_sequence_objective(weight, hidden, bias, cfg, sink, needs_h, needs_w, n
     plan = None
     if cfg["separable"]:
         plan = group_chunk_bounds(groups, V, chunk_tokens=cfg["chunk_tokens"], itemsize=itemsize)
+        if plan is None and cfg["chunk_tokens"] is None:
+            # a unit (pair) larger than the default tile budget: one pass is still cheaper than
+            # recomputing every tile (6NHV instead of 8NHV) as long as one unit's tile stays
+            # within UNIT_BUDGET_FACTOR budgets; chunks then hold exactly the units that fit
+            plan = group_chunk_bounds(
+                groups, V, budget_bytes=UNIT_BUDGET_FACTOR * DEFAULT_BUDGET_BYTES,
+                itemsize=itemsize,
+            )
     if plan is not None:
         # one pass: every chunk holds whole units; gradients computed while the tile exists
         for u0, u1, ts, te in plan:
@@ -592,17 +603,44 @@ def _run_sequence_objective(weight, hidden, bias, cfg, sink, needs_h, needs_w, n
                 backprop(tile, ts, te, grad_pos[seg])
             del tile
     else:
-        # two phases: statistics of the whole batch, objective, then recompute with row scales
-        bounds = chunk_bounds(N, V, chunk_tokens=cfg["chunk_tokens"], itemsize=itemsize)
-        for ts, te in bounds:
+        # two phases: statistics of the whole batch, objective, then recompute with row scales.
+        # One sequence (the longest) is exempt from the recompute: its tiles are back-propagated
+        # in phase 1 with a unit row scale while the weight-gradient buffer is still empty, and
+        # the result is scaled once its upstream gradient is known (8NHV - 2N*HV instead of 8NHV;
+        # a single long pair costs 7NHV).
+        ck = cfg["chunk_tokens"]
+        starts = [0]
+        for c in ordered_counts:
+            starts.append(starts[-1] + c)
+        star = max(range(B), key=lambda p: ordered_counts[p]) if (need_grad and B > 0) else None
+        a, b = (starts[star], starts[star + 1]) if star is not None else (0, 0)
+
+        def spans(lo, hi):
+            return [(lo + s0, lo + s1) for s0, s1 in chunk_bounds(hi - lo, V, chunk_tokens=ck, itemsize=itemsize)]
+
+        star_bounds = spans(a, b)
+        other_bounds = spans(0, a) + spans(b, N)
+        for ts, te in other_bounds:
             tile, _ = chunk_stats(ts, te, 0, B, False)  # statistics only, sums into all positions
+            del tile
+        for ts, te in star_bounds:
+            tile, _ = chunk_stats(ts, te, 0, B, True)
+            backprop(tile, ts, te, torch.ones(te - ts, dtype=torch.float32, device=dev))
             del tile
         total, mets, grad_pos = call_objective(0, B, need_grad)
         loss = loss + total
         for k, m in mets.items():
             metric_parts.setdefault(k, []).append(m)
         if need_grad:
-            for ts, te in bounds:
+            if star_bounds:
+                g_star = grad_pos[star]
+                if gh is not None:
+                    gh[a:b].mul_(g_star.to(gh.dtype))
+                if gw is not None and not first[0]:
+                    gw.mul_(g_star.to(gw.dtype))
+                if gb is not None and not first[0]:
+                    gb.mul_(g_star)
+            for ts, te in other_bounds:
                 tile = project(h_valid[ts:te], w_c, b_c)
                 logits_tile(tile, l_valid[ts:te], mode="logp", grad=True, **kopts)
                 backprop(tile, ts, te, grad_pos[pos_of_tok[ts:te]])

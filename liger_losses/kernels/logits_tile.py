@@ -87,13 +87,14 @@ if triton_importable():
         n_iter = tl.where(valid, n_blocks, 0)
         offs = tl.arange(0, BLOCK)
 
-        m_vec = tl.full([BLOCK], -1e30, tl.float32)
-        d_vec = tl.zeros([BLOCK], tl.float32)
-        s_vec = tl.zeros([BLOCK], tl.float32)
-        e_vec = tl.zeros([BLOCK], tl.float32)
-        sw_vec = tl.zeros([BLOCK], tl.float32)
-        w_vec = tl.zeros([BLOCK], tl.float32)
-        # pass 1: online max / sum-exp (+ sums for smoothing, entropy, mean logit)
+        # pass 1: online max / sum-exp with scalar state per row (one exp per element),
+        # plus the sums for smoothing, entropy and the mean logit
+        m = -1e30
+        d = 0.0
+        e = 0.0
+        s = 0.0
+        sw = 0.0
+        w_sum_acc = 0.0
         for b in range(0, n_iter):
             cols = b * BLOCK + offs
             mask = cols < V
@@ -101,32 +102,27 @@ if triton_importable():
             z, _t = _transform(x, logit_scale, inv_temp, softcap, HAS_SOFTCAP)
             z = tl.where(mask, z, 0.0)
             zm = tl.where(mask, z, float("-inf"))
-            m_new = tl.maximum(m_vec, zm)
-            alpha = tl.exp(m_vec - m_new)
+            m_new = tl.maximum(m, tl.max(zm, axis=0))
+            alpha = tl.exp(m - m_new)
             p = tl.exp(zm - m_new)
-            d_vec = d_vec * alpha + p
+            d = d * alpha + tl.sum(p, axis=0)
             if NEED_ENT:
-                e_vec = e_vec * alpha + p * z
-            m_vec = m_new
-            s_vec += z
+                e = e * alpha + tl.sum(p * z, axis=0)
+            m = m_new
+            s += tl.sum(z, axis=0)
             if HAS_CW:
                 w = tl.load(CW + cols, mask=mask, other=0.0).to(tl.float32)
-                sw_vec += w * z
-                w_vec += w
-        m = tl.max(m_vec, axis=0)
-        r = tl.exp(m_vec - m)
-        d = tl.sum(d_vec * r, axis=0)
+                sw += tl.sum(w * z, axis=0)
+                w_sum_acc += tl.sum(w, axis=0)
         d = tl.where(valid, d, 1.0)  # ignored rows: no NaN/inf on the way to the zero outputs
         lse = tl.where(valid, m + tl.log(d), 0.0)
-        s = tl.sum(s_vec, axis=0)
 
         x_y = tl.load(x_ptr + safe).to(tl.float32)
         z_y, _ty = _transform(x_y, logit_scale, inv_temp, softcap, HAS_SOFTCAP)
         logp = z_y - lse
         if HAS_CW:
             w_y = tl.load(CW + safe).to(tl.float32)
-            w_sum = tl.sum(w_vec, axis=0)
-            sw = tl.sum(sw_vec, axis=0)
+            w_sum = w_sum_acc
         else:
             w_y = 1.0
             w_sum = V * 1.0
@@ -141,7 +137,7 @@ if triton_importable():
         tl.store(CORRECT + row, tl.where(valid & (z_y >= m), 1, 0).to(tl.int8))
         tl.store(LSUM + row, tl.where(valid, s, 0.0))
         if NEED_ENT:
-            ent = lse - tl.sum(e_vec * r, axis=0) / d
+            ent = lse - e / d
             tl.store(ENT + row, tl.where(valid, ent, 0.0))
 
         # pass 2: gradient d loss / d x, times the row scale, in place

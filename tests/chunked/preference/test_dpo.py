@@ -164,7 +164,9 @@ def test_triton_tiles_one_pass_and_two_phase(chunk_tokens):
 
 def test_whole_batch_objective_path_equals_one_pass():
     """The DPO objective run with separable=False (one objective call on the whole batch, logits
-    recomputed for the gradient) gives the same loss and grads as the one-pass module (<= 1e-6)."""
+    recomputed for the gradient) gives the same loss and grads as the one-pass module (<= 1e-6), and the
+    same metrics within the fp32 bar (1e-5: the rewards are differences of sums accumulated in another
+    chunk order, so they can lose a few ulps to cancellation)."""
     w, h, rh, lab, _ = make_inputs(**SHAPE, seed=3)
     obj = DPOObjective(beta=0.1, loss_types=("sigmoid", "sft"), loss_weights=(1.0, 0.3), label_smoothing=0.0,
                        f_divergence_type="reverse_kl", f_alpha_divergence_coef=0.5, discopop_tau=0.05)
@@ -179,7 +181,7 @@ def test_whole_batch_objective_path_equals_one_pass():
         assert rel_err(a, b) <= 1e-6
     m = dpo_metrics(stats, beta=0.1)
     for k, v in out.metrics.items():
-        assert rel_err(m[k], v) <= 1e-6, k
+        assert rel_err(m[k], v) <= 1e-5, k
 
 
 @pytest.mark.parametrize("loss_type", ["sigmoid", "ipo", "sft"])
