@@ -29,16 +29,16 @@ for a in "${args[@]}"; do [ "$a" = quick ] && quick="--quick"; done
 for a in "${args[@]}"; do
   case "$a" in
     tests)
-      python3 -m pytest -q -m gpu -p no:cacheprovider tests 2>&1 | tee "$OUT/gpu_tests.log" | tail -40 ;;
+      timeout ${TEST_TIMEOUT:-600} python3 -m pytest -q -m gpu -p no:cacheprovider --timeout=300 tests 2>&1 | tee "$OUT/gpu_tests.log" | tail -40 ;;
     tests:*)
-      python3 -m pytest -q -m gpu -p no:cacheprovider ${a#tests:} 2>&1 | tee -a "$OUT/gpu_tests.log" | tail -40 ;;
+      timeout ${TEST_TIMEOUT:-600} python3 -m pytest -q -m gpu -p no:cacheprovider --timeout=300 ${a#tests:} 2>&1 | tee -a "$OUT/gpu_tests.log" | tail -40 ;;
     all)
       for f in benchmark/bench_*.py; do
-        echo "=== $f"; python3 "$f" $quick 2>&1 | tee -a "$OUT/bench.log"
+        echo "=== $f"; timeout ${BENCH_TIMEOUT:-300} python3 "$f" $quick 2>&1 | tee -a "$OUT/bench.log"
       done ;;
     bench:*)
       f=benchmark/bench_${a#bench:}.py
-      echo "=== $f"; python3 "$f" $quick 2>&1 | tee -a "$OUT/bench.log" ;;
+      echo "=== $f"; timeout ${BENCH_TIMEOUT:-300} python3 "$f" $quick ${BENCH_ARGS:-} 2>&1 | tee -a "$OUT/bench.log" ;;
     quick) ;;
     *) echo "unknown argument $a" ;;
   esac
