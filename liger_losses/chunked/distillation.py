@@ -4,7 +4,11 @@
 JSD / forward KL / reverse KL of TRL 1.16 (``GKDTrainer.generalized_jsd_loss``, ``DistillationTrainer``):
 ``beta=0`` (or ``divergence="forward_kl"``) is KL(teacher || student), ``beta=1`` (or ``"reverse_kl"``)
 KL(student || teacher), otherwise ``beta KL(p_t || m) + (1 - beta) KL(p_s || m)`` with
-``m = (1 - beta) p_s + beta p_t``; both models' logits divided by ``temperature``. ``soft_label_weight`` defaults
+``m = (1 - beta) p_s + beta p_t``; both models' logits divided by ``temperature``. Heads with a logit
+transform (Gemma-style): ``logit_scale`` then ``softcap`` turn each head's logits ``x`` into
+``softcap * tanh(logit_scale * x / softcap)`` (``softcap=None``: no tanh) before the temperature, for the student
+AND the teacher tile (not the teacher top-k log-probs, which are given); the CE term is on the transformed student
+logits and the gradient flows through the transform. ``soft_label_weight`` defaults
 to ``1 - hard_label_weight`` (so the default, ``hard_label_weight=0``, is TRL's pure divergence). The CE is on the
 raw student logits (Liger-Kernel's ``weight_hard_loss`` / ``weight_soft_loss`` convention). See
 ``liger_losses.kernels.divergence_tile`` for the exact per-token semantics, the teacher's larger vocabulary
@@ -100,6 +104,9 @@ def _check(weight, hidden, teacher_hidden, labels, o):
     check_choice("teacher_vocab", o["teacher_vocab"], TEACHER_VOCAB_MODES)
     check_range("beta", float(o["beta"]), 0.0, 1.0)
     check_range("temperature", float(o["temperature"]), 0.0, None, low_inclusive=False)
+    check_range("logit_scale", float(o["logit_scale"]), 0.0, None, low_inclusive=False)
+    if o["softcap"] is not None:
+        check_range("softcap", float(o["softcap"]), 0.0, None, low_inclusive=False)
     check_range("hard_label_weight", float(o["hard_label_weight"]), 0.0, None)
     if o["soft_label_weight"] is not None:
         check_range("soft_label_weight", float(o["soft_label_weight"]), 0.0, None)
@@ -156,6 +163,28 @@ def _check(weight, hidden, teacher_hidden, labels, o):
     resolve_impl(o["impl"], hidden)
     check_labels("labels", labels, Vs, o["ignore_index"])
     return topk
+
+
+_TRANSFORM_ROWS = 256  # rows per fp32 slice of the softcap transform (bounds its temporary memory)
+
+
+def _head_transform(tile: Tensor, logit_scale: float, softcap: Optional[float], *, want_factor: bool):
+    """In place ``tile <- softcap * tanh(logit_scale * tile / softcap)`` (plain scaling when ``softcap`` is None),
+    computed in fp32 slices. Returns d(out)/d(tile): a float, or (softcap, want_factor) a tile-shaped tensor in the
+    tile's dtype, ``logit_scale / cosh(logit_scale * x / softcap)**2`` (no cancellation near saturation)."""
+    if softcap is None:
+        if logit_scale != 1.0:
+            tile.mul_(logit_scale)
+        return logit_scale
+    factor = torch.empty_like(tile) if want_factor else None
+    a = logit_scale / softcap
+    for r0 in range(0, tile.shape[0], _TRANSFORM_ROWS):
+        part = tile[r0:r0 + _TRANSFORM_ROWS]
+        x = part.float().mul_(a)
+        if factor is not None:
+            factor[r0:r0 + _TRANSFORM_ROWS].copy_(torch.cosh(x).pow_(-2).mul_(logit_scale))
+        part.copy_(x.tanh_().mul_(softcap))
+    return factor
 
 
 def _run(weight, hidden, bias, teacher_hidden, labels, o, needs_h, needs_w, needs_b, sink):
@@ -216,14 +245,20 @@ def _run(weight, hidden, bias, teacher_hidden, labels, o, needs_h, needs_w, need
     kopts = dict(divergence=o["divergence"], beta=float(o["beta"]), temperature=float(o["temperature"]),
                  teacher_vocab=o["teacher_vocab"], topk_tail=o["topk_tail"], hard_weight=w_hard,
                  soft_weight=w_soft, ignore_index=o["ignore_index"], check_inputs=False, impl=o["impl"])
+    softcap = None if o["softcap"] is None else float(o["softcap"])
+    logit_scale = float(o["logit_scale"])
+    if softcap is not None:
+        width += Vs  # the transform's derivative tile
     for ts, te in chunk_bounds(N, width, chunk_tokens=o["chunk_tokens"], itemsize=s_item):
         s_tile = project(h_valid[ts:te], w_c, bias)
+        d_head = _head_transform(s_tile, logit_scale, softcap, want_factor=grad)
         if topk:
             t_tile = None
             extra = dict(topk_logprobs=lp_valid[ts:te], topk_indices=idx_valid[ts:te])
         else:
             with torch.no_grad():
                 t_tile = project(th_valid[ts:te], tw_c, tb_c)
+                _head_transform(t_tile, logit_scale, softcap, want_factor=False)
             extra = {}
         row_scale = scale[ts:te] if isinstance(scale, Tensor) else scale
         st = divergence_tile(s_tile, t_tile, l_valid[ts:te], grad_scale=row_scale if grad else None,
@@ -234,6 +269,11 @@ def _run(weight, hidden, bias, teacher_hidden, labels, o, needs_h, needs_w, need
             part[0] = (st.loss * row_scale).sum()
         sums += part
         if grad:
+            if isinstance(d_head, Tensor):
+                s_tile.mul_(d_head)
+            elif d_head != 1.0:
+                s_tile.mul_(d_head)
+            del d_head
             backprop_tile(s_tile, h_valid[ts:te], w_c, grad_hidden=gh[ts:te] if gh is not None else None,
                           grad_weight=gw, grad_bias=gb, accumulate=not first)
             first = False
@@ -299,6 +339,8 @@ def fused_linear_distillation_loss(
     divergence: str = "jsd",
     beta: float = 0.5,
     temperature: float = 1.0,
+    softcap: Optional[float] = None,
+    logit_scale: float = 1.0,
     hard_label_weight: float = 0.0,
     soft_label_weight: Optional[float] = None,
     teacher_vocab: str = "renormalize",
@@ -316,7 +358,8 @@ def fused_linear_distillation_loss(
     o = dict(
         teacher_weight=teacher_weight, teacher_bias=teacher_bias, bias=bias,
         teacher_topk_logprobs=teacher_topk_logprobs, teacher_topk_indices=teacher_topk_indices,
-        divergence=divergence, beta=beta, temperature=temperature, hard_label_weight=hard_label_weight,
+        divergence=divergence, beta=beta, temperature=temperature, softcap=softcap, logit_scale=logit_scale,
+        hard_label_weight=hard_label_weight,
         soft_label_weight=soft_label_weight, teacher_vocab=teacher_vocab, topk_tail=bool(topk_tail),
         ignore_index=ignore_index, reduction=reduction, num_items_in_batch=num_items_in_batch,
         chunk_tokens=chunk_tokens, accum_dtype=accum_dtype, impl=impl,
@@ -340,10 +383,10 @@ def fused_linear_distillation_loss(
 
 class LigerFusedLinearDistillationLoss(torch.nn.Module):
     """Module form of :func:`fused_linear_distillation_loss`; the constructor takes its keyword options
-    (``divergence``, ``beta``, ``temperature``, ``hard_label_weight``, ``soft_label_weight``, ``teacher_vocab``,
+    (``divergence``, ``beta``, ``temperature``, ``softcap``, ``logit_scale``, ``hard_label_weight``, ``soft_label_weight``, ``teacher_vocab``,
     ``topk_tail``, ``ignore_index``, ``reduction``, ``chunk_tokens``, ``accum_dtype``, ``impl``)."""
 
-    _OPTIONS = ("divergence", "beta", "temperature", "hard_label_weight", "soft_label_weight", "teacher_vocab",
+    _OPTIONS = ("divergence", "beta", "temperature", "softcap", "logit_scale", "hard_label_weight", "soft_label_weight", "teacher_vocab",
                 "topk_tail", "ignore_index", "reduction", "chunk_tokens", "accum_dtype", "impl")
 
     def __init__(self, **options):

@@ -141,6 +141,18 @@ if triton_importable():
         return d, g, t
 
     @triton.jit
+    def _t_only(ls, lt, log_1m_beta, log_beta, beta, MODE: tl.constexpr):
+        # t of _div_terms alone (modes 1, 2): what the gradient's normaliser sum needs, without the divergence
+        # term's exps
+        if MODE == 1:
+            t = ls - lt + 1.0
+        else:
+            x = (ls - lt) + (log_1m_beta - log_beta)
+            sp_neg = tl.maximum(-x, 0.0) + _log1p(tl.exp(-tl.abs(x)))
+            t = (1.0 - beta) * (-log_1m_beta - sp_neg)
+        return t
+
+    @triton.jit
     def _divergence_tile_kernel(
         s_ptr,
         s_stride,
@@ -184,7 +196,8 @@ if triton_importable():
         s_row = s_ptr + row * s_stride
         cols = tl.arange(0, BLOCK)
 
-        # ---- pass 1: student statistics (online max / sum-exp at T, raw for CE, entropy, argmax)
+        # ---- pass 1: student (and, dense mode, teacher) statistics in one sweep; scalar online state per row:
+        # block max, m_new = max(m, bmax), d = d * exp(m - m_new) + sum(exp(z - m_new)) -- one exp per element
         m_s = float("-inf")
         d_s = 0.0
         x_s = 0.0
@@ -192,26 +205,44 @@ if triton_importable():
         d_r = 0.0
         best = float("-inf")
         best_idx = 0
-        for start in range(0, n_cols, BLOCK):
+        m_t = float("-inf")
+        d_t = 0.0
+        d_ts = 0.0  # teacher sum-exp over the shared first n_cols columns (forward KL's gradient coefficient)
+        if TOPK:
+            n_loop = n_cols
+        else:
+            n_loop = n_t_cols
+            t_row = t_ptr + row * t_stride
+        for start in range(0, n_loop, BLOCK):
             offs = start + cols
             mask = offs < n_cols
             raw = tl.load(s_row + offs, mask=mask, other=float("-inf")).to(tl.float32)
-            zs = raw * inv_t
-            bm = tl.max(zs, axis=0)
-            new_m = tl.maximum(m_s, bm)
-            resc = tl.exp(m_s - new_m)
-            e = tl.where(mask, tl.exp(zs - new_m), 0.0)
-            d_s = d_s * resc + tl.sum(e, axis=0)
-            x_s = x_s * resc + tl.sum(e * tl.where(mask, zs, 0.0), axis=0)
-            m_s = new_m
-            if SEP_RAW:
-                new_mr = tl.maximum(m_r, tl.max(raw, axis=0))
-                d_r = d_r * tl.exp(m_r - new_mr) + tl.sum(tl.where(mask, tl.exp(raw - new_mr), 0.0), axis=0)
-                m_r = new_mr
-            braw = tl.max(raw, axis=0)
-            bidx = tl.argmax(raw, axis=0) + start
-            best_idx = tl.where(braw > best, bidx, best_idx)
-            best = tl.maximum(best, braw)
+            braw, bidx = tl.max(raw, axis=0, return_indices=True)
+            if start < n_cols:
+                zs = raw * inv_t
+                bm = braw * inv_t  # x -> x * inv_t (inv_t > 0) is monotone in fp32: same max
+                new_m = tl.maximum(m_s, bm)
+                resc = tl.exp(m_s - new_m)
+                e = tl.where(mask, tl.exp(zs - new_m), 0.0)
+                d_s = d_s * resc + tl.sum(e, axis=0)
+                x_s = x_s * resc + tl.sum(e * tl.where(mask, zs, 0.0), axis=0)
+                m_s = new_m
+                if SEP_RAW:
+                    new_mr = tl.maximum(m_r, braw)
+                    d_r = d_r * tl.exp(m_r - new_mr) + tl.sum(tl.where(mask, tl.exp(raw - new_mr), 0.0), axis=0)
+                    m_r = new_mr
+                best_idx = tl.where(braw > best, bidx + start, best_idx)
+                best = tl.maximum(best, braw)
+            if not TOPK:
+                tmask = offs < n_t_cols
+                zt = tl.load(t_row + offs, mask=tmask, other=float("-inf")).to(tl.float32) * inv_t
+                new_mt = tl.maximum(m_t, tl.max(zt, axis=0))
+                rt = tl.exp(m_t - new_mt)
+                et = tl.where(tmask, tl.exp(zt - new_mt), 0.0)
+                d_t = d_t * rt + tl.sum(et, axis=0)
+                if MODE == 0:
+                    d_ts = d_ts * rt + tl.sum(tl.where(mask, et, 0.0), axis=0)
+                m_t = new_mt
         lse_s = m_s + tl.log(d_s)
         entropy = lse_s - x_s / d_s
         if SEP_RAW:
@@ -296,48 +327,45 @@ if triton_importable():
                 r_k = tl.exp(ls_sp)
                 a_k = gk - r_k * sum_g
         else:
-            # ---- pass 1b: teacher statistics over the first n_t_cols columns
-            t_row = t_ptr + row * t_stride
-            m_t = float("-inf")
-            d_t = 0.0
-            for start in range(0, n_t_cols, BLOCK):
-                offs = start + cols
-                mask = offs < n_t_cols
-                zt = tl.load(t_row + offs, mask=mask, other=float("-inf")).to(tl.float32) * inv_t
-                new_m = tl.maximum(m_t, tl.max(zt, axis=0))
-                d_t = d_t * tl.exp(m_t - new_m) + tl.sum(tl.where(mask, tl.exp(zt - new_m), 0.0), axis=0)
-                m_t = new_m
             lse_t = m_t + tl.log(d_t)
-            # shift c = t at the student's argmax: grad_j = p_j ((t_j - c) - sum_i p_i (t_i - c)) has no
-            # cancellation on the peak entry (modes 1, 2)
-            ls_c = tl.load(s_row + best_idx).to(tl.float32) * inv_t - lse_s
-            lt_c = tl.load(t_row + best_idx).to(tl.float32) * inv_t - lse_t
-            _dc, _gc, t_c = _div_terms(ls_c, lt_c, log_1m_beta, log_beta, beta, MODE)
-            # ---- pass 2: divergence and sum over columns of d div / d log p_s (shifted by c)
             div = 0.0
-            sum_g = 0.0
-            for start in range(0, n_cols, BLOCK):
-                offs = start + cols
-                mask = offs < n_cols
-                ls = tl.load(s_row + offs, mask=mask, other=0.0).to(tl.float32) * inv_t - lse_s
-                lt = tl.load(t_row + offs, mask=mask, other=0.0).to(tl.float32) * inv_t - lse_t
-                dd, gg, tt = _div_terms(ls, lt, log_1m_beta, log_beta, beta, MODE)
-                div += tl.sum(tl.where(mask, dd, 0.0), axis=0)
-                if MODE == 0:
-                    sum_g += tl.sum(tl.where(mask, gg, 0.0), axis=0)
-                else:
-                    sum_g += tl.sum(tl.where(mask, tl.exp(ls) * (tt - t_c), 0.0), axis=0)
-            coef_dense = sum_g
-
-        loss = w_hard * ce + w_soft * div
-        tl.store(loss_ptr + row, loss)
-        tl.store(div_ptr + row, div)
-        tl.store(ce_ptr + row, ce)
-        tl.store(ent_ptr + row, entropy)
-        tl.store(correct_ptr + row, correct)
+            coef_dense = 0.0
+            t_c = 0.0
+            if MODE == 0:
+                # forward KL: d div / d z_j = p_s,j * S - p_t,j with S = teacher mass on the shared columns
+                # (exactly 1 with teacher_vocab="renormalize"): known after pass 1, so no extra pass
+                coef_dense = -(d_ts / d_t)
+            else:
+                # shift c = t at the student's argmax: grad_j = p_j ((t_j - c) - sum_i p_i (t_i - c)) has no
+                # cancellation on the peak entry
+                ls_c = tl.load(s_row + best_idx).to(tl.float32) * inv_t - lse_s
+                lt_c = tl.load(t_row + best_idx).to(tl.float32) * inv_t - lse_t
+                _dc, _gc, t_c = _div_terms(ls_c, lt_c, log_1m_beta, log_beta, beta, MODE)
+                # ---- pass 2: sum_i p_i (t_i - c) for the gradient (only t, no divergence term), or, with no
+                # gradient wanted, the divergence itself (then there is no pass 3)
+                for start in range(0, n_cols, BLOCK):
+                    offs = start + cols
+                    mask = offs < n_cols
+                    ls = tl.load(s_row + offs, mask=mask, other=0.0).to(tl.float32) * inv_t - lse_s
+                    lt = tl.load(t_row + offs, mask=mask, other=0.0).to(tl.float32) * inv_t - lse_t
+                    if WRITE_GRAD:
+                        tt = _t_only(ls, lt, log_1m_beta, log_beta, beta, MODE)
+                        coef_dense += tl.sum(tl.where(mask, tl.exp(ls) * (tt - t_c), 0.0), axis=0)
+                    else:
+                        dd, _gg, _tt = _div_terms(ls, lt, log_1m_beta, log_beta, beta, MODE)
+                        div += tl.sum(tl.where(mask, dd, 0.0), axis=0)
+            if MODE == 0 and not WRITE_GRAD:
+                for start in range(0, n_cols, BLOCK):
+                    offs = start + cols
+                    mask = offs < n_cols
+                    ls = tl.load(s_row + offs, mask=mask, other=0.0).to(tl.float32) * inv_t - lse_s
+                    lt = tl.load(t_row + offs, mask=mask, other=0.0).to(tl.float32) * inv_t - lse_t
+                    dd, _gg, _tt = _div_terms(ls, lt, log_1m_beta, log_beta, beta, MODE)
+                    div += tl.sum(tl.where(mask, dd, 0.0), axis=0)
 
         if WRITE_GRAD:
-            # ---- pass 3: gradient, in place, over the whole student row
+            # ---- last pass: gradient in place over the whole student row (+ the dense divergence, accumulated
+            # here since both log-normalisers are known after pass 1)
             for start in range(0, n_cols, BLOCK):
                 offs3 = start + cols
                 mask3 = offs3 < n_cols
@@ -349,15 +377,27 @@ if triton_importable():
                 else:
                     lt3 = tl.load(t_row + offs3, mask=mask3, other=0.0).to(tl.float32) * inv_t - lse_t
                     dd3, gg3, tt3 = _div_terms(ls3, lt3, log_1m_beta, log_beta, beta, MODE)
+                    div += tl.sum(tl.where(mask3, dd3, 0.0), axis=0)
                     if MODE == 0:
                         grad3 = c_soft * (gg3 - ps3 * coef_dense)
                     else:
                         grad3 = c_soft * ps3 * ((tt3 - t_c) - coef_dense)
                 if HAS_LABELS:
-                    pr3 = tl.exp(raw3 - lse_r)
+                    if SEP_RAW:
+                        pr3 = tl.exp(raw3 - lse_r)
+                    else:
+                        pr3 = ps3  # temperature 1: the CE softmax is the divergence softmax
                     onehot3 = tl.where(offs3.to(tl.int64) == label, 1.0, 0.0)
                     grad3 += tl.where(has_label, c_hard * (pr3 - onehot3), 0.0)
                 tl.store(s_row + offs3, grad3.to(s_ptr.dtype.element_ty), mask=mask3)
+        loss = w_hard * ce + w_soft * div
+        tl.store(loss_ptr + row, loss)
+        tl.store(div_ptr + row, div)
+        tl.store(ce_ptr + row, ce)
+        tl.store(ent_ptr + row, entropy)
+        tl.store(correct_ptr + row, correct)
+
+        if WRITE_GRAD:
             if TOPK:
                 # the support entries: overwrite with their full value (dense part + support part)
                 tl.debug_barrier()

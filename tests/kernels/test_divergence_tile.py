@@ -146,14 +146,19 @@ def test_hard_label_mix(impl, temperature):
 
 
 @pytest.mark.parametrize("impl", IMPLS)
-def test_no_grad_leaves_student(impl):
-    """Without grad_scale the student tile is untouched and the statistics are still exact (1e-5)."""
-    student, teacher = _inputs(n=3, vs=100)
+@pytest.mark.parametrize("beta", [0.0, 0.3, 1.0])
+@pytest.mark.parametrize("teacher_vocab", ["renormalize", "full"])
+def test_no_grad_leaves_student(impl, beta, teacher_vocab):
+    """Without grad_scale (the kernel's divergence-only passes, every mode; Vt > Vs so the fused statistics
+    sweep runs past the student's columns) the student tile is untouched and divergence / entropy are exact
+    (1e-5 of float64)."""
+    student, teacher = _inputs(n=3, vs=100, vt=140)
     tile = student.clone()
-    stats = divergence_tile(tile, teacher, beta=0.3, impl=impl, block_size=64)
+    stats = divergence_tile(tile, teacher, beta=beta, teacher_vocab=teacher_vocab, impl=impl, block_size=64)
     assert torch.equal(tile, student)
-    ref = reference(student, teacher, beta=0.3)
+    ref = reference(student, teacher, beta=beta, teacher_vocab=teacher_vocab)
     assert rel_err(stats.divergence, ref[1]) <= FP32
+    assert rel_err(stats.entropy, ref[3]) <= FP32
 
 
 @pytest.mark.parametrize("impl", IMPLS)
