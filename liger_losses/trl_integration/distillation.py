@@ -17,7 +17,7 @@ liger_chunk_tokens=None)`` takes every argument of ``trl.DistillationTrainer`` p
   models' layers for our kernels; ``liger_chunk_tokens`` fixes the tokens per logits tile.
 
 Options TRL supports that use_liger=True cannot serve raise ``ValueError`` at construction, naming the option:
-a student or teacher with a logit softcap or logit scale (the distillation loss has no such transform),
+a student and a teacher whose heads transform logits differently (softcap / logit scale),
 vision-language models, a trainer without a local ``teacher_model``, PEFT prompt learning.
 """
 
@@ -30,7 +30,7 @@ import trl
 
 from ..chunked.distillation import fused_linear_distillation_loss
 from .base import IGNORE_INDEX, LigerTrainerMixin, gathered_params, reject
-from .gkd import check_plain_head
+from .gkd import shared_head_transform
 
 
 class DistillationTrainer(LigerTrainerMixin, trl.DistillationTrainer):
@@ -58,8 +58,7 @@ class DistillationTrainer(LigerTrainerMixin, trl.DistillationTrainer):
                    "vision-language models are not supported (text-only causal LMs)")
         if self.teacher_model is None:
             reject("teacher_model", None, "the chunked loss needs a local teacher model (its hidden states and head)")
-        check_plain_head(self.model, "model")
-        check_plain_head(self.teacher_model, "teacher_model")
+        self._liger_head_transform = shared_head_transform(self.model, self.teacher_model)
         user_optimizer = trl_kwargs.get("optimizers", (None, None))[0] is not None
         self._liger_after_init(self.model, self.teacher_model, user_optimizer=user_optimizer)
 
@@ -91,7 +90,7 @@ class DistillationTrainer(LigerTrainerMixin, trl.DistillationTrainer):
                 teacher_weight=t_weight.detach(), teacher_bias=None if t_bias is None else t_bias.detach(),
                 bias=bias, divergence="jsd", beta=float(self.beta), temperature=float(self.temperature),
                 ignore_index=IGNORE_INDEX, reduction="batchmean", num_items_in_batch=num_items_in_batch,
-                chunk_tokens=self.liger_chunk_tokens,
+                chunk_tokens=self.liger_chunk_tokens, **self._liger_head_transform,
             )
         num_valid = out.metrics["num_tokens"].detach()
         entropy_sum = (out.metrics["entropy"] * num_valid).detach()

@@ -16,8 +16,8 @@ takes every argument of ``trl.experimental.gkd.GKDTrainer`` plus three keywords:
   does this. ``liger_patch_model=True`` also swaps both models' layers for our kernels.
 
 Options TRL supports that use_liger=True cannot serve raise ``ValueError`` at construction, naming the option:
-a student or teacher with a logit softcap or logit scale (the distillation loss has no such transform),
-vision-language models, PEFT prompt learning.
+a student and a teacher whose heads transform logits differently (softcap / logit scale: the loss applies one
+transform to both), vision-language models, PEFT prompt learning.
 """
 
 from __future__ import annotations
@@ -32,14 +32,18 @@ from ..chunked.distillation import fused_linear_distillation_loss
 from .base import IGNORE_INDEX, LigerTrainerMixin, gathered_params, head_logit_options, reject, unwrap_causal_lm
 
 
-def check_plain_head(model, role: str) -> None:
-    """Reject a model whose logits the distillation loss cannot reproduce (softcap / logit scale)."""
-    opts = head_logit_options(unwrap_causal_lm(model).config)
-    if opts["softcap"] is not None:
-        reject(f"{role}.config.final_logit_softcapping", opts["softcap"],
-               "the chunked distillation loss has no logit softcap")
-    if opts["logit_scale"] != 1.0:
-        reject(f"{role}.config logit scale", opts["logit_scale"], "the chunked distillation loss has no logit scale")
+def shared_head_transform(student, teacher) -> dict:
+    """The logit transform (``softcap``, ``logit_scale``) that the student's and the teacher's heads
+    share, as keyword arguments of the distillation loss; a ``ValueError`` naming the option when the
+    two heads transform their logits differently (the chunked loss applies one transform to both)."""
+    s_opts = head_logit_options(unwrap_causal_lm(student).config)
+    t_opts = head_logit_options(unwrap_causal_lm(teacher).config)
+    for key, name in (("softcap", "final_logit_softcapping"), ("logit_scale", "logit scale")):
+        if s_opts[key] != t_opts[key]:
+            reject(f"teacher_model.config {name}", t_opts[key],
+                   f"the student's is {s_opts[key]!r}; the chunked distillation loss applies one logit "
+                   "transform to both heads")
+    return {"softcap": s_opts["softcap"], "logit_scale": s_opts["logit_scale"]}
 
 
 class GKDTrainer(LigerTrainerMixin, _TRLGKDTrainer):
@@ -65,8 +69,7 @@ class GKDTrainer(LigerTrainerMixin, _TRLGKDTrainer):
         if self._is_vlm:
             reject("processing_class", type(self.processing_class).__name__,
                    "vision-language models are not supported (text-only causal LMs)")
-        check_plain_head(self.model, "model")
-        check_plain_head(self.teacher_model, "teacher_model")
+        self._liger_head_transform = shared_head_transform(self.model, self.teacher_model)
         user_optimizer = trl_kwargs.get("optimizers", (None, None))[0] is not None
         self._liger_after_init(self.model, self.teacher_model, user_optimizer=user_optimizer)
 
@@ -92,7 +95,7 @@ class GKDTrainer(LigerTrainerMixin, _TRLGKDTrainer):
                     teacher_weight=t_weight.detach(), teacher_bias=None if t_bias is None else t_bias.detach(),
                     bias=bias, divergence="jsd", beta=float(self.beta), temperature=1.0,
                     ignore_index=IGNORE_INDEX, reduction="batchmean", num_items_in_batch=num_items_in_batch,
-                    chunk_tokens=self.liger_chunk_tokens,
+                    chunk_tokens=self.liger_chunk_tokens, **self._liger_head_transform,
                 )
 
         loss, _ = self._liger_run(model, head_loss)

@@ -128,3 +128,15 @@ def test_softcapped_teacher_is_rejected(tok, tmp_path):
     with pytest.raises(ValueError, match="final_logit_softcapping"):
         GKDTrainer(build_tiny_model(tok), teacher, gkd_config(tmp_path), train_dataset=chat_dataset(),
                    processing_class=tok, use_liger=True)
+
+
+def test_shared_head_transform(tok):
+    """Student and teacher with the same logit softcap: the transform is handed to the loss (softcap 30,
+    scale 1) instead of being rejected; a mismatch names the option (covered above)."""
+    from liger_losses.trl_integration.gkd import shared_head_transform
+
+    student, teacher = build_tiny_model(tok), build_tiny_model(tok, seed=1)
+    assert shared_head_transform(student, teacher) == {"softcap": None, "logit_scale": 1.0}
+    student.config.final_logit_softcapping = 30.0
+    teacher.config.final_logit_softcapping = 30.0
+    assert shared_head_transform(student, teacher) == {"softcap": 30.0, "logit_scale": 1.0}

@@ -1,0 +1,363 @@
+"""Training-step throughput and peak memory of whole trainers: TRL 1.16 vs TRL + liger-kernel vs ours (issue #4 item 5).
+
+Model: a Llama-3.2-1B-shaped ``LlamaForCausalLM`` (hidden 2048, 16 layers, 32 heads / 8 KV heads, MLP
+8192, vocab 128256, tied embeddings, llama3 RoPE), random init, bf16 weights, sdpa attention, built
+locally (offline) -- see ``benchmark/trainer_data.py`` for the model, the numeric word-level tokenizer
+and the synthetic datasets. Every configuration starts from a freshly built model (same seed, so the
+same weights and data for every provider), and the patched ``transformers`` Llama module is restored
+between configurations (liger-kernel and our patching both swap module/class attributes).
+
+Cases (``case`` column): ``dpo_seq{S}`` -- DPO, 1 pair per step (chosen + rejected, each S tokens, the
+first S/4 of which are the shared prompt), with a separate frozen reference model (the same weights);
+``sft_seq{S}`` -- SFT, 1 sequence of S tokens per step, loss on every token. S = 2048 and 8192.
+
+Providers:
+  ``trl``        ``trl.DPOTrainer`` / ``trl.SFTTrainer`` as shipped (``use_liger_kernel=False``). Note: TRL
+                 1.16 already computes the LM-head log-probs with its own chunked fused LM head.
+  ``trl+liger``  the same with ``use_liger_kernel=True``: in TRL 1.16 this is deprecated (FutureWarning,
+                 "removed in v2.0.0") and TRL forces ``fused_linear_cross_entropy=False``, so liger-kernel
+                 only swaps the layer kernels (RMSNorm, RoPE, SwiGLU) of the policy model; an error
+                 (e.g. liger-kernel not installed) is recorded in the row's ``error``.
+  ``ours``       ``liger_losses.trl_integration.DPOTrainer`` / ``SFTTrainer`` with ``use_liger=True``
+                 (chunked loss from the backbone's hidden states + our layer kernels).
+
+Training settings (all providers): bf16=True (autocast; weights already bf16), gradient_checkpointing=True
+with ``gradient_checkpointing_kwargs={"use_reentrant": False}`` (set explicitly so every transformers
+version does the same; recorded in the ``grad_ckpt_kwargs`` column),
+``optim="adamw_torch_fused"``, lr 1e-6 constant, per_device_train_batch_size=1, gradient accumulation 1,
+no eval, no saving, ``report_to="none"``, huge ``logging_steps``, ``dataloader_num_workers=0``, one process.
+
+Measurement: a ``TrainerCallback`` records ``torch.cuda.synchronize(); time.perf_counter()`` at every
+``on_step_end``; the time of step i is end(i) - end(i-1) (so it includes data collation, forward,
+backward, optimizer step and TRL's per-step metric bookkeeping). ``ms`` is the median over the timed
+steps after ``--warmup`` warm-up steps (default 2 warm-up + 5 timed; ``--quick``: seq 2048 only, 3
+timed). ``peak_mib`` is ``torch.cuda.max_memory_allocated()`` over the timed steps (stats reset at the
+end of the last warm-up step): absolute, i.e. weights + reference model + gradients + AdamW state +
+activations. ``tokens_per_step`` is ``input_ids.numel()`` of the collated batch -- prompt + completion
+tokens including any padding; for DPO chosen + rejected (here no padding: 2 x S for DPO, S for SFT);
+``tokens_per_s = tokens_per_step / (ms / 1000)``. ``train_loss`` (TRL's mean training loss over all
+steps) is a sanity check that providers train the same thing.
+
+    python benchmark/bench_trainer.py            # full: dpo/sft x seq 2048, 8192 x 3 providers (< 5 min on an H200)
+    python benchmark/bench_trainer.py --quick    # seq 2048 only, 3 timed steps
+    python benchmark/bench_trainer.py --tiny     # CPU smoke run: tiny Llama, seq 64, 1 warm-up + 1 timed step
+
+Results: ``trainer.csv`` (+ ``trainer.png``) via ``benchmark.common.write_results`` (in $BENCH_OUT or
+$OUT when set, else benchmark/results/; ``--tiny`` writes ``trainer_tiny.csv`` to a temporary folder unless
+one of those is set), and a table of ratios ours/trl and ours/trl+liger. ``--budget-s`` (default 270):
+no configuration is started after that many seconds (its row gets a "skipped" error), so the CSV is
+written within gpu.sh's 300 s limit. Run it through gpu.sh (which installs the carried wheels):
+``bash benchmark/gpu.sh bench:trainer [quick]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import gc
+import math
+import os
+import statistics
+import sys
+import tempfile
+import time
+import traceback
+import warnings
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch  # noqa: E402
+
+from benchmark.common import MIB, Row, print_table, write_results  # noqa: E402
+from benchmark.trainer_data import LLAMA_3_2_1B, TINY, build_model, build_tokenizer, dpo_dataset, sft_dataset  # noqa: E402
+
+PROVIDERS = ("trl", "trl+liger", "ours")
+TASKS = ("dpo", "sft")
+
+
+# --------------------------------------------------------------------------- timing
+
+
+def _make_timer_callback(warmup: int, cuda: bool):
+    from transformers import TrainerCallback
+
+    class StepTimer(TrainerCallback):
+        """Wall time at the end of every optimizer step; peak memory over the steps after ``warmup``."""
+
+        def __init__(self):
+            self.ends: list[float] = []
+            self.peak_warmup_mib = float("nan")
+            self.peak_timed_mib = float("nan")
+
+        def _now(self) -> float:
+            if cuda:
+                torch.cuda.synchronize()
+            return time.perf_counter()
+
+        def on_train_begin(self, args, state, control, **kwargs):
+            if cuda:
+                torch.cuda.reset_peak_memory_stats()
+
+        def on_step_end(self, args, state, control, **kwargs):
+            self.ends.append(self._now())
+            if not cuda:
+                return
+            if len(self.ends) == warmup:
+                self.peak_warmup_mib = torch.cuda.max_memory_allocated() / MIB
+                torch.cuda.reset_peak_memory_stats()
+            elif len(self.ends) > warmup:
+                self.peak_timed_mib = torch.cuda.max_memory_allocated() / MIB
+
+        def step_ms(self) -> list[float]:
+            timed = self.ends[max(warmup - 1, 0):]
+            return [(b - a) * 1e3 for a, b in zip(timed, timed[1:])]
+
+    return StepTimer()
+
+
+# --------------------------------------------------------------------------- isolation between configurations
+
+
+@contextlib.contextmanager
+def restored_llama_module():
+    """Undo module- and class-level patches of ``transformers``' Llama module made inside the block."""
+    import transformers.models.llama.modeling_llama as ml
+
+    mod_snapshot = dict(vars(ml))
+    classes = {name: obj for name, obj in mod_snapshot.items() if isinstance(obj, type) and obj.__module__ == ml.__name__}
+    cls_snapshot = {name: dict(vars(cls)) for name, cls in classes.items()}
+    try:
+        yield
+    finally:
+        try:  # our own revert first (it knows what it patched)
+            from liger_losses.patching.core import revert_liger_kernels
+
+            revert_liger_kernels()
+        except Exception:  # noqa: BLE001 - best effort; the snapshot restore below is authoritative
+            pass
+        for name in list(vars(ml)):
+            if name not in mod_snapshot:
+                delattr(ml, name)
+        for name, value in mod_snapshot.items():
+            if vars(ml).get(name, object()) is not value:
+                setattr(ml, name, value)
+        for name, cls in classes.items():
+            snap = cls_snapshot[name]
+            for attr in list(vars(cls)):
+                if attr not in snap:
+                    with contextlib.suppress(Exception):
+                        delattr(cls, attr)
+            for attr, value in snap.items():
+                if vars(cls).get(attr, object()) is not value and attr not in ("__dict__", "__weakref__"):
+                    with contextlib.suppress(Exception):
+                        setattr(cls, attr, value)
+
+
+def free_memory(cuda: bool) -> None:
+    gc.collect()
+    if cuda:
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+
+
+# --------------------------------------------------------------------------- one configuration
+
+
+def make_config(task: str, provider: str, *, seq: int, steps: int, out_dir: str, tiny: bool):
+    import trl
+
+    kwargs = dict(
+        output_dir=out_dir,
+        max_steps=steps,
+        per_device_train_batch_size=1,
+        gradient_accumulation_steps=1,
+        learning_rate=1e-6,
+        lr_scheduler_type="constant",
+        warmup_steps=0,
+        bf16=True,
+        fp16=False,
+        gradient_checkpointing=True,
+        gradient_checkpointing_kwargs={"use_reentrant": False},
+        optim="adamw_torch_fused",
+        logging_steps=10**6,
+        save_strategy="no",
+        eval_strategy="no",
+        report_to="none",
+        dataloader_num_workers=0,
+        disable_tqdm=True,
+        seed=0,
+        data_seed=0,
+        max_length=seq,
+        use_liger_kernel=(provider == "trl+liger"),
+    )
+    if tiny:
+        kwargs["use_cpu"] = True
+    return (trl.DPOConfig if task == "dpo" else trl.SFTConfig)(**kwargs)
+
+
+def make_trainer(task: str, provider: str, model, ref_model, args, dataset, tokenizer, callback):
+    common = dict(args=args, train_dataset=dataset, processing_class=tokenizer, callbacks=[callback])
+    if provider == "ours":
+        from liger_losses.trl_integration.dpo import DPOTrainer as OursDPO
+        from liger_losses.trl_integration.sft import SFTTrainer as OursSFT
+
+        if task == "dpo":
+            return OursDPO(model, ref_model, use_liger=True, **common)
+        return OursSFT(model, use_liger=True, **common)
+    import trl
+
+    if task == "dpo":
+        return trl.DPOTrainer(model, ref_model, **common)
+    return trl.SFTTrainer(model, **common)
+
+
+def run_one(task: str, provider: str, *, seq: int, warmup: int, timed: int, tiny: bool) -> Row:
+    case = f"{task}_seq{seq}"
+    cuda = not tiny
+    device = "cpu" if tiny else "cuda"
+    shape = TINY if tiny else LLAMA_3_2_1B
+    vocab = shape["vocab_size"]
+    steps = warmup + timed
+    extra = dict(seq=seq, tokens_per_s=float("nan"), tokens_per_step=float("nan"), train_loss=float("nan"),
+                 grad_ckpt=True, grad_ckpt_kwargs="", peak_warmup_mib=float("nan"), step_ms_all="", note="")
+    row = Row(bench="trainer", case=case, mode="step", provider=provider, ms=float("nan"), peak_mib=float("nan"),
+              extra=extra)
+    model = ref_model = trainer = None
+    t_start = time.perf_counter()
+    with restored_llama_module(), tempfile.TemporaryDirectory() as out_dir, warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            tokenizer = build_tokenizer(vocab)
+            dataset = (dpo_dataset if task == "dpo" else sft_dataset)(steps, seq, vocab, seed=1)
+            model = build_model(shape, device=device, dtype=torch.bfloat16, seed=0)
+            if task == "dpo":
+                ref_model = build_model(shape, device=device, dtype=torch.bfloat16, seed=0).eval()
+                ref_model.requires_grad_(False)
+            args = make_config(task, provider, seq=seq, steps=steps, out_dir=out_dir, tiny=tiny)
+            extra["grad_ckpt_kwargs"] = str(args.gradient_checkpointing_kwargs)
+            timer = _make_timer_callback(warmup, cuda)
+            trainer = make_trainer(task, provider, model, ref_model, args, dataset, tokenizer, timer)
+            batch = next(iter(trainer.get_train_dataloader()))
+            extra["tokens_per_step"] = int(batch["input_ids"].numel())
+            del batch
+            out = trainer.train()
+            extra["train_loss"] = round(float(out.training_loss), 5)
+            step_ms = timer.step_ms()
+            if len(step_ms) != timed:
+                raise RuntimeError(f"expected {timed} timed steps, got {len(step_ms)} (step ends: {len(timer.ends)})")
+            row.ms = statistics.median(step_ms)
+            row.peak_mib = timer.peak_timed_mib
+            extra["peak_warmup_mib"] = round(timer.peak_warmup_mib, 1)
+            extra["step_ms_all"] = " ".join(f"{t:.1f}" for t in step_ms)
+            extra["tokens_per_s"] = round(extra["tokens_per_step"] / (row.ms / 1e3), 1)
+        except Exception as exc:  # noqa: BLE001 - a provider failing must not stop the table
+            row.error = f"{type(exc).__name__}: {str(exc)[:300]}".replace("\n", " ")
+            traceback.print_exc()
+        finally:
+            notes = sorted({str(w.message).split(".")[0][:120] for w in caught if "liger" in str(w.message).lower()})
+            extra["note"] = " | ".join(notes)[:400]
+            del trainer, model, ref_model
+            free_memory(cuda)
+    print(f"[{case} {provider}] {row.ms:.1f} ms/step, {extra['tokens_per_s']} tok/s, peak {row.peak_mib:.0f} MiB, "
+          f"loss {extra['train_loss']}, wall {time.perf_counter() - t_start:.1f} s"
+          + (f", ERROR {row.error}" if row.error else ""), flush=True)
+    return row
+
+
+# --------------------------------------------------------------------------- main
+
+
+def ratio_table(rows: list[Row]) -> list[dict]:
+    out = []
+    for case in dict.fromkeys(r.case for r in rows):
+        by = {r.provider: r for r in rows if r.case == case}
+        d = {"case": case}
+        for p in PROVIDERS:
+            r = by.get(p)
+            d[f"{p} tok/s"] = "" if r is None or r.error else r.extra["tokens_per_s"]
+            d[f"{p} MiB"] = "" if r is None or r.error or r.peak_mib != r.peak_mib else round(r.peak_mib)
+        ours = by.get("ours")
+        for base in ("trl", "trl+liger"):
+            b = by.get(base)
+            ok = ours is not None and b is not None and not ours.error and not b.error
+            d[f"speed ours/{base}"] = round(ours.extra["tokens_per_s"] / b.extra["tokens_per_s"], 3) if ok else ""
+            d[f"mem ours/{base}"] = round(ours.peak_mib / b.peak_mib, 3) if ok and b.peak_mib == b.peak_mib and b.peak_mib > 0 else ""
+        out.append(d)
+    return out
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--quick", action="store_true", help="seq 2048 only, 3 timed steps")
+    ap.add_argument("--tiny", action="store_true", help="CPU smoke run: tiny Llama, seq 64, 1 warm-up + 1 timed step")
+    ap.add_argument("--seqs", type=int, nargs="+", default=None, help="sequence lengths (default 2048 8192)")
+    ap.add_argument("--tasks", nargs="+", choices=TASKS, default=list(TASKS))
+    ap.add_argument("--providers", nargs="+", choices=PROVIDERS, default=list(PROVIDERS))
+    ap.add_argument("--warmup", type=int, default=None, help="warm-up steps (default 2; --tiny 1)")
+    ap.add_argument("--steps", type=int, default=None, help="timed steps (default 5; --quick 3; --tiny 1)")
+    ap.add_argument("--budget-s", type=float, default=270.0,
+                    help="start no new configuration after this many seconds (its row says so); default 270 so "
+                         "the CSV is written inside gpu.sh's 300 s limit")
+    a = ap.parse_args(argv)
+
+    if a.tiny:
+        seqs, warmup, timed = [64], 1, 1
+        if not (os.environ.get("BENCH_OUT") or os.environ.get("OUT")):  # keep smoke results out of the repo
+            os.environ["BENCH_OUT"] = tempfile.mkdtemp(prefix="bench_trainer_tiny_")
+    else:
+        if not torch.cuda.is_available():
+            print("bench_trainer: no CUDA device (use --tiny for a CPU smoke run)")
+            return 0
+        seqs, warmup, timed = ([2048] if a.quick else [2048, 8192]), 2, (3 if a.quick else 5)
+    seqs = a.seqs or seqs
+    warmup = a.warmup if a.warmup is not None else warmup
+    timed = a.steps if a.steps is not None else timed
+    if warmup < 1 or timed < 1:
+        raise ValueError(f"--warmup and --steps must be >= 1, got {warmup} and {timed}")
+
+    import datasets
+    import transformers
+    import trl
+
+    datasets.disable_progress_bars()
+
+    versions = f"torch {torch.__version__}, transformers {transformers.__version__}, trl {trl.__version__}"
+    try:
+        import importlib.metadata as md
+
+        versions += f", liger-kernel {md.version('liger-kernel')}"
+    except Exception:  # noqa: BLE001
+        versions += ", liger-kernel not installed"
+    print(f"bench_trainer: {versions}; seqs {seqs}, {warmup} warm-up + {timed} timed steps", flush=True)
+
+    t0 = time.perf_counter()
+    rows = []
+    for seq in seqs:  # short sequences first: they matter most if the budget runs out
+        for task in a.tasks:
+            for provider in a.providers:
+                elapsed = time.perf_counter() - t0
+                if elapsed > a.budget_s:
+                    rows.append(Row(bench="trainer", case=f"{task}_seq{seq}", mode="step", provider=provider,
+                                    ms=float("nan"), peak_mib=float("nan"),
+                                    extra=dict(seq=seq, tokens_per_s=float("nan"), tokens_per_step=float("nan"),
+                                               train_loss=float("nan"), note=""),
+                                    error=f"skipped: time budget {a.budget_s:.0f} s used ({elapsed:.0f} s)"))
+                    continue
+                rows.append(run_one(task, provider, seq=seq, warmup=warmup, timed=timed, tiny=a.tiny))
+    print(f"bench_trainer: all configurations in {time.perf_counter() - t0:.0f} s", flush=True)
+
+    name = "trainer_tiny" if a.tiny else "trainer"
+    write_results(name, rows)
+    print()
+    print_table([{"case": r.case, "provider": r.provider, "ms": round(r.ms, 1), "tokens_per_step": r.extra["tokens_per_step"],
+                  "tokens_per_s": r.extra["tokens_per_s"], "peak_mib": round(r.peak_mib, 1),
+                  "train_loss": r.extra["train_loss"], "note": r.extra["note"][:60]} for r in rows],
+                keys=["case", "provider", "ms", "tokens_per_step", "tokens_per_s", "peak_mib", "train_loss", "note"])
+    print()
+    ratios = ratio_table(rows)
+    print_table(ratios, keys=list(ratios[0]) if ratios else [])
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
