@@ -110,21 +110,30 @@ def weight_grad_like(weight: Tensor, full_grad: Tensor) -> Tensor:
 # --------------------------------------------------------------------------- token compaction
 
 
-def _compact(hidden: Tensor, labels: Tensor, ignore_index: int, order: Optional[Tensor] = None):
-    """Shared core of :func:`compact_tokens`: ``order`` permutes dim 0 of ``labels [B, T]``."""
-    h2 = hidden.reshape(-1, hidden.shape[-1])
+def _valid_index(labels: Tensor, ignore_index: int, order: Optional[Tensor] = None):
+    """``(labels_valid [N] long, index [N] long)``: the non-ignored positions of the flattened
+    ``labels``, sequences taken in ``order`` (a permutation of dim 0 of ``labels [B, T]``) when
+    given. One host sync (``nonzero``)."""
+    flat = labels.reshape(-1)
     if order is None:
-        flat = labels.reshape(-1)
-        index = (flat != ignore_index).nonzero().squeeze(1)  # the one host sync
-        if index.numel() == flat.numel():
-            return h2, flat.long(), index
+        index = (flat != ignore_index).nonzero().squeeze(1)
     else:
         T = labels.shape[1]
         mask = labels.index_select(0, order) != ignore_index
         pos = mask.reshape(-1).nonzero().squeeze(1)
         index = order[pos // T] * T + pos % T
-        flat = labels.reshape(-1)
-    return h2.index_select(0, index), flat.index_select(0, index).long(), index
+    if order is None and index.numel() == flat.numel():
+        return flat.long(), index
+    return flat.index_select(0, index).long(), index
+
+
+def _compact(hidden: Tensor, labels: Tensor, ignore_index: int, order: Optional[Tensor] = None):
+    """Shared core of :func:`compact_tokens`: ``order`` permutes dim 0 of ``labels [B, T]``."""
+    h2 = hidden.reshape(-1, hidden.shape[-1])
+    labels_valid, index = _valid_index(labels, ignore_index, order)
+    if order is None and index.numel() == h2.shape[0]:
+        return h2, labels_valid, index
+    return h2.index_select(0, index), labels_valid, index
 
 
 def compact_tokens(hidden: Tensor, labels: Tensor, ignore_index: int) -> tuple[Tensor, Tensor, Tensor]:
@@ -133,6 +142,45 @@ def compact_tokens(hidden: Tensor, labels: Tensor, ignore_index: int) -> tuple[T
     positions in the flattened ``[...]`` layout. One host sync. When no token is ignored the
     returned hidden is a view (no copy)."""
     return _compact(hidden, labels, ignore_index)
+
+
+class _RowGather:
+    """Rows ``[ts, te)`` of the compacted tokens of ``flat [M, H]``, gathered chunk by chunk, so no
+    ``[N, H]`` copy of the hidden states is ever held (a plain slice when nothing was dropped)."""
+
+    def __init__(self, flat: Tensor, index: Tensor, identity: bool):
+        self.flat, self.index, self.identity = flat, index, identity
+
+    def __call__(self, ts: int, te: int) -> Tensor:
+        if self.identity:
+            return self.flat[ts:te]
+        return self.flat.index_select(0, self.index[ts:te])
+
+
+class _RowScatter:
+    """The ``[M, H]`` gradient of the hidden states, written chunk by chunk at the compacted
+    tokens' positions (zeros elsewhere) without an intermediate ``[N, H]`` buffer."""
+
+    def __init__(self, total: int, H: int, dtype, device, index: Tensor, identity: bool):
+        self.index, self.identity, self.H = index, identity, H
+        alloc = torch.empty if identity else torch.zeros
+        self.full = alloc(total, H, dtype=dtype, device=device)
+
+    def target(self, ts: int, te: int) -> Tensor:
+        if self.identity:
+            return self.full[ts:te]
+        return torch.empty(te - ts, self.H, dtype=self.full.dtype, device=self.full.device)
+
+    def commit(self, ts: int, te: int, buf: Tensor) -> None:
+        if not self.identity:
+            self.full.index_copy_(0, self.index[ts:te], buf)
+
+    def scale(self, ts: int, te: int, factor: Tensor) -> None:
+        if self.identity:
+            self.full[ts:te].mul_(factor)
+        else:
+            idx = self.index[ts:te]
+            self.full.index_copy_(0, idx, self.full.index_select(0, idx).mul_(factor))
 
 
 # --------------------------------------------------------------------------- chunk sizing
@@ -454,8 +502,11 @@ def _run_sequence_objective(weight, hidden, bias, cfg, sink, needs_h, needs_w, n
         order_list, order = list(range(B)), None
     counts_host = counts.tolist()  # host sync (before the loop)
     ordered_counts = [counts_host[i] for i in order_list]
-    h_valid, l_valid, index = _compact(hidden, labels, ign, order)
+    h2 = hidden.reshape(-1, H)
+    l_valid, index = _valid_index(labels, ign, order)
     N = index.numel()
+    identity = order is None and N == B * T
+    h_rows = _RowGather(h2, index, identity)
     pos_of_tok = torch.repeat_interleave(
         torch.arange(B, device=dev), torch.tensor(ordered_counts, device=dev, dtype=torch.long),
         output_size=N,
@@ -466,7 +517,7 @@ def _run_sequence_objective(weight, hidden, bias, cfg, sink, needs_h, needs_w, n
     ref_logps_in = cfg["ref_logps"]
     ref_hidden = cfg["ref_hidden"]
     if ref_hidden is not None:
-        rh_valid = ref_hidden.reshape(-1, ref_hidden.shape[-1]).index_select(0, index)
+        rh_rows = _RowGather(ref_hidden.reshape(-1, ref_hidden.shape[-1]), index, identity)
         rw = cfg["ref_weight"]
         rw = w_c if rw is None else gather_weight(rw)
         rw = rw if rw.dtype == cdt else rw.to(cdt)
@@ -479,7 +530,7 @@ def _run_sequence_objective(weight, hidden, bias, cfg, sink, needs_h, needs_w, n
     # per-position accumulators (positions = sequences in unit order)
     acc = {k: torch.zeros(B, dtype=torch.float32, device=dev)
            for k in ("logps", "logits_sum", "correct", "entropy_sum", "ref_logps")}
-    gh = torch.empty(N, H, dtype=cdt, device=dev) if needs_h else None
+    gh = _RowScatter(B * T, H, cdt, dev, index, identity) if needs_h else None
     accum = cfg["accum_dtype"] or w_full.dtype
     gw = torch.empty(V, H, dtype=accum, device=dev) if needs_w else None
     gb = torch.zeros(V, dtype=torch.float32, device=dev) if needs_b else None
@@ -490,12 +541,12 @@ def _run_sequence_objective(weight, hidden, bias, cfg, sink, needs_h, needs_w, n
         seg = pos_of_tok[ts:te] - p0
         size = p1 - p0
         if ref_hidden is not None and ref_logps_in is None:
-            rt = project(rh_valid[ts:te], rw, rb)
+            rt = project(rh_rows(ts, te), rw, rb)
             rs = logits_tile(rt, l_valid[ts:te], mode="logp", grad=False, **kopts)
             del rt
             v = rs.logp if tw_valid is None else rs.logp * tw_valid[ts:te]
             acc["ref_logps"][p0:p1] += _segment_sum(v, seg, size)
-        tile = project(h_valid[ts:te], w_c, b_c)
+        tile = project(h_rows(ts, te), w_c, b_c)
         st = logits_tile(tile, l_valid[ts:te], mode="logp", grad=with_grad,
                          need_entropy=need_entropy, **kopts)
         v = st.logp if tw_valid is None else st.logp * tw_valid[ts:te]
@@ -513,11 +564,14 @@ def _run_sequence_objective(weight, hidden, bias, cfg, sink, needs_h, needs_w, n
     def backprop(tile, ts, te, row_scale):
         if tw_valid is not None:
             row_scale = row_scale * tw_valid[ts:te]
+        buf = gh.target(ts, te) if gh is not None else None
         backprop_tile(
-            tile, h_valid[ts:te], w_c,
-            grad_hidden=gh[ts:te] if gh is not None else None,
-            grad_weight=gw, grad_bias=gb, accumulate=not first[0], row_scale=row_scale,
+            tile, h_rows(ts, te), w_c,
+            grad_hidden=buf, grad_weight=gw, grad_bias=gb, accumulate=not first[0],
+            row_scale=row_scale,
         )
+        if gh is not None:
+            gh.commit(ts, te, buf)
         first[0] = False
 
     def full_ref(p0, p1):
@@ -635,13 +689,13 @@ def _run_sequence_objective(weight, hidden, bias, cfg, sink, needs_h, needs_w, n
             if star_bounds:
                 g_star = grad_pos[star]
                 if gh is not None:
-                    gh[a:b].mul_(g_star.to(gh.dtype))
+                    gh.scale(a, b, g_star.to(gh.full.dtype))
                 if gw is not None and not first[0]:
                     gw.mul_(g_star.to(gw.dtype))
                 if gb is not None and not first[0]:
                     gb.mul_(g_star)
             for ts, te in other_bounds:
-                tile = project(h_valid[ts:te], w_c, b_c)
+                tile = project(h_rows(ts, te), w_c, b_c)
                 logits_tile(tile, l_valid[ts:te], mode="logp", grad=True, **kopts)
                 backprop(tile, ts, te, grad_pos[pos_of_tok[ts:te]])
                 del tile
@@ -669,11 +723,7 @@ def _run_sequence_objective(weight, hidden, bias, cfg, sink, needs_h, needs_w, n
     )
     grad_hidden = None
     if needs_h:
-        if N == B * T and order is None:
-            grad_hidden = gh.view(B, T, H)
-        else:
-            grad_hidden = torch.zeros(B * T, H, dtype=cdt, device=dev).index_copy_(0, index, gh)
-            grad_hidden = grad_hidden.view(B, T, H)
+        grad_hidden = gh.full.view(B, T, H)
         if grad_hidden.dtype != hidden.dtype:
             grad_hidden = grad_hidden.to(hidden.dtype)
     return loss, grad_hidden, gw, gb
