@@ -1,7 +1,8 @@
 """Speed and memory of rotary position embedding on q and k (HF layout: ``[B, T, H, D]`` projections
 viewed as ``[B, H, T, D]`` by ``transpose(1, 2)``), bf16, forward / backward / full.
 
-Providers: ``ours`` (liger_losses ``apply_rotary_pos_emb``), ``hf-torch`` (transformers' llama
+Providers: ``ours`` (liger_losses ``apply_rotary_pos_emb``), ``ours-inplace`` (the same with
+``inplace=True``, as the patched llama-like models use), ``hf-torch`` (transformers' llama
 ``apply_rotary_pos_emb``, or the same formula when transformers is missing) and ``liger``
 (liger-kernel 0.8.5 ``LigerRopeFunction``, which rotates q/k in place; skipped when not importable).
 
@@ -51,6 +52,7 @@ def _hf():
 def providers():
     provs = {
         "ours": lambda q, k, c, s: apply_rotary_pos_emb(q, k, c, s, impl="triton"),
+        "ours-inplace": lambda q, k, c, s: apply_rotary_pos_emb(q, k, c, s, inplace=True, impl="triton"),
         "hf-torch": _hf(),
     }
     try:

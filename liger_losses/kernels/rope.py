@@ -15,7 +15,8 @@ q and k may be non-contiguous (HF makes them by ``.view(B, T, H, D).transpose(1,
 takes their strides, so nothing is copied; only the last dim must have unit stride. Dtypes: q and k
 any float dtype (the same one); cos/sin any float dtype; math in fp32, outputs in q's dtype.
 
-One Triton program per token (b, t) loads that token's cos/sin once and rotates all of its q and
+``inplace=True`` rotates q and k in their own memory (forward allocates nothing; backward
+allocates the gradients in q's/k's layouts). One Triton program per token (b, t) loads that token's cos/sin once and rotates all of its q and
 k heads. Backward is the transposed map (the inverse rotation, ``sin -> -sin``):
 
     dx[:R/2] = g[:R/2] * cos[:R/2] + g[R/2:] * sin[R/2:]
@@ -25,13 +26,14 @@ No gradient flows to cos/sin in the Triton path; with ``impl="auto"`` a cos/sin 
 selects the PyTorch path instead (which differentiates them), ``impl="triton"`` raises.
 
 Public API:
-    apply_rotary_pos_emb(q, k, cos, sin, position_ids=None, unsqueeze_dim=1, *, impl="auto")
+    apply_rotary_pos_emb(q, k, cos, sin, position_ids=None, unsqueeze_dim=1, *, inplace=False, impl="auto")
         -> (q_embed, k_embed)
     liger_rotary_pos_emb = apply_rotary_pos_emb
 """
 
 from __future__ import annotations
 
+import functools
 from typing import Optional
 
 import torch
@@ -39,6 +41,7 @@ import torch
 from liger_losses.kernels.utils import (
     check_same_device,
     check_tensor,
+    device_ctx,
     next_power_of_2,
     resolve_impl,
     triton_importable,
@@ -130,58 +133,211 @@ def _unit_last(x: torch.Tensor) -> torch.Tensor:
     return x if x.stride(-1) == 1 else x.contiguous()
 
 
-def _launch(q, k, cos, sin, head_axis: int, backward: bool):
-    """Rotate q and k (or their gradients) into new tensors of the same shapes and layouts."""
-    q, k = _unit_last(q), _unit_last(k)
-    cos, sin = _unit_last(cos), _unit_last(sin)
-    qo = torch.empty_like(q)
-    ko = torch.empty_like(k)
-    if qo.stride(-1) != 1:  # empty_like keeps odd layouts only when dense; force unit last stride
-        qo = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    if ko.stride(-1) != 1:
-        ko = torch.empty(k.shape, dtype=k.dtype, device=k.device)
-    bsz, d = q.shape[0], q.shape[-1]
-    seq = q.shape[2] if head_axis == 1 else q.shape[1]
-    n_qh, n_kh = q.shape[head_axis], k.shape[head_axis]
-    if bsz * seq == 0 or d == 0:
-        return qo, ko
-    rot = cos.shape[-1]
+@functools.lru_cache(maxsize=256)
+def _config(rot: int, d: int, n_qh: int, n_kh: int, rotate_pass: bool):
+    """(HALF, HALF_BLOCK, PASS, PASS_BLOCK, BLOCK_HQ, BLOCK_HK, num_warps), cached per shape."""
     half = rot // 2
     half_block = next_power_of_2(half)
-    pass_dims = d - rot
+    pass_dims = d - rot if rotate_pass else 0
     pass_block = next_power_of_2(pass_dims) if pass_dims else 1
     max_h = max(1, TILE_ELEMENTS // half_block)
     block_hq = min(next_power_of_2(max(n_qh, 1)), max_h)
     block_hk = min(next_power_of_2(max(n_kh, 1)), max_h)
     warps = 8 if max(block_hq, block_hk) * half_block >= 2048 else 4
+    return half, half_block, pass_dims, pass_block, block_hq, block_hk, warps
+
+
+def _launch_into(q, k, qo, ko, cos, sin, head_axis: int, backward: bool, copy_pass: bool = True):
+    """Rotate q and k (or their gradients) into qo and ko (same shapes; any strides with a unit
+    last stride). ``qo``/``ko`` may be ``q``/``k`` themselves (in place): each program reads both
+    halves of a head before writing them and programs touch disjoint tokens, so there is no
+    read-after-write hazard; the pass-through dims are then left alone (``copy_pass=False``)."""
+    bsz, d = q.shape[0], q.shape[-1]
+    seq = q.shape[2] if head_axis == 1 else q.shape[1]
+    n_qh, n_kh = q.shape[head_axis], k.shape[head_axis]
+    if bsz * seq == 0 or d == 0:
+        return
+    half, half_block, pass_dims, pass_block, block_hq, block_hk, warps = _config(
+        cos.shape[-1], d, n_qh, n_kh, copy_pass
+    )
     c_sb = 0 if cos.shape[0] == 1 else cos.stride(0)
     s_sb = 0 if sin.shape[0] == 1 else sin.stride(0)
-    _rope_kernel[(bsz * seq,)](
-        q, k, qo, ko, cos, sin,
-        seq, n_qh, n_kh,
-        *_bth_strides(q, head_axis), *_bth_strides(k, head_axis),
-        *_bth_strides(qo, head_axis), *_bth_strides(ko, head_axis),
-        c_sb, cos.stride(1), s_sb, sin.stride(1),
-        HALF=half, HALF_BLOCK=half_block, PASS=pass_dims, PASS_BLOCK=pass_block,
-        BLOCK_HQ=block_hq, BLOCK_HK=block_hk, BACKWARD=backward, num_warps=warps,
-    )
+    with device_ctx(q):  # Triton launches on the current GPU
+        _rope_kernel[(bsz * seq,)](
+            q, k, qo, ko, cos, sin,
+            seq, n_qh, n_kh,
+            *_bth_strides(q, head_axis), *_bth_strides(k, head_axis),
+            *_bth_strides(qo, head_axis), *_bth_strides(ko, head_axis),
+            c_sb, cos.stride(1), s_sb, sin.stride(1),
+            HALF=half, HALF_BLOCK=half_block, PASS=pass_dims, PASS_BLOCK=pass_block,
+            BLOCK_HQ=block_hq, BLOCK_HK=block_hk, BACKWARD=backward, num_warps=warps,
+        )
+
+
+def _dense_perm(shape, stride):
+    """Dims ordered by decreasing stride when (shape, stride) is a permutation of a contiguous
+    layout (non-overlapping and dense), else None."""
+    perm = sorted(range(len(shape)), key=lambda i: (-stride[i], -shape[i]))
+    expected = 1
+    for i in reversed(perm):
+        if shape[i] != 1 and stride[i] != expected:
+            return None
+        expected *= shape[i]
+    return perm
+
+
+def _empty_like_layout(shape, stride, like: torch.Tensor) -> torch.Tensor:
+    """Uninitialised tensor of ``shape`` with ``stride`` when that layout is dense, else contiguous."""
+    if _dense_perm(shape, stride) is not None:
+        return torch.empty_strided(shape, stride, dtype=like.dtype, device=like.device)
+    return torch.empty(shape, dtype=like.dtype, device=like.device)
+
+
+def _launch(q, k, cos, sin, head_axis: int, backward: bool, layouts=None):
+    """Rotate q and k (or their gradients) into new tensors laid out like ``layouts`` =
+    ((q shape, q stride), (k shape, k stride)) (default: q's and k's own layouts)."""
+    q, k = _unit_last(q), _unit_last(k)
+    cos, sin = _unit_last(cos), _unit_last(sin)
+    if layouts is None:
+        layouts = ((q.shape, q.stride()), (k.shape, k.stride()))
+    qo = _empty_like_layout(*layouts[0], q)
+    ko = _empty_like_layout(*layouts[1], k)
+    _launch_into(q, k, qo, ko, cos, sin, head_axis, backward)
     return qo, ko
 
 
 class RoPEFunction(torch.autograd.Function):
-    """(q, k) -> (q_embed, k_embed); saves only cos and sin. No gradient for cos/sin."""
+    """(q, k) -> (q_embed, k_embed) in new tensors; saves only cos and sin. No gradient for cos/sin.
+    Gradients are allocated in q's and k's layouts, so the HF ``view``/``transpose`` backward that
+    follows needs no copy."""
 
     @staticmethod
     def forward(ctx, q, k, cos, sin, head_axis=1):
         ctx.save_for_backward(cos, sin)
         ctx.head_axis = head_axis
+        ctx.layouts = ((q.shape, q.stride()), (k.shape, k.stride()))
         return _launch(q, k, cos, sin, head_axis, backward=False)
 
     @staticmethod
     def backward(ctx, dq_embed, dk_embed):
         cos, sin = ctx.saved_tensors
-        dq, dk = _launch(dq_embed, dk_embed, cos, sin, ctx.head_axis, backward=True)
+        dq, dk = _launch(dq_embed, dk_embed, cos, sin, ctx.head_axis, backward=True, layouts=ctx.layouts)
         return dq, dk, None, None, None
+
+
+# --------------------------------------------------------------------------- in-place path
+
+
+def _carrier(x: torch.Tensor):
+    """(carrier, geometry) for an in-place rotation of ``x``. When ``x`` is a permuted reshape of
+    the whole of its contiguous ``_base`` (HF's ``proj(h).view(B, T, H, D).transpose(1, 2)``),
+    the carrier is that base, so autograd records one in-place op on the base instead of an
+    in-place op on a view (which costs a base-sized copy and a clone in backward); else ``x``.
+    geometry = (shape, stride, offset) of ``x`` relative to the carrier's storage offset."""
+    base = x._base
+    if (
+        base is not None
+        and base.numel() == x.numel()
+        and base.storage_offset() == x.storage_offset()
+        and base.is_contiguous()
+        and (base.requires_grad or not x.requires_grad)  # a view made inside a Function has an untracked base
+        and _dense_perm(x.shape, x.stride()) is not None
+    ):
+        return base, (tuple(x.shape), tuple(x.stride()), 0)
+    return x, None
+
+
+def _rebuild(carrier: torch.Tensor, geom) -> torch.Tensor:
+    """The view of ``carrier`` with ``geom``'s shape and strides, made by view + permute (cheap
+    backward: a reshape and a permute, no zero-filled as_strided buffer)."""
+    shape, stride, _ = geom
+    perm = _dense_perm(shape, stride)
+    out = carrier.view([shape[i] for i in perm]).permute([perm.index(i) for i in range(len(shape))])
+    return out
+
+
+def _as_geom(t: torch.Tensor, geom) -> torch.Tensor:
+    """``t`` (a contiguous carrier-shaped tensor) seen with geometry ``geom``."""
+    if geom is None:
+        return t
+    shape, stride, offset = geom
+    return t.as_strided(shape, stride, t.storage_offset() + offset)
+
+
+class RoPEInplaceFunction(torch.autograd.Function):
+    """Rotates q and k IN PLACE (through their carriers, see ``_carrier``) and returns them, marked
+    dirty, so autograd raises its usual error for a leaf that requires grad or for a tensor some
+    other node saved. Saves only cos and sin. Backward allocates the gradients (it never writes into
+    the incoming gradient buffers, which autograd may share with the caller)."""
+
+    @staticmethod
+    def forward(ctx, qc, kc, cos, sin, q_geom, k_geom, head_axis):
+        q, k = _as_geom(qc, q_geom), _as_geom(kc, k_geom)
+        _launch_into(q, k, q, k, cos, sin, head_axis, backward=False, copy_pass=False)
+        ctx.mark_dirty(qc, kc)
+        ctx.save_for_backward(cos, sin)
+        ctx.geoms = (q_geom, k_geom)
+        ctx.head_axis = head_axis
+        ctx.layouts = ((qc.shape, qc.stride()), (kc.shape, kc.stride()))
+        return qc, kc
+
+    @staticmethod
+    def backward(ctx, dqc, dkc):
+        cos, sin = ctx.saved_tensors
+        q_geom, k_geom = ctx.geoms
+        if q_geom is not None:
+            dqc = dqc.contiguous()
+        if k_geom is not None:
+            dkc = dkc.contiguous()
+        dqc, dkc = _unit_last(dqc), _unit_last(dkc)
+        outq = _empty_like_layout(*ctx.layouts[0], dqc)
+        outk = _empty_like_layout(*ctx.layouts[1], dkc)
+        _launch_into(
+            _as_geom(dqc, q_geom), _as_geom(dkc, k_geom), _as_geom(outq, q_geom), _as_geom(outk, k_geom),
+            cos, sin, ctx.head_axis, backward=True,
+        )
+        return outq, outk, None, None, None, None, None
+
+
+def _overlaps(x: torch.Tensor) -> bool:
+    """True when two elements of ``x`` share memory (expanded / zero-stride layouts)."""
+    if torch._debug_has_internal_overlap(x) == 1:
+        return True
+    return any(st == 0 and sz > 1 for sz, st in zip(x.shape, x.stride()))
+
+
+def _rope_inplace_triton(q, k, cos, sin, head_axis):
+    """In-place Triton rotation of q and k; returns (q, k) (views rebuilt when lifted to a base)."""
+    if _overlaps(q) or _overlaps(k):
+        raise ValueError("q and k must not have overlapping elements (e.g. expanded) with inplace=True")
+    if q.untyped_storage().data_ptr() == k.untyped_storage().data_ptr():
+        raise ValueError("q and k must not share memory with inplace=True (e.g. slices of one qkv tensor)")
+    cos, sin = _unit_last(cos), _unit_last(sin)
+    if q.stride(-1) != 1 or k.stride(-1) != 1:  # rare: rotate out of place, then copy back
+        oq, ok = _rope_triton(q, k, cos, sin, head_axis)
+        return q.copy_(oq), k.copy_(ok)
+    if not (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad)):
+        _launch_into(q, k, q, k, cos, sin, head_axis, backward=False, copy_pass=False)
+        return q, k
+    qc, q_geom = _carrier(q)
+    kc, k_geom = _carrier(k)
+    if qc._base is not None or kc._base is not None:
+        # A partial view (e.g. a slice of a qkv tensor): autograd cannot mark it dirty in a Function
+        # with two outputs; rotate out of place and copy back (an ordinary tracked in-place copy).
+        oq, ok = _rope_triton(q, k, cos, sin, head_axis)
+        return q.copy_(oq), k.copy_(ok)
+    oq, ok = RoPEInplaceFunction.apply(qc, kc, cos, sin, q_geom, k_geom, head_axis)
+    if q_geom is not None:
+        oq = _rebuild(oq, q_geom)
+    if k_geom is not None:
+        ok = _rebuild(ok, k_geom)
+    return oq, ok
+
+
+def _rope_triton(q, k, cos, sin, head_axis):
+    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad):
+        return RoPEFunction.apply(q, k, cos, sin, head_axis)
+    return _launch(q, k, cos, sin, head_axis, backward=False)
 
 
 # --------------------------------------------------------------------------- reference path
@@ -272,6 +428,7 @@ def apply_rotary_pos_emb(
     position_ids: Optional[torch.Tensor] = None,
     unsqueeze_dim: int = 1,
     *,
+    inplace: bool = False,
     impl: str = "auto",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Rotary embedding of q and k, same signature and semantics as transformers' llama function.
@@ -281,6 +438,11 @@ def apply_rotary_pos_emb(
     argument, an ``int`` given in its place is taken as ``unsqueeze_dim``
     (``apply_rotary_pos_emb(q, k, cos, sin, 2)``). Returns ``(q_embed, k_embed)`` with q's and k's
     shapes, dtype and (when dense) strides.
+
+    ``inplace=True`` writes the rotated values into q and k themselves and returns them (or views
+    with their shapes and strides); no output is allocated. Autograd's usual in-place checks apply
+    (a leaf that requires grad, or a tensor saved by another op, raises). q and k must not share
+    memory or overlap themselves (ValueError).
     """
     if isinstance(position_ids, int) and not isinstance(position_ids, bool):
         unsqueeze_dim, position_ids = position_ids, None
@@ -294,9 +456,14 @@ def apply_rotary_pos_emb(
                 "gradient); use impl='torch' or detach them"
             )
         which = "torch"
+    if not isinstance(inplace, bool):
+        raise TypeError(f"inplace must be a bool, got {inplace!r}")
     if which == "torch":
-        return _rope_torch(q, k, cos, sin, head_axis)
-    return RoPEFunction.apply(q, k, cos, sin, head_axis)
+        oq, ok = _rope_torch(q, k, cos, sin, head_axis)
+        return (q.copy_(oq), k.copy_(ok)) if inplace else (oq, ok)
+    if inplace:
+        return _rope_inplace_triton(q, k, cos, sin, head_axis)
+    return _rope_triton(q, k, cos, sin, head_axis)
 
 
 liger_rotary_pos_emb = apply_rotary_pos_emb

@@ -1,6 +1,6 @@
 """Drop-in replacements for a Hugging Face modeling module's ``apply_rotary_pos_emb``.
 
-``make_rotary_replacement(original)`` returns a function with the same call signature as
+``make_rotary_replacement(original)`` returns a function (in-place for ``INPLACE_FAMILIES``) with the same call signature as
 ``original`` (either ``(q, k, cos, sin, unsqueeze_dim=1)`` as in transformers 5.x, or the older
 ``(q, k, cos, sin, position_ids=None, unsqueeze_dim=1)``) that rotates with
 ``liger_losses.kernels.rope.apply_rotary_pos_emb``.
@@ -9,6 +9,12 @@ Shapes as in Hugging Face: ``q`` ``[B, n_q_heads, T, D]``, ``k`` ``[B, n_kv_head
 ``unsqueeze_dim=1``), ``cos``/``sin`` ``[B, T, R]`` with ``R <= D``. When ``R < D`` (partial rotary,
 e.g. Phi-3 with ``partial_rotary_factor < 1``) only the first ``R`` features are rotated and the
 rest pass through, exactly as the Hugging Face function does (the kernel handles it). Any float dtype; outputs keep it.
+
+In-place rotation: for the families listed in ``INPLACE_FAMILIES`` the replacement rotates q and k
+in place (``inplace=True``): their attention builds q/k as ``proj(h).view(B, T, H, D).transpose(1, 2)``
+fresh tensors used by nothing but the rotation, so this is
+safe and saves the outputs' allocation. Phi-3 is excluded (q/k are slices of one qkv tensor); Qwen3 too for now (q_norm/k_norm outputs: its parity test lost q/k grads, under investigation).
+Set ``liger_losses.patching.rope.INPLACE = False`` to turn it off at call time.
 """
 
 from __future__ import annotations
@@ -17,11 +23,19 @@ import inspect
 from typing import Callable
 
 
-def _rotate(q, k, cos, sin, unsqueeze_dim):
+# Module-level switch read at every call of the in-place replacements.
+INPLACE = True
+
+# transformers model families whose attention passes q/k to apply_rotary_pos_emb as fresh views of
+# the projection (or q_norm/k_norm) outputs used by nothing else (checked in transformers 5.x).
+INPLACE_FAMILIES = frozenset({"llama", "mistral", "qwen2", "gemma", "gemma2"})  # qwen3: see report
+
+
+def _rotate(q, k, cos, sin, unsqueeze_dim, inplace=False):
     from liger_losses.kernels.rope import apply_rotary_pos_emb
 
     # The kernel rotates the first R = cos.shape[-1] features itself (partial rotary).
-    return apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=unsqueeze_dim)
+    return apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=unsqueeze_dim, inplace=inplace)
 
 
 def liger_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1):
@@ -34,8 +48,32 @@ def liger_rotary_pos_emb_with_position_ids(q, k, cos, sin, position_ids=None, un
     return _rotate(q, k, cos, sin, unsqueeze_dim)
 
 
-liger_rotary_pos_emb._liger = True
-liger_rotary_pos_emb_with_position_ids._liger = True
+def liger_rotary_pos_emb_inplace(q, k, cos, sin, unsqueeze_dim=1):
+    """As ``liger_rotary_pos_emb`` but rotating q and k in place while ``INPLACE`` is True."""
+    return _rotate(q, k, cos, sin, unsqueeze_dim, INPLACE)
+
+
+def liger_rotary_pos_emb_with_position_ids_inplace(q, k, cos, sin, position_ids=None, unsqueeze_dim=1):
+    """Older signature, in place while ``INPLACE`` is True."""
+    return _rotate(q, k, cos, sin, unsqueeze_dim, INPLACE)
+
+
+for _fn in (
+    liger_rotary_pos_emb,
+    liger_rotary_pos_emb_with_position_ids,
+    liger_rotary_pos_emb_inplace,
+    liger_rotary_pos_emb_with_position_ids_inplace,
+):
+    _fn._liger = True
+
+
+def _family(original: Callable) -> str:
+    """'llama' for transformers.models.llama.modeling_llama.apply_rotary_pos_emb, else ''."""
+    module = getattr(original, "__module__", "") or ""
+    prefix = "transformers.models."
+    if module.startswith(prefix) and module.count(".") == 3:
+        return module.split(".")[2]
+    return ""
 
 
 def make_rotary_replacement(original: Callable) -> Callable:
@@ -44,6 +82,7 @@ def make_rotary_replacement(original: Callable) -> Callable:
         params = inspect.signature(original).parameters
     except (TypeError, ValueError):  # pragma: no cover - builtins/odd wrappers
         params = {}
+    inplace = _family(original) in INPLACE_FAMILIES
     if "position_ids" in params:
-        return liger_rotary_pos_emb_with_position_ids
-    return liger_rotary_pos_emb
+        return liger_rotary_pos_emb_with_position_ids_inplace if inplace else liger_rotary_pos_emb_with_position_ids
+    return liger_rotary_pos_emb_inplace if inplace else liger_rotary_pos_emb

@@ -232,3 +232,131 @@ def test_rope_llama3_8b_shape_gpu(seq):
     k = torch.randn(1, seq, 8, 128, device="cuda", dtype=torch.bfloat16).transpose(1, 2)
     cos, sin = _cos_sin(torch.arange(seq, device="cuda")[None], 128, torch.bfloat16)
     _run_and_check(q, k, cos, sin, 1, "triton", torch.bfloat16)
+
+
+# --------------------------------------------------------------------------- inplace=True
+
+
+def _hf_views(lin_q, lin_k, n_qh, n_kh, head_dim, unsqueeze_dim):
+    """q/k as HF attention makes them from projection outputs [B, T, H*D]."""
+    bsz, seq = lin_q.shape[:2]
+    q = lin_q.view(bsz, seq, n_qh, head_dim)
+    k = lin_k.view(bsz, seq, n_kh, head_dim)
+    return (q.transpose(1, 2), k.transpose(1, 2)) if unsqueeze_dim == 1 else (q, k)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("case", ["gqa", "bthd_layout", "partial_rotary", "many_heads"])
+def test_inplace_matches_float64_through_hf_views(case, dtype, impl):
+    """inplace=True on q/k = proj.view(B, T, H, D).transpose(1, 2) of non-leaf projection outputs:
+    q_embed/k_embed live in the projections' memory, keep q's/k's shapes and strides, and they and the
+    gradients w.r.t. the projection leaves are within fp32 1e-5 / bf16 1e-2 of float64."""
+    bsz, seq, n_qh, n_kh, head_dim, rot, cos_batch, ud = CASES[case]
+    _, _, cos, sin = _make(bsz, seq, n_qh, n_kh, head_dim, rot, cos_batch, ud, dtype)
+    leaf_q = torch.randn(bsz, seq, n_qh * head_dim).to(dtype).requires_grad_()
+    leaf_k = torch.randn(bsz, seq, n_kh * head_dim).to(dtype).requires_grad_()
+    lin_q, lin_k = leaf_q * 1, leaf_k * 1
+    q, k = _hf_views(lin_q, lin_k, n_qh, n_kh, head_dim, ud)
+    q_before, k_before = q.detach().clone(), k.detach().clone()
+    oq, ok = apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=ud, inplace=True, impl=impl)
+    assert oq.data_ptr() == lin_q.data_ptr() and ok.data_ptr() == lin_k.data_ptr()
+    assert oq.shape == q.shape and oq.stride() == q.stride() and ok.stride() == k.stride()
+    gq, gk = torch.randn_like(oq), torch.randn_like(ok)
+    ((oq * gq).sum() + (ok * gk).sum()).backward()
+    rq, rk, dq, dk = _reference(q_before, k_before, cos, sin, ud, gq, gk)
+    tol = TOL[dtype]
+    assert_close_rel(oq, rq, tol, "q_embed")
+    assert_close_rel(ok, rk, tol, "k_embed")
+    want_dq = dq.transpose(1, 2) if ud == 1 else dq
+    want_dk = dk.transpose(1, 2) if ud == 1 else dk
+    assert_close_rel(leaf_q.grad, want_dq.reshape(leaf_q.shape), tol, "d_q")
+    assert_close_rel(leaf_k.grad, want_dk.reshape(leaf_k.shape), tol, "d_k")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_inplace_equals_out_of_place(dtype):
+    """In-place and out-of-place Triton results are bitwise equal (same kernel math), for a
+    contiguous non-view q/k, a partial view (not lifted) and under no_grad."""
+    q, k, cos, sin = _make(2, 4, 4, 2, 32, 16, 2, 1, dtype)
+    want_q, want_k = apply_rotary_pos_emb(q, k, cos, sin, impl="triton")
+    for qq, kk in ((q.contiguous(), k.contiguous()), (q.clone(), k.clone())):
+        with torch.no_grad():
+            oq, ok = apply_rotary_pos_emb(qq, kk, cos, sin, inplace=True, impl="triton")
+        assert oq is qq and ok is kk
+        assert torch.equal(oq, want_q) and torch.equal(ok, want_k)
+    wide = torch.zeros(2, 4, 4, 40, dtype=dtype)  # q is a slice of the last dim: not a whole-base view
+    wide[..., :32] = q.transpose(1, 2)
+    lin = (wide * 1).requires_grad_()
+    qv = lin.detach().requires_grad_(False)[..., :32].transpose(1, 2)
+    kk = k.clone()
+    oq, ok = apply_rotary_pos_emb(qv, kk, cos, sin, inplace=True, impl="triton")
+    assert torch.equal(oq, want_q) and torch.equal(ok, want_k)
+
+
+def test_inplace_partial_view_grads():
+    """In place on a slice view (no whole-base lift: autograd's CopySlices path): grads w.r.t. the
+    leaf equal float64 (1e-5) and the untouched columns get their identity gradient."""
+    leaf = torch.randn(2, 3, 4, 20, requires_grad=True)
+    lin = leaf * 1
+    q = lin[..., :16].transpose(1, 2)
+    k = torch.randn(2, 3, 2, 16).transpose(1, 2).requires_grad_()
+    _, _, cos, sin = _make(2, 3, 4, 2, 16, 16, 2, 1, torch.float32)
+    q0 = q.detach().clone()
+    k_in = k * 1
+    oq, ok = apply_rotary_pos_emb(q, k_in, cos, sin, inplace=True, impl="triton")
+    gq, gk = torch.randn_like(oq), torch.randn_like(ok)
+    ((oq * gq).sum() + (ok * gk).sum() + lin[..., 16:].sum()).backward()
+    _, _, dq, dk = _reference(q0, k, cos, sin, 1, gq, gk)
+    assert_close_rel(leaf.grad[..., :16], dq.transpose(1, 2), 1e-5, "d_q")
+    assert torch.equal(leaf.grad[..., 16:], torch.ones(2, 3, 4, 4))
+    assert_close_rel(k.grad, dk, 1e-5, "d_k")
+
+
+def test_inplace_autograd_errors():
+    """inplace=True on a leaf that requires grad, on a view of one, or on a tensor another op saved
+    raises autograd's RuntimeError (never a silently wrong gradient); q/k sharing memory or with
+    overlapping elements raise ValueError naming q and k; a non-bool inplace raises TypeError."""
+    q, k, cos, sin = _make(1, 3, 2, 1, 8, 8, 1, 1, torch.float32)
+    leaf_q, leaf_k = q.clone().requires_grad_(), k.clone().requires_grad_()
+    with pytest.raises(RuntimeError, match="leaf Variable that requires grad"):
+        apply_rotary_pos_emb(leaf_q, leaf_k, cos, sin, inplace=True, impl="triton")
+    leaf_lin = torch.randn(1, 3, 16, requires_grad=True)
+    with pytest.raises(RuntimeError, match="leaf"):
+        apply_rotary_pos_emb(leaf_lin.view(1, 3, 2, 8).transpose(1, 2), k.clone(), cos, sin,
+                             inplace=True, impl="triton")
+    base = torch.randn(1, 3, 16, requires_grad=True)
+    lin = base * 1
+    saved = (lin * lin).sum()  # mul saves lin
+    apply_rotary_pos_emb(lin.view(1, 3, 2, 8).transpose(1, 2), k.clone(), cos, sin, inplace=True, impl="triton")
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        saved.backward()
+    qkv = torch.randn(1, 3, 3, 8)
+    with pytest.raises(ValueError, match="q and k must not share memory"):
+        apply_rotary_pos_emb(qkv[:, :, :2].transpose(1, 2), qkv[:, :, 2:].transpose(1, 2), cos, sin,
+                             inplace=True, impl="triton")
+    with pytest.raises(ValueError, match="overlapping"):
+        apply_rotary_pos_emb(q[:, :1].expand(1, 2, 3, 8), k.clone(), cos, sin, inplace=True, impl="triton")
+    with pytest.raises(TypeError, match="inplace must be a bool"):
+        apply_rotary_pos_emb(q, k, cos, sin, inplace=1)
+
+
+@pytest.mark.gpu
+def test_rope_inplace_llama3_8b_shape_gpu():
+    """Llama-3-8B shapes in place through the HF view/transpose layout (bf16): outputs and leaf grads
+    within 1e-2 of float64."""
+    torch.manual_seed(0)
+    seq = 4096
+    leaf_q = torch.randn(1, seq, 32 * 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    leaf_k = torch.randn(1, seq, 8 * 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    q, k = _hf_views(leaf_q * 1, leaf_k * 1, 32, 8, 128, 1)
+    q0, k0 = q.detach().clone(), k.detach().clone()
+    cos, sin = _cos_sin(torch.arange(seq, device="cuda")[None], 128, torch.bfloat16)
+    oq, ok = apply_rotary_pos_emb(q, k, cos, sin, inplace=True, impl="triton")
+    gq, gk = torch.randn_like(oq), torch.randn_like(ok)
+    ((oq * gq).sum() + (ok * gk).sum()).backward()
+    rq, rk, dq, dk = _reference(q0, k0, cos, sin, 1, gq, gk)
+    assert_close_rel(oq, rq, 1e-2, "q_embed")
+    assert_close_rel(ok, rk, 1e-2, "k_embed")
+    assert_close_rel(leaf_q.grad, dq.transpose(1, 2).reshape(leaf_q.shape), 1e-2, "d_q")
+    assert_close_rel(leaf_k.grad, dk.transpose(1, 2).reshape(leaf_k.shape), 1e-2, "d_k")

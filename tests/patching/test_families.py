@@ -19,7 +19,12 @@ from liger_losses.patching.families import (
     apply_liger_kernels_to_gemma2,
     apply_liger_kernels_to_llama,
 )
-from liger_losses.patching.rope import liger_rotary_pos_emb, liger_rotary_pos_emb_with_position_ids
+from liger_losses.patching.rope import (
+    liger_rotary_pos_emb,
+    liger_rotary_pos_emb_inplace,
+    liger_rotary_pos_emb_with_position_ids,
+    liger_rotary_pos_emb_with_position_ids_inplace,
+)
 from tests.helpers import TOL, assert_close_rel
 from tests.patching.tiny_models import FAMILIES, loss_and_grads, tiny_batch, tiny_model
 
@@ -56,6 +61,8 @@ def _modules_swapped(model, spec):
     assert modeling.apply_rotary_pos_emb in (
         liger_rotary_pos_emb,
         liger_rotary_pos_emb_with_position_ids,
+        liger_rotary_pos_emb_inplace,
+        liger_rotary_pos_emb_with_position_ids_inplace,
     )
     assert is_liger_forward(model.forward)
 

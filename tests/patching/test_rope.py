@@ -42,3 +42,27 @@ def test_partial_rotary_matches_phi3():
     ):
         assert_close_rel(got_q, want_q, TOL[torch.float32], "q")
         assert_close_rel(got_k, want_k, TOL[torch.float32], "k")
+
+
+def test_inplace_families_and_switch(monkeypatch):
+    """Llama-like families get the in-place replacement, Phi-3 (q/k slices of one qkv) does not; the
+    in-place replacement rotates in the projection's memory while INPLACE is True and out of place
+    when it is switched off, with the same values as HF's llama function (fp32, 1e-5)."""
+    import liger_losses.patching.rope as prope
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb as hf_llama
+    from transformers.models.phi3.modeling_phi3 import apply_rotary_pos_emb as hf_phi3
+
+    fn = make_rotary_replacement(hf_llama)
+    assert fn is prope.liger_rotary_pos_emb_inplace
+    assert make_rotary_replacement(hf_phi3) is liger_rotary_pos_emb
+    angles = torch.randn(2, 5, 8).repeat(1, 1, 2)
+    cos, sin = angles.cos(), angles.sin()
+    for inplace in (True, False):
+        monkeypatch.setattr(prope, "INPLACE", inplace)
+        lin_q, lin_k = torch.randn(2, 5, 4 * 16), torch.randn(2, 5, 2 * 16)
+        q, k = lin_q.view(2, 5, 4, 16).transpose(1, 2), lin_k.view(2, 5, 2, 16).transpose(1, 2)
+        want_q, want_k = hf_llama(q, k, cos, sin)
+        got_q, got_k = fn(q, k, cos, sin)
+        assert (got_q.data_ptr() == lin_q.data_ptr()) == inplace
+        assert_close_rel(got_q, want_q, TOL[torch.float32], "q")
+        assert_close_rel(got_k, want_k, TOL[torch.float32], "k")
