@@ -48,6 +48,7 @@ import torch
 from torch import Tensor
 
 from liger_losses.chunked.engine import (
+    _scaled_grads,
     backprop_tile,
     chunk_bounds,
     compact_tokens,
@@ -55,7 +56,6 @@ from liger_losses.chunked.engine import (
     gather_weight,
     project,
     scatter_rows,
-    weight_grad_like,
 )
 from liger_losses.chunked.output import LossOutput
 from liger_losses.kernels.divergence_tile import (
@@ -305,23 +305,14 @@ class _FusedLinearDistillationFunction(torch.autograd.Function):
         ctx.save_for_backward(gh, gw, gb)
         ctx.weight_ref = weight if needs_w else None
         ctx.bias_dtype = None if bias is None else bias.dtype
+        ctx.has = (gh is not None, gw is not None, gb is not None)
         return loss
 
     @staticmethod
     def backward(ctx, grad_loss):
-        if getattr(ctx, "consumed", False):
-            raise RuntimeError("backward through fused_linear_distillation_loss ran twice; its gradients are "
-                               "computed in the forward and released by the first backward (no retain_graph)")
-        ctx.consumed = True
-        gh, gw, gb = ctx.saved_tensors
-        if gh is not None:
-            gh = gh.mul_(grad_loss.to(gh.dtype))
-        if gw is not None:
-            gw = gw.mul_(grad_loss.to(gw.dtype))
-            w = ctx.weight_ref
-            gw = weight_grad_like(w, gw if gw.dtype == w.dtype else gw.to(w.dtype))
+        gh, gw, gb = _scaled_grads(ctx, grad_loss)
         if gb is not None:
-            gb = gb.mul_(grad_loss).to(ctx.bias_dtype)
+            gb = gb.to(ctx.bias_dtype)
         return gw, gh, gb, None, None, None, None
 
 

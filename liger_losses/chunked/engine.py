@@ -450,21 +450,28 @@ def _scaled_grads(ctx, grad_scale, saved=None):
     ctx.consumed = True
     gh, gw, gb = ctx.saved_tensors[:3] if saved is None else saved
     has_h, has_w, has_b = ctx.has
+    # The usual upstream gradient of a loss is exactly 1: skip the in-place passes over the
+    # [V, H] weight gradient (one host sync here, outside any chunk loop, is cheaper than a
+    # 2 * V * H-element memory pass).
+    if grad_scale.numel() == 1 and bool(grad_scale == 1):
+        grad_scale = None
     out = []
     if has_h:
-        gh.mul_(grad_scale)
+        if grad_scale is not None:
+            gh.mul_(grad_scale)
         out.append(gh)
     else:
         out.append(None)
     if has_w:
-        gw.mul_(grad_scale)
+        if grad_scale is not None:
+            gw.mul_(grad_scale)
         w = ctx.weight_ref
         g = gw if gw.dtype == w.dtype else gw.to(w.dtype)
         out.append(weight_grad_like(w, g))
     else:
         out.append(None)
     if has_b:
-        out.append(gb.mul_(grad_scale))
+        out.append(gb if grad_scale is None else gb.mul_(grad_scale))
     else:
         out.append(None)
     return tuple(out)
