@@ -1,0 +1,356 @@
+"""Shared machinery of the TRL adapters: what every ``XxxTrainer(use_liger=True)`` needs besides its loss.
+
+The adapters (``dpo.py``, ``sft.py``; CPO/ORPO/KTO/distillation later) subclass a TRL trainer and
+replace only the method that turns the model's output into a loss. With ``use_liger=True`` that
+method runs the model's *backbone* (the decoder without its LM head) to get the last hidden states
+``[B, T, H]`` and hands them, with the LM head's ``weight [V, H]`` (and ``bias [V]``), to a chunked
+loss of :mod:`liger_losses.chunked`, so the ``[B, T, V]`` logits are never held whole.
+
+This module gives those pieces, each usable on its own:
+
+* :class:`LigerTrainerMixin` -- put it *before* the TRL trainer in the bases. It stores the three
+  constructor options (``use_liger``, ``liger_patch_model``, ``liger_chunk_tokens``), patches the
+  policy/reference models with :func:`liger_losses.patching.apply_liger_kernels`, and has the
+  helpers the adapters call: :meth:`~LigerTrainerMixin._liger_backbone_hidden` (run the backbone,
+  inside the wrapper's forward when the model is distributed), :meth:`~LigerTrainerMixin._liger_head`
+  (LM head weight/bias), :meth:`~LigerTrainerMixin._liger_log` (log metrics under TRL's names).
+* :func:`unwrap_causal_lm`, :func:`backbone_of`, :func:`lm_head_params`, :func:`head_logit_options`
+  -- find the decoder, the head parameters and the head's logit transform (softcap / scale) of a
+  Hugging Face causal LM, through PEFT and accelerate wrappers.
+* :func:`gathered_params` -- a ZeRO-3 partitioned LM head is gathered with
+  ``deepspeed.zero.GatheredParameters`` for the duration of the loss (``deepspeed`` imported lazily;
+  a null context otherwise).
+* :func:`needs_forward_redirect` / :func:`run_in_forward` -- "forward redirection": under FSDP
+  (and DDP / DeepSpeed engines) parameters are gathered and gradient hooks armed by the *root*
+  module's ``__call__``. Calling the backbone submodule directly would skip that, so the loss
+  function is run as the root module's forward for one call (the root's ``forward`` attribute is
+  swapped for the call and restored afterwards, also on error).
+* :func:`reference_adapter` -- the PEFT reference: the "ref" adapter when TRL created one (re-training
+  an existing adapter), else all adapters disabled (``model.disable_adapter()``).
+* :func:`reject` -- the one way an adapter says "TRL supports this option, use_liger=True does not":
+  a ``ValueError`` naming the option, raised at construction.
+
+Shapes: hidden ``[B, T, H]`` in the model's compute dtype; weight ``[V, H]``; labels ``[B, T]`` int64
+with ``-100`` on ignored positions. Metrics are Python floats appended to ``trainer._metrics[mode]``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+from typing import Any, Callable, Dict, Iterable, Mapping, Optional, Tuple
+
+import torch
+from torch import nn
+
+IGNORE_INDEX = -100
+
+
+# --------------------------------------------------------------------------- errors
+
+
+def reject(option: str, value: Any, why: str) -> None:
+    """Raise the ``ValueError`` an adapter gives for a TRL option it cannot serve with use_liger=True."""
+    raise ValueError(
+        f"use_liger=True does not support {option}={value!r}: {why}. "
+        f"Unset {option}, or pass use_liger=False to use TRL's own loss."
+    )
+
+
+# --------------------------------------------------------------------------- model anatomy
+
+
+def is_peft_model(model: nn.Module) -> bool:
+    """True for a ``peft.PeftModel`` (peft imported lazily; False when peft is absent)."""
+    try:
+        from peft import PeftModel
+    except Exception:  # pragma: no cover - peft not installed
+        return False
+    return isinstance(model, PeftModel)
+
+
+def unwrap_causal_lm(model: nn.Module) -> nn.Module:
+    """The Hugging Face ``...ForCausalLM`` inside ``model``: through DDP/FSDP/DeepSpeed (``.module``)
+    and PEFT (``get_base_model()``) wrappers."""
+    seen = 0
+    while hasattr(model, "module") and isinstance(getattr(model, "module"), nn.Module) and seen < 8:
+        model = model.module
+        seen += 1
+    if is_peft_model(model):
+        model = model.get_base_model()
+    return model
+
+
+def backbone_of(causal_lm: nn.Module) -> nn.Module:
+    """The decoder (``LlamaModel`` for ``LlamaForCausalLM``...): the module that returns
+    ``last_hidden_state`` [B, T, H] before the LM head."""
+    getter = getattr(causal_lm, "get_decoder", None)
+    if callable(getter):
+        try:
+            decoder = getter()
+        except Exception:
+            decoder = None
+        if isinstance(decoder, nn.Module) and decoder is not causal_lm:
+            return decoder
+    prefix = getattr(causal_lm, "base_model_prefix", None)
+    if prefix and isinstance(getattr(causal_lm, prefix, None), nn.Module):
+        return getattr(causal_lm, prefix)
+    raise ValueError(
+        f"cannot find the decoder backbone of {type(causal_lm).__name__}: expected a Hugging Face "
+        "causal LM with get_decoder() or base_model_prefix"
+    )
+
+
+def lm_head_params(causal_lm: nn.Module) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """(weight [V, H], bias [V] or None) of the model's output embeddings (the LM head)."""
+    head = causal_lm.get_output_embeddings()
+    if head is None or not isinstance(getattr(head, "weight", None), torch.Tensor):
+        raise ValueError(f"{type(causal_lm).__name__} has no LM head with a weight (get_output_embeddings())")
+    return head.weight, getattr(head, "bias", None)
+
+
+def head_logit_options(config) -> Dict[str, Any]:
+    """The logit transform a model applies after its LM head, as our loss options.
+
+    ``{"softcap": final_logit_softcapping or None, "logit_scale": float}``; the scale is read from the
+    text config's ``logit_scale`` / ``output_multiplier`` / ``lm_head_multiplier`` / ``1/logits_scaling``
+    (the same attributes TRL's fused head honours), 1.0 when none is set.
+    """
+    text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
+    softcap = getattr(text_config, "final_logit_softcapping", None)
+    scale = None
+    for name in ("logit_scale", "output_multiplier", "lm_head_multiplier"):
+        scale = getattr(text_config, name, None)
+        if scale is not None:
+            break
+    if scale is None and getattr(text_config, "logits_scaling", None) is not None:
+        ls = text_config.logits_scaling
+        scale = ls if getattr(text_config, "model_type", "") == "hyperclovax" else 1.0 / ls
+    return {"softcap": softcap, "logit_scale": 1.0 if scale is None else float(scale)}
+
+
+# --------------------------------------------------------------------------- sharded heads
+
+
+def is_zero3_param(param: Optional[torch.Tensor]) -> bool:
+    """True for a DeepSpeed ZeRO-3 partitioned parameter (it carries ``ds_id``)."""
+    return param is not None and hasattr(param, "ds_id")
+
+
+def gathered_params(*params: Optional[torch.Tensor]):
+    """Context in which ZeRO-3 partitioned ``params`` hold their full values (a null context when
+    none is partitioned). Our losses read ``lm_head.weight`` directly, so the head module's own
+    gather hook never fires; this does its job. ``deepspeed`` is imported only when needed."""
+    sharded = [p for p in params if is_zero3_param(p)]
+    if not sharded:
+        return contextlib.nullcontext()
+    import deepspeed  # noqa: WPS433 - lazy: only ZeRO-3 runs need it
+
+    # modifier_rank=None: read-only gather; gradients flow through the module's backward hooks.
+    return deepspeed.zero.GatheredParameters(sharded, modifier_rank=None)
+
+
+# --------------------------------------------------------------------------- forward redirection
+
+
+def needs_forward_redirect(model: nn.Module) -> bool:
+    """True when ``model`` must be *called* for its parameters/gradient hooks to work: a DDP, FSDP
+    (1 or 2) or DeepSpeed-engine wrapped model. False for a plain module (the no-op path)."""
+    try:
+        from torch.nn.parallel import DistributedDataParallel
+
+        if isinstance(model, DistributedDataParallel):
+            return True
+    except Exception:  # pragma: no cover
+        pass
+    try:
+        from torch.distributed.fsdp import FullyShardedDataParallel
+
+        if isinstance(model, FullyShardedDataParallel):
+            return True
+    except Exception:  # pragma: no cover
+        pass
+    try:  # FSDP2: fully_shard() turns the module class into an FSDPModule subclass
+        from torch.distributed.fsdp import FSDPModule
+
+        if isinstance(model, FSDPModule):
+            return True
+    except Exception:  # pragma: no cover
+        pass
+    return type(model).__name__ == "DeepSpeedEngine"
+
+
+def run_in_forward(root: nn.Module, fn: Callable[..., Any], *args, **kwargs) -> Any:
+    """Call ``fn(*args, **kwargs)`` *as the forward of* ``root``, through ``root.__call__``.
+
+    The module whose forward is swapped is the innermost one the wrapper calls (``root.module``
+    for DDP/FSDP1/DeepSpeed, ``root`` itself for FSDP2 or a plain module). All of ``root``'s
+    forward pre/post hooks run around ``fn`` (FSDP unshards, DDP prepares its reducer), and the
+    original forward is restored before ``fn`` runs, so nested calls of the model inside ``fn``
+    are ordinary calls. Returns ``fn``'s result.
+    """
+    inner = root
+    while hasattr(inner, "module") and isinstance(getattr(inner, "module"), nn.Module):
+        inner = inner.module
+    had_attr = "forward" in inner.__dict__
+    saved = inner.__dict__.get("forward")
+
+    def restore():
+        if had_attr:
+            inner.__dict__["forward"] = saved
+        else:
+            inner.__dict__.pop("forward", None)
+
+    def redirected(*_a, **_k):
+        restore()
+        return fn(*args, **kwargs)
+
+    inner.forward = redirected
+    try:
+        return root()
+    finally:
+        restore()
+
+
+# --------------------------------------------------------------------------- PEFT reference
+
+
+@contextlib.contextmanager
+def reference_adapter(peft_model: nn.Module):
+    """Inside: ``peft_model`` computes the reference policy. The "ref" adapter when present (TRL
+    adds it when re-training an existing adapter), otherwise the base model (adapters disabled)."""
+    if "ref" in getattr(peft_model, "peft_config", {}):
+        previous = peft_model.active_adapter
+        peft_model.set_adapter("ref")
+        try:
+            yield
+        finally:
+            peft_model.set_adapter(previous)
+    else:
+        with peft_model.disable_adapter():
+            yield
+
+
+# --------------------------------------------------------------------------- model patching
+
+
+def patch_model_layers(model: nn.Module, *, allow_new_params: bool = True) -> None:
+    """Swap ``model``'s layers for our kernels in place (``apply_liger_kernels``; the LM-head/loss
+    forward is left alone, the adapters compute the loss themselves).
+
+    With ``allow_new_params=False`` (an optimizer already holds the parameters), raise ValueError if
+    patching replaced any parameter object, since the optimizer would not update the new ones.
+    """
+    from ..patching import apply_liger_kernels
+
+    target = unwrap_causal_lm(model)
+    before = {id(p) for p in target.parameters()}
+    apply_liger_kernels(target, cross_entropy=False)
+    if not allow_new_params and {id(p) for p in target.parameters()} != before:
+        raise ValueError(
+            "liger_patch_model=True replaced parameters of a model whose optimizer was passed to the "
+            "trainer (optimizers=...); pass liger_patch_model=False, or patch the model with "
+            "liger_losses.patching.apply_liger_kernels before building the optimizer"
+        )
+
+
+# --------------------------------------------------------------------------- loss construction
+
+
+def build_loss(cls, options: Mapping[str, Any], defaults: Mapping[str, Any], config_name: str):
+    """Instantiate the loss module ``cls`` with the TRL options it accepts.
+
+    ``options`` maps a TRL config field name to (loss keyword, value). A field whose value differs
+    from ``defaults[field]`` but that ``cls`` does not accept is rejected (ValueError naming the
+    field); so is any ValueError/NotImplementedError/TypeError ``cls`` raises for a value.
+    """
+    params = inspect.signature(cls.__init__).parameters
+    takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+    kwargs = {}
+    for field, (keyword, value) in options.items():
+        if keyword in params or takes_any:
+            kwargs[keyword] = value
+        elif field in defaults and value != defaults[field]:
+            reject(f"{config_name}.{field}", value, f"{cls.__name__} has no option {keyword!r}")
+    try:
+        return cls(**kwargs)
+    except (ValueError, NotImplementedError, TypeError) as exc:
+        raise ValueError(f"use_liger=True cannot serve this {config_name}: {exc}") from exc
+
+
+# --------------------------------------------------------------------------- the mixin
+
+
+class LigerTrainerMixin:
+    """Base of the ``use_liger`` adapters; list it before the TRL trainer class.
+
+    Subclasses call :meth:`_liger_setup` before ``super().__init__`` (it needs only the options) and
+    :meth:`_liger_after_init` after it (model patching). ``self.use_liger`` False leaves the TRL
+    trainer untouched: every override starts with ``if not self.use_liger: return super()...``.
+    """
+
+    use_liger: bool = False
+
+    def _liger_setup(self, *, use_liger: bool, liger_patch_model: bool, liger_chunk_tokens) -> None:
+        if not isinstance(use_liger, bool):
+            raise TypeError(f"use_liger must be a bool, got {type(use_liger).__name__}")
+        if not isinstance(liger_patch_model, bool):
+            raise TypeError(f"liger_patch_model must be a bool, got {type(liger_patch_model).__name__}")
+        if liger_chunk_tokens is not None and (
+            not isinstance(liger_chunk_tokens, int) or isinstance(liger_chunk_tokens, bool) or liger_chunk_tokens < 1
+        ):
+            raise ValueError(f"liger_chunk_tokens must be None or a positive int, got {liger_chunk_tokens!r}")
+        self.use_liger = use_liger
+        self.liger_patch_model = liger_patch_model
+        self.liger_chunk_tokens = liger_chunk_tokens
+
+    def _liger_after_init(self, *models: Optional[nn.Module], user_optimizer: bool) -> None:
+        """Checks that need the built model, then layer patching of ``models`` (None entries skipped)."""
+        if not self.use_liger:
+            return
+        policy = unwrap_causal_lm(self.model)
+        peft_root = self.model
+        while hasattr(peft_root, "module") and isinstance(peft_root.module, nn.Module):
+            peft_root = peft_root.module
+        if is_peft_model(peft_root):
+            cfg = peft_root.peft_config.get(peft_root.active_adapter)
+            if cfg is not None and getattr(cfg, "is_prompt_learning", False):
+                reject("peft_config", type(cfg).__name__, "prompt-learning adapters prepend virtual tokens "
+                       "inside PeftModel.forward, which the backbone call bypasses")
+        backbone_of(policy)  # fail now, not at the first step, if there is no backbone
+        lm_head_params(policy)
+        if self.liger_patch_model:
+            for m in models:
+                if m is not None:
+                    patch_model_layers(m, allow_new_params=not user_optimizer)
+
+    # -- running the model
+
+    def _liger_backbone_hidden(self, model: nn.Module, model_kwargs: Dict[str, Any]) -> torch.Tensor:
+        """Last hidden states [B, T, H] of ``model``'s backbone (no LM head)."""
+        backbone = backbone_of(unwrap_causal_lm(model))
+        return backbone(**model_kwargs).last_hidden_state
+
+    def _liger_run(self, model: nn.Module, fn: Callable[..., Any], *args, **kwargs) -> Any:
+        """``fn(*args, **kwargs)``, inside ``model``'s forward when the model is distributed."""
+        if needs_forward_redirect(model):
+            return run_in_forward(model, fn, *args, **kwargs)
+        return fn(*args, **kwargs)
+
+    def _liger_head(self, model: nn.Module) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """(weight, bias) of ``model``'s LM head; DTensor shards are gathered by the loss engine."""
+        return lm_head_params(unwrap_causal_lm(model))
+
+    # -- metrics
+
+    def _liger_log(self, mode: str, metrics: Mapping[str, torch.Tensor], names: Mapping[str, str],
+                   skip: Iterable[str] = ()) -> None:
+        """Append each metric of ``metrics`` (0-d tensors) under its TRL name ``names[key]``, averaged
+        over processes (``gather_for_metrics``). Keys absent from ``names`` or in ``skip`` are ignored."""
+        skip = set(skip)
+        for key, trl_name in names.items():
+            if key not in metrics or key in skip:
+                continue
+            value = metrics[key].detach().float().reshape(1)
+            value = self.accelerator.gather_for_metrics(value).mean().item()
+            self._metrics[mode][trl_name].append(value)

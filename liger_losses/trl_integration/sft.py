@@ -1,0 +1,187 @@
+"""``SFTTrainer``: TRL 1.16's SFT trainer whose loss can come from our chunked cross-entropy (``use_liger=True``).
+
+``SFTTrainer(model, args=None, ..., use_liger=False, liger_patch_model=True, liger_chunk_tokens=None)``
+takes every argument of ``trl.SFTTrainer`` plus three keywords:
+
+* ``use_liger=False``: exactly TRL's trainer.
+* ``use_liger=True``: ``compute_loss`` runs the model's backbone to get the last hidden states
+  ``[B, T, H]`` and scores ``hidden[:, :-1]`` against ``labels[:, 1:]`` (the label shift; pre-shifted
+  ``shift_labels`` are used as they are) through the LM head ``weight [V, H]`` in chunks -- logits
+  are never held whole. The labels are the ones TRL's collator builds, so completion-only and
+  assistant-only masks (``-100``), padding-free batches and packing work as in TRL. The loss is the
+  token mean of the NLL (``sum / num_items_in_batch`` when the Trainer gives the count, as TRL does).
+  Logged like TRL: ``entropy`` and ``mean_token_accuracy`` (over the scored tokens), ``num_tokens``.
+
+How: by default one call of the chunked engine
+(:func:`liger_losses.chunked.engine.fused_linear_sequence_objective`, one unit per sequence, the
+objective ``-logps * B / N``) gives the loss, its gradients, the token accuracy *and* the entropy
+from the same logits tiles -- no extra GEMM. (When one sequence alone exceeds the tile budget the
+engine recomputes tiles in backward.) With ``label_smoothing_factor > 0`` the loss is
+:func:`liger_losses.chunked.cross_entropy.fused_linear_cross_entropy` (label smoothing, token accuracy)
+and the entropy costs one extra forward GEMM (:func:`~liger_losses.chunked.token_logprobs.
+fused_linear_token_logprobs` with ``return_entropy=True`` under no grad).
+
+Options TRL supports that use_liger=True cannot serve raise ``ValueError`` at construction, naming the
+option: ``loss_type="dft"``, ``compute_loss_func``, vision-language models, PEFT prompt learning,
+MoE router auxiliary loss, DeepSpeed sequence parallelism.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+import trl
+
+from .base import (
+    IGNORE_INDEX,
+    LigerTrainerMixin,
+    gathered_params,
+    head_logit_options,
+    reject,
+    unwrap_causal_lm,
+)
+
+
+class _TokenMeanNLL:
+    """Engine objective: per sequence ``-logps * B / denom`` so the engine's mean over the B
+    sequences is ``-sum(all token logps) / denom``."""
+
+    def __init__(self, denom: Optional[torch.Tensor]):
+        self.denom = denom  # None -> the batch's valid-token count
+
+    def __call__(self, stats):
+        num_seqs = stats.batch_num_tokens.shape[0]
+        denom = stats.batch_num_tokens.sum() if self.denom is None else self.denom
+        scale = num_seqs / torch.as_tensor(denom, dtype=torch.float32, device=stats.logps.device).clamp(min=1.0)
+        return -stats.logps * scale, {}
+
+
+class SFTTrainer(LigerTrainerMixin, trl.SFTTrainer):
+    """``trl.SFTTrainer`` with ``use_liger`` (see the module docstring)."""
+
+    def __init__(
+        self,
+        model,
+        args: Optional[trl.SFTConfig] = None,
+        *trl_args: Any,
+        use_liger: bool = False,
+        liger_patch_model: bool = True,
+        liger_chunk_tokens: Optional[int] = None,
+        **trl_kwargs: Any,
+    ):
+        self._liger_setup(
+            use_liger=use_liger, liger_patch_model=liger_patch_model, liger_chunk_tokens=liger_chunk_tokens
+        )
+        if use_liger and args is not None:
+            if args.loss_type != "nll":
+                reject("SFTConfig.loss_type", args.loss_type, "only the 'nll' loss is implemented")
+        if use_liger and trl_kwargs.get("compute_loss_func") is not None:
+            reject("compute_loss_func", trl_kwargs["compute_loss_func"], "a custom loss needs the full logits")
+        super().__init__(model, args, *trl_args, **trl_kwargs)
+        if not use_liger:
+            return
+        if self.args.loss_type != "nll":
+            reject("SFTConfig.loss_type", self.args.loss_type, "only the 'nll' loss is implemented")
+        if self.compute_loss_func is not None:
+            reject("compute_loss_func", self.compute_loss_func, "a custom loss needs the full logits")
+        if self._is_vlm:
+            reject("processing_class", type(self.processing_class).__name__,
+                   "vision-language models are not supported (text-only causal LMs)")
+        if self.aux_loss_enabled:
+            reject("router_aux_loss_coef", self.router_aux_loss_coef,
+                   "the MoE load-balancing loss needs the router logits of the model's forward")
+        pc = self.accelerator.parallelism_config
+        if pc is not None and getattr(pc, "sp_enabled", False) and getattr(pc, "sp_backend", None) == "deepspeed":
+            reject("parallelism_config.sp_backend", "deepspeed",
+                   "Ulysses sequence parallelism reduces the model's own loss across ranks")
+        self._liger_logit_opts = head_logit_options(unwrap_causal_lm(self.model).config)
+        user_optimizer = trl_kwargs.get("optimizers", (None, None))[0] is not None
+        self._liger_after_init(self.model, user_optimizer=user_optimizer)
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        if not self.use_liger:
+            return super().compute_loss(model, inputs, return_outputs=return_outputs,
+                                        num_items_in_batch=num_items_in_batch)
+        mode = "train" if self.model.training else "eval"
+        model_kwargs = {k: v for k, v in inputs.items() if k not in ("labels", "shift_labels")}
+        model_kwargs["use_cache"] = False
+        shift_labels = inputs.get("shift_labels")
+        labels = inputs["labels"][:, 1:] if shift_labels is None else shift_labels
+        smoothing = float(self.args.label_smoothing_factor or 0.0)
+
+        def head_loss():
+            hidden = self._liger_backbone_hidden(model, model_kwargs)
+            if shift_labels is None:
+                hidden = hidden[:, :-1]
+            weight, bias = self._liger_head(model)
+            lab = labels.to(hidden.device)
+            with gathered_params(weight, bias):
+                if smoothing == 0.0:
+                    return self._liger_nll(weight, bias, hidden, lab, num_items_in_batch)
+                return self._liger_smoothed(weight, bias, hidden, lab, num_items_in_batch, smoothing)
+
+        loss, num_valid, num_correct, entropy_sum = self._liger_run(model, head_loss)
+
+        # like TRL: `num_items_in_batch` counts the tokens of every rank and DDP averages the gradients
+        if self.args.average_tokens_across_devices and num_items_in_batch is not None:
+            loss = loss * (self.accelerator.num_processes // self.get_tp_size())
+
+        num_valid = self.accelerator.gather_for_metrics(num_valid.reshape(1)).sum()
+        entropy_sum = self.accelerator.gather_for_metrics(entropy_sum.reshape(1)).sum()
+        num_correct = self.accelerator.gather_for_metrics(num_correct.reshape(1)).sum()
+        self._metrics[mode]["entropy"].append((entropy_sum / num_valid).item() if num_valid > 0 else 0.0)
+        self._metrics[mode]["mean_token_accuracy"].append(
+            (num_correct / num_valid).item() if num_valid > 0 else 0.0
+        )
+        if mode == "train":
+            if "attention_mask" in inputs:
+                n = self.accelerator.gather_for_metrics(inputs["attention_mask"].sum()).sum().item()
+            elif "position_ids" in inputs:
+                local = torch.tensor(inputs["position_ids"].size(1), device=inputs["position_ids"].device)
+                n = self.accelerator.gather_for_metrics(local).sum().item()
+            else:
+                raise ValueError("Expected 'attention_mask' or 'position_ids' in inputs.")
+            self._total_train_tokens += n // self._tp_size
+        self._metrics[mode]["num_tokens"] = [self._total_train_tokens]
+
+        if return_outputs:  # TRL's deprecated path: logits for compute_metrics, by an extra forward
+            with torch.no_grad():
+                outputs = model(**model_kwargs)
+            return loss, outputs
+        return loss
+
+    # -- the two loss paths; each returns (loss, num_valid, num_correct, entropy_sum) as 0-d tensors
+
+    def _liger_nll(self, weight, bias, hidden, labels, num_items_in_batch):
+        """One engine pass: NLL token mean + accuracy + entropy from the same tiles."""
+        from ..chunked.engine import fused_linear_sequence_objective
+
+        denom = None if num_items_in_batch is None else num_items_in_batch
+        loss, _, stats = fused_linear_sequence_objective(
+            weight, hidden, labels, _TokenMeanNLL(denom), group_size=1, separable=True, bias=bias,
+            ignore_index=IGNORE_INDEX, need_entropy=True, chunk_tokens=self.liger_chunk_tokens,
+            **self._liger_logit_opts,
+        )
+        return loss, stats.num_tokens.sum(), stats.correct.sum(), stats.entropy_sum.sum()
+
+    def _liger_smoothed(self, weight, bias, hidden, labels, num_items_in_batch, smoothing):
+        """Label-smoothed CE (+ token accuracy) and, by one extra no-grad forward, the entropy."""
+        from ..chunked.cross_entropy import fused_linear_cross_entropy
+        from ..chunked.token_logprobs import fused_linear_token_logprobs
+
+        out = fused_linear_cross_entropy(
+            weight, hidden, labels, bias=bias, ignore_index=IGNORE_INDEX, label_smoothing=smoothing,
+            num_items_in_batch=num_items_in_batch, return_token_accuracy=True,
+            chunk_tokens=self.liger_chunk_tokens, **self._liger_logit_opts,
+        )
+        valid = labels != IGNORE_INDEX
+        num_valid = valid.sum()
+        with torch.no_grad():
+            _, entropy = fused_linear_token_logprobs(
+                weight.detach(), hidden.detach(), labels, bias=None if bias is None else bias.detach(),
+                ignore_index=IGNORE_INDEX, return_entropy=True, chunk_tokens=self.liger_chunk_tokens,
+                **self._liger_logit_opts,
+            )
+        num_correct = out.metrics["token_accuracy"] * num_valid
+        return out.loss, num_valid, num_correct, (entropy.float() * valid).sum()

@@ -1,0 +1,127 @@
+"""Unit tests of the shared adapter machinery (liger_losses/trl_integration/base.py).
+
+Exact checks (no tolerance): these are control-flow helpers -- forward redirection, model anatomy,
+ZeRO-3 gathering's no-op path, option rejection.
+"""
+
+import pytest
+import torch
+from torch import nn
+
+from liger_losses.trl_integration import base
+
+from .utils import build_tiny_model, build_tokenizer
+
+
+class _Inner(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(3, 3)
+
+    def forward(self, x):
+        return self.lin(x)
+
+
+class _Wrapper(nn.Module):
+    """Stands in for DDP/FSDP1: holds `.module` and calls it from its own forward."""
+
+    def __init__(self, module):
+        super().__init__()
+        self.module = module
+        self.calls = 0
+
+    def forward(self, *args, **kwargs):
+        self.calls += 1
+        return self.module(*args, **kwargs)
+
+
+def test_run_in_forward_goes_through_wrapper_hooks_and_restores():
+    """fn runs inside the wrapper's forward (its pre-hook fires first), its result is returned, and
+    the inner module's forward is the original again afterwards (also inside fn)."""
+    inner = _Inner()
+    wrapper = _Wrapper(inner)
+    fired = []
+    wrapper.register_forward_pre_hook(lambda m, a: fired.append("wrapper"))
+    inner.register_forward_pre_hook(lambda m, a: fired.append("inner"))
+    x = torch.randn(2, 3)
+
+    def fn(t):
+        fired.append("fn")
+        assert "forward" not in inner.__dict__  # restored before fn runs: nested calls are normal
+        return inner(t) * 2
+
+    out = base.run_in_forward(wrapper, fn, x)
+    assert torch.equal(out, inner.lin(x) * 2)
+    assert fired[:3] == ["wrapper", "inner", "fn"]
+    assert wrapper.calls == 1 and "forward" not in inner.__dict__
+    assert torch.equal(inner(x), inner.lin(x))
+
+
+def test_run_in_forward_restores_on_error():
+    """An exception inside fn propagates and leaves the module's forward untouched."""
+    inner = _Inner()
+
+    def boom():
+        raise RuntimeError("boom")
+
+    with pytest.raises(RuntimeError, match="boom"):
+        base.run_in_forward(inner, boom)
+    assert "forward" not in inner.__dict__
+
+
+def test_needs_forward_redirect_noop_path():
+    """A plain (unwrapped) module takes the direct path; the mixin's _liger_run then just calls fn."""
+    model = _Inner()
+    assert not base.needs_forward_redirect(model)
+    runner = base.LigerTrainerMixin()
+    assert runner._liger_run(model, lambda a, b=0: a + b, 1, b=2) == 3
+
+
+def test_model_anatomy_of_tiny_llama():
+    """backbone_of / lm_head_params / unwrap_causal_lm find LlamaModel, lm_head and the LM itself,
+    also through a `.module` wrapper and a PEFT wrapper."""
+    model = build_tiny_model(build_tokenizer())
+    assert base.backbone_of(model) is model.model
+    weight, bias = base.lm_head_params(model)
+    assert weight is model.lm_head.weight and bias is None
+    assert base.unwrap_causal_lm(_Wrapper(model)) is model
+    peft = pytest.importorskip("peft")
+    wrapped = peft.get_peft_model(model, peft.LoraConfig(r=2, target_modules=["q_proj"], task_type="CAUSAL_LM"))
+    assert base.is_peft_model(wrapped)
+    assert base.unwrap_causal_lm(wrapped) is wrapped.get_base_model()
+
+
+def test_head_logit_options():
+    """Softcap and logit scale are read from the config like TRL's fused head (1.0 / None by default)."""
+    from types import SimpleNamespace
+
+    assert base.head_logit_options(SimpleNamespace()) == {"softcap": None, "logit_scale": 1.0}
+    assert base.head_logit_options(SimpleNamespace(final_logit_softcapping=30.0, logit_scale=0.5)) == {
+        "softcap": 30.0, "logit_scale": 0.5}
+    assert base.head_logit_options(SimpleNamespace(logits_scaling=4.0, model_type="granite"))["logit_scale"] == 0.25
+
+
+def test_gathered_params_noop_without_zero3():
+    """Plain parameters: a null context (deepspeed is never imported)."""
+    p = nn.Parameter(torch.ones(2))
+    assert not base.is_zero3_param(p)
+    with base.gathered_params(p, None):
+        assert p.sum() == 2
+
+
+def test_reject_names_option():
+    """reject() raises ValueError naming the option and its value."""
+    with pytest.raises(ValueError, match=r"use_weighting=True"):
+        base.reject("use_weighting", True, "not implemented")
+
+
+def test_build_loss_rejects_unknown_non_default_option():
+    """An option the loss class doesn't take is fine at its default, a ValueError otherwise."""
+
+    class Loss:
+        def __init__(self, beta=0.1):
+            self.beta = beta
+
+    assert base.build_loss(Loss, {"beta": ("beta", 0.2), "x": ("x", 0)}, {"x": 0}, "Cfg").beta == 0.2
+    with pytest.raises(ValueError, match="Cfg.x"):
+        base.build_loss(Loss, {"x": ("x", 1)}, {"x": 0}, "Cfg")

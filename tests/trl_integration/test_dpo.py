@@ -1,0 +1,203 @@
+"""DPOTrainer(use_liger=True) against TRL 1.16's own DPO path, on tiny offline fp32 models.
+
+Parity tests build TRL's trainer (use_liger=False) and ours on deep copies of the same weights and
+the same batch, and compare the loss, every metric TRL logs and every parameter gradient to a
+relative error <= 1e-4: both compute the same fp32 math (log-softmax, sums, the DPO formula) in a
+different order, so they agree to ~1e-6; 1e-4 leaves room for accumulation-order noise only.
+The reference model has other weights than the policy (its own seed), so rewards are not 0.
+"""
+
+import copy
+
+import pytest
+import torch
+
+from liger_losses.trl_integration import DPOTrainer
+
+from .utils import (
+    PAIRS, assert_metrics_match, build_tiny_model, build_tokenizer, dpo_config, first_batch, grads_of,
+    preference_dataset, rel, step0,
+)
+
+TOL = 1e-4
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return build_tokenizer()
+
+
+def _pair(tok, tmp_path, *, ref=True, liger_kwargs=None, peft_config=None, **cfg):
+    """(TRL trainer, our trainer) on copies of one policy (seed 0) and reference (seed 1)."""
+    policy = build_tiny_model(tok, seed=0)
+    reference = build_tiny_model(tok, seed=1) if ref else None
+    out = []
+    for use_liger in (False, True):
+        kwargs = dict(liger_kwargs or {}) if use_liger else {}
+        if use_liger:
+            kwargs.setdefault("liger_patch_model", False)
+        out.append(DPOTrainer(
+            copy.deepcopy(policy), copy.deepcopy(reference) if ref else None,
+            args=dpo_config(tmp_path / ("ours" if use_liger else "trl"), **cfg),
+            train_dataset=preference_dataset(PAIRS), processing_class=tok, peft_config=peft_config,
+            use_liger=use_liger, **kwargs,
+        ))
+    return out
+
+
+def _check_step0(theirs, ours, batch=None, skip=()):
+    batch = first_batch(theirs) if batch is None else batch
+    loss_t, m_t = step0(theirs, batch)
+    loss_o, m_o = step0(ours, batch)
+    assert rel(loss_o, loss_t) <= TOL, (float(loss_o), float(loss_t))
+    assert_metrics_match(m_o, m_t, TOL, skip=skip)
+    loss_t.backward()
+    loss_o.backward()
+    g_t, g_o = grads_of(theirs.model), grads_of(ours.model)
+    assert g_t.keys() == g_o.keys() and g_t
+    for name, g in g_t.items():
+        err = float((g_o[name] - g).norm() / g.norm().clamp_min(1e-30))
+        assert err <= TOL, f"grad {name}: rel err {err:.2e}"
+    return m_t, m_o
+
+
+@pytest.mark.parametrize(
+    "cfg",
+    [
+        dict(loss_type=["sigmoid"]),
+        dict(loss_type=["sigmoid", "bco_pair", "sft"], loss_weights=[0.8, 0.2, 1.0]),  # MPO mix
+        dict(loss_type=["ipo"], beta=0.5),
+        dict(loss_type=["sigmoid"], ld_alpha=0.5),
+    ],
+    ids=["sigmoid", "mpo-weighted", "ipo", "ld_alpha"],
+)
+def test_step0_parity_with_ref_model(tok, tmp_path, cfg):
+    """Loss, every logged metric and every gradient equal TRL's (rel <= 1e-4); for "sigmoid" with
+    5-token tiles, so tiles cut through sequences and pairs (two-phase engine path)."""
+    chunk = 5 if cfg["loss_type"] == ["sigmoid"] and "ld_alpha" not in cfg else None
+    theirs, ours = _pair(tok, tmp_path, liger_kwargs={"liger_chunk_tokens": chunk}, **cfg)
+    m_t, _ = _check_step0(theirs, ours)
+    assert abs(m_t["rewards/margins"]) > 0  # a real test: policy != reference
+
+
+def test_step0_parity_precomputed_ref_logps(tok, tmp_path):
+    """precompute_ref_log_probs=True: our precomputed columns equal TRL's (rel <= 1e-4) and the
+    step-0 loss/metrics/grads computed from them match too."""
+    theirs, ours = _pair(tok, tmp_path, precompute_ref_log_probs=True)
+    for col in ("ref_chosen_logps", "ref_rejected_logps"):
+        a = torch.tensor(theirs.train_dataset[col])
+        b = torch.tensor(ours.train_dataset[col])
+        assert float((a - b).norm() / a.norm()) <= TOL
+    batch = first_batch(theirs)
+    assert "ref_chosen_logps" in batch
+    _check_step0(theirs, ours, batch)
+
+
+def test_compute_ref_log_probs_matches_trl(tok, tmp_path):
+    """Our compute_ref_log_probs (chunked log-probs of the reference backbone) equals TRL's fused
+    head on one batch, rel <= 1e-4."""
+    theirs, ours = _pair(tok, tmp_path)
+    batch = first_batch(theirs)
+    for a, b in zip(theirs.compute_ref_log_probs(theirs.ref_model, batch),
+                    ours.compute_ref_log_probs(ours.ref_model, batch)):
+        assert float((a - b).norm() / a.norm()) <= TOL
+
+
+def test_step0_parity_peft_lora(tok, tmp_path):
+    """PEFT LoRA (random non-zero B so the adapter changes the policy); the reference is the policy
+    with the adapter disabled. Loss, metrics and LoRA gradients match TRL's (rel <= 1e-4)."""
+    peft = pytest.importorskip("peft")
+    cfg = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], init_lora_weights=False,
+                          task_type="CAUSAL_LM")
+    theirs, ours = _pair(tok, tmp_path, ref=False, peft_config=cfg)
+    assert ours.ref_model is None
+    m_t, _ = _check_step0(theirs, ours)
+    assert abs(m_t["rewards/margins"]) > 0
+
+
+def _train_and_compare(theirs, ours, steps, tol):
+    theirs.train()
+    ours.train()
+    lt = [h for h in theirs.state.log_history if "loss" in h]
+    lo = [h for h in ours.state.log_history if "loss" in h]
+    assert len(lt) == len(lo) == steps
+    for a, b in zip(lo, lt):
+        assert rel(a["loss"], b["loss"]) <= tol, (a["loss"], b["loss"])
+        for key in ("rewards/margins", "logps/chosen", "mean_token_accuracy", "entropy"):
+            assert abs(a[key] - b[key]) <= tol * max(1.0, abs(b[key])), (key, a[key], b[key])
+
+
+def test_short_run_tracks_trl(tok, tmp_path):
+    """3 optimizer steps (Adam, lr 1e-3) with our loss: each step's logged loss and metrics track
+    TRL's run from the same weights and data order (rel <= 1e-4: identical fp32 math, only the
+    summation order differs, and 3 Adam steps barely amplify that)."""
+    theirs, ours = _pair(tok, tmp_path, max_steps=3)
+    _train_and_compare(theirs, ours, 3, 1e-4)
+
+
+@pytest.mark.slow
+def test_patched_model_short_run_tracks_trl(tok, tmp_path):
+    """3 steps with the layers patched too (liger_patch_model=True: RMSNorm, RoPE, SwiGLU kernels in
+    the Triton interpreter): loss and metrics track TRL's unpatched run (rel <= 1e-3: the kernels
+    reorder fp32 sums inside every layer). Slow: ~1-2 min of interpreted kernels."""
+    from liger_losses.kernels.rms_norm import LigerRMSNorm
+    from liger_losses.patching import revert_liger_kernels
+
+    try:
+        theirs, ours = _pair(tok, tmp_path, liger_kwargs={"liger_patch_model": True}, max_steps=3)
+        assert isinstance(ours.model.model.norm, LigerRMSNorm)
+        assert not isinstance(theirs.model.model.norm, LigerRMSNorm)
+        _train_and_compare(theirs, ours, 3, 1e-3)
+    finally:
+        revert_liger_kernels()  # RoPE is patched module-wide: leave other tests unpatched
+
+
+def test_use_liger_false_is_trl(tok, tmp_path):
+    """use_liger=False is TRL's trainer: same loss as trl.DPOTrainer itself, bit for bit."""
+    import trl
+
+    policy, reference = build_tiny_model(tok, seed=0), build_tiny_model(tok, seed=1)
+    ours = DPOTrainer(copy.deepcopy(policy), copy.deepcopy(reference), args=dpo_config(tmp_path / "a"),
+                      train_dataset=preference_dataset(PAIRS), processing_class=tok)
+    plain = trl.DPOTrainer(copy.deepcopy(policy), copy.deepcopy(reference), args=dpo_config(tmp_path / "b"),
+                           train_dataset=preference_dataset(PAIRS), processing_class=tok)
+    batch = first_batch(plain)
+    assert float(step0(ours, batch)[0]) == float(step0(plain, batch)[0])
+
+
+@pytest.mark.parametrize(
+    "cfg, option",
+    [
+        (dict(use_weighting=True), "use_weighting"),
+        (dict(loss_type=["sigmoid", "sft"], ld_alpha=0.5), "ld_alpha"),
+    ],
+)
+def test_unsupported_options_raise_at_construction(tok, tmp_path, cfg, option):
+    """Options TRL serves but we cannot: ValueError at construction naming the option."""
+    with pytest.raises(ValueError, match=option):
+        DPOTrainer(build_tiny_model(tok), build_tiny_model(tok, seed=1), args=dpo_config(tmp_path, **cfg),
+                   train_dataset=preference_dataset(PAIRS), processing_class=tok, use_liger=True)
+
+
+@pytest.mark.parametrize("kwargs, exc", [({"liger_chunk_tokens": 0}, ValueError), ({"use_liger": "yes"}, TypeError)])
+def test_bad_liger_options(tok, tmp_path, kwargs, exc):
+    """Bad values of our own keywords raise before any work (ValueError/TypeError naming them)."""
+    name = next(iter(kwargs))
+    with pytest.raises(exc, match=name):
+        DPOTrainer(build_tiny_model(tok), build_tiny_model(tok, seed=1), args=dpo_config(tmp_path),
+                   train_dataset=preference_dataset(PAIRS), processing_class=tok,
+                   **{"use_liger": True, **kwargs})
+
+
+@pytest.mark.gpu
+def test_step0_parity_cuda_fp32(tok, tmp_path):
+    """On CUDA (compiled Triton kernels, TRL's Triton fused head): fp32 loss/metrics/grads match
+    TRL's (rel <= 1e-4; TF32 is off by default for fp32 matmuls)."""
+    theirs, ours = _pair(tok, tmp_path, use_cpu=False, liger_kwargs={"liger_patch_model": True})
+    try:
+        assert next(ours.model.parameters()).is_cuda
+        _check_step0(theirs, ours)
+    finally:
+        from liger_losses.patching import revert_liger_kernels
+
+        revert_liger_kernels()
