@@ -48,6 +48,7 @@ import torch
 from torch import Tensor
 
 from liger_losses.chunked.engine import (
+    DEFAULT_BUDGET_BYTES,
     _scaled_grads,
     backprop_tile,
     chunk_bounds,
@@ -249,7 +250,11 @@ def _run(weight, hidden, bias, teacher_hidden, labels, o, needs_h, needs_w, need
     logit_scale = float(o["logit_scale"])
     if softcap is not None:
         width += Vs  # the transform's derivative tile
-    for ts, te in chunk_bounds(N, width, chunk_tokens=o["chunk_tokens"], itemsize=s_item):
+    # two tiles (student, teacher) live per chunk: each gets the engine's default tile budget
+    # (measured on the H200 at 8192 x 128256: 1024-token chunks 64.7 ms / 1.47x the memory floor,
+    # against 70.8 ms / 1.24x with the budget shared)
+    budget = 2 * DEFAULT_BUDGET_BYTES
+    for ts, te in chunk_bounds(N, width, chunk_tokens=o["chunk_tokens"], budget_bytes=budget, itemsize=s_item):
         s_tile = project(h_valid[ts:te], w_c, bias)
         d_head = _head_transform(s_tile, logit_scale, softcap, want_factor=grad)
         if topk:
