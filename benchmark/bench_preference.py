@@ -77,13 +77,18 @@ def torch_seq_logps(weight, hidden, labels):
     return tok.sum(1), mask.sum(1)
 
 
-def torch_dpo(weight, hidden, ref_hidden, labels):
-    logps, _ = torch_seq_logps(weight, hidden, labels)
+def dpo_formula(seq_logps, weight, hidden, ref_hidden, labels):
+    """DPO loss from ``seq_logps(weight, hidden, labels) -> (logps, n)`` (the reference without grad)."""
+    logps, _ = seq_logps(weight, hidden, labels)
     with torch.no_grad():
-        ref, _ = torch_seq_logps(weight, ref_hidden, labels)
+        ref, _ = seq_logps(weight, ref_hidden, labels)
     c, r = logps.chunk(2)
     rc, rr = ref.chunk(2)
     return -F.logsigmoid(BETA_DPO * ((c - rc) - (r - rr))).mean()
+
+
+def torch_dpo(weight, hidden, ref_hidden, labels):
+    return dpo_formula(torch_seq_logps, weight, hidden, ref_hidden, labels)
 
 
 def simpo_formula(logps, n):
@@ -122,12 +127,7 @@ def trl_seq_logps(weight, hidden, labels):
 
 
 def trl_dpo(weight, hidden, ref_hidden, labels):
-    logps, _ = trl_seq_logps(weight, hidden, labels)
-    with torch.no_grad():
-        ref, _ = trl_seq_logps(weight, ref_hidden, labels)
-    c, r = logps.chunk(2)
-    rc, rr = ref.chunk(2)
-    return -F.logsigmoid(BETA_DPO * ((c - rc) - (r - rr))).mean()
+    return dpo_formula(trl_seq_logps, weight, hidden, ref_hidden, labels)
 
 
 # --------------------------------------------------------------------------- liger-kernel

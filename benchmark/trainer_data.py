@@ -45,16 +45,8 @@ LLAMA_3_2_1B = dict(
 )
 
 TINY = dict(
-    vocab_size=600,
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=16,
-    max_position_embeddings=256,
-    rms_norm_eps=1e-5,
-    tie_word_embeddings=True,
+    LLAMA_3_2_1B, vocab_size=600, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+    num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=256,
     rope_parameters={"rope_type": "default", "rope_theta": 500000.0},
 )
 

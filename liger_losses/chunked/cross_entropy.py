@@ -39,6 +39,12 @@ from liger_losses.kernels.utils import check_choice, check_range
 REDUCTIONS = ("mean", "sum", "none")
 
 
+def _check_options(reduction, label_smoothing, z_loss_weight):
+    check_choice("reduction", reduction, REDUCTIONS)
+    check_range("label_smoothing", float(label_smoothing), 0.0, 1.0)
+    check_range("z_loss_weight", float(z_loss_weight), 0.0, None)
+
+
 def _prepare(weight, hidden, labels, bias, cfg):
     w_full = gather_weight(weight)
     cdt = cfg["compute_dtype"]
@@ -88,25 +94,40 @@ class _FusedLinearCENoneFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, weight, hidden, bias, labels, cfg, sink):
-        with torch.no_grad():
-            w_full, w_c, h_valid, l_valid, index = _prepare(weight, hidden, labels, bias, cfg)
-            stats, _, _, _ = run_tiles(
-                w_c, h_valid, l_valid, bias, mode="ce", grad=False,
-                kernel_opts=cfg["kernel_opts"], chunk_tokens=cfg["chunk_tokens"],
-            )
-        sink["num_tokens"] = h_valid.shape[0]
+        stats, index = _stats_forward(ctx, weight, hidden, bias, labels, cfg, "ce")
+        sink["num_tokens"] = index.shape[0]
         sink["correct"] = stats["correct"].sum()
         sink["z_sum"] = (stats["lse"] ** 2).sum() * cfg["z_loss_weight"]
-        out = scatter_rows(stats["loss"].unsqueeze(1), index, tuple(labels.shape) + (1,)).squeeze(-1)
-        ctx.save_for_backward(weight, hidden, bias, labels)
-        ctx.cfg = cfg
-        return out
+        return _scatter_token_values(stats["loss"], index, labels)
 
     @staticmethod
     def backward(ctx, grad_out):
-        weight, hidden, bias, labels = ctx.saved_tensors
-        cfg = ctx.cfg
-        return _recompute_backward(ctx, weight, hidden, bias, labels, grad_out, cfg, "ce") + (None, None, None)
+        return _recompute_saved_backward(ctx, grad_out, "ce")
+
+
+def _stats_forward(ctx, weight, hidden, bias, labels, cfg, mode, **run_opts):
+    """Forward of a per-token function whose backward recomputes: tile statistics (no grad) of the
+    valid tokens and their flat ``index``; saves the inputs and ``cfg`` for :func:`_recompute_saved_backward`."""
+    with torch.no_grad():
+        _, w_c, h_valid, l_valid, index = _prepare(weight, hidden, labels, bias, cfg)
+        stats, _, _, _ = run_tiles(
+            w_c, h_valid, l_valid, bias, mode=mode, grad=False, kernel_opts=cfg["kernel_opts"],
+            chunk_tokens=cfg["chunk_tokens"], **run_opts,
+        )
+    ctx.save_for_backward(weight, hidden, bias, labels)
+    ctx.cfg = cfg
+    return stats, index
+
+
+def _scatter_token_values(values, index, labels):
+    """``[N_valid]`` per-token values back to ``labels``' shape, 0 at ignored positions."""
+    return scatter_rows(values.unsqueeze(1), index, tuple(labels.shape) + (1,)).squeeze(-1)
+
+
+def _recompute_saved_backward(ctx, grad_out, mode):
+    """Backward of ``f(weight, hidden, bias, labels, cfg, sink)`` saved by :func:`_stats_forward`."""
+    weight, hidden, bias, labels = ctx.saved_tensors
+    return _recompute_backward(ctx, weight, hidden, bias, labels, grad_out, ctx.cfg, mode) + (None, None, None)
 
 
 def _recompute_backward(ctx, weight, hidden, bias, labels, grad_out, cfg, mode):
@@ -157,9 +178,7 @@ def fused_linear_cross_entropy(
     of non-ignored tokens whose argmax is the label) and ``metrics["z_loss"]`` (the z-loss part
     of the loss, reduced like the loss; mean over valid tokens for ``none``), both detached.
     """
-    check_choice("reduction", reduction, REDUCTIONS)
-    check_range("label_smoothing", float(label_smoothing), 0.0, 1.0)
-    check_range("z_loss_weight", float(z_loss_weight), 0.0, None)
+    _check_options(reduction, label_smoothing, z_loss_weight)
     _check_common(weight, hidden, labels, bias, ignore_index, 1.0, softcap, logit_scale,
                   chunk_tokens, accum_dtype, impl)
     denom = None
@@ -230,9 +249,7 @@ class LigerFusedLinearCrossEntropyLoss(nn.Module):
         impl: str = "auto",
     ):
         super().__init__()
-        check_choice("reduction", reduction, REDUCTIONS)
-        check_range("label_smoothing", float(label_smoothing), 0.0, 1.0)
-        check_range("z_loss_weight", float(z_loss_weight), 0.0, None)
+        _check_options(reduction, label_smoothing, z_loss_weight)
         self.ignore_index = ignore_index
         self.label_smoothing = label_smoothing
         self.z_loss_weight = z_loss_weight

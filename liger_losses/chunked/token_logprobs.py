@@ -17,34 +17,21 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from liger_losses.chunked.cross_entropy import _prepare, _recompute_backward
-from liger_losses.chunked.engine import _check_common, compute_dtype, run_tiles, scatter_rows
+from liger_losses.chunked.cross_entropy import _recompute_saved_backward, _stats_forward, _scatter_token_values
+from liger_losses.chunked.engine import _check_common, compute_dtype
 
 
 class _TokenLogprobsFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, weight, hidden, bias, labels, cfg, sink):
-        with torch.no_grad():
-            _, w_c, h_valid, l_valid, index = _prepare(weight, hidden, labels, bias, cfg)
-            stats, _, _, _ = run_tiles(
-                w_c, h_valid, l_valid, bias, mode="logp", grad=False,
-                need_entropy=cfg["need_entropy"], kernel_opts=cfg["kernel_opts"],
-                chunk_tokens=cfg["chunk_tokens"],
-            )
-        shape = tuple(labels.shape) + (1,)
+        stats, index = _stats_forward(ctx, weight, hidden, bias, labels, cfg, "logp", need_entropy=cfg["need_entropy"])
         if cfg["need_entropy"]:
-            sink["entropy"] = scatter_rows(stats["entropy"].unsqueeze(1), index, shape).squeeze(-1)
-        logps = scatter_rows(stats["logp"].unsqueeze(1), index, shape).squeeze(-1)
-        ctx.save_for_backward(weight, hidden, bias, labels)
-        ctx.cfg = cfg
-        return logps
+            sink["entropy"] = _scatter_token_values(stats["entropy"], index, labels)
+        return _scatter_token_values(stats["logp"], index, labels)
 
     @staticmethod
     def backward(ctx, grad_out):
-        weight, hidden, bias, labels = ctx.saved_tensors
-        return _recompute_backward(ctx, weight, hidden, bias, labels, grad_out, ctx.cfg, "logp") + (
-            None, None, None,
-        )
+        return _recompute_saved_backward(ctx, grad_out, "logp")
 
 
 def fused_linear_token_logprobs(

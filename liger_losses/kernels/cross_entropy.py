@@ -26,7 +26,7 @@ from typing import Optional
 import torch
 from torch import Tensor, nn
 
-from liger_losses.kernels.logits_tile import logits_tile
+from liger_losses.kernels.logits_tile import check_ce_options, logits_tile
 from liger_losses.kernels.utils import (
     check_choice,
     check_labels,
@@ -120,10 +120,7 @@ def cross_entropy(
         )
     V = logits.shape[-1]
     check_choice("reduction", reduction, REDUCTIONS)
-    check_range("label_smoothing", float(label_smoothing), 0.0, 1.0)
-    check_range("z_loss_weight", float(z_loss_weight), 0.0, None)
-    if softcap is not None:
-        check_range("softcap", float(softcap), 0.0, None, low_inclusive=False)
+    check_ce_options(label_smoothing=label_smoothing, z_loss_weight=z_loss_weight, softcap=softcap)
     if weight is not None:
         check_tensor("weight", weight, ndim=1, floating=True)
         if weight.shape[0] != V:

@@ -59,9 +59,9 @@ from .utils import (
     check_range,
     check_same_device,
     check_tensor,
+    import_triton,
     next_power_of_2,
     resolve_impl,
-    triton_importable,
 )
 
 DIVERGENCES = ("jsd", "forward_kl", "reverse_kl")
@@ -94,9 +94,9 @@ def divergence_mode(divergence: str, beta: float) -> int:
 
 # --------------------------------------------------------------------------- Triton kernel
 
-if triton_importable():
-    import triton
-    import triton.language as tl
+triton, tl = import_triton()
+
+if triton is not None:
 
     @triton.jit
     def _expm1_neg(x):

@@ -25,24 +25,16 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from liger_losses.kernels.utils import (
-    check_choice,
-    check_same_device,
-    MAX_GRID_Y,
-    check_tensor,
-    device_ctx,
-    owns_buffer,
-    pair_rows,
-    resolve_impl,
-    triton_importable,
+from liger_losses.kernels.gated import (
+    check_gate_up,
+    check_inplace_backward,
+    gated_backward,
+    gated_forward,
+    launch_rows,
 )
+from liger_losses.kernels.utils import check_choice, import_triton, resolve_impl
 
-if triton_importable():
-    import triton
-    import triton.language as tl
-else:  # pragma: no cover
-    triton = None
-    tl = None
+triton, tl = import_triton()
 
 APPROXIMATIONS = ("tanh", "none")
 BLOCK_SIZE = 4096
@@ -105,40 +97,18 @@ if triton is not None:
 
 
 def _launch_fwd(a2, b2, c2, tanh: bool) -> None:
-    rows, cols = a2.shape
-    grid_x = triton.cdiv(cols, BLOCK_SIZE)
-    with device_ctx(a2):
-        if rows <= MAX_GRID_Y:  # the usual case (one flat row): one launch, no slicing
-            _geglu_fwd_kernel[(grid_x, rows)](
-                a2, b2, c2, cols, a2.stride(0), b2.stride(0), c2.stride(0),
-                TANH=tanh, BLOCK=BLOCK_SIZE, num_warps=NUM_WARPS,
-            )
-            return
-        for r0 in range(0, rows, MAX_GRID_Y):  # the grid's 2nd axis holds at most 65535 rows
-            r1 = min(rows, r0 + MAX_GRID_Y)
-            _geglu_fwd_kernel[(grid_x, r1 - r0)](
-                a2[r0:r1], b2[r0:r1], c2[r0:r1], cols, a2.stride(0), b2.stride(0), c2.stride(0),
-                TANH=tanh, BLOCK=BLOCK_SIZE, num_warps=NUM_WARPS,
-            )
+    launch_rows(
+        _geglu_fwd_kernel, (a2, b2, c2), (a2.stride(0), b2.stride(0), c2.stride(0)), a2.shape[1],
+        block=BLOCK_SIZE, num_warps=NUM_WARPS, TANH=tanh,
+    )
 
 
 def _launch_bwd(dc2, a2, b2, da2, db2, tanh: bool) -> None:
-    rows, cols = a2.shape
-    grid_x = triton.cdiv(cols, BLOCK_SIZE)
     strides = (dc2.stride(0), a2.stride(0), b2.stride(0), da2.stride(0), db2.stride(0))
-    with device_ctx(a2):
-        if rows <= MAX_GRID_Y:
-            _geglu_bwd_kernel[(grid_x, rows)](
-                dc2, a2, b2, da2, db2, cols, *strides,
-                TANH=tanh, BLOCK=BLOCK_SIZE, num_warps=NUM_WARPS,
-            )
-            return
-        for r0 in range(0, rows, MAX_GRID_Y):
-            r1 = min(rows, r0 + MAX_GRID_Y)
-            _geglu_bwd_kernel[(grid_x, r1 - r0)](
-                dc2[r0:r1], a2[r0:r1], b2[r0:r1], da2[r0:r1], db2[r0:r1], cols, *strides,
-                TANH=tanh, BLOCK=BLOCK_SIZE, num_warps=NUM_WARPS,
-            )
+    launch_rows(
+        _geglu_bwd_kernel, (dc2, a2, b2, da2, db2), strides, a2.shape[1],
+        block=BLOCK_SIZE, num_warps=NUM_WARPS, TANH=tanh,
+    )
 
 
 class GEGLUFunction(torch.autograd.Function):
@@ -147,36 +117,15 @@ class GEGLUFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, gate, up, approximate="tanh", inplace_backward=False):
         tanh = approximate == "tanh"
-        a2, b2 = pair_rows(gate, up)
-        out = torch.empty(a2.shape, dtype=gate.dtype, device=gate.device)
-        if out.numel():
-            _launch_fwd(a2, b2, out, tanh)
         ctx.tanh = tanh
-        ctx.inplace = bool(
-            inplace_backward
-            and owns_buffer(gate, a2) and owns_buffer(up, b2)
-            and gate.untyped_storage().data_ptr() != up.untyped_storage().data_ptr()
+        return gated_forward(
+            ctx, gate, up, inplace_backward, lambda a2, b2, c2: _launch_fwd(a2, b2, c2, tanh)
         )
-        ctx.save_for_backward(gate, up)
-        return out.view(gate.shape)
 
     @staticmethod
     def backward(ctx, grad_out):
-        gate, up = ctx.saved_tensors
-        a2, b2 = pair_rows(gate, up)
-        dc2 = grad_out.contiguous().view(a2.shape)
-        if ctx.inplace:
-            da2, db2 = a2, b2
-        else:
-            da2 = torch.empty(a2.shape, dtype=gate.dtype, device=gate.device)
-            db2 = torch.empty(b2.shape, dtype=up.dtype, device=up.device)
-        if da2.numel():
-            _launch_bwd(dc2, a2, b2, da2, db2, ctx.tanh)
-        if ctx.inplace:
-            torch.autograd.graph.increment_version(gate)
-            torch.autograd.graph.increment_version(up)
-            return gate, up, None, None
-        return da2.view(gate.shape), db2.view(up.shape), None, None
+        grads = gated_backward(ctx, grad_out, lambda *t: _launch_bwd(*t, ctx.tanh))
+        return (*grads, None, None)
 
 
 def _geglu_torch(gate: torch.Tensor, up: torch.Tensor, approximate: str) -> torch.Tensor:
@@ -192,18 +141,9 @@ def geglu(
     impl: str = "auto",
 ) -> torch.Tensor:
     """``gelu(gate, approximate) * up`` (same shape as the inputs), fp32 inside, gate's dtype out."""
-    check_tensor("gate", gate, min_ndim=1, floating=True)
-    check_tensor("up", up, min_ndim=1, floating=True)
-    if up.shape != gate.shape:
-        raise ValueError(
-            f"up must have the same shape as gate {tuple(gate.shape)}, got {tuple(up.shape)}"
-        )
-    if up.dtype != gate.dtype:
-        raise TypeError(f"up must have gate's dtype {gate.dtype}, got {up.dtype}")
-    check_same_device(gate=gate, up=up)
+    check_gate_up(gate, up)
     check_choice("approximate", approximate, APPROXIMATIONS)
-    if not isinstance(inplace_backward, bool):
-        raise TypeError(f"inplace_backward must be a bool, got {type(inplace_backward).__name__}")
+    check_inplace_backward(inplace_backward)
     if resolve_impl(impl, gate, up) == "torch":
         return _geglu_torch(gate, up, approximate)
     return GEGLUFunction.apply(gate, up, approximate, inplace_backward)

@@ -28,6 +28,7 @@ Public API:
 from __future__ import annotations
 
 import numbers
+import sys
 from typing import Optional
 
 import torch
@@ -35,29 +36,10 @@ import torch.nn.functional as F
 from torch import nn
 from torch.autograd.function import once_differentiable
 
-from liger_losses.kernels.utils import (
-    as_rows,
-    check_choice,
-    check_last_dim,
-    check_range,
-    check_same_device,
-    check_tensor,
-    device_ctx,
-    next_power_of_2,
-    num_row_programs,
-    resolve_impl,
-    row_tile,
-    triton_importable,
-)
+from liger_losses.kernels.norm_common import bwd_tiling, check_norm_args, fwd_tiling, norm_impl
+from liger_losses.kernels.utils import as_rows, check_choice, check_tensor, device_ctx, import_triton
 
-if triton_importable():
-    import triton
-    import triton.language as tl
-else:  # pragma: no cover - machines without Triton use the torch path only
-    triton = None
-    tl = None
-
-_TRITON_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+triton, tl = import_triton()
 
 # Tuning knobs (module constants so the benchmark can sweep them on the GPU); same meaning as in
 # rms_norm.py: a tile is BLOCK_M whole rows holding about *_TILE_ELEMS elements.
@@ -73,11 +55,7 @@ MAX_ROWS_PER_TILE = 16
 BWD_PROGRAMS_PER_SM = 8
 BWD_MIN_ROWS_PER_PROGRAM = 16
 CPU_BWD_PROGRAMS = 4
-
-
-def _bwd_tile_elems(n_cols: int) -> int:
-    """Backward tile size: multi-row tiles for short rows (see the knobs above)."""
-    return BWD_SMALL_H_TILE_ELEMS if n_cols <= BWD_SMALL_H else BWD_TILE_ELEMS
+_KNOBS = sys.modules[__name__]  # read at launch time by norm_common's tiling
 
 
 if triton is not None:
@@ -177,10 +155,9 @@ def _forward(x2, weight, bias, eps):
     out = torch.empty((n_rows, n_cols), dtype=x2.dtype, device=x2.device)
     mean = torch.empty((n_rows,), dtype=torch.float32, device=x2.device)
     rstd = torch.empty((n_rows,), dtype=torch.float32, device=x2.device)
-    block_m, block_n, warps = row_tile(n_cols, n_rows, FWD_TILE_ELEMS, MAX_ROWS_PER_TILE)
-    grid = (triton.cdiv(n_rows, block_m),)
+    block_m, block_n, warps, programs = fwd_tiling(n_rows, n_cols, _KNOBS)
     with device_ctx(x2):
-        _layer_norm_fwd_kernel[grid](
+        _layer_norm_fwd_kernel[(programs,)](
             x2, weight if weight is not None else x2, bias if bias is not None else x2,
             out, mean, rstd,
             n_rows, n_cols, x2.stride(0), out.stride(0), float(eps),
@@ -194,14 +171,7 @@ def _backward(dy2, x2, weight, mean, rstd, need_dx, need_dw, need_db):
     """Launch the backward kernel; returns (grad_hidden [rows, H], grad_weight, grad_bias)."""
     n_rows, n_cols = x2.shape
     dx = torch.empty_like(x2, memory_format=torch.contiguous_format) if need_dx else None
-    block_m, block_n, warps = row_tile(n_cols, n_rows, _bwd_tile_elems(n_cols), MAX_ROWS_PER_TILE)
-    n_blocks = triton.cdiv(n_rows, block_m)
-    programs = num_row_programs(
-        x2.device, n_blocks, n_rows, per_sm=BWD_PROGRAMS_PER_SM,
-        min_rows=BWD_MIN_ROWS_PER_PROGRAM, cpu_programs=CPU_BWD_PROGRAMS,
-    )
-    blocks_per_program = triton.cdiv(n_blocks, programs)
-    programs = triton.cdiv(n_blocks, blocks_per_program)
+    block_m, block_n, warps, n_blocks, programs, blocks_per_program = bwd_tiling(x2, _KNOBS)
     # One fp32 buffer for both partial sums: one allocation and one reduction launch.
     n_partial = int(need_dw) + int(need_db)
     partial = (
@@ -278,11 +248,6 @@ def layer_norm_torch(
     return out.to(hidden.dtype)
 
 
-def _check_number(name: str, value) -> None:
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise TypeError(f"{name} must be a real number, got {type(value).__name__}")
-
-
 def layer_norm(
     hidden: torch.Tensor,
     weight: Optional[torch.Tensor],
@@ -293,31 +258,8 @@ def layer_norm(
 ) -> torch.Tensor:
     """LayerNorm of ``hidden`` ``[..., H]`` with ``weight``/``bias`` ``[H]`` (or None); see the
     module doc. Returns ``[..., H]`` in ``hidden.dtype``."""
-    check_tensor("hidden", hidden, min_ndim=1, floating=True)
-    hidden_size = hidden.shape[-1]
-    if hidden_size == 0:
-        raise ValueError(f"hidden must have a non-empty last dimension, got shape {tuple(hidden.shape)}")
-    for name, param in (("weight", weight), ("bias", bias)):
-        if param is not None:
-            check_tensor(name, param, ndim=1, floating=True)
-            check_last_dim(name, param, hidden_size, "the hidden size, hidden.shape[-1]")
-    check_same_device(hidden=hidden, weight=weight, bias=bias)
-    _check_number("eps", eps)
-    check_range("eps", float(eps), 0.0)
-    which = resolve_impl(impl, hidden, weight, bias)
-    if which == "triton":
-        problem = None
-        dtypes = [t.dtype for t in (hidden, weight, bias) if t is not None]
-        if any(d not in _TRITON_DTYPES for d in dtypes):
-            problem = TypeError(
-                f"impl='triton' supports hidden/weight/bias dtypes {_TRITON_DTYPES}, got {dtypes}"
-            )
-        elif next_power_of_2(hidden_size) > 65536:
-            problem = ValueError(f"impl='triton' supports hidden sizes up to 65536, got {hidden_size}")
-        if problem is not None:
-            if impl == "triton":
-                raise problem
-            which = "torch"
+    check_norm_args(hidden, eps, weight=weight, bias=bias)
+    which = norm_impl(impl, hidden, weight=weight, bias=bias)
     if which == "torch" or hidden.numel() == 0:
         return layer_norm_torch(hidden, weight, bias, eps=eps)
     return LayerNormFunction.apply(hidden, weight, bias, eps)

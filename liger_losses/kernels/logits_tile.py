@@ -32,9 +32,9 @@ from liger_losses.kernels.utils import (
     check_range,
     check_same_device,
     check_tensor,
+    import_triton,
     next_power_of_2,
     resolve_impl,
-    triton_importable,
     triton_interpret,
 )
 
@@ -52,9 +52,9 @@ class TileStats(NamedTuple):
     logits_sum: Tensor
 
 
-if triton_importable():
-    import triton
-    import triton.language as tl
+triton, tl = import_triton()
+
+if triton is not None:
 
     @triton.jit
     def _transform(x, logit_scale, inv_temp, softcap, HAS_SOFTCAP: tl.constexpr):
@@ -241,6 +241,15 @@ def _block_settings(V: int) -> tuple[int, int]:
     return block, warps
 
 
+def check_ce_options(*, label_smoothing: float, z_loss_weight: float, softcap: Optional[float]) -> None:
+    """Raise ``ValueError`` unless ``label_smoothing`` is in [0, 1], ``z_loss_weight`` >= 0 and
+    ``softcap`` is ``None`` or > 0 (the cross-entropy options shared with :mod:`cross_entropy`)."""
+    check_range("label_smoothing", float(label_smoothing), 0.0, 1.0)
+    check_range("z_loss_weight", float(z_loss_weight), 0.0, None)
+    if softcap is not None:
+        check_range("softcap", float(softcap), 0.0, None, low_inclusive=False)
+
+
 def logits_tile(
     logits: Tensor,
     labels: Tensor,
@@ -272,10 +281,7 @@ def logits_tile(
     check_choice("mode", mode, MODES)
     check_range("logit_scale", float(logit_scale), 0.0, None, low_inclusive=False)
     check_range("temperature", float(temperature), 0.0, None, low_inclusive=False)
-    check_range("label_smoothing", float(label_smoothing), 0.0, 1.0)
-    check_range("z_loss_weight", float(z_loss_weight), 0.0, None)
-    if softcap is not None:
-        check_range("softcap", float(softcap), 0.0, None, low_inclusive=False)
+    check_ce_options(label_smoothing=label_smoothing, z_loss_weight=z_loss_weight, softcap=softcap)
     if class_weight is not None:
         check_tensor("class_weight", class_weight, ndim=1, floating=True)
         if class_weight.shape[0] != V:

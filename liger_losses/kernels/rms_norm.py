@@ -41,38 +41,20 @@ Public API:
 
 from __future__ import annotations
 
-import numbers
+import sys
 from typing import Optional
 
 import torch
 from torch import nn
 from torch.autograd.function import once_differentiable
 
-from liger_losses.kernels.utils import (
-    as_rows,
-    check_choice,
-    check_last_dim,
-    check_range,
-    check_same_device,
-    check_tensor,
-    device_ctx,
-    next_power_of_2,
-    num_row_programs,
-    resolve_impl,
-    row_tile,
-    triton_importable,
-)
+from liger_losses.kernels.norm_common import bwd_tiling, check_norm_args, fwd_tiling, norm_impl
+from liger_losses.kernels.utils import as_rows, check_choice, check_number, device_ctx, import_triton
 
-if triton_importable():
-    import triton
-    import triton.language as tl
-else:  # pragma: no cover - machines without Triton use the torch path only
-    triton = None
-    tl = None
+triton, tl = import_triton()
 
 CASTING_MODES = ("llama", "gemma", "none")
 _CASTING_CODE = {"llama": 0, "gemma": 1, "none": 2}
-_TRITON_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 # Tuning knobs (module constants so the benchmark can sweep them on the GPU).
 # A program handles a tile of BLOCK_M rows x next_pow2(H) columns, BLOCK_M chosen so that the
@@ -94,11 +76,7 @@ BWD_PROGRAMS_PER_SM = 8
 BWD_MIN_ROWS_PER_PROGRAM = 16
 # Backward programs on the CPU interpreter (small: the interpreter is slow per program).
 CPU_BWD_PROGRAMS = 4
-
-
-def _bwd_tile_elems(n_cols: int) -> int:
-    """Backward tile size: multi-row tiles for short rows (see the knobs above)."""
-    return BWD_SMALL_H_TILE_ELEMS if n_cols <= BWD_SMALL_H else BWD_TILE_ELEMS
+_KNOBS = sys.modules[__name__]  # read at launch time by norm_common's tiling
 
 
 if triton is not None:
@@ -198,10 +176,9 @@ def _forward(x2, weight, eps, offset, casting_mode, out_dtype):
     n_rows, n_cols = x2.shape
     out = torch.empty((n_rows, n_cols), dtype=out_dtype, device=x2.device)
     rstd = torch.empty((n_rows,), dtype=torch.float32, device=x2.device)
-    block_m, block_n, warps = row_tile(n_cols, n_rows, FWD_TILE_ELEMS, MAX_ROWS_PER_TILE)
-    grid = (triton.cdiv(n_rows, block_m),)
+    block_m, block_n, warps, programs = fwd_tiling(n_rows, n_cols, _KNOBS)
     with device_ctx(x2):
-        _rms_norm_fwd_kernel[grid](
+        _rms_norm_fwd_kernel[(programs,)](
             x2, weight if weight is not None else x2, out, rstd,
             n_rows, n_cols, x2.stride(0), out.stride(0),
             float(eps), float(offset),
@@ -220,14 +197,7 @@ def _backward(dy2, x2, weight, rstd, offset, casting_mode, need_dx, need_dw, inp
             dx = dy2
         else:
             dx = torch.empty_like(x2, memory_format=torch.contiguous_format)
-    block_m, block_n, warps = row_tile(n_cols, n_rows, _bwd_tile_elems(n_cols), MAX_ROWS_PER_TILE)
-    n_blocks = triton.cdiv(n_rows, block_m)
-    programs = num_row_programs(
-        x2.device, n_blocks, n_rows, per_sm=BWD_PROGRAMS_PER_SM,
-        min_rows=BWD_MIN_ROWS_PER_PROGRAM, cpu_programs=CPU_BWD_PROGRAMS,
-    )
-    blocks_per_program = triton.cdiv(n_blocks, programs)
-    programs = triton.cdiv(n_blocks, blocks_per_program)
+    block_m, block_n, warps, n_blocks, programs, blocks_per_program = bwd_tiling(x2, _KNOBS)
     partial = (
         torch.empty((programs, n_cols), dtype=torch.float32, device=x2.device) if need_dw else x2
     )
@@ -311,11 +281,6 @@ def rms_norm_torch(
     return (y * (offset + weight).to(compute)).to(hidden.dtype)
 
 
-def _check_number(name: str, value) -> None:
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise TypeError(f"{name} must be a real number, got {type(value).__name__}")
-
-
 def rms_norm(
     hidden: torch.Tensor,
     weight: Optional[torch.Tensor],
@@ -331,34 +296,10 @@ def rms_norm(
     Returns ``[..., H]`` in ``hidden.dtype`` (llama mode with a weight: the promoted dtype of
     ``weight`` and ``hidden``, as Hugging Face).
     """
-    check_tensor("hidden", hidden, min_ndim=1, floating=True)
-    hidden_size = hidden.shape[-1]
-    if hidden_size == 0:
-        raise ValueError(f"hidden must have a non-empty last dimension, got shape {tuple(hidden.shape)}")
-    if weight is not None:
-        check_tensor("weight", weight, ndim=1, floating=True)
-        check_last_dim("weight", weight, hidden_size, "the hidden size, hidden.shape[-1]")
-        check_same_device(hidden=hidden, weight=weight)
-    _check_number("eps", eps)
-    check_range("eps", float(eps), 0.0)
-    _check_number("offset", offset)
+    check_norm_args(hidden, eps, weight=weight)
+    check_number("offset", offset)
     check_choice("casting_mode", casting_mode, CASTING_MODES)
-    which = resolve_impl(impl, hidden, weight)
-    if which == "triton":
-        problem = None
-        if hidden.dtype not in _TRITON_DTYPES or (
-            weight is not None and weight.dtype not in _TRITON_DTYPES
-        ):
-            problem = TypeError(
-                f"impl='triton' supports hidden/weight dtypes {_TRITON_DTYPES}, got "
-                f"{hidden.dtype}/{None if weight is None else weight.dtype}"
-            )
-        elif next_power_of_2(hidden_size) > 65536:
-            problem = ValueError(f"impl='triton' supports hidden sizes up to 65536, got {hidden_size}")
-        if problem is not None:
-            if impl == "triton":
-                raise problem
-            which = "torch"
+    which = norm_impl(impl, hidden, weight=weight)
     if which == "torch" or hidden.numel() == 0:
         return rms_norm_torch(hidden, weight, eps=eps, offset=offset, casting_mode=casting_mode)
     return RMSNormFunction.apply(hidden, weight, eps, offset, casting_mode, bool(inplace_backward))

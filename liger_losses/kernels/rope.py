@@ -42,17 +42,12 @@ from liger_losses.kernels.utils import (
     check_same_device,
     check_tensor,
     device_ctx,
+    import_triton,
     next_power_of_2,
     resolve_impl,
-    triton_importable,
 )
 
-if triton_importable():
-    import triton
-    import triton.language as tl
-else:  # pragma: no cover
-    triton = None
-    tl = None
+triton, tl = import_triton()
 
 # Elements of one [heads, R/2] tile the kernel holds per tensor (x1, x2, out1, out2 each).
 TILE_ELEMENTS = 2048

@@ -29,23 +29,16 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from liger_losses.kernels.utils import (
-    check_same_device,
-    MAX_GRID_Y,
-    check_tensor,
-    device_ctx,
-    owns_buffer,
-    pair_rows,
-    resolve_impl,
-    triton_importable,
+from liger_losses.kernels.gated import (
+    check_gate_up,
+    check_inplace_backward,
+    gated_backward,
+    gated_forward,
+    launch_rows,
 )
+from liger_losses.kernels.utils import check_tensor, import_triton, resolve_impl
 
-if triton_importable():
-    import triton
-    import triton.language as tl
-else:  # pragma: no cover - machines without Triton use the torch path only
-    triton = None
-    tl = None
+triton, tl = import_triton()
 
 # Elements per program and warps of the pointwise kernels: 16 elements (two 16-byte bf16
 # vectors) per thread. Kept as module constants so that they are easy to tune on the GPU.
@@ -95,39 +88,18 @@ if triton is not None:
 
 
 def _launch_fwd(a2, b2, c2) -> None:
-    rows, cols = a2.shape
-    grid_x = triton.cdiv(cols, BLOCK_SIZE)
-    with device_ctx(a2):
-        if rows <= MAX_GRID_Y:  # the usual case (one flat row): one launch, no slicing
-            _swiglu_fwd_kernel[(grid_x, rows)](
-                a2, b2, c2, cols, a2.stride(0), b2.stride(0), c2.stride(0),
-                BLOCK=BLOCK_SIZE, num_warps=NUM_WARPS,
-            )
-            return
-        for r0 in range(0, rows, MAX_GRID_Y):  # the grid's 2nd axis holds at most 65535 rows
-            r1 = min(rows, r0 + MAX_GRID_Y)
-            _swiglu_fwd_kernel[(grid_x, r1 - r0)](
-                a2[r0:r1], b2[r0:r1], c2[r0:r1], cols, a2.stride(0), b2.stride(0), c2.stride(0),
-                BLOCK=BLOCK_SIZE, num_warps=NUM_WARPS,
-            )
+    launch_rows(
+        _swiglu_fwd_kernel, (a2, b2, c2), (a2.stride(0), b2.stride(0), c2.stride(0)), a2.shape[1],
+        block=BLOCK_SIZE, num_warps=NUM_WARPS,
+    )
 
 
 def _launch_bwd(dc2, a2, b2, da2, db2) -> None:
-    rows, cols = a2.shape
-    grid_x = triton.cdiv(cols, BLOCK_SIZE)
     strides = (dc2.stride(0), a2.stride(0), b2.stride(0), da2.stride(0), db2.stride(0))
-    with device_ctx(a2):
-        if rows <= MAX_GRID_Y:
-            _swiglu_bwd_kernel[(grid_x, rows)](
-                dc2, a2, b2, da2, db2, cols, *strides, BLOCK=BLOCK_SIZE, num_warps=NUM_WARPS,
-            )
-            return
-        for r0 in range(0, rows, MAX_GRID_Y):
-            r1 = min(rows, r0 + MAX_GRID_Y)
-            _swiglu_bwd_kernel[(grid_x, r1 - r0)](
-                dc2[r0:r1], a2[r0:r1], b2[r0:r1], da2[r0:r1], db2[r0:r1], cols, *strides,
-                BLOCK=BLOCK_SIZE, num_warps=NUM_WARPS,
-            )
+    launch_rows(
+        _swiglu_bwd_kernel, (dc2, a2, b2, da2, db2), strides, a2.shape[1],
+        block=BLOCK_SIZE, num_warps=NUM_WARPS,
+    )
 
 
 # --------------------------------------------------------------------------- autograd
@@ -138,36 +110,11 @@ class SwiGLUFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, gate, up, inplace_backward=False):
-        a2, b2 = pair_rows(gate, up)
-        out = torch.empty(a2.shape, dtype=gate.dtype, device=gate.device)
-        if out.numel():
-            _launch_fwd(a2, b2, out)
-        ctx.inplace = bool(
-            inplace_backward
-            and owns_buffer(gate, a2) and owns_buffer(up, b2)
-            and gate.untyped_storage().data_ptr() != up.untyped_storage().data_ptr()
-        )
-        ctx.save_for_backward(gate, up)
-        return out.view(gate.shape)
+        return gated_forward(ctx, gate, up, inplace_backward, _launch_fwd)
 
     @staticmethod
     def backward(ctx, grad_out):
-        gate, up = ctx.saved_tensors
-        a2, b2 = pair_rows(gate, up)
-        dc2 = grad_out.contiguous().view(a2.shape)
-        if ctx.inplace:
-            da2, db2 = a2, b2
-        else:
-            da2 = torch.empty(a2.shape, dtype=gate.dtype, device=gate.device)
-            db2 = torch.empty(b2.shape, dtype=up.dtype, device=up.device)
-        if da2.numel():
-            _launch_bwd(dc2, a2, b2, da2, db2)
-        if ctx.inplace:
-            # Anyone else who saved gate/up now gets a loud version-counter error, not wrong grads.
-            torch.autograd.graph.increment_version(gate)
-            torch.autograd.graph.increment_version(up)
-            return gate, up, None
-        return da2.view(gate.shape), db2.view(up.shape), None
+        return (*gated_backward(ctx, grad_out, _launch_bwd), None)
 
 
 class SwiGLUPackedFunction(torch.autograd.Function):
@@ -218,17 +165,8 @@ def swiglu(
     ``inplace_backward=True`` writes the gradients into gate's and up's buffers (see the module
     docstring: only for callers that own those tensors).
     """
-    check_tensor("gate", gate, min_ndim=1, floating=True)
-    check_tensor("up", up, min_ndim=1, floating=True)
-    if up.shape != gate.shape:
-        raise ValueError(
-            f"up must have the same shape as gate {tuple(gate.shape)}, got {tuple(up.shape)}"
-        )
-    if up.dtype != gate.dtype:
-        raise TypeError(f"up must have gate's dtype {gate.dtype}, got {up.dtype}")
-    check_same_device(gate=gate, up=up)
-    if not isinstance(inplace_backward, bool):
-        raise TypeError(f"inplace_backward must be a bool, got {type(inplace_backward).__name__}")
+    check_gate_up(gate, up)
+    check_inplace_backward(inplace_backward)
     if resolve_impl(impl, gate, up) == "torch":
         return _swiglu_torch(gate, up)
     return SwiGLUFunction.apply(gate, up, inplace_backward)
@@ -246,8 +184,7 @@ def swiglu_packed(
         raise ValueError(
             f"gate_up must have an even last dimension (2 * intermediate_size), got shape {tuple(gate_up.shape)}"
         )
-    if not isinstance(inplace_backward, bool):
-        raise TypeError(f"inplace_backward must be a bool, got {type(inplace_backward).__name__}")
+    check_inplace_backward(inplace_backward)
     if resolve_impl(impl, gate_up) == "torch":
         gate, up = gate_up.chunk(2, dim=-1)
         return _swiglu_torch(gate, up)

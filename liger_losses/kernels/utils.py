@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import numbers
 import os
 from typing import Iterable, Optional, Sequence
 
@@ -33,6 +34,17 @@ def triton_importable() -> bool:
     except Exception:  # pragma: no cover - depends on the machine
         return False
     return True
+
+
+def import_triton():
+    """``(triton, triton.language)`` when Triton imports here, else ``(None, None)`` (machines
+    without Triton use the torch paths only)."""
+    if not triton_importable():  # pragma: no cover - depends on the machine
+        return None, None
+    import triton
+    import triton.language as tl
+
+    return triton, tl
 
 
 def triton_interpret() -> bool:
@@ -138,6 +150,22 @@ def check_labels(
             f"{name} must be in [0, {num_classes}) or equal ignore_index={ignore_index}, "
             f"found {example}"
         )
+
+
+def check_number(name: str, value) -> None:
+    """Raise ``TypeError`` unless ``value`` is a real number (``bool`` is not one)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{name} must be a real number, got {type(value).__name__}")
+
+
+def triton_fallback(impl: str, problem: Optional[Exception]) -> str:
+    """The path to take when Triton was chosen for ``impl``: "triton" when there is no
+    ``problem``; with one, raise it for ``impl="triton"``, else fall back to "torch"."""
+    if problem is None:
+        return "triton"
+    if impl == "triton":
+        raise problem
+    return "torch"
 
 
 def check_choice(name: str, value, choices: Sequence) -> None:

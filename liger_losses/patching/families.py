@@ -53,64 +53,52 @@ FAMILIES: Dict[str, FamilySpec] = {
 SUPPORTED_MODEL_TYPES = tuple(FAMILIES)
 
 
-def apply_liger_kernels_to_llama(
-    model: Optional[nn.Module] = None, *, rms_norm=True, rope=True, swiglu=True, cross_entropy=True
-):
-    """Patch a Llama model (or, with ``model=None``, the Llama modeling module)."""
-    return patch_family(
-        FAMILIES["llama"], model, rms_norm=rms_norm, rope=rope, mlp=swiglu, cross_entropy=cross_entropy
-    )
+def _patcher(model_type: str, doc: str):
+    """``apply_liger_kernels_to_<model_type>``: the MLP option is named after the family's MLP
+    kind (``swiglu`` or ``geglu``), as in liger-kernel."""
+    if FAMILIES[model_type].mlp_kind == "geglu":
+
+        def patch(
+            model: Optional[nn.Module] = None, *, rms_norm=True, rope=True, geglu=True, cross_entropy=True
+        ):
+            return patch_family(
+                FAMILIES[model_type], model, rms_norm=rms_norm, rope=rope, mlp=geglu,
+                cross_entropy=cross_entropy,
+            )
+
+    else:
+
+        def patch(
+            model: Optional[nn.Module] = None, *, rms_norm=True, rope=True, swiglu=True, cross_entropy=True
+        ):
+            return patch_family(
+                FAMILIES[model_type], model, rms_norm=rms_norm, rope=rope, mlp=swiglu,
+                cross_entropy=cross_entropy,
+            )
+
+    patch.__name__ = patch.__qualname__ = f"apply_liger_kernels_to_{model_type}"
+    patch.__doc__ = doc
+    return patch
 
 
-def apply_liger_kernels_to_mistral(
-    model: Optional[nn.Module] = None, *, rms_norm=True, rope=True, swiglu=True, cross_entropy=True
-):
-    """Patch a Mistral model (or, with ``model=None``, the Mistral modeling module)."""
-    return patch_family(
-        FAMILIES["mistral"], model, rms_norm=rms_norm, rope=rope, mlp=swiglu, cross_entropy=cross_entropy
-    )
-
-
-def apply_liger_kernels_to_qwen2(
-    model: Optional[nn.Module] = None, *, rms_norm=True, rope=True, swiglu=True, cross_entropy=True
-):
-    """Patch a Qwen2 model (or, with ``model=None``, the Qwen2 modeling module)."""
-    return patch_family(
-        FAMILIES["qwen2"], model, rms_norm=rms_norm, rope=rope, mlp=swiglu, cross_entropy=cross_entropy
-    )
-
-
-def apply_liger_kernels_to_qwen3(
-    model: Optional[nn.Module] = None, *, rms_norm=True, rope=True, swiglu=True, cross_entropy=True
-):
-    """Patch a Qwen3 model (or, with ``model=None``, the Qwen3 modeling module); q/k norms too."""
-    return patch_family(
-        FAMILIES["qwen3"], model, rms_norm=rms_norm, rope=rope, mlp=swiglu, cross_entropy=cross_entropy
-    )
-
-
-def apply_liger_kernels_to_gemma(
-    model: Optional[nn.Module] = None, *, rms_norm=True, rope=True, geglu=True, cross_entropy=True
-):
-    """Patch a Gemma model (or, with ``model=None``, the Gemma modeling module)."""
-    return patch_family(
-        FAMILIES["gemma"], model, rms_norm=rms_norm, rope=rope, mlp=geglu, cross_entropy=cross_entropy
-    )
-
-
-def apply_liger_kernels_to_gemma2(
-    model: Optional[nn.Module] = None, *, rms_norm=True, rope=True, geglu=True, cross_entropy=True
-):
-    """Patch a Gemma-2 model (or its modeling module); the loss honours final_logit_softcapping."""
-    return patch_family(
-        FAMILIES["gemma2"], model, rms_norm=rms_norm, rope=rope, mlp=geglu, cross_entropy=cross_entropy
-    )
-
-
-def apply_liger_kernels_to_phi3(
-    model: Optional[nn.Module] = None, *, rms_norm=True, rope=True, swiglu=True, cross_entropy=True
-):
-    """Patch a Phi-3 model (or, with ``model=None``, the Phi-3 modeling module)."""
-    return patch_family(
-        FAMILIES["phi3"], model, rms_norm=rms_norm, rope=rope, mlp=swiglu, cross_entropy=cross_entropy
-    )
+apply_liger_kernels_to_llama = _patcher(
+    "llama", "Patch a Llama model (or, with ``model=None``, the Llama modeling module)."
+)
+apply_liger_kernels_to_mistral = _patcher(
+    "mistral", "Patch a Mistral model (or, with ``model=None``, the Mistral modeling module)."
+)
+apply_liger_kernels_to_qwen2 = _patcher(
+    "qwen2", "Patch a Qwen2 model (or, with ``model=None``, the Qwen2 modeling module)."
+)
+apply_liger_kernels_to_qwen3 = _patcher(
+    "qwen3", "Patch a Qwen3 model (or, with ``model=None``, the Qwen3 modeling module); q/k norms too."
+)
+apply_liger_kernels_to_gemma = _patcher(
+    "gemma", "Patch a Gemma model (or, with ``model=None``, the Gemma modeling module)."
+)
+apply_liger_kernels_to_gemma2 = _patcher(
+    "gemma2", "Patch a Gemma-2 model (or its modeling module); the loss honours final_logit_softcapping."
+)
+apply_liger_kernels_to_phi3 = _patcher(
+    "phi3", "Patch a Phi-3 model (or, with ``model=None``, the Phi-3 modeling module)."
+)

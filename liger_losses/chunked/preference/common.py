@@ -11,7 +11,12 @@ share:
 * :func:`chosen_nll_per_unit` -- the per-pair share of a batch-token-averaged NLL term on the
   chosen sequences, so that the engine's mean over pairs gives exactly the token mean;
 * :func:`sequence_metrics` -- token-weighted mean logits, token accuracy and entropy of a subset of
-  sequences, read off the (detached) whole-batch stats: no extra GEMM.
+  sequences, read off the (detached) whole-batch stats: no extra GEMM;
+* :func:`pair_reward_metrics` -- the reward/log-prob/logit means every paired loss logs
+  (``PAIR_TRL_METRIC_NAMES``), and :func:`detached`;
+* :class:`StoredOptions` -- base of the engine objectives (options kept as attributes);
+* :class:`PreferenceLossModule` -- base of the ``nn.Module`` twins (options fixed at construction,
+  ``forward(weight, hidden, labels, *, bias=None)`` calling the functional, ``extra_repr``).
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ import math
 from typing import Dict, Optional
 
 import torch
+from torch import nn
 
 from ...kernels.utils import check_last_dim, check_same_device, check_tensor
 
@@ -62,20 +68,9 @@ def check_inputs(
             f"{hidden_name} must hold an even number of sequences laid out [chosen; rejected] on dim 0, "
             f"got batch size {hidden.shape[0]}"
         )
-    if bias is not None:
-        check_tensor("bias", bias, ndim=1, floating=True)
-        if bias.shape[0] != vocab:
-            raise ValueError(f"bias must have shape [{vocab}] (weight's vocab size), got {tuple(bias.shape)}")
-    if ref_weight is not None:
-        check_tensor("ref_weight", ref_weight, ndim=2, floating=True)
-        if ref_weight.shape[0] != vocab:
-            raise ValueError(
-                f"ref_weight must have {vocab} rows (weight's vocab size), got shape {tuple(ref_weight.shape)}"
-            )
-    if ref_bias is not None:
-        check_tensor("ref_bias", ref_bias, ndim=1, floating=True)
-        if ref_bias.shape[0] != vocab:
-            raise ValueError(f"ref_bias must have shape [{vocab}] (the vocab size), got {tuple(ref_bias.shape)}")
+    _check_vocab_rows("bias", bias, 1, vocab, f"must have shape [{vocab}] (weight's vocab size), got")
+    _check_vocab_rows("ref_weight", ref_weight, 2, vocab, f"must have {vocab} rows (weight's vocab size), got shape")
+    _check_vocab_rows("ref_bias", ref_bias, 1, vocab, f"must have shape [{vocab}] (the vocab size), got")
     if ref_hidden is not None:
         check_tensor(ref_hidden_name, ref_hidden, ndim=3, floating=True)
         ref_h = (ref_weight if ref_weight is not None else weight).shape[1]
@@ -89,6 +84,15 @@ def check_inputs(
         weight=weight, **{hidden_name: hidden, labels_name: labels, ref_hidden_name: ref_hidden},
         bias=bias, ref_weight=ref_weight, ref_bias=ref_bias,
     )
+
+
+def _check_vocab_rows(name: str, value: Optional[torch.Tensor], ndim: int, vocab: int, expected: str) -> None:
+    """Check an optional float ``ndim``-d head tensor whose dim 0 is the vocab; error ``"{name} {expected} {shape}"``."""
+    if value is None:
+        return
+    check_tensor(name, value, ndim=ndim, floating=True)
+    if value.shape[0] != vocab:
+        raise ValueError(f"{name} {expected} {tuple(value.shape)}")
 
 
 def check_sequence_values(name: str, value, size: int, device: torch.device) -> torch.Tensor:
@@ -160,6 +164,44 @@ def sequence_metrics(stats, select: torch.Tensor, prefix: str) -> Dict[str, torc
     return {f"{prefix}_logits_mean": token_mean(stats.logits_sum[select], stats.num_tokens[select])}
 
 
+# The metric keys every paired loss logs (see :func:`pair_reward_metrics`) -> TRL 1.16's names.
+PAIR_TRL_METRIC_NAMES = {
+    "chosen_rewards": "rewards/chosen",
+    "rejected_rewards": "rewards/rejected",
+    "reward_accuracies": "rewards/accuracies",
+    "reward_margins": "rewards/margins",
+    "chosen_logps": "logps/chosen",
+    "rejected_logps": "logps/rejected",
+    "chosen_logits_mean": "logits/chosen",
+    "rejected_logits_mean": "logits/rejected",
+}
+
+
+def pair_reward_metrics(
+    stats, chosen_logps: torch.Tensor, rejected_logps: torch.Tensor, chosen_rewards: torch.Tensor,
+    rejected_rewards: torch.Tensor,
+) -> Dict[str, torch.Tensor]:
+    """The ``PAIR_TRL_METRIC_NAMES`` keys of a ``[chosen; rejected]`` batch: 0-d means over the ``P``
+    pairs of the given ``[P]`` log-probs and rewards (0 when empty), reward accuracy and margin, and
+    the token-weighted mean logits of each half (:func:`sequence_metrics`)."""
+    half = chosen_logps.shape[0]
+    return {
+        "chosen_rewards": safe_mean(chosen_rewards),
+        "rejected_rewards": safe_mean(rejected_rewards),
+        "reward_accuracies": safe_mean((chosen_rewards > rejected_rewards).float()),
+        "reward_margins": safe_mean(chosen_rewards - rejected_rewards),
+        "chosen_logps": safe_mean(chosen_logps),
+        "rejected_logps": safe_mean(rejected_logps),
+        **sequence_metrics(stats, slice(0, half), "chosen"),
+        **sequence_metrics(stats, slice(half, 2 * half), "rejected"),
+    }
+
+
+def detached(metrics: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
+    """``metrics`` with every value detached (what the losses return)."""
+    return {k: v.detach() for k, v in metrics.items()}
+
+
 def entropy_metric(stats) -> Dict[str, torch.Tensor]:
     """``entropy``: mean softmax entropy over all valid tokens of the batch, when the engine gave it."""
     if stats.entropy_sum is None:
@@ -177,3 +219,37 @@ def log1mexp(x: torch.Tensor) -> torch.Tensor:
     return torch.where(
         x < -math.log(2.0), torch.log1p(-torch.exp(x)), torch.log(-torch.expm1(x))
     )
+
+
+class StoredOptions:
+    """Base of the engine objectives: keyword options become attributes (``obj.beta``, ...)."""
+
+    def __init__(self, **options):
+        for name, value in options.items():
+            setattr(self, name, value)
+
+
+class PreferenceLossModule(nn.Module):
+    """Base of the preference loss modules: options fixed at construction, tensors at call.
+
+    A subclass validates its options, then calls ``super().__init__(locals())`` so that
+    ``self.options`` holds its constructor arguments by name; it sets ``functional`` (the functional
+    twin, as a ``staticmethod``), ``TRL_METRIC_NAMES`` and ``REPR_KEYS`` (the options ``extra_repr`` shows). The default
+    ``forward(weight, hidden, labels, *, bias=None)`` suits the reference-free losses.
+    """
+
+    functional = None
+    TRL_METRIC_NAMES: Dict[str, str] = {}
+    REPR_KEYS: tuple = ("beta",)
+
+    def __init__(self, arguments: dict):
+        super().__init__()
+        self.options = {k: v for k, v in arguments.items() if k not in ("self", "__class__")}
+
+    def forward(
+        self, weight: torch.Tensor, hidden: torch.Tensor, labels: torch.Tensor, *, bias: Optional[torch.Tensor] = None
+    ):
+        return self.functional(weight, hidden, labels, bias=bias, **self.options)
+
+    def extra_repr(self) -> str:
+        return ", ".join(f"{k}={self.options[k]!r}" for k in self.REPR_KEYS)

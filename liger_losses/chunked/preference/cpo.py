@@ -28,19 +28,21 @@ from typing import Optional
 
 import torch
 import torch.nn.functional as F
-from torch import nn
 
 from ...kernels.utils import check_choice, check_range
 from ..engine import fused_linear_sequence_objective
 from ..output import LossOutput
 from .common import (
+    PAIR_TRL_METRIC_NAMES,
+    PreferenceLossModule,
+    StoredOptions,
     average_logps,
     batch_chosen_nll,
     check_inputs,
     chosen_nll_per_unit,
+    detached,
     entropy_metric,
-    safe_mean,
-    sequence_metrics,
+    pair_reward_metrics,
     split_pairs,
 )
 
@@ -48,18 +50,7 @@ CPO_LOSS_TYPES = ("sigmoid", "hinge", "ipo", "simpo")
 AVERAGED_LOSS_TYPES = frozenset({"ipo", "simpo"})
 
 # our metric key -> the name TRL 1.16's CPOTrainer logs
-TRL_METRIC_NAMES = {
-    "chosen_rewards": "rewards/chosen",
-    "rejected_rewards": "rewards/rejected",
-    "reward_accuracies": "rewards/accuracies",
-    "reward_margins": "rewards/margins",
-    "chosen_logps": "logps/chosen",
-    "rejected_logps": "logps/rejected",
-    "chosen_logits_mean": "logits/chosen",
-    "rejected_logits_mean": "logits/rejected",
-    "nll_loss": "nll_loss",
-    "entropy": "entropy",
-}
+TRL_METRIC_NAMES = {**PAIR_TRL_METRIC_NAMES, "nll_loss": "nll_loss", "entropy": "entropy"}
 
 
 def alphapo_rewards(logps: torch.Tensor, alpha: float) -> torch.Tensor:
@@ -111,18 +102,13 @@ def normalize_cpo_options(*, beta, loss_type, label_smoothing, cpo_alpha, simpo_
     return loss_type, float(cpo_alpha)
 
 
-class CPOObjective:
-    """``objective(stats) -> (losses [U], {})`` for the chunked engine (pairs, separable)."""
+class CPOObjective(StoredOptions):
+    """``objective(stats) -> (losses [U], {})`` for the chunked engine (pairs, separable).
+
+    Options (keyword): ``beta, loss_type, label_smoothing, cpo_alpha, simpo_gamma, alpha``.
+    """
 
     separable = True
-
-    def __init__(self, *, beta, loss_type, label_smoothing, cpo_alpha, simpo_gamma, alpha):
-        self.beta = beta
-        self.loss_type = loss_type
-        self.label_smoothing = label_smoothing
-        self.cpo_alpha = cpo_alpha
-        self.simpo_gamma = simpo_gamma
-        self.alpha = alpha
 
     def __call__(self, stats):
         logps = stats.logps
@@ -147,21 +133,12 @@ def cpo_metrics(stats, *, beta: float, loss_type: str, cpo_alpha: float, alpha: 
     chosen, rejected = split_pairs(logps)
     chosen_rewards = beta * alphapo_rewards(chosen, alpha)
     rejected_rewards = beta * alphapo_rewards(rejected, alpha)
-    half = chosen.shape[0]
     nll = batch_chosen_nll(stats.logps, stats.num_tokens) if cpo_alpha != 0.0 else stats.logps.new_zeros(())
-    metrics = {
-        "chosen_rewards": safe_mean(chosen_rewards),
-        "rejected_rewards": safe_mean(rejected_rewards),
-        "reward_accuracies": safe_mean((chosen_rewards > rejected_rewards).float()),
-        "reward_margins": safe_mean(chosen_rewards - rejected_rewards),
-        "chosen_logps": safe_mean(chosen),
-        "rejected_logps": safe_mean(rejected),
-        **sequence_metrics(stats, slice(0, half), "chosen"),
-        **sequence_metrics(stats, slice(half, 2 * half), "rejected"),
+    return detached({
+        **pair_reward_metrics(stats, chosen, rejected, chosen_rewards, rejected_rewards),
         "nll_loss": nll,
         **entropy_metric(stats),
-    }
-    return {k: v.detach() for k, v in metrics.items()}
+    })
 
 
 def fused_linear_cpo_loss(
@@ -233,10 +210,12 @@ def fused_linear_simpo_loss(
     )
 
 
-class LigerFusedLinearCPOLoss(nn.Module):
+class LigerFusedLinearCPOLoss(PreferenceLossModule):
     """Module twin of :func:`fused_linear_cpo_loss`: ``loss_fn(weight, hidden, labels, *, bias=None)``."""
 
+    functional = staticmethod(fused_linear_cpo_loss)
     TRL_METRIC_NAMES = TRL_METRIC_NAMES
+    REPR_KEYS = ("beta", "loss_type", "cpo_alpha")
 
     def __init__(
         self,
@@ -255,31 +234,19 @@ class LigerFusedLinearCPOLoss(nn.Module):
         accum_dtype: Optional[torch.dtype] = None,
         impl: str = "auto",
     ):
-        super().__init__()
         normalize_cpo_options(
             beta=beta, loss_type=loss_type, label_smoothing=label_smoothing, cpo_alpha=cpo_alpha,
             simpo_gamma=simpo_gamma, alpha=alpha,
         )
-        self.options = dict(
-            beta=beta, loss_type=loss_type, cpo_alpha=cpo_alpha, label_smoothing=label_smoothing,
-            simpo_gamma=simpo_gamma, alpha=alpha, need_entropy=need_entropy, ignore_index=ignore_index,
-            softcap=softcap, logit_scale=logit_scale, chunk_tokens=chunk_tokens, accum_dtype=accum_dtype,
-            impl=impl,
-        )
-
-    def forward(
-        self, weight: torch.Tensor, hidden: torch.Tensor, labels: torch.Tensor, *, bias: Optional[torch.Tensor] = None
-    ) -> LossOutput:
-        return fused_linear_cpo_loss(weight, hidden, labels, bias=bias, **self.options)
-
-    def extra_repr(self) -> str:
-        return ", ".join(f"{k}={self.options[k]!r}" for k in ("beta", "loss_type", "cpo_alpha"))
+        super().__init__(locals())
 
 
-class LigerFusedLinearSimPOLoss(nn.Module):
+class LigerFusedLinearSimPOLoss(PreferenceLossModule):
     """SimPO module: ``loss_fn(weight, hidden, labels, *, bias=None)``; CPO ``loss_type="simpo"``."""
 
+    functional = staticmethod(fused_linear_simpo_loss)
     TRL_METRIC_NAMES = TRL_METRIC_NAMES
+    REPR_KEYS = ("beta", "gamma")
 
     def __init__(
         self,
@@ -297,21 +264,8 @@ class LigerFusedLinearSimPOLoss(nn.Module):
         accum_dtype: Optional[torch.dtype] = None,
         impl: str = "auto",
     ):
-        super().__init__()
         normalize_cpo_options(
             beta=beta, loss_type="simpo", label_smoothing=label_smoothing, cpo_alpha=cpo_alpha,
             simpo_gamma=gamma, alpha=alpha,
         )
-        self.options = dict(
-            beta=beta, gamma=gamma, label_smoothing=label_smoothing, cpo_alpha=cpo_alpha, alpha=alpha,
-            need_entropy=need_entropy, ignore_index=ignore_index, softcap=softcap, logit_scale=logit_scale,
-            chunk_tokens=chunk_tokens, accum_dtype=accum_dtype, impl=impl,
-        )
-
-    def forward(
-        self, weight: torch.Tensor, hidden: torch.Tensor, labels: torch.Tensor, *, bias: Optional[torch.Tensor] = None
-    ) -> LossOutput:
-        return fused_linear_simpo_loss(weight, hidden, labels, bias=bias, **self.options)
-
-    def extra_repr(self) -> str:
-        return f"beta={self.options['beta']!r}, gamma={self.options['gamma']!r}"
+        super().__init__(locals())

@@ -30,18 +30,19 @@ from typing import Optional, Sequence
 
 import torch
 import torch.nn.functional as F
-from torch import nn
 
 from ...kernels.utils import check_choice, check_range
 from ..engine import fused_linear_sequence_objective
 from ..output import LossOutput
 from .common import (
+    PAIR_TRL_METRIC_NAMES,
+    PreferenceLossModule,
     check_inputs,
     check_sequence_values,
     chosen_nll_per_unit,
+    detached,
     entropy_metric,
-    safe_mean,
-    sequence_metrics,
+    pair_reward_metrics,
     split_pairs,
     token_mean,
 )
@@ -59,18 +60,7 @@ F_DIVERGENCE_LOSS_TYPES = frozenset(
 SORTING_LOSS_TYPES = frozenset({"aot", "aot_unpaired"})
 
 # our metric key -> the name TRL 1.16's DPOTrainer logs
-TRL_METRIC_NAMES = {
-    "chosen_logps": "logps/chosen",
-    "rejected_logps": "logps/rejected",
-    "chosen_rewards": "rewards/chosen",
-    "rejected_rewards": "rewards/rejected",
-    "reward_margins": "rewards/margins",
-    "reward_accuracies": "rewards/accuracies",
-    "chosen_logits_mean": "logits/chosen",
-    "rejected_logits_mean": "logits/rejected",
-    "mean_token_accuracy": "mean_token_accuracy",
-    "entropy": "entropy",
-}
+TRL_METRIC_NAMES = {**PAIR_TRL_METRIC_NAMES, "mean_token_accuracy": "mean_token_accuracy", "entropy": "entropy"}
 
 
 # --------------------------------------------------------------------------- the formula
@@ -339,21 +329,12 @@ def dpo_metrics(stats, *, beta: float) -> dict:
     ref_chosen, ref_rejected = split_pairs(stats.ref_logps)
     chosen_rewards = beta * (chosen - ref_chosen)
     rejected_rewards = beta * (rejected - ref_rejected)
-    half = chosen.shape[0]
-    c_sel, r_sel = slice(0, half), slice(half, 2 * half)
-    metrics = {
-        "chosen_logps": safe_mean(chosen),
-        "rejected_logps": safe_mean(rejected),
-        "chosen_rewards": safe_mean(chosen_rewards),
-        "rejected_rewards": safe_mean(rejected_rewards),
-        "reward_margins": safe_mean(chosen_rewards - rejected_rewards),
-        "reward_accuracies": safe_mean((chosen_rewards > rejected_rewards).float()),
-        **sequence_metrics(stats, c_sel, "chosen"),
-        **sequence_metrics(stats, r_sel, "rejected"),
+    c_sel = slice(0, chosen.shape[0])
+    return detached({
+        **pair_reward_metrics(stats, chosen, rejected, chosen_rewards, rejected_rewards),
         "mean_token_accuracy": token_mean(stats.correct[c_sel], stats.num_tokens[c_sel]),
         **entropy_metric(stats),
-    }
-    return {k: v.detach() for k, v in metrics.items()}
+    })
 
 
 # --------------------------------------------------------------------------- functional + module
@@ -443,7 +424,7 @@ def fused_linear_dpo_loss(
     return LossOutput(loss, dpo_metrics(stats, beta=beta))
 
 
-class LigerFusedLinearDPOLoss(nn.Module):
+class LigerFusedLinearDPOLoss(PreferenceLossModule):
     """Module twin of :func:`fused_linear_dpo_loss`: options at construction, tensors at call.
 
     ``loss_fn(weight, hidden, ref_hidden, labels, *, bias=None, ref_weight=None, ref_bias=None,
@@ -451,6 +432,7 @@ class LigerFusedLinearDPOLoss(nn.Module):
     """
 
     TRL_METRIC_NAMES = TRL_METRIC_NAMES
+    REPR_KEYS = ("beta", "loss_type")
 
     def __init__(
         self,
@@ -474,21 +456,14 @@ class LigerFusedLinearDPOLoss(nn.Module):
         accum_dtype: Optional[torch.dtype] = None,
         impl: str = "auto",
     ):
-        super().__init__()
-        self.options = dict(
-            beta=beta, loss_type=loss_type if isinstance(loss_type, str) else tuple(loss_type),
-            loss_weights=None if loss_weights is None else tuple(loss_weights),
-            label_smoothing=label_smoothing, f_divergence_type=f_divergence_type,
-            f_alpha_divergence_coef=f_alpha_divergence_coef, discopop_tau=discopop_tau, ld_alpha=ld_alpha,
-            use_weighting=use_weighting, rpo_alpha=rpo_alpha, reference_free=reference_free,
-            need_entropy=need_entropy, ignore_index=ignore_index, softcap=softcap, logit_scale=logit_scale,
-            chunk_tokens=chunk_tokens, accum_dtype=accum_dtype, impl=impl,
-        )
         normalize_dpo_options(  # fail at construction on bad options
             beta=beta, loss_type=loss_type, loss_weights=loss_weights, label_smoothing=label_smoothing,
             f_divergence_type=f_divergence_type, f_alpha_divergence_coef=f_alpha_divergence_coef,
             discopop_tau=discopop_tau, ld_alpha=ld_alpha, use_weighting=use_weighting, rpo_alpha=rpo_alpha,
         )
+        loss_type = loss_type if isinstance(loss_type, str) else tuple(loss_type)
+        loss_weights = None if loss_weights is None else tuple(loss_weights)
+        super().__init__(locals())
 
     def forward(
         self,
@@ -507,6 +482,3 @@ class LigerFusedLinearDPOLoss(nn.Module):
             weight, hidden, ref_hidden, labels, bias=bias, ref_weight=ref_weight, ref_bias=ref_bias,
             ref_chosen_logps=ref_chosen_logps, ref_rejected_logps=ref_rejected_logps, **self.options,
         )
-
-    def extra_repr(self) -> str:
-        return ", ".join(f"{k}={v!r}" for k, v in self.options.items() if k in ("beta", "loss_type"))

@@ -26,12 +26,13 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
-from torch import nn
 
 from ...kernels.utils import check_choice, check_range, check_tensor
 from ..engine import fused_linear_sequence_objective
 from ..output import LossOutput
 from .common import (
+    PreferenceLossModule,
+    StoredOptions,
     check_inputs,
     check_sequence_values,
     entropy_metric,
@@ -79,18 +80,21 @@ def kto_sequence_losses(
     return torch.where(desirable, desirable_weight * chosen, undesirable_weight * rejected)
 
 
-class KTOObjective:
-    """``objective(stats) -> (losses [S], {})`` for the chunked engine (single sequences, separable)."""
+def check_kto_options(*, beta: float, loss_type: str, desirable_weight: float, undesirable_weight: float) -> None:
+    """Raise ``ValueError`` naming the option when a KTO option is out of range."""
+    check_choice("loss_type", loss_type, KTO_LOSS_TYPES)
+    check_range("beta", beta, 0.0, None, low_inclusive=False)
+    check_range("desirable_weight", desirable_weight, 0.0, None)
+    check_range("undesirable_weight", undesirable_weight, 0.0, None)
+
+
+class KTOObjective(StoredOptions):
+    """``objective(stats) -> (losses [S], {})`` for the chunked engine (single sequences, separable).
+
+    Options (keyword): ``preference_labels, kl, beta, loss_type, desirable_weight, undesirable_weight``.
+    """
 
     separable = True
-
-    def __init__(self, *, preference_labels, kl, beta, loss_type, desirable_weight, undesirable_weight):
-        self.preference_labels = preference_labels
-        self.kl = kl
-        self.beta = beta
-        self.loss_type = loss_type
-        self.desirable_weight = desirable_weight
-        self.undesirable_weight = undesirable_weight
 
     def __call__(self, stats):
         if stats.ref_logps is None:
@@ -198,10 +202,9 @@ def fused_linear_kto_loss(
     ``kl`` (0-d, optional) replaces the KL estimate from ``kl_hidden`` (e.g. one gathered across
     processes); it is used as given (detached).
     """
-    check_choice("loss_type", loss_type, KTO_LOSS_TYPES)
-    check_range("beta", beta, 0.0, None, low_inclusive=False)
-    check_range("desirable_weight", desirable_weight, 0.0, None)
-    check_range("undesirable_weight", undesirable_weight, 0.0, None)
+    check_kto_options(
+        beta=beta, loss_type=loss_type, desirable_weight=desirable_weight, undesirable_weight=undesirable_weight
+    )
     check_inputs(
         weight, hidden, labels, paired=False, bias=bias, ref_hidden=ref_hidden, ref_weight=ref_weight,
         ref_bias=ref_bias,
@@ -265,7 +268,7 @@ def fused_linear_kto_loss(
     return LossOutput(loss, kto_metrics(stats, preference_labels, kl_value, beta=beta))
 
 
-class LigerFusedLinearKTOLoss(nn.Module):
+class LigerFusedLinearKTOLoss(PreferenceLossModule):
     """Module twin of :func:`fused_linear_kto_loss`.
 
     ``loss_fn(weight, hidden, ref_hidden, labels, *, preference_labels, bias=None, ref_weight=None,
@@ -274,6 +277,7 @@ class LigerFusedLinearKTOLoss(nn.Module):
     """
 
     TRL_METRIC_NAMES = TRL_METRIC_NAMES
+    REPR_KEYS = ("beta", "loss_type")
 
     def __init__(
         self,
@@ -290,17 +294,10 @@ class LigerFusedLinearKTOLoss(nn.Module):
         accum_dtype: Optional[torch.dtype] = None,
         impl: str = "auto",
     ):
-        super().__init__()
-        check_choice("loss_type", loss_type, KTO_LOSS_TYPES)
-        check_range("beta", beta, 0.0, None, low_inclusive=False)
-        check_range("desirable_weight", desirable_weight, 0.0, None)
-        check_range("undesirable_weight", undesirable_weight, 0.0, None)
-        self.options = dict(
-            beta=beta, loss_type=loss_type, desirable_weight=desirable_weight,
-            undesirable_weight=undesirable_weight, need_entropy=need_entropy, ignore_index=ignore_index,
-            softcap=softcap, logit_scale=logit_scale, chunk_tokens=chunk_tokens, accum_dtype=accum_dtype,
-            impl=impl,
+        check_kto_options(
+            beta=beta, loss_type=loss_type, desirable_weight=desirable_weight, undesirable_weight=undesirable_weight
         )
+        super().__init__(locals())
 
     def forward(
         self,
@@ -325,6 +322,3 @@ class LigerFusedLinearKTOLoss(nn.Module):
             ref_weight=ref_weight, ref_bias=ref_bias, kl_hidden=kl_hidden, kl_ref_hidden=kl_ref_hidden,
             kl_labels=kl_labels, ref_logps=ref_logps, ref_kl_logps=ref_kl_logps, kl=kl, **self.options,
         )
-
-    def extra_repr(self) -> str:
-        return ", ".join(f"{k}={self.options[k]!r}" for k in ("beta", "loss_type"))

@@ -29,33 +29,28 @@ from typing import Optional
 
 import torch
 import torch.nn.functional as F
-from torch import nn
 
 from ...kernels.utils import check_range
 from ..engine import fused_linear_sequence_objective
 from ..output import LossOutput
 from .common import (
+    PAIR_TRL_METRIC_NAMES,
+    PreferenceLossModule,
     average_logps,
     batch_chosen_nll,
     check_inputs,
     chosen_nll_per_unit,
+    detached,
     entropy_metric,
     log1mexp,
+    pair_reward_metrics,
     safe_mean,
-    sequence_metrics,
     split_pairs,
 )
 
 # our metric key -> the name TRL 1.16's ORPOTrainer logs
 TRL_METRIC_NAMES = {
-    "chosen_rewards": "rewards/chosen",
-    "rejected_rewards": "rewards/rejected",
-    "reward_accuracies": "rewards/accuracies",
-    "reward_margins": "rewards/margins",
-    "chosen_logps": "logps/chosen",
-    "rejected_logps": "logps/rejected",
-    "chosen_logits_mean": "logits/chosen",
-    "rejected_logits_mean": "logits/rejected",
+    **PAIR_TRL_METRIC_NAMES,
     "nll_loss": "nll_loss",
     "log_odds_ratio": "log_odds_ratio",
     "log_odds_chosen": "log_odds_chosen",
@@ -114,23 +109,13 @@ def orpo_metrics(stats, *, beta: float) -> dict:
     avg = average_logps(stats.logps, stats.num_tokens)
     chosen, rejected = split_pairs(avg)
     log_odds = orpo_log_odds(chosen, rejected)
-    chosen_rewards, rejected_rewards = beta * chosen, beta * rejected
-    half = chosen.shape[0]
-    metrics = {
-        "chosen_rewards": safe_mean(chosen_rewards),
-        "rejected_rewards": safe_mean(rejected_rewards),
-        "reward_accuracies": safe_mean((chosen_rewards > rejected_rewards).float()),
-        "reward_margins": safe_mean(chosen_rewards - rejected_rewards),
-        "chosen_logps": safe_mean(chosen),
-        "rejected_logps": safe_mean(rejected),
-        **sequence_metrics(stats, slice(0, half), "chosen"),
-        **sequence_metrics(stats, slice(half, 2 * half), "rejected"),
+    return detached({
+        **pair_reward_metrics(stats, chosen, rejected, beta * chosen, beta * rejected),
         "nll_loss": batch_chosen_nll(stats.logps, stats.num_tokens),
         "log_odds_ratio": safe_mean(F.logsigmoid(log_odds)),
         "log_odds_chosen": safe_mean(log_odds),
         **entropy_metric(stats),
-    }
-    return {k: v.detach() for k, v in metrics.items()}
+    })
 
 
 def fused_linear_orpo_loss(
@@ -161,9 +146,10 @@ def fused_linear_orpo_loss(
     return LossOutput(loss, orpo_metrics(stats, beta=beta))
 
 
-class LigerFusedLinearORPOLoss(nn.Module):
+class LigerFusedLinearORPOLoss(PreferenceLossModule):
     """Module twin of :func:`fused_linear_orpo_loss`: ``loss_fn(weight, hidden, labels, *, bias=None)``."""
 
+    functional = staticmethod(fused_linear_orpo_loss)
     TRL_METRIC_NAMES = TRL_METRIC_NAMES
 
     def __init__(
@@ -178,17 +164,5 @@ class LigerFusedLinearORPOLoss(nn.Module):
         accum_dtype: Optional[torch.dtype] = None,
         impl: str = "auto",
     ):
-        super().__init__()
         check_range("beta", beta, 0.0, None)
-        self.options = dict(
-            beta=beta, need_entropy=need_entropy, ignore_index=ignore_index, softcap=softcap,
-            logit_scale=logit_scale, chunk_tokens=chunk_tokens, accum_dtype=accum_dtype, impl=impl,
-        )
-
-    def forward(
-        self, weight: torch.Tensor, hidden: torch.Tensor, labels: torch.Tensor, *, bias: Optional[torch.Tensor] = None
-    ) -> LossOutput:
-        return fused_linear_orpo_loss(weight, hidden, labels, bias=bias, **self.options)
-
-    def extra_repr(self) -> str:
-        return f"beta={self.options['beta']!r}"
+        super().__init__(locals())

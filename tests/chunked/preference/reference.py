@@ -6,6 +6,7 @@ the float64 copies of hidden/weight/bias. The ``trl_*`` functions run TRL 1.16's
 (``DPOTrainer._compute_loss``, ``KTOTrainer._compute_loss``, ``ORPOTrainer.odds_ratio_loss``,
 ``CPOTrainer.cpo_loss``) unbound, on a stand-in ``self`` and stand-in models that return those
 per-token outputs, so the test reference is TRL's formula on plainly computed log-probs.
+``assert_matches_trl_cpo`` checks a CPO/SimPO output against ``trl_cpo_reference`` (shared by their tests).
 """
 
 from __future__ import annotations
@@ -16,6 +17,9 @@ from types import SimpleNamespace
 
 import torch
 import torch.nn.functional as F
+
+from liger_losses.chunked.preference.cpo import TRL_METRIC_NAMES as CPO_METRIC_NAMES
+from tests.helpers import TOL, rel_err
 
 os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")  # ORPO/CPO live in trl.experimental
 
@@ -252,3 +256,16 @@ def trl_cpo_reference(w64, h64, b64, labels, *, beta=0.1, loss_type="sigmoid", l
         "nll_loss": float(nll.detach()),
     }
     return loss, metrics
+
+
+def assert_matches_trl_cpo(out, w, h, b, labels, trl_options):
+    """CPO/SimPO ``out`` (from ``w, h, b``; ``b`` may be None) vs ``trl_cpo_reference(**trl_options)`` on
+    float64 copies: loss, grads of hidden/weight/bias within the fp32 bar (1e-5), metrics via
+    ``assert_metrics_match`` with the CPO metric names."""
+    w64, h64, b64 = leaf64(w, h, b)
+    loss64, m64 = trl_cpo_reference(w64, h64, b64, labels, **trl_options)
+    assert rel_err(out.loss, loss64) <= TOL[torch.float32], (float(out.loss.detach()), float(loss64.detach()))
+    for name, got, want in zip(("hidden", "weight", "bias"), grads(out.loss, h, w, b), grads(loss64, h64, w64, b64)):
+        if want is not None:
+            assert rel_err(got, want) <= TOL[torch.float32], name
+    assert_metrics_match(out.metrics, m64, CPO_METRIC_NAMES)

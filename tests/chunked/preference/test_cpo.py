@@ -7,7 +7,6 @@ Tolerance: relative error <= 1e-5 (fp32 bar) on loss, grads of hidden/weight/bia
 """
 
 import pytest
-import torch
 
 from liger_losses.chunked.preference.cpo import (
     CPO_LOSS_TYPES,
@@ -15,14 +14,7 @@ from liger_losses.chunked.preference.cpo import (
     LigerFusedLinearCPOLoss,
     fused_linear_cpo_loss,
 )
-from tests.chunked.preference.reference import (
-    assert_metrics_match,
-    grads,
-    leaf64,
-    make_inputs,
-    trl_cpo_reference,
-)
-from tests.helpers import TOL, rel_err
+from tests.chunked.preference.reference import assert_matches_trl_cpo, make_inputs
 
 SHAPE = dict(batch=6, seq=8, hid=16, vocab=64)
 
@@ -30,13 +22,7 @@ SHAPE = dict(batch=6, seq=8, hid=16, vocab=64)
 def run_vs_trl(options, *, impl="torch", chunk_tokens=24, bias=False, seed=0, trl_options=None):
     w, h, _, lab, b = make_inputs(**SHAPE, bias=bias, seed=seed)
     out = fused_linear_cpo_loss(w, h, lab, bias=b, impl=impl, chunk_tokens=chunk_tokens, **options)
-    w64, h64, b64 = leaf64(w, h, b)
-    loss64, m64 = trl_cpo_reference(w64, h64, b64, lab, **(trl_options or options))
-    assert rel_err(out.loss, loss64) <= TOL[torch.float32], (float(out.loss.detach()), float(loss64.detach()))
-    for name, got, want in zip(("hidden", "weight", "bias"), grads(out.loss, h, w, b), grads(loss64, h64, w64, b64)):
-        if want is not None:
-            assert rel_err(got, want) <= TOL[torch.float32], name
-    assert_metrics_match(out.metrics, m64, TRL_METRIC_NAMES)
+    assert_matches_trl_cpo(out, w, h, b, lab, trl_options or options)
 
 
 @pytest.mark.parametrize("loss_type", CPO_LOSS_TYPES)

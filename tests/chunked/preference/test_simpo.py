@@ -8,19 +8,11 @@ import pytest
 import torch
 
 from liger_losses.chunked.preference.cpo import (
-    TRL_METRIC_NAMES,
     LigerFusedLinearSimPOLoss,
     fused_linear_cpo_loss,
     fused_linear_simpo_loss,
 )
-from tests.chunked.preference.reference import (
-    assert_metrics_match,
-    grads,
-    leaf64,
-    make_inputs,
-    trl_cpo_reference,
-)
-from tests.helpers import TOL, rel_err
+from tests.chunked.preference.reference import assert_matches_trl_cpo, grads, make_inputs
 
 SHAPE = dict(batch=6, seq=8, hid=16, vocab=64)
 
@@ -40,12 +32,7 @@ def test_matches_trl_simpo(options, impl, chunk_tokens):
     out = LigerFusedLinearSimPOLoss(**options, impl=impl, chunk_tokens=chunk_tokens)(w, h, lab)
     trl_opts = dict(beta=options.get("beta", 2.0), loss_type="simpo", simpo_gamma=options.get("gamma", 0.5),
                     label_smoothing=options.get("label_smoothing", 0.0), cpo_alpha=options.get("cpo_alpha", 0.0))
-    w64, h64 = leaf64(w, h)
-    loss64, m64 = trl_cpo_reference(w64, h64, None, lab, **trl_opts)
-    assert rel_err(out.loss, loss64) <= TOL[torch.float32]
-    for got, want in zip(grads(out.loss, h, w), grads(loss64, h64, w64)):
-        assert rel_err(got, want) <= TOL[torch.float32]
-    assert_metrics_match(out.metrics, m64, TRL_METRIC_NAMES)
+    assert_matches_trl_cpo(out, w, h, None, lab, trl_opts)
 
 
 def test_simpo_is_cpo_simpo_and_empty_sequence_finite():

@@ -1,0 +1,92 @@
+"""Host-side pieces shared by the row-norm kernels (:mod:`rms_norm`, :mod:`layer_norm`).
+
+Both normalise ``hidden`` ``[..., H]`` over its last dimension with ``[H]`` parameters (each may
+be ``None``) and launch one forward kernel over tiles of ``BLOCK_M`` whole rows, and one
+persistent backward kernel whose programs walk contiguous ranges of tiles and write fp32 partial
+parameter-gradient rows ``[programs, H]``. This module holds their input checks, the choice of
+path, and the tiling of both launches.
+
+Tiling reads the tuning knobs from the kernel module passed as ``knobs`` at call time (so that the
+benchmark can sweep them by setting the module's attributes): ``FWD_TILE_ELEMS``,
+``BWD_TILE_ELEMS``, ``BWD_SMALL_H``, ``BWD_SMALL_H_TILE_ELEMS``, ``MAX_ROWS_PER_TILE``,
+``BWD_PROGRAMS_PER_SM``, ``BWD_MIN_ROWS_PER_PROGRAM``, ``CPU_BWD_PROGRAMS``.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from liger_losses.kernels.utils import (
+    check_last_dim,
+    check_number,
+    check_range,
+    check_same_device,
+    check_tensor,
+    next_power_of_2,
+    resolve_impl,
+    num_row_programs,
+    row_tile,
+    triton_fallback,
+)
+
+TRITON_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+MAX_TRITON_HIDDEN = 65536
+
+
+def check_norm_args(hidden: torch.Tensor, eps, **params: Optional[torch.Tensor]) -> None:
+    """Check ``hidden`` ``[..., H]`` (float, H > 0), each given parameter (float ``[H]`` on
+    hidden's device) and ``eps`` (a real number >= 0)."""
+    check_tensor("hidden", hidden, min_ndim=1, floating=True)
+    hidden_size = hidden.shape[-1]
+    if hidden_size == 0:
+        raise ValueError(f"hidden must have a non-empty last dimension, got shape {tuple(hidden.shape)}")
+    for name, param in params.items():
+        if param is not None:
+            check_tensor(name, param, ndim=1, floating=True)
+            check_last_dim(name, param, hidden_size, "the hidden size, hidden.shape[-1]")
+    check_same_device(hidden=hidden, **params)
+    check_number("eps", eps)
+    check_range("eps", float(eps), 0.0)
+
+
+def norm_impl(impl: str, hidden: torch.Tensor, **params: Optional[torch.Tensor]) -> str:
+    """"triton" or "torch" for these checked inputs: Triton only for fp32/bf16/fp16 tensors and
+    ``H <= 65536`` (else ``impl="triton"`` raises, ``impl="auto"`` takes the torch path)."""
+    which = resolve_impl(impl, hidden, *params.values())
+    if which != "triton":
+        return which
+    problem = None
+    tensors = (hidden, *params.values())
+    if any(t is not None and t.dtype not in TRITON_DTYPES for t in tensors):
+        names = "/".join(("hidden", *params))
+        got = "/".join(str(None if t is None else t.dtype) for t in tensors)
+        problem = TypeError(f"impl='triton' supports {names} dtypes {TRITON_DTYPES}, got {got}")
+    elif next_power_of_2(hidden.shape[-1]) > MAX_TRITON_HIDDEN:
+        problem = ValueError(
+            f"impl='triton' supports hidden sizes up to {MAX_TRITON_HIDDEN}, got {hidden.shape[-1]}"
+        )
+    return triton_fallback(impl, problem)
+
+
+def fwd_tiling(n_rows: int, n_cols: int, knobs) -> tuple[int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, num_warps, programs) of the forward launch: one program per tile."""
+    block_m, block_n, warps = row_tile(n_cols, n_rows, knobs.FWD_TILE_ELEMS, knobs.MAX_ROWS_PER_TILE)
+    return block_m, block_n, warps, -(-n_rows // block_m)
+
+
+def bwd_tiling(x2: torch.Tensor, knobs) -> tuple[int, int, int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, num_warps, n_blocks, programs, blocks_per_program) of the backward
+    launch on ``x2`` ``[rows, H]``: multi-row tiles for short rows (``H <= BWD_SMALL_H``)."""
+    n_rows, n_cols = x2.shape
+    tile_elems = knobs.BWD_SMALL_H_TILE_ELEMS if n_cols <= knobs.BWD_SMALL_H else knobs.BWD_TILE_ELEMS
+    block_m, block_n, warps = row_tile(n_cols, n_rows, tile_elems, knobs.MAX_ROWS_PER_TILE)
+    n_blocks = -(-n_rows // block_m)
+    programs = num_row_programs(
+        x2.device, n_blocks, n_rows, per_sm=knobs.BWD_PROGRAMS_PER_SM,
+        min_rows=knobs.BWD_MIN_ROWS_PER_PROGRAM, cpu_programs=knobs.CPU_BWD_PROGRAMS,
+    )
+    blocks_per_program = -(-n_blocks // programs)
+    programs = -(-n_blocks // blocks_per_program)
+    return block_m, block_n, warps, n_blocks, programs, blocks_per_program
