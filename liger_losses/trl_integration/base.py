@@ -1,6 +1,7 @@
 """Shared machinery of the TRL adapters: what every ``XxxTrainer(use_liger=True)`` needs besides its loss.
 
-The adapters (``dpo.py``, ``sft.py``; CPO/ORPO/KTO/distillation later) subclass a TRL trainer and
+The adapters (``sft.py``, ``dpo.py``, ``kto.py``, ``cpo.py``, ``orpo.py``, ``gkd.py``, ``distillation.py``;
+``reference.py`` adds what the reference-model ones share) subclass a TRL trainer and
 replace only the method that turns the model's output into a loss. With ``use_liger=True`` that
 method runs the model's *backbone* (the decoder without its LM head) to get the last hidden states
 ``[B, T, H]`` and hands them, with the LM head's ``weight [V, H]`` (and ``bias [V]``), to a chunked
@@ -13,7 +14,8 @@ This module gives those pieces, each usable on its own:
   policy/reference models with :func:`liger_losses.patching.apply_liger_kernels`, and has the
   helpers the adapters call: :meth:`~LigerTrainerMixin._liger_backbone_hidden` (run the backbone,
   inside the wrapper's forward when the model is distributed), :meth:`~LigerTrainerMixin._liger_head`
-  (LM head weight/bias), :meth:`~LigerTrainerMixin._liger_log` (log metrics under TRL's names).
+  (LM head weight/bias), :meth:`~LigerTrainerMixin._liger_log` (log metrics under TRL's names),
+  :meth:`~LigerTrainerMixin._liger_return` (TRL's ``return_outputs`` contract).
 * :func:`unwrap_causal_lm`, :func:`backbone_of`, :func:`lm_head_params`, :func:`head_logit_options`
   -- find the decoder, the head parameters and the head's logit transform (softcap / scale) of a
   Hugging Face causal LM, through PEFT and accelerate wrappers.
@@ -28,7 +30,9 @@ This module gives those pieces, each usable on its own:
 * :func:`reference_adapter` -- the PEFT reference: the "ref" adapter when TRL created one (re-training
   an existing adapter), else all adapters disabled (``model.disable_adapter()``).
 * :func:`reject` -- the one way an adapter says "TRL supports this option, use_liger=True does not":
-  a ``ValueError`` naming the option, raised at construction.
+  a ``ValueError`` naming the option, raised at construction (:func:`reject_vision` for a VLM processor).
+* :func:`build_loss` / :func:`build_config_loss` -- the loss module of a TRL config: each config field
+  mapped to a loss keyword, the adapter's options added, what the loss cannot serve rejected.
 
 Shapes: hidden ``[B, T, H]`` in the model's compute dtype; weight ``[V, H]``; labels ``[B, T]`` int64
 with ``-100`` on ignored positions. Metrics are Python floats appended to ``trainer._metrics[mode]``.
@@ -37,6 +41,7 @@ with ``-100`` on ignored positions. Metrics are Python floats appended to ``trai
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import inspect
 from typing import Any, Callable, Dict, Iterable, Mapping, Optional, Tuple
 
@@ -55,6 +60,12 @@ def reject(option: str, value: Any, why: str) -> None:
         f"use_liger=True does not support {option}={value!r}: {why}. "
         f"Unset {option}, or pass use_liger=False to use TRL's own loss."
     )
+
+
+def reject_vision(processing_class: Any) -> None:
+    """:func:`reject` a vision-language model's ``processing_class`` (the adapters serve text-only causal LMs)."""
+    reject("processing_class", type(processing_class).__name__,
+           "vision-language models are not supported (text-only causal LMs)")
 
 
 # --------------------------------------------------------------------------- model anatomy
@@ -278,6 +289,41 @@ def build_loss(cls, options: Mapping[str, Any], defaults: Mapping[str, Any], con
         raise ValueError(f"use_liger=True cannot serve this {config_name}: {exc}") from exc
 
 
+def config_defaults(config_cls) -> Dict[str, Any]:
+    """``{field: default}`` of the dataclass ``config_cls`` (a TRL config; ``default_factory`` fields called)."""
+    out = {}
+    for f in dataclasses.fields(config_cls):
+        if f.default is not dataclasses.MISSING:
+            out[f.name] = f.default
+        elif f.default_factory is not dataclasses.MISSING:  # type: ignore[misc]
+            out[f.name] = f.default_factory()  # type: ignore[misc]
+    return out
+
+
+def build_config_loss(cls, args, fields: Mapping[str, str], config_cls, *, chunk_tokens: Optional[int] = None,
+                      softcap=None, logit_scale: float = 1.0, need_entropy: bool = False):
+    """The loss module ``cls`` serving the TRL config ``args`` (a ``config_cls``), by :func:`build_loss`.
+
+    ``fields`` maps a config field to the keyword of ``cls`` it sets. The adapter adds ``chunk_tokens``
+    (``liger_chunk_tokens``), ``ignore_index=-100``, ``need_entropy=True`` when asked (TRL logs the entropy)
+    and the head's ``softcap`` / ``logit_scale`` when they are not the identity. ValueError names what
+    ``cls`` cannot serve (``config_cls.__name__ + "." + field``).
+    """
+    options = {field: (kw, getattr(args, field)) for field, kw in fields.items()}
+    options["liger_chunk_tokens"] = ("chunk_tokens", chunk_tokens)
+    if need_entropy:
+        options["need_entropy"] = ("need_entropy", True)
+    options["ignore_index"] = ("ignore_index", IGNORE_INDEX)
+    if softcap is not None:
+        options["final_logit_softcapping"] = ("softcap", softcap)
+    if logit_scale != 1.0:
+        options["logit_scale"] = ("logit_scale", logit_scale)
+    defaults = {f: v for f, v in config_defaults(config_cls).items() if f in fields}
+    defaults.update(liger_chunk_tokens=None, need_entropy=True, ignore_index=IGNORE_INDEX,
+                    final_logit_softcapping=None, logit_scale=1.0)
+    return build_loss(cls, options, defaults, config_cls.__name__)
+
+
 # --------------------------------------------------------------------------- the mixin
 
 
@@ -304,10 +350,12 @@ class LigerTrainerMixin:
         self.liger_patch_model = liger_patch_model
         self.liger_chunk_tokens = liger_chunk_tokens
 
-    def _liger_after_init(self, *models: Optional[nn.Module], user_optimizer: bool) -> None:
-        """Checks that need the built model, then layer patching of ``models`` (None entries skipped)."""
+    def _liger_after_init(self, *models: Optional[nn.Module], trl_kwargs: Mapping[str, Any]) -> None:
+        """Checks that need the built model, then layer patching of ``models`` (None entries skipped);
+        ``trl_kwargs`` are the keywords given to TRL's trainer (an ``optimizers=`` there forbids new parameters)."""
         if not self.use_liger:
             return
+        user_optimizer = trl_kwargs.get("optimizers", (None, None))[0] is not None
         policy = unwrap_causal_lm(self.model)
         peft_root = self.model
         while hasattr(peft_root, "module") and isinstance(peft_root.module, nn.Module):
@@ -340,6 +388,16 @@ class LigerTrainerMixin:
     def _liger_head(self, model: nn.Module) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
         """(weight, bias) of ``model``'s LM head; DTensor shards are gathered by the loss engine."""
         return lm_head_params(unwrap_causal_lm(model))
+
+    def _liger_return(self, model: nn.Module, model_kwargs: Dict[str, Any], loss: torch.Tensor,
+                      return_outputs: bool):
+        """``loss``, or ``(loss, outputs)`` for TRL's deprecated ``return_outputs`` path: the model's outputs
+        (logits for ``compute_metrics``) by one extra no-grad forward."""
+        if return_outputs:
+            with torch.no_grad():
+                outputs = model(**model_kwargs)
+            return loss, outputs
+        return loss
 
     # -- metrics
 

@@ -32,15 +32,7 @@ from trl.experimental.cpo import CPOConfig
 from trl.experimental.cpo import CPOTrainer as _TRLCPOTrainer
 
 from ..chunked.preference.cpo import TRL_METRIC_NAMES, LigerFusedLinearCPOLoss
-from .base import (
-    IGNORE_INDEX,
-    LigerTrainerMixin,
-    build_loss,
-    gathered_params,
-    head_logit_options,
-    reject,
-    unwrap_causal_lm,
-)
+from .base import LigerTrainerMixin, build_config_loss, gathered_params, head_logit_options, reject, unwrap_causal_lm
 
 # CPOConfig field -> keyword of LigerFusedLinearCPOLoss
 _CPO_OPTIONS = {
@@ -104,16 +96,8 @@ def gathered_metric_means(accelerator, metrics: Mapping[str, torch.Tensor], name
 
 def build_cpo_loss(args, *, chunk_tokens: Optional[int] = None, softcap=None, logit_scale: float = 1.0):
     """The :class:`LigerFusedLinearCPOLoss` serving a ``CPOConfig`` (ValueError for what it can't)."""
-    options = {field: (kw, getattr(args, field)) for field, kw in _CPO_OPTIONS.items()}
-    options["liger_chunk_tokens"] = ("chunk_tokens", chunk_tokens)
-    options["ignore_index"] = ("ignore_index", IGNORE_INDEX)
-    defaults = {f: getattr(CPOConfig, f, None) for f in _CPO_OPTIONS}
-    defaults.update(liger_chunk_tokens=None, ignore_index=IGNORE_INDEX, final_logit_softcapping=None, logit_scale=1.0)
-    if softcap is not None:
-        options["final_logit_softcapping"] = ("softcap", softcap)
-    if logit_scale != 1.0:
-        options["logit_scale"] = ("logit_scale", logit_scale)
-    return build_loss(LigerFusedLinearCPOLoss, options, defaults, "CPOConfig")
+    return build_config_loss(LigerFusedLinearCPOLoss, args, _CPO_OPTIONS, CPOConfig, chunk_tokens=chunk_tokens,
+                             softcap=softcap, logit_scale=logit_scale)
 
 
 def check_paired_model(trainer) -> None:
@@ -149,8 +133,7 @@ class CPOTrainer(LigerTrainerMixin, _TRLCPOTrainer):
         check_paired_model(self)
         self._liger_logit_opts = head_logit_options(unwrap_causal_lm(self.model).config)
         self.liger_loss = build_cpo_loss(self.args, chunk_tokens=liger_chunk_tokens, **self._liger_logit_opts)
-        user_optimizer = trl_kwargs.get("optimizers", (None, None))[0] is not None
-        self._liger_after_init(self.model, user_optimizer=user_optimizer)
+        self._liger_after_init(self.model, trl_kwargs=trl_kwargs)
 
     def _liger_padding_value(self) -> int:
         return self.pad_token_id

@@ -28,12 +28,11 @@ from typing import Any, Optional
 import torch
 import trl
 
-from ..chunked.distillation import fused_linear_distillation_loss
-from .base import IGNORE_INDEX, LigerTrainerMixin, gathered_params, reject
-from .gkd import shared_head_transform
+from .base import IGNORE_INDEX
+from .gkd import LigerDistillationMixin
 
 
-class DistillationTrainer(LigerTrainerMixin, trl.DistillationTrainer):
+class DistillationTrainer(LigerDistillationMixin, trl.DistillationTrainer):
     """``trl.DistillationTrainer`` with ``use_liger`` (see the module docstring)."""
 
     def __init__(
@@ -51,16 +50,8 @@ class DistillationTrainer(LigerTrainerMixin, trl.DistillationTrainer):
             use_liger=use_liger, liger_patch_model=liger_patch_model, liger_chunk_tokens=liger_chunk_tokens
         )
         super().__init__(model, teacher_model, args, *trl_args, **trl_kwargs)
-        if not use_liger:
-            return
-        if self._is_vlm:
-            reject("processing_class", type(self.processing_class).__name__,
-                   "vision-language models are not supported (text-only causal LMs)")
-        if self.teacher_model is None:
-            reject("teacher_model", None, "the chunked loss needs a local teacher model (its hidden states and head)")
-        self._liger_head_transform = shared_head_transform(self.model, self.teacher_model)
-        user_optimizer = trl_kwargs.get("optimizers", (None, None))[0] is not None
-        self._liger_after_init(self.model, self.teacher_model, user_optimizer=user_optimizer)
+        if use_liger:
+            self._liger_after_trl_init(trl_kwargs, require_teacher=True)
 
     def _compute_loss(self, unwrapped_student, inputs, num_items_in_batch):
         """``(loss, entropy_sum, num_valid_tokens)`` of one generated batch (TRL's contract)."""
@@ -82,16 +73,8 @@ class DistillationTrainer(LigerTrainerMixin, trl.DistillationTrainer):
                 self.teacher_model, unwrapped_teacher, self._get_last_hidden_state, unwrapped_teacher,
                 input_ids, attention_mask, logits_to_keep,
             )
-        weight, bias = self._liger_head(unwrapped_student)
-        t_weight, t_bias = self._liger_head(unwrapped_teacher)
-        with gathered_params(weight, bias, t_weight, t_bias):
-            out = fused_linear_distillation_loss(
-                weight, hidden, teacher_hidden.to(hidden.device), labels.to(hidden.device),
-                teacher_weight=t_weight.detach(), teacher_bias=None if t_bias is None else t_bias.detach(),
-                bias=bias, divergence="jsd", beta=float(self.beta), temperature=float(self.temperature),
-                ignore_index=IGNORE_INDEX, reduction="batchmean", num_items_in_batch=num_items_in_batch,
-                chunk_tokens=self.liger_chunk_tokens, **self._liger_head_transform,
-            )
+        out = self._liger_jsd(unwrapped_student, unwrapped_teacher, hidden, teacher_hidden, labels,
+                              temperature=self.temperature, num_items_in_batch=num_items_in_batch)
         num_valid = out.metrics["num_tokens"].detach()
         entropy_sum = (out.metrics["entropy"] * num_valid).detach()
         return out.loss, entropy_sum, num_valid.round().long()

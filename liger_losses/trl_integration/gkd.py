@@ -17,7 +17,9 @@ takes every argument of ``trl.experimental.gkd.GKDTrainer`` plus three keywords:
 
 Options TRL supports that use_liger=True cannot serve raise ``ValueError`` at construction, naming the option:
 a student and a teacher whose heads transform logits differently (softcap / logit scale: the loss applies one
-transform to both), vision-language models, PEFT prompt learning.
+transform to both), vision-language models, PEFT prompt learning. :func:`shared_head_transform` and
+:class:`LigerDistillationMixin` (construction checks, the loss through both heads) are shared with the
+distillation adapter.
 """
 
 from __future__ import annotations
@@ -29,7 +31,8 @@ from trl.experimental.gkd import GKDConfig
 from trl.experimental.gkd import GKDTrainer as _TRLGKDTrainer
 
 from ..chunked.distillation import fused_linear_distillation_loss
-from .base import IGNORE_INDEX, LigerTrainerMixin, gathered_params, head_logit_options, reject, unwrap_causal_lm
+from .base import IGNORE_INDEX, LigerTrainerMixin, gathered_params, head_logit_options, reject, reject_vision
+from .base import unwrap_causal_lm
 
 
 def shared_head_transform(student, teacher) -> dict:
@@ -46,7 +49,39 @@ def shared_head_transform(student, teacher) -> dict:
     return {"softcap": s_opts["softcap"], "logit_scale": s_opts["logit_scale"]}
 
 
-class GKDTrainer(LigerTrainerMixin, _TRLGKDTrainer):
+class LigerDistillationMixin(LigerTrainerMixin):
+    """What the GKD and on-policy distillation adapters share: the construction checks and the loss through both
+    heads. List it before the TRL trainer class; the trainer has ``teacher_model``, ``beta`` and ``_is_vlm``."""
+
+    def _liger_after_trl_init(self, trl_kwargs, *, require_teacher: bool = False) -> None:
+        """After TRL's ``__init__``: reject VLMs (and, with ``require_teacher``, a missing teacher), fix the shared
+        head transform, patch both models' layers."""
+        if self._is_vlm:
+            reject_vision(self.processing_class)
+        if require_teacher and self.teacher_model is None:
+            reject("teacher_model", None, "the chunked loss needs a local teacher model (its hidden states and head)")
+        self._liger_head_transform = shared_head_transform(self.model, self.teacher_model)
+        self._liger_after_init(self.model, self.teacher_model, trl_kwargs=trl_kwargs)
+
+    def _liger_jsd(self, student, teacher, hidden, teacher_hidden, labels, *, temperature: float,
+                   num_items_in_batch):
+        """:func:`fused_linear_distillation_loss` (generalized JSD with ``self.beta`` at ``temperature``, summed over
+        the valid tokens, divided by their number or ``num_items_in_batch``) of the student's ``hidden [B, K, H]``
+        and the teacher's ``teacher_hidden [B, K, Ht]`` on ``labels [B, K]`` through both LM heads (the teacher's
+        detached); a ``LossOutput``."""
+        weight, bias = self._liger_head(student)
+        t_weight, t_bias = self._liger_head(teacher)
+        with gathered_params(weight, bias, t_weight, t_bias):
+            return fused_linear_distillation_loss(
+                weight, hidden, teacher_hidden.to(hidden.device), labels.to(hidden.device),
+                teacher_weight=t_weight.detach(), teacher_bias=None if t_bias is None else t_bias.detach(),
+                bias=bias, divergence="jsd", beta=float(self.beta), temperature=float(temperature),
+                ignore_index=IGNORE_INDEX, reduction="batchmean", num_items_in_batch=num_items_in_batch,
+                chunk_tokens=self.liger_chunk_tokens, **self._liger_head_transform,
+            )
+
+
+class GKDTrainer(LigerDistillationMixin, _TRLGKDTrainer):
     """``trl.experimental.gkd.GKDTrainer`` with ``use_liger`` (see the module docstring)."""
 
     def __init__(
@@ -64,14 +99,8 @@ class GKDTrainer(LigerTrainerMixin, _TRLGKDTrainer):
             use_liger=use_liger, liger_patch_model=liger_patch_model, liger_chunk_tokens=liger_chunk_tokens
         )
         super().__init__(model, teacher_model, args, *trl_args, **trl_kwargs)
-        if not use_liger:
-            return
-        if self._is_vlm:
-            reject("processing_class", type(self.processing_class).__name__,
-                   "vision-language models are not supported (text-only causal LMs)")
-        self._liger_head_transform = shared_head_transform(self.model, self.teacher_model)
-        user_optimizer = trl_kwargs.get("optimizers", (None, None))[0] is not None
-        self._liger_after_init(self.model, self.teacher_model, user_optimizer=user_optimizer)
+        if use_liger:
+            self._liger_after_trl_init(trl_kwargs)
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         if not self.use_liger:
@@ -84,23 +113,11 @@ class GKDTrainer(LigerTrainerMixin, _TRLGKDTrainer):
         teacher.eval()
         with torch.no_grad():
             teacher_hidden = self._liger_run(teacher, self._liger_backbone_hidden, teacher, model_kwargs)[:, :-1]
-        t_weight, t_bias = self._liger_head(teacher)
 
         def head_loss():
             hidden = self._liger_backbone_hidden(model, model_kwargs)[:, :-1]
-            weight, bias = self._liger_head(model)
-            with gathered_params(weight, bias, t_weight, t_bias):
-                return fused_linear_distillation_loss(
-                    weight, hidden, teacher_hidden.to(hidden.device), labels.to(hidden.device),
-                    teacher_weight=t_weight.detach(), teacher_bias=None if t_bias is None else t_bias.detach(),
-                    bias=bias, divergence="jsd", beta=float(self.beta), temperature=1.0,
-                    ignore_index=IGNORE_INDEX, reduction="batchmean", num_items_in_batch=num_items_in_batch,
-                    chunk_tokens=self.liger_chunk_tokens, **self._liger_head_transform,
-                )
+            return self._liger_jsd(model, teacher, hidden, teacher_hidden, labels, temperature=1.0,
+                                   num_items_in_batch=num_items_in_batch)
 
         loss, _ = self._liger_run(model, head_loss)
-        if return_outputs:  # TRL returns the student's outputs: logits by an extra forward
-            with torch.no_grad():
-                outputs = model(**model_kwargs)
-            return loss, outputs
-        return loss
+        return self._liger_return(model, model_kwargs, loss, return_outputs)  # TRL returns the student's outputs

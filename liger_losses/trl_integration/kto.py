@@ -25,27 +25,14 @@ vision-language models / datasets, MoE router auxiliary loss (``router_aux_loss_
 
 from __future__ import annotations
 
-import contextlib
-import dataclasses
 from typing import Any, Optional
 
 import torch
 import trl
-from trl.models.utils import disable_gradient_checkpointing
 
 from ..chunked.preference.kto import LigerFusedLinearKTOLoss
-from ..chunked.token_logprobs import fused_linear_token_logprobs
-from .base import (
-    IGNORE_INDEX,
-    LigerTrainerMixin,
-    build_loss,
-    gathered_params,
-    head_logit_options,
-    is_peft_model,
-    reference_adapter,
-    reject,
-    unwrap_causal_lm,
-)
+from .base import IGNORE_INDEX, build_config_loss, is_peft_model
+from .reference import LigerReferenceTrainerMixin
 
 # batch keys that are not model inputs (TRL's unpaired-preference collator / precompute add them)
 _NON_MODEL_KEYS = frozenset({
@@ -64,22 +51,15 @@ _KTO_OPTIONS = {
 
 def build_kto_loss(args, *, chunk_tokens: Optional[int] = None, softcap=None, logit_scale: float = 1.0):
     """The :class:`LigerFusedLinearKTOLoss` serving a ``trl.KTOConfig`` (ValueError for what it can't)."""
-    options = {field: (kw, getattr(args, field)) for field, kw in _KTO_OPTIONS.items()}
-    options["liger_chunk_tokens"] = ("chunk_tokens", chunk_tokens)
-    options["need_entropy"] = ("need_entropy", True)  # TRL logs the entropy
-    options["ignore_index"] = ("ignore_index", IGNORE_INDEX)
-    defaults = {f.name: f.default for f in dataclasses.fields(trl.KTOConfig) if f.name in _KTO_OPTIONS}
-    defaults.update(liger_chunk_tokens=None, need_entropy=True, ignore_index=IGNORE_INDEX,
-                    final_logit_softcapping=None, logit_scale=1.0)
-    if softcap is not None:
-        options["final_logit_softcapping"] = ("softcap", softcap)
-    if logit_scale != 1.0:
-        options["logit_scale"] = ("logit_scale", logit_scale)
-    return build_loss(LigerFusedLinearKTOLoss, options, defaults, "KTOConfig")
+    return build_config_loss(LigerFusedLinearKTOLoss, args, _KTO_OPTIONS, trl.KTOConfig, chunk_tokens=chunk_tokens,
+                             softcap=softcap, logit_scale=logit_scale, need_entropy=True)
 
 
-class KTOTrainer(LigerTrainerMixin, trl.KTOTrainer):
+class KTOTrainer(LigerReferenceTrainerMixin, trl.KTOTrainer):
     """``trl.KTOTrainer`` with ``use_liger`` (see the module docstring)."""
+
+    _liger_config_cls = trl.KTOConfig
+    _liger_build_loss = staticmethod(build_kto_loss)
 
     def __init__(
         self,
@@ -96,52 +76,16 @@ class KTOTrainer(LigerTrainerMixin, trl.KTOTrainer):
             use_liger=use_liger, liger_patch_model=liger_patch_model, liger_chunk_tokens=liger_chunk_tokens
         )
         if use_liger:
-            if args is None:
-                name = model if isinstance(model, str) else getattr(model.config, "_name_or_path", "model")
-                args = trl.KTOConfig(f"{str(name).split('/')[-1] or 'model'}-KTO")
-            self.liger_loss = build_kto_loss(args, chunk_tokens=liger_chunk_tokens)  # option checks, fail fast
-            processing_class = trl_kwargs.get("processing_class")
-            if processing_class is None and len(trl_args) >= 4:
-                processing_class = trl_args[3]
-            from transformers import ProcessorMixin
-
-            if isinstance(processing_class, ProcessorMixin):
-                reject("processing_class", type(processing_class).__name__,
-                       "vision-language models are not supported (text-only causal LMs)")
+            args = self._liger_before_trl_init(model, args, trl_args, trl_kwargs)
         super().__init__(model, ref_model, args, *trl_args, **trl_kwargs)
-        if not use_liger:
-            return
-        if self._is_vision_dataset:
-            reject("train_dataset", "<vision dataset>", "vision-language data is not supported")
-        if self.aux_loss_enabled:
-            reject("router_aux_loss_coef", self.router_aux_loss_coef,
-                   "the MoE load-balancing loss needs the router logits of TRL's forward")
-        logit_opts = head_logit_options(unwrap_causal_lm(self.model).config)
-        if logit_opts["softcap"] is not None or logit_opts["logit_scale"] != 1.0:
-            self.liger_loss = build_kto_loss(self.args, chunk_tokens=liger_chunk_tokens, **logit_opts)
-        user_optimizer = trl_kwargs.get("optimizers", (None, None))[0] is not None
-        self._liger_after_init(self.model, self.ref_model, user_optimizer=user_optimizer)
+        if use_liger:
+            self._liger_after_trl_init(trl_kwargs)
 
     # ------------------------------------------------------------------ helpers
 
-    def _liger_reference_context(self):
-        """Context where the policy acts as the reference (PEFT without a separate ref model)."""
-        return reference_adapter(self.accelerator.unwrap_model(self.model))
-
     def _liger_sequence_logps(self, model, model_kwargs, labels):
         """Summed completion log-probs ``[B]`` (float32) of ``model`` on ``labels [B, T-1]``, no grad expected."""
-        logit_opts = head_logit_options(unwrap_causal_lm(model).config)
-
-        def run():
-            hidden = self._liger_backbone_hidden(model, model_kwargs)[:, :-1]
-            weight, bias = self._liger_head(model)
-            with gathered_params(weight, bias):
-                return fused_linear_token_logprobs(
-                    weight, hidden, labels.to(hidden.device), bias=bias, ignore_index=IGNORE_INDEX,
-                    chunk_tokens=self.liger_chunk_tokens, **logit_opts,
-                )
-
-        return self._liger_run(model, run).float().sum(-1)
+        return self._liger_token_logps(model, model_kwargs, labels).float().sum(-1)
 
     @staticmethod
     def _liger_kl_inputs(model_kwargs, batch):
@@ -163,12 +107,7 @@ class KTOTrainer(LigerTrainerMixin, trl.KTOTrainer):
                         "use_cache": False}
         labels = inputs["input_ids"].masked_fill(inputs["completion_mask"] == 0, IGNORE_INDEX)[:, 1:]
         peft_ref = self.ref_model is None and is_peft_model(self.accelerator.unwrap_model(self.model))
-        with (
-            torch.no_grad(),
-            disable_gradient_checkpointing(self.model, self.args.gradient_checkpointing_kwargs),
-            self._liger_reference_context() if peft_ref else contextlib.nullcontext(),
-            self.accelerator.autocast(),
-        ):
+        with self._liger_reference_scope(peft_ref), self.accelerator.autocast():
             logps = self._liger_sequence_logps(model, model_kwargs, labels)
             kl_logps = None
             if self.calculate_KL:
@@ -200,11 +139,7 @@ class KTOTrainer(LigerTrainerMixin, trl.KTOTrainer):
         else:
             peft_ref = self.ref_model is None
             ref = model if peft_ref else self.ref_model
-            with (
-                torch.no_grad(),
-                disable_gradient_checkpointing(self.model, self.args.gradient_checkpointing_kwargs),
-                self._liger_reference_context() if peft_ref else contextlib.nullcontext(),
-            ):
+            with self._liger_reference_scope(peft_ref):
                 ref_hidden = self._liger_run(ref, self._liger_backbone_hidden, ref, model_kwargs)[:, :-1]
                 if self.calculate_KL:
                     ref_kl_logps = self._liger_sequence_logps(ref, kl_kwargs, kl_labels)
@@ -220,25 +155,12 @@ class KTOTrainer(LigerTrainerMixin, trl.KTOTrainer):
         else:
             kl = torch.zeros((), device=device)
 
-        def policy_loss():
-            hidden = self._liger_backbone_hidden(model, model_kwargs)[:, :-1]
-            weight, bias = self._liger_head(model)
-            with gathered_params(weight, bias, ref_weight, ref_bias):
-                return self.liger_loss(
-                    weight, hidden, ref_hidden, labels.to(hidden.device), preference_labels=desirable.to(hidden.device),
-                    bias=bias, ref_weight=None if ref_weight is None else ref_weight.detach(),
-                    ref_bias=None if ref_bias is None else ref_bias.detach(),
-                    ref_logps=None if ref_logps is None else ref_logps.to(hidden.device), kl=kl,
-                )
-
-        loss, metrics = self._liger_run(model, policy_loss)
+        loss, metrics = self._liger_policy_loss(
+            model, model_kwargs, labels, ref_hidden, ref_weight, ref_bias, preference_labels=desirable,
+            ref_logps=ref_logps, kl=kl,
+        )
         self._liger_log_kto(mode, metrics, kl, desirable, batch)
-
-        if return_outputs:  # TRL's deprecated path: logits for compute_metrics, by an extra forward
-            with torch.no_grad():
-                outputs = model(**model_kwargs)
-            return loss, outputs
-        return loss
+        return self._liger_return(model, model_kwargs, loss, return_outputs)
 
     def _liger_log_kto(self, mode, metrics, kl, desirable, batch) -> None:
         """Log what TRL logs, reduced as TRL does: sums and counts gathered over processes, then divided."""
@@ -261,10 +183,7 @@ class KTOTrainer(LigerTrainerMixin, trl.KTOTrainer):
         log["kl"].append(kl.item())
         all_tokens = total(tok_all)
         log["entropy"].append(global_sum("entropy", tok_all) / all_tokens if all_tokens > 0 else 0.0)
-        if mode == "train":
-            num_tokens = gather(batch["attention_mask"].sum()).sum().item()
-            self._total_train_tokens += num_tokens // self._tp_size
-        log["num_tokens"] = [self._total_train_tokens]
+        self._liger_count_tokens(mode, batch["attention_mask"])
         all_tok_des, all_tok_und = total(tok_des), total(tok_und)
         if all_tok_des > 0:
             log["logits/chosen"].append(global_sum("chosen_logits_mean", tok_des) / all_tok_des)

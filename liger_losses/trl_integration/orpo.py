@@ -121,8 +121,7 @@ class ORPOTrainer(LigerTrainerMixin, _TRLORPOTrainer):
             return
         check_paired_model(self)
         self._liger_logit_opts = head_logit_options(unwrap_causal_lm(self.model).config)
-        user_optimizer = trl_kwargs.get("optimizers", (None, None))[0] is not None
-        self._liger_after_init(self.model, user_optimizer=user_optimizer)
+        self._liger_after_init(self.model, trl_kwargs=trl_kwargs)
 
     def _liger_orpo(self, weight, bias, hidden, labels, nll_labels):
         """``(loss, metrics)`` of TRL's ORPO from ``hidden [2P, T-1, H]``, the completion ``labels [2P, T-1]``

@@ -39,6 +39,7 @@ from .base import (
     gathered_params,
     head_logit_options,
     reject,
+    reject_vision,
     unwrap_causal_lm,
 )
 
@@ -86,8 +87,7 @@ class SFTTrainer(LigerTrainerMixin, trl.SFTTrainer):
         if self.compute_loss_func is not None:
             reject("compute_loss_func", self.compute_loss_func, "a custom loss needs the full logits")
         if self._is_vlm:
-            reject("processing_class", type(self.processing_class).__name__,
-                   "vision-language models are not supported (text-only causal LMs)")
+            reject_vision(self.processing_class)
         if self.aux_loss_enabled:
             reject("router_aux_loss_coef", self.router_aux_loss_coef,
                    "the MoE load-balancing loss needs the router logits of the model's forward")
@@ -96,8 +96,7 @@ class SFTTrainer(LigerTrainerMixin, trl.SFTTrainer):
             reject("parallelism_config.sp_backend", "deepspeed",
                    "Ulysses sequence parallelism reduces the model's own loss across ranks")
         self._liger_logit_opts = head_logit_options(unwrap_causal_lm(self.model).config)
-        user_optimizer = trl_kwargs.get("optimizers", (None, None))[0] is not None
-        self._liger_after_init(self.model, user_optimizer=user_optimizer)
+        self._liger_after_init(self.model, trl_kwargs=trl_kwargs)
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         if not self.use_liger:
@@ -145,11 +144,7 @@ class SFTTrainer(LigerTrainerMixin, trl.SFTTrainer):
             self._total_train_tokens += n // self._tp_size
         self._metrics[mode]["num_tokens"] = [self._total_train_tokens]
 
-        if return_outputs:  # TRL's deprecated path: logits for compute_metrics, by an extra forward
-            with torch.no_grad():
-                outputs = model(**model_kwargs)
-            return loss, outputs
-        return loss
+        return self._liger_return(model, model_kwargs, loss, return_outputs)
 
     # -- the two loss paths; each returns (loss, num_valid, num_correct, entropy_sum) as 0-d tensors
 

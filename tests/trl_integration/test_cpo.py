@@ -12,64 +12,23 @@ import pytest
 
 from liger_losses.trl_integration.cpo import CPOTrainer, mean_logit_all_positions
 
-from .utils import PAIRS, assert_metrics_match, build_tiny_model, build_tokenizer, grads_of, preference_dataset, rel
+from .utils import (
+    PAIRS, build_tiny_model, check_batch_loss_metrics, first_batch, policy_pair, preference_dataset, rel,
+    train_logs, trl_config,
+)
 
 TOL = 1e-4
-
-
-@pytest.fixture(scope="module")
-def tok():
-    return build_tokenizer()
 
 
 def cpo_config(tmp_path, **overrides):
     from trl.experimental.cpo import CPOConfig
 
-    kwargs = dict(
-        output_dir=str(tmp_path), max_steps=2, per_device_train_batch_size=4, per_device_eval_batch_size=4,
-        learning_rate=1e-3, lr_scheduler_type="constant", logging_steps=1, save_strategy="no",
-        report_to="none", gradient_checkpointing=False, bf16=False, fp16=False, use_cpu=True, seed=0,
-        data_seed=0, dataloader_num_workers=0, max_length=32, disable_tqdm=True,
-    )
-    kwargs.update(overrides)
-    return CPOConfig(**kwargs)
+    return trl_config(CPOConfig, tmp_path, **{"max_length": 32, **overrides})
 
 
-def _pair(tok, tmp_path, *, liger_kwargs=None, **cfg):
+def _pair(tok, tmp_path, **kwargs):
     """(TRL trainer, our trainer) on copies of one policy (seed 0)."""
-    policy = build_tiny_model(tok, seed=0)
-    out = []
-    for use_liger in (False, True):
-        kwargs = dict(liger_kwargs or {}) if use_liger else {}
-        if use_liger:
-            kwargs.setdefault("liger_patch_model", False)
-        out.append(CPOTrainer(
-            copy.deepcopy(policy), cpo_config(tmp_path / ("ours" if use_liger else "trl"), **cfg),
-            train_dataset=preference_dataset(PAIRS), processing_class=tok, use_liger=use_liger, **kwargs,
-        ))
-    return out
-
-
-def _batch(trainer):
-    return trainer._prepare_inputs(next(iter(trainer.get_train_dataloader())))
-
-
-def _check_step0(theirs, ours, train_eval="train"):
-    batch = _batch(theirs)
-    theirs.model.train()
-    ours.model.train()
-    loss_t, m_t = theirs.get_batch_loss_metrics(theirs.model, batch, train_eval)
-    loss_o, m_o = ours.get_batch_loss_metrics(ours.model, batch, train_eval)
-    assert rel(loss_o.detach(), loss_t.detach()) <= TOL, (float(loss_o), float(loss_t))
-    assert_metrics_match(m_o, m_t, TOL)
-    loss_t.backward()
-    loss_o.backward()
-    g_t, g_o = grads_of(theirs.model), grads_of(ours.model)
-    assert g_t.keys() == g_o.keys() and g_t
-    for name, g in g_t.items():
-        err = float((g_o[name] - g).norm() / g.norm().clamp_min(1e-30))
-        assert err <= TOL, f"grad {name}: rel err {err:.2e}"
-    return m_t
+    return policy_pair(CPOTrainer, cpo_config, tok, tmp_path, **kwargs)
 
 
 @pytest.mark.parametrize(
@@ -88,14 +47,14 @@ def test_step0_parity(tok, tmp_path, cfg):
     """Loss, every metric TRL logs (rewards, logps, logits, nll_loss) and every gradient equal TRL's
     (rel <= 1e-4), with small tiles (chunk 5 tokens, so tiles cut through sequences and pairs)."""
     theirs, ours = _pair(tok, tmp_path, liger_kwargs={"liger_chunk_tokens": 5}, **cfg)
-    m_t = _check_step0(theirs, ours)
+    m_t = check_batch_loss_metrics(theirs, ours, TOL)
     assert {"rewards/chosen", "logits/chosen", "nll_loss"} <= set(m_t)
 
 
 def test_eval_metrics_are_prefixed(tok, tmp_path):
     """In evaluation the metrics carry TRL's ``eval_`` prefix and equal TRL's (rel <= 1e-4)."""
     theirs, ours = _pair(tok, tmp_path)
-    m_t = _check_step0(theirs, ours, train_eval="eval")
+    m_t = check_batch_loss_metrics(theirs, ours, TOL, train_eval="eval")
     assert all(k.startswith("eval_") for k in m_t)
 
 
@@ -113,14 +72,7 @@ def test_mean_logit_identity_matches_full_logits():
 
 
 def _short_run(theirs, ours, steps):
-    theirs.train()
-    ours.train()
-    lt = [h for h in theirs.state.log_history if "loss" in h]
-    lo = [h for h in ours.state.log_history if "loss" in h]
-    assert len(lt) == len(lo) == steps
-    assert set(lt[0]) == set(lo[0])
-    for a, b in zip(lo, lt):
-        assert rel(a["loss"], b["loss"]) <= 1e-3, (a["loss"], b["loss"])
+    _, lt = train_logs(theirs, ours, steps, loss_tol=1e-3)
     assert lt[-1]["loss"] < lt[0]["loss"]  # it trains
 
 
@@ -151,7 +103,7 @@ def test_use_liger_false_is_trl(tok, tmp_path):
                       processing_class=tok)
     plain = TRLCPOTrainer(copy.deepcopy(policy), cpo_config(tmp_path / "b"), train_dataset=preference_dataset(PAIRS),
                           processing_class=tok)
-    batch = _batch(plain)
+    batch = first_batch(plain)
     assert float(ours.compute_loss(ours.model, batch)) == float(plain.compute_loss(plain.model, batch))
 
 

@@ -13,7 +13,10 @@ import pytest
 
 from liger_losses.trl_integration.distillation import DistillationTrainer
 
-from .utils import PAIRS, build_tiny_model, build_tokenizer, grads_of, preference_dataset, rel
+from .utils import (
+    PAIRS, assert_grads_match, build_tiny_model, build_tokenizer, make_pair, preference_dataset, rel, step0,
+    student_teacher, train_logs, trl_config,
+)
 
 TOL = 1e-4
 
@@ -28,15 +31,8 @@ def tok():
 def distill_config(tmp_path, **overrides):
     import trl
 
-    kwargs = dict(
-        output_dir=str(tmp_path), max_steps=2, per_device_train_batch_size=4, per_device_eval_batch_size=4,
-        learning_rate=1e-3, lr_scheduler_type="constant", logging_steps=1, save_strategy="no",
-        report_to="none", gradient_checkpointing=False, bf16=False, fp16=False, use_cpu=True, seed=0,
-        data_seed=0, dataloader_num_workers=0, disable_tqdm=True, max_completion_length=8,
-        generation_kwargs={"do_sample": False},
-    )
-    kwargs.update(overrides)
-    return trl.DistillationConfig(**kwargs)
+    return trl_config(trl.DistillationConfig, tmp_path, **{
+        "max_completion_length": 8, "generation_kwargs": {"do_sample": False}, **overrides})
 
 
 def prompt_dataset(n=PAIRS):
@@ -47,32 +43,14 @@ def prompt_dataset(n=PAIRS):
 
 def _pair(tok, tmp_path, *, liger_kwargs=None, **cfg):
     """(TRL trainer, our trainer) on copies of one student (seed 0) and teacher (seed 1, wider: H=96)."""
-    student = build_tiny_model(tok, seed=0)
-    teacher = build_tiny_model(tok, seed=1, hidden_size=96)
-    out = []
-    for use_liger in (False, True):
-        kwargs = dict(liger_kwargs or {}) if use_liger else {}
-        if use_liger:
-            kwargs.setdefault("liger_patch_model", False)
-        out.append(DistillationTrainer(
-            copy.deepcopy(student), copy.deepcopy(teacher),
-            distill_config(tmp_path / ("ours" if use_liger else "trl"), **cfg),
-            train_dataset=prompt_dataset(), processing_class=tok, use_liger=use_liger, **kwargs,
-        ))
-    return out
+    return make_pair(DistillationTrainer, student_teacher(tok), lambda run_dir: distill_config(run_dir, **cfg),
+                     tmp_path, prompt_dataset, liger_kwargs=liger_kwargs, processing_class=tok)
 
 
 def _generated_batch(trainer):
     raw = next(iter(trainer.get_train_dataloader()))
     trainer.model.eval()
     return trainer._generate_and_score_completions(raw)
-
-
-def _step0(trainer, batch):
-    trainer._metrics["train"].clear()
-    trainer.model.train()
-    loss = trainer.compute_loss(trainer.model, batch)
-    return loss, {k: v[-1] for k, v in trainer._metrics["train"].items()}
 
 
 @pytest.mark.parametrize(
@@ -86,33 +64,21 @@ def test_step0_parity(tok, tmp_path, cfg, chunk):
     theirs, ours = _pair(tok, tmp_path, liger_kwargs={"liger_chunk_tokens": chunk}, **cfg)
     batch = _generated_batch(theirs)
     assert batch["completion_mask"].sum() > 0
-    loss_t, m_t = _step0(theirs, batch)
-    loss_o, m_o = _step0(ours, batch)
+    loss_t, m_t = step0(theirs, batch)
+    loss_o, m_o = step0(ours, batch)
     assert float(loss_t) > 0
     assert rel(loss_o.detach(), loss_t.detach()) <= TOL, (float(loss_o), float(loss_t))
     assert set(m_t) <= set(m_o) and "entropy" in m_t
     assert rel(m_o["entropy"], m_t["entropy"]) <= TOL
-    loss_t.backward()
-    loss_o.backward()
-    g_t, g_o = grads_of(theirs.model), grads_of(ours.model)
-    assert g_t.keys() == g_o.keys() and g_t
-    for name, g in g_t.items():
-        err = float((g_o[name] - g).norm() / g.norm().clamp_min(1e-30))
-        assert err <= TOL, f"grad {name}: rel err {err:.2e}"
+    assert_grads_match(loss_t, loss_o, theirs, ours, TOL)
 
 
 def test_short_run_tracks_trl(tok, tmp_path):
     """10 optimizer steps with greedy on-policy generation: each logged loss and entropy track TRL's run
     (rel <= 1e-3: fp32 sums in another order, amplified a little by Adam), and the logged names are TRL's."""
     theirs, ours = _pair(tok, tmp_path, max_steps=10)
-    theirs.train()
-    ours.train()
-    lt = [h for h in theirs.state.log_history if "loss" in h]
-    lo = [h for h in ours.state.log_history if "loss" in h]
-    assert len(lt) == len(lo) == 10
-    assert set(lt[0]) == set(lo[0])
+    lo, lt = train_logs(theirs, ours, loss_tol=1e-3)
     for a, b in zip(lo, lt):
-        assert rel(a["loss"], b["loss"]) <= 1e-3, (a["loss"], b["loss"])
         assert rel(a["entropy"], b["entropy"]) <= 1e-3
 
 
@@ -126,7 +92,7 @@ def test_use_liger_false_is_trl(tok, tmp_path):
     plain = trl.DistillationTrainer(copy.deepcopy(student), copy.deepcopy(teacher), distill_config(tmp_path / "b"),
                                     train_dataset=prompt_dataset(), processing_class=tok)
     batch = _generated_batch(plain)
-    assert float(_step0(ours, batch)[0]) == float(_step0(plain, batch)[0])
+    assert float(step0(ours, batch)[0]) == float(step0(plain, batch)[0])
 
 
 def test_scaled_student_is_rejected(tok, tmp_path):

@@ -15,50 +15,19 @@ import torch
 from liger_losses.trl_integration import DPOTrainer
 
 from .utils import (
-    PAIRS, assert_metrics_match, build_tiny_model, build_tokenizer, dpo_config, first_batch, grads_of,
-    preference_dataset, rel, step0,
+    PAIRS, build_tiny_model, check_compute_loss, dpo_config, first_batch, lora_config, make_pair,
+    preference_dataset, rel, step0, train_logs,
 )
 
 TOL = 1e-4
 
 
-@pytest.fixture(scope="module")
-def tok():
-    return build_tokenizer()
-
-
 def _pair(tok, tmp_path, *, ref=True, liger_kwargs=None, peft_config=None, **cfg):
     """(TRL trainer, our trainer) on copies of one policy (seed 0) and reference (seed 1)."""
-    policy = build_tiny_model(tok, seed=0)
-    reference = build_tiny_model(tok, seed=1) if ref else None
-    out = []
-    for use_liger in (False, True):
-        kwargs = dict(liger_kwargs or {}) if use_liger else {}
-        if use_liger:
-            kwargs.setdefault("liger_patch_model", False)
-        out.append(DPOTrainer(
-            copy.deepcopy(policy), copy.deepcopy(reference) if ref else None,
-            args=dpo_config(tmp_path / ("ours" if use_liger else "trl"), **cfg),
-            train_dataset=preference_dataset(PAIRS), processing_class=tok, peft_config=peft_config,
-            use_liger=use_liger, **kwargs,
-        ))
-    return out
-
-
-def _check_step0(theirs, ours, batch=None, skip=()):
-    batch = first_batch(theirs) if batch is None else batch
-    loss_t, m_t = step0(theirs, batch)
-    loss_o, m_o = step0(ours, batch)
-    assert rel(loss_o, loss_t) <= TOL, (float(loss_o), float(loss_t))
-    assert_metrics_match(m_o, m_t, TOL, skip=skip)
-    loss_t.backward()
-    loss_o.backward()
-    g_t, g_o = grads_of(theirs.model), grads_of(ours.model)
-    assert g_t.keys() == g_o.keys() and g_t
-    for name, g in g_t.items():
-        err = float((g_o[name] - g).norm() / g.norm().clamp_min(1e-30))
-        assert err <= TOL, f"grad {name}: rel err {err:.2e}"
-    return m_t, m_o
+    models = [build_tiny_model(tok, seed=0), build_tiny_model(tok, seed=1) if ref else None]
+    return make_pair(DPOTrainer, models, lambda run_dir: dpo_config(run_dir, **cfg), tmp_path,
+                     lambda: preference_dataset(PAIRS), liger_kwargs=liger_kwargs, processing_class=tok,
+                     peft_config=peft_config)
 
 
 @pytest.mark.parametrize(
@@ -76,7 +45,7 @@ def test_step0_parity_with_ref_model(tok, tmp_path, cfg):
     5-token tiles, so tiles cut through sequences and pairs (two-phase engine path)."""
     chunk = 5 if cfg["loss_type"] == ["sigmoid"] and "ld_alpha" not in cfg else None
     theirs, ours = _pair(tok, tmp_path, liger_kwargs={"liger_chunk_tokens": chunk}, **cfg)
-    m_t, _ = _check_step0(theirs, ours)
+    m_t, _ = check_compute_loss(theirs, ours, TOL)
     assert abs(m_t["rewards/margins"]) > 0  # a real test: policy != reference
 
 
@@ -90,7 +59,7 @@ def test_step0_parity_precomputed_ref_logps(tok, tmp_path):
         assert float((a - b).norm() / a.norm()) <= TOL
     batch = first_batch(theirs)
     assert "ref_chosen_logps" in batch
-    _check_step0(theirs, ours, batch)
+    check_compute_loss(theirs, ours, TOL, batch)
 
 
 def test_compute_ref_log_probs_matches_trl(tok, tmp_path):
@@ -106,23 +75,15 @@ def test_compute_ref_log_probs_matches_trl(tok, tmp_path):
 def test_step0_parity_peft_lora(tok, tmp_path):
     """PEFT LoRA (random non-zero B so the adapter changes the policy); the reference is the policy
     with the adapter disabled. Loss, metrics and LoRA gradients match TRL's (rel <= 1e-4)."""
-    peft = pytest.importorskip("peft")
-    cfg = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], init_lora_weights=False,
-                          task_type="CAUSAL_LM")
-    theirs, ours = _pair(tok, tmp_path, ref=False, peft_config=cfg)
+    theirs, ours = _pair(tok, tmp_path, ref=False, peft_config=lora_config())
     assert ours.ref_model is None
-    m_t, _ = _check_step0(theirs, ours)
+    m_t, _ = check_compute_loss(theirs, ours, TOL)
     assert abs(m_t["rewards/margins"]) > 0
 
 
 def _train_and_compare(theirs, ours, steps, tol):
-    theirs.train()
-    ours.train()
-    lt = [h for h in theirs.state.log_history if "loss" in h]
-    lo = [h for h in ours.state.log_history if "loss" in h]
-    assert len(lt) == len(lo) == steps
+    lo, lt = train_logs(theirs, ours, steps, same_names=False, loss_tol=tol)
     for a, b in zip(lo, lt):
-        assert rel(a["loss"], b["loss"]) <= tol, (a["loss"], b["loss"])
         for key in ("rewards/margins", "logps/chosen", "mean_token_accuracy", "entropy"):
             assert abs(a[key] - b[key]) <= tol * max(1.0, abs(b[key])), (key, a[key], b[key])
 
@@ -196,7 +157,7 @@ def test_step0_parity_cuda_fp32(tok, tmp_path):
     theirs, ours = _pair(tok, tmp_path, use_cpu=False, liger_kwargs={"liger_patch_model": True})
     try:
         assert next(ours.model.parameters()).is_cuda
-        _check_step0(theirs, ours)
+        check_compute_loss(theirs, ours, TOL)
     finally:
         from liger_losses.patching import revert_liger_kernels
 

@@ -14,27 +14,18 @@ import pytest
 
 from liger_losses.trl_integration.gkd import GKDTrainer
 
-from .utils import PAIRS, build_tiny_model, build_tokenizer, grads_of, preference_dataset, rel
+from .utils import (
+    PAIRS, assert_grads_match, build_tiny_model, first_batch, make_pair, preference_dataset, rel,
+    student_teacher, train_logs, trl_config,
+)
 
 TOL = 1e-4
-
-
-@pytest.fixture(scope="module")
-def tok():
-    return build_tokenizer()
 
 
 def gkd_config(tmp_path, **overrides):
     from trl.experimental.gkd import GKDConfig
 
-    kwargs = dict(
-        output_dir=str(tmp_path), max_steps=2, per_device_train_batch_size=4, per_device_eval_batch_size=4,
-        learning_rate=1e-3, lr_scheduler_type="constant", logging_steps=1, save_strategy="no",
-        report_to="none", gradient_checkpointing=False, bf16=False, fp16=False, use_cpu=True, seed=0,
-        data_seed=0, dataloader_num_workers=0, max_length=32, disable_tqdm=True, lmbda=0.0, seq_kd=False,
-    )
-    kwargs.update(overrides)
-    return GKDConfig(**kwargs)
+    return trl_config(GKDConfig, tmp_path, **{"max_length": 32, "lmbda": 0.0, "seq_kd": False, **overrides})
 
 
 def chat_dataset(n=PAIRS):
@@ -49,22 +40,8 @@ def chat_dataset(n=PAIRS):
 
 def _pair(tok, tmp_path, *, liger_kwargs=None, **cfg):
     """(TRL trainer, our trainer) on copies of one student (seed 0) and teacher (seed 1, wider: H=96)."""
-    student = build_tiny_model(tok, seed=0)
-    teacher = build_tiny_model(tok, seed=1, hidden_size=96)
-    out = []
-    for use_liger in (False, True):
-        kwargs = dict(liger_kwargs or {}) if use_liger else {}
-        if use_liger:
-            kwargs.setdefault("liger_patch_model", False)
-        out.append(GKDTrainer(
-            copy.deepcopy(student), copy.deepcopy(teacher), gkd_config(tmp_path / ("ours" if use_liger else "trl"), **cfg),
-            train_dataset=chat_dataset(), processing_class=tok, use_liger=use_liger, **kwargs,
-        ))
-    return out
-
-
-def _batch(trainer):
-    return trainer._prepare_inputs(next(iter(trainer.get_train_dataloader())))
+    return make_pair(GKDTrainer, student_teacher(tok), lambda run_dir: gkd_config(run_dir, **cfg), tmp_path,
+                     chat_dataset, liger_kwargs=liger_kwargs, processing_class=tok)
 
 
 @pytest.mark.parametrize(
@@ -76,20 +53,14 @@ def test_step0_parity(tok, tmp_path, beta, num_items, chunk):
     """Loss and every student gradient equal TRL's (rel <= 1e-4) for beta 0 (forward KL), 1 (reverse KL) and
     in between (JSD), with and without num_items_in_batch, small tiles (chunk 5/7 tokens) and default ones."""
     theirs, ours = _pair(tok, tmp_path, liger_kwargs={"liger_chunk_tokens": chunk}, beta=beta)
-    batch = _batch(theirs)
+    batch = first_batch(theirs)
     theirs.model.train()
     ours.model.train()
     loss_t = theirs.compute_loss(theirs.model, batch, num_items_in_batch=num_items)
     loss_o = ours.compute_loss(ours.model, batch, num_items_in_batch=num_items)
     assert float(loss_t) > 0
     assert rel(loss_o.detach(), loss_t.detach()) <= TOL, (float(loss_o), float(loss_t))
-    loss_t.backward()
-    loss_o.backward()
-    g_t, g_o = grads_of(theirs.model), grads_of(ours.model)
-    assert g_t.keys() == g_o.keys() and g_t
-    for name, g in g_t.items():
-        err = float((g_o[name] - g).norm() / g.norm().clamp_min(1e-30))
-        assert err <= TOL, f"grad {name}: rel err {err:.2e}"
+    assert_grads_match(loss_t, loss_o, theirs, ours, TOL)
     assert all(t.grad is None for t in ours.teacher_model.parameters())
 
 
@@ -97,14 +68,7 @@ def test_short_run_tracks_trl(tok, tmp_path):
     """10 optimizer steps (lmbda=0: no generation): each logged loss tracks TRL's run (rel <= 1e-3: fp32 sums in
     another order, amplified a little by Adam), the logged names are TRL's, and the loss falls."""
     theirs, ours = _pair(tok, tmp_path, max_steps=10)
-    theirs.train()
-    ours.train()
-    lt = [h for h in theirs.state.log_history if "loss" in h]
-    lo = [h for h in ours.state.log_history if "loss" in h]
-    assert len(lt) == len(lo) == 10
-    assert set(lt[0]) == set(lo[0])
-    for a, b in zip(lo, lt):
-        assert rel(a["loss"], b["loss"]) <= 1e-3, (a["loss"], b["loss"])
+    _, lt = train_logs(theirs, ours, loss_tol=1e-3)
     assert lt[-1]["loss"] < lt[0]["loss"]
 
 
@@ -117,7 +81,7 @@ def test_use_liger_false_is_trl(tok, tmp_path):
                       train_dataset=chat_dataset(), processing_class=tok)
     plain = TRLGKDTrainer(copy.deepcopy(student), copy.deepcopy(teacher), gkd_config(tmp_path / "b"),
                           train_dataset=chat_dataset(), processing_class=tok)
-    batch = _batch(plain)
+    batch = first_batch(plain)
     assert float(ours.compute_loss(ours.model, batch)) == float(plain.compute_loss(plain.model, batch))
 
 

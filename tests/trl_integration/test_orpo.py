@@ -12,64 +12,23 @@ import pytest
 
 from liger_losses.trl_integration.orpo import ORPOTrainer
 
-from .utils import PAIRS, assert_metrics_match, build_tiny_model, build_tokenizer, grads_of, preference_dataset, rel
+from .utils import (
+    PAIRS, build_tiny_model, check_batch_loss_metrics, first_batch, policy_pair, preference_dataset, rel,
+    train_logs, trl_config,
+)
 
 TOL = 1e-4
-
-
-@pytest.fixture(scope="module")
-def tok():
-    return build_tokenizer()
 
 
 def orpo_config(tmp_path, **overrides):
     from trl.experimental.orpo import ORPOConfig
 
-    kwargs = dict(
-        output_dir=str(tmp_path), max_steps=2, per_device_train_batch_size=4, per_device_eval_batch_size=4,
-        learning_rate=1e-3, lr_scheduler_type="constant", logging_steps=1, save_strategy="no",
-        report_to="none", gradient_checkpointing=False, bf16=False, fp16=False, use_cpu=True, seed=0,
-        data_seed=0, dataloader_num_workers=0, max_length=32, disable_tqdm=True,
-    )
-    kwargs.update(overrides)
-    return ORPOConfig(**kwargs)
+    return trl_config(ORPOConfig, tmp_path, **{"max_length": 32, **overrides})
 
 
-def _pair(tok, tmp_path, *, liger_kwargs=None, **cfg):
+def _pair(tok, tmp_path, **kwargs):
     """(TRL trainer, our trainer) on copies of one policy (seed 0)."""
-    policy = build_tiny_model(tok, seed=0)
-    out = []
-    for use_liger in (False, True):
-        kwargs = dict(liger_kwargs or {}) if use_liger else {}
-        if use_liger:
-            kwargs.setdefault("liger_patch_model", False)
-        out.append(ORPOTrainer(
-            copy.deepcopy(policy), orpo_config(tmp_path / ("ours" if use_liger else "trl"), **cfg),
-            train_dataset=preference_dataset(PAIRS), processing_class=tok, use_liger=use_liger, **kwargs,
-        ))
-    return out
-
-
-def _batch(trainer):
-    return trainer._prepare_inputs(next(iter(trainer.get_train_dataloader())))
-
-
-def _check_step0(theirs, ours, train_eval="train"):
-    batch = _batch(theirs)
-    theirs.model.train()
-    ours.model.train()
-    loss_t, m_t = theirs.get_batch_loss_metrics(theirs.model, batch, train_eval)
-    loss_o, m_o = ours.get_batch_loss_metrics(ours.model, batch, train_eval)
-    assert rel(loss_o.detach(), loss_t.detach()) <= TOL, (float(loss_o), float(loss_t))
-    assert_metrics_match(m_o, m_t, TOL)
-    loss_t.backward()
-    loss_o.backward()
-    g_t, g_o = grads_of(theirs.model), grads_of(ours.model)
-    assert g_t.keys() == g_o.keys() and g_t
-    for name, g in g_t.items():
-        err = float((g_o[name] - g).norm() / g.norm().clamp_min(1e-30))
-        assert err <= TOL, f"grad {name}: rel err {err:.2e}"
-    return m_t
+    return policy_pair(ORPOTrainer, orpo_config, tok, tmp_path, **kwargs)
 
 
 @pytest.mark.parametrize("beta, chunk", [(0.1, 5), (1.0, None)], ids=["beta0.1-chunk5", "beta1-default-chunk"])
@@ -77,14 +36,14 @@ def test_step0_parity(tok, tmp_path, beta, chunk):
     """Loss, every metric TRL logs (rewards, logps, logits, nll_loss, log_odds_*) and every gradient equal
     TRL's (rel <= 1e-4); chunk 5 tokens makes tiles cut through sequences and pairs."""
     theirs, ours = _pair(tok, tmp_path, liger_kwargs={"liger_chunk_tokens": chunk}, beta=beta)
-    m_t = _check_step0(theirs, ours)
+    m_t = check_batch_loss_metrics(theirs, ours, TOL)
     assert {"log_odds_ratio", "log_odds_chosen", "nll_loss", "logits/rejected"} <= set(m_t)
 
 
 def test_eval_metrics_are_prefixed(tok, tmp_path):
     """In evaluation the metrics carry TRL's ``eval_`` prefix and equal TRL's (rel <= 1e-4)."""
     theirs, ours = _pair(tok, tmp_path)
-    m_t = _check_step0(theirs, ours, train_eval="eval")
+    m_t = check_batch_loss_metrics(theirs, ours, TOL, train_eval="eval")
     assert all(k.startswith("eval_") for k in m_t)
 
 
@@ -92,14 +51,8 @@ def test_short_run_tracks_trl(tok, tmp_path):
     """10 optimizer steps with our loss: each logged loss (and log_odds_ratio) tracks TRL's run (rel <= 1e-3:
     fp32 sums in another order, amplified a little by Adam), the logged names are TRL's, and the loss falls."""
     theirs, ours = _pair(tok, tmp_path, max_steps=10)
-    theirs.train()
-    ours.train()
-    lt = [h for h in theirs.state.log_history if "loss" in h]
-    lo = [h for h in ours.state.log_history if "loss" in h]
-    assert len(lt) == len(lo) == 10
-    assert set(lt[0]) == set(lo[0])
+    lo, lt = train_logs(theirs, ours, loss_tol=1e-3)
     for a, b in zip(lo, lt):
-        assert rel(a["loss"], b["loss"]) <= 1e-3, (a["loss"], b["loss"])
         assert rel(a["log_odds_ratio"], b["log_odds_ratio"]) <= 1e-3
     assert lt[-1]["loss"] < lt[0]["loss"]
 
@@ -113,7 +66,7 @@ def test_use_liger_false_is_trl(tok, tmp_path):
                        processing_class=tok)
     plain = TRLORPOTrainer(copy.deepcopy(policy), orpo_config(tmp_path / "b"),
                            train_dataset=preference_dataset(PAIRS), processing_class=tok)
-    batch = _batch(plain)
+    batch = first_batch(plain)
     assert float(ours.compute_loss(ours.model, batch)) == float(plain.compute_loss(plain.model, batch))
 
 

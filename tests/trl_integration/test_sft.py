@@ -5,34 +5,22 @@ loss, ``mean_token_accuracy``, ``entropy``, ``num_tokens`` and every parameter g
 relative error <= 1e-4 (the same fp32 math in another summation order gives ~1e-6).
 """
 
-import copy
-
 import pytest
 import torch
 
 from liger_losses.trl_integration import SFTTrainer
 
 from .utils import (
-    assert_metrics_match, build_tiny_model, build_tokenizer, first_batch, grads_of, rel, sft_config,
-    sft_dataset,
+    assert_grads_match, assert_metrics_match, build_tiny_model, first_batch, make_pair, rel, sft_config,
+    sft_dataset, train_logs,
 )
 
 TOL = 1e-4
 
 
-@pytest.fixture(scope="module")
-def tok():
-    return build_tokenizer()
-
-
 def _pair(tok, tmp_path, data, liger_kwargs=None, **cfg):
-    model = build_tiny_model(tok, seed=0)
-    out = []
-    for use_liger in (False, True):
-        kwargs = {"liger_patch_model": False, **(liger_kwargs or {})} if use_liger else {}
-        out.append(SFTTrainer(copy.deepcopy(model), args=sft_config(tmp_path / str(use_liger), **cfg),
-                              train_dataset=data, processing_class=tok, use_liger=use_liger, **kwargs))
-    return out
+    return make_pair(SFTTrainer, [build_tiny_model(tok, seed=0)], lambda run_dir: sft_config(run_dir, **cfg),
+                     tmp_path, lambda: data, liger_kwargs=liger_kwargs, processing_class=tok)
 
 
 def _check(theirs, ours, num_items_in_batch=None):
@@ -45,13 +33,7 @@ def _check(theirs, ours, num_items_in_batch=None):
     m_o = {k: v[-1] for k, v in ours._metrics["train"].items()}
     assert rel(loss_o.detach(), loss_t.detach()) <= TOL, (float(loss_o), float(loss_t))
     assert_metrics_match(m_o, m_t, TOL)
-    loss_t.backward()
-    loss_o.backward()
-    g_t, g_o = grads_of(theirs.model), grads_of(ours.model)
-    assert g_t.keys() == g_o.keys() and g_t
-    for name, g in g_t.items():
-        err = float((g_o[name] - g).norm() / g.norm().clamp_min(1e-30))
-        assert err <= TOL, f"grad {name}: rel err {err:.2e}"
+    assert_grads_match(loss_t, loss_o, theirs, ours, TOL)
     return batch
 
 
@@ -96,11 +78,7 @@ def test_label_smoothing_parity(tok, tmp_path):
 def test_short_run_tracks_trl(tok, tmp_path):
     """4 Adam steps: each logged loss, token accuracy and entropy track TRL's run (rel <= 1e-4)."""
     theirs, ours = _pair(tok, tmp_path, sft_dataset(), max_steps=4, learning_rate=3e-3)
-    theirs.train()
-    ours.train()
-    lt = [h for h in theirs.state.log_history if "loss" in h]
-    lo = [h for h in ours.state.log_history if "loss" in h]
-    assert len(lt) == len(lo) == 4
+    lo, lt = train_logs(theirs, ours, 4, same_names=False)
     for a, b in zip(lo, lt):
         for key in ("loss", "mean_token_accuracy", "entropy"):
             assert abs(a[key] - b[key]) <= TOL * max(1.0, abs(b[key])), (key, a[key], b[key])

@@ -2,7 +2,9 @@
 
 Everything is built locally (``liger_losses.demo``'s character tokenizer and tiny random Llama), fp32,
 on the CPU; no download. ``make_pair`` builds TRL's trainer (``use_liger=False``) and ours
-(``use_liger=True``) on deep copies of the same weights, so their losses and metrics can be compared.
+(``use_liger=True``) on deep copies of the same weights, so their losses and metrics can be compared;
+``trl_config`` gives the short deterministic run config of every trainer, ``assert_grads_match`` /
+``check_batch_loss_metrics`` / ``train_logs`` the comparisons the test modules share.
 """
 
 from __future__ import annotations
@@ -17,30 +19,74 @@ from liger_losses.demo import build_tiny_model, build_tokenizer, preference_data
 PAIRS = 8  # preference examples used by the tests
 
 
-def dpo_config(tmp_path, **overrides):
-    import trl
-
+def trl_config(config_cls, tmp_path, **overrides):
+    """A TRL ``config_cls`` for a short deterministic fp32 CPU run writing to ``tmp_path``; ``overrides`` win."""
     kwargs = dict(
         output_dir=str(tmp_path), max_steps=2, per_device_train_batch_size=4, per_device_eval_batch_size=4,
         learning_rate=1e-3, lr_scheduler_type="constant", logging_steps=1, save_strategy="no",
         report_to="none", gradient_checkpointing=False, bf16=False, fp16=False, use_cpu=True, seed=0,
-        data_seed=0, dataloader_num_workers=0, max_length=32, disable_tqdm=True,
+        data_seed=0, dataloader_num_workers=0, disable_tqdm=True,
     )
     kwargs.update(overrides)
-    return trl.DPOConfig(**kwargs)
+    return config_cls(**kwargs)
+
+
+def dpo_config(tmp_path, **overrides):
+    import trl
+
+    return trl_config(trl.DPOConfig, tmp_path, **{"max_length": 32, **overrides})
 
 
 def sft_config(tmp_path, **overrides):
     import trl
 
-    kwargs = dict(
-        output_dir=str(tmp_path), max_steps=2, per_device_train_batch_size=4, per_device_eval_batch_size=4,
-        learning_rate=1e-3, lr_scheduler_type="constant", logging_steps=1, save_strategy="no",
-        report_to="none", gradient_checkpointing=False, bf16=False, fp16=False, use_cpu=True, seed=0,
-        data_seed=0, dataloader_num_workers=0, max_length=32, disable_tqdm=True,
-    )
-    kwargs.update(overrides)
-    return trl.SFTConfig(**kwargs)
+    return trl_config(trl.SFTConfig, tmp_path, **{"max_length": 32, **overrides})
+
+
+def make_pair(trainer_cls, models, config, tmp_path, dataset, *, liger_kwargs=None, **trainer_kwargs):
+    """[TRL's trainer (``use_liger=False``), ours (``use_liger=True``)], each
+    ``trainer_cls(*deep copies of models, config(run_dir), train_dataset=dataset(), **trainer_kwargs)`` with its
+    own ``run_dir`` under ``tmp_path``; ours also gets ``liger_kwargs`` (``liger_patch_model=False`` unless given)."""
+    out = []
+    for use_liger in (False, True):
+        kwargs = {"liger_patch_model": False, **(liger_kwargs or {})} if use_liger else {}
+        out.append(trainer_cls(
+            *[copy.deepcopy(m) for m in models], config(tmp_path / ("ours" if use_liger else "trl")),
+            train_dataset=dataset(), use_liger=use_liger, **trainer_kwargs, **kwargs,
+        ))
+    return out
+
+
+def student_teacher(tok):
+    """[student (seed 0), teacher (seed 1, wider: H=96)] tiny models of the distillation tests."""
+    return [build_tiny_model(tok, seed=0), build_tiny_model(tok, seed=1, hidden_size=96)]
+
+
+def check_compute_loss(theirs, ours, tol, batch=None, skip=()):
+    """:func:`step0` of TRL's and our trainer on ``batch`` (TRL's first one by default): loss and every metric
+    TRL logs (but ``skip``) agree to a relative error <= ``tol``, then every gradient (:func:`assert_grads_match`).
+    ``(TRL's metrics, ours)``."""
+    batch = first_batch(theirs) if batch is None else batch
+    loss_t, m_t = step0(theirs, batch)
+    loss_o, m_o = step0(ours, batch)
+    assert rel(loss_o, loss_t) <= tol, (float(loss_o), float(loss_t))
+    assert_metrics_match(m_o, m_t, tol, skip=skip)
+    assert_grads_match(loss_t, loss_o, theirs, ours, tol)
+    return m_t, m_o
+
+
+def check_batch_loss_metrics(theirs, ours, tol, train_eval="train"):
+    """``get_batch_loss_metrics`` of TRL's and our trainer on TRL's first batch: loss and every metric TRL
+    returns agree to a relative error <= ``tol``, then every gradient (:func:`assert_grads_match`). TRL's metrics."""
+    batch = first_batch(theirs)
+    theirs.model.train()
+    ours.model.train()
+    loss_t, m_t = theirs.get_batch_loss_metrics(theirs.model, batch, train_eval)
+    loss_o, m_o = ours.get_batch_loss_metrics(ours.model, batch, train_eval)
+    assert rel(loss_o.detach(), loss_t.detach()) <= tol, (float(loss_o), float(loss_t))
+    assert_metrics_match(m_o, m_t, tol)
+    assert_grads_match(loss_t, loss_o, theirs, ours, tol)
+    return m_t
 
 
 def sft_dataset(n=PAIRS, conversational=False):
@@ -91,7 +137,54 @@ def grads_of(model):
     return {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
+def assert_grads_match(loss_t, loss_o, theirs, ours, tol):
+    """Backward both losses; TRL's and our model then hold gradients for the same (non-empty) set of
+    parameters, each equal to TRL's to a relative error (Frobenius norm) <= ``tol``."""
+    loss_t.backward()
+    loss_o.backward()
+    g_t, g_o = grads_of(theirs.model), grads_of(ours.model)
+    assert g_t.keys() == g_o.keys() and g_t
+    for name, g in g_t.items():
+        err = float((g_o[name] - g).norm() / g.norm().clamp_min(1e-30))
+        assert err <= tol, f"grad {name}: rel err {err:.2e}"
+
+
+def train_logs(theirs, ours, steps=10, *, same_names=True, loss_tol=None):
+    """Train both trainers; ``(our loss logs, TRL's)``, after checking both logged ``steps`` entries (under the
+    same names when ``same_names``; each loss within relative error ``loss_tol`` of TRL's when given)."""
+    theirs.train()
+    ours.train()
+    lt = [h for h in theirs.state.log_history if "loss" in h]
+    lo = [h for h in ours.state.log_history if "loss" in h]
+    assert len(lt) == len(lo) == steps
+    if same_names:
+        assert set(lt[0]) == set(lo[0])
+    if loss_tol is not None:
+        for a, b in zip(lo, lt):
+            assert rel(a["loss"], b["loss"]) <= loss_tol, (a["loss"], b["loss"])
+    return lo, lt
+
+
+def lora_config():
+    """A PEFT LoRA config (r=4 on q/v) with random non-zero B, so the adapter changes the policy; skips the test
+    when peft is not installed."""
+    import pytest
+
+    peft = pytest.importorskip("peft")
+    return peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], init_lora_weights=False,
+                           task_type="CAUSAL_LM")
+
+
+def policy_pair(trainer_cls, config, tok, tmp_path, *, liger_kwargs=None, **cfg):
+    """:func:`make_pair` of ``trainer_cls`` on copies of one policy (seed 0), ``config(run_dir, **cfg)`` and the
+    preference set."""
+    return make_pair(trainer_cls, [build_tiny_model(tok, seed=0)], lambda run_dir: config(run_dir, **cfg), tmp_path,
+                     lambda: preference_dataset(PAIRS), liger_kwargs=liger_kwargs, processing_class=tok)
+
+
 __all__ = [
-    "PAIRS", "build_tiny_model", "build_tokenizer", "preference_dataset", "dpo_config", "sft_config",
-    "sft_dataset", "first_batch", "step0", "rel", "assert_metrics_match", "grads_of", "copy", "torch",
+    "PAIRS", "build_tiny_model", "build_tokenizer", "preference_dataset", "trl_config", "dpo_config", "sft_config",
+    "make_pair", "policy_pair", "student_teacher", "sft_dataset", "first_batch", "step0", "rel",
+    "assert_metrics_match", "grads_of", "assert_grads_match", "check_batch_loss_metrics", "check_compute_loss",
+    "train_logs", "lora_config", "copy", "torch",
 ]

@@ -1,0 +1,138 @@
+"""What the adapters whose loss compares the policy to a *reference* share (``DPOTrainer``, ``KTOTrainer``).
+
+:class:`LigerReferenceTrainerMixin` (a :class:`~liger_losses.trl_integration.base.LigerTrainerMixin`) gives them:
+
+* construction: :meth:`~LigerReferenceTrainerMixin._liger_before_trl_init` (TRL's default config when
+  ``args`` is None, the loss built from it so option checks fail fast, a vision-language processor
+  rejected) and :meth:`~LigerReferenceTrainerMixin._liger_after_trl_init` (vision data / MoE auxiliary loss
+  rejected, the loss rebuilt with the head's softcap / logit scale, layer patching of policy and reference).
+  A subclass names its config class and loss builder in ``_liger_config_cls`` / ``_liger_build_loss``.
+* the reference: :meth:`~LigerReferenceTrainerMixin._liger_reference_scope` (no grad, gradient
+  checkpointing off, the PEFT policy switched to its reference adapter when it is the reference) and
+  :meth:`~LigerReferenceTrainerMixin._liger_token_logps` (per-token log-probs ``[B, T-1]`` of a model on
+  completion labels, chunked, for the precompute and the KL terms).
+* the loss: :meth:`~LigerReferenceTrainerMixin._liger_policy_loss` runs the policy backbone (``hidden[:, :-1]``,
+  ``[B, T-1, H]``) and ``self.liger_loss`` on it, the labels ``[B, T-1]`` (``-100`` ignored), the LM head and the
+  reference's hidden states / head (detached) or precomputed log-probs; inside the model's forward when the
+  model is distributed. :meth:`~LigerReferenceTrainerMixin._liger_count_tokens` keeps TRL's ``num_tokens``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Callable, ClassVar, Dict, Mapping, Optional, Sequence
+
+import torch
+from torch import nn
+
+from ..chunked.token_logprobs import fused_linear_token_logprobs
+from .base import (
+    IGNORE_INDEX,
+    LigerTrainerMixin,
+    gathered_params,
+    head_logit_options,
+    reference_adapter,
+    reject,
+    reject_vision,
+    unwrap_causal_lm,
+)
+
+
+class LigerReferenceTrainerMixin(LigerTrainerMixin):
+    """Base of the DPO / KTO adapters (see the module docstring); list it before the TRL trainer class."""
+
+    _liger_config_cls: ClassVar[type]  # the TRL config (trl.DPOConfig...)
+    _liger_build_loss: ClassVar[Callable[..., nn.Module]]  # (args, *, chunk_tokens, softcap, logit_scale) -> loss
+
+    # ------------------------------------------------------------------ construction
+
+    def _liger_before_trl_init(self, model, args, trl_args: Sequence[Any], trl_kwargs: Mapping[str, Any]):
+        """The ``args`` to hand TRL (its default ``<model name>-<DPO|KTO>`` config when None), after building
+        ``self.liger_loss`` from it and rejecting a vision-language ``processing_class``."""
+        if args is None:
+            name = model if isinstance(model, str) else getattr(model.config, "_name_or_path", "model")
+            tag = self._liger_config_cls.__name__[: -len("Config")]
+            args = self._liger_config_cls(f"{str(name).split('/')[-1] or 'model'}-{tag}")
+        self.liger_loss = self._liger_build_loss(args, chunk_tokens=self.liger_chunk_tokens)  # fail fast
+        processing_class = trl_kwargs.get("processing_class")
+        if processing_class is None and len(trl_args) >= 4:
+            processing_class = trl_args[3]
+        from transformers import ProcessorMixin
+
+        if isinstance(processing_class, ProcessorMixin):
+            reject_vision(processing_class)
+        return args
+
+    def _liger_after_trl_init(self, trl_kwargs: Mapping[str, Any]) -> None:
+        """Checks that need TRL's built trainer, the loss with the head's logit transform, layer patching."""
+        if self._is_vision_dataset:
+            reject("train_dataset", "<vision dataset>", "vision-language data is not supported")
+        if self.aux_loss_enabled:
+            reject("router_aux_loss_coef", self.router_aux_loss_coef,
+                   "the MoE load-balancing loss needs the router logits of TRL's forward")
+        logit_opts = head_logit_options(unwrap_causal_lm(self.model).config)
+        if logit_opts["softcap"] is not None or logit_opts["logit_scale"] != 1.0:
+            self.liger_loss = self._liger_build_loss(self.args, chunk_tokens=self.liger_chunk_tokens, **logit_opts)
+        self._liger_after_init(self.model, self.ref_model, trl_kwargs=trl_kwargs)
+
+    # ------------------------------------------------------------------ reference
+
+    def _liger_reference_context(self):
+        """Context where the policy acts as the reference (PEFT without a separate ref model)."""
+        return reference_adapter(self.accelerator.unwrap_model(self.model))
+
+    @contextlib.contextmanager
+    def _liger_reference_scope(self, peft_ref: bool):
+        """No grad, gradient checkpointing off and, when ``peft_ref``, the policy acting as the reference."""
+        from trl.models.utils import disable_gradient_checkpointing
+
+        with (
+            torch.no_grad(),
+            disable_gradient_checkpointing(self.model, self.args.gradient_checkpointing_kwargs),
+            self._liger_reference_context() if peft_ref else contextlib.nullcontext(),
+        ):
+            yield
+
+    def _liger_token_logps(self, model: nn.Module, model_kwargs: Dict[str, Any],
+                           labels: torch.Tensor) -> torch.Tensor:
+        """Per-token log-probs ``[B, T-1]`` of ``model`` on ``labels [B, T-1]`` (0 where ignored), chunked."""
+        logit_opts = head_logit_options(unwrap_causal_lm(model).config)
+
+        def run():
+            hidden = self._liger_backbone_hidden(model, model_kwargs)[:, :-1]
+            weight, bias = self._liger_head(model)
+            with gathered_params(weight, bias):
+                return fused_linear_token_logprobs(
+                    weight, hidden, labels.to(hidden.device), bias=bias, ignore_index=IGNORE_INDEX,
+                    chunk_tokens=self.liger_chunk_tokens, **logit_opts,
+                )
+
+        return self._liger_run(model, run)
+
+    # ------------------------------------------------------------------ the loss
+
+    def _liger_policy_loss(self, model: nn.Module, model_kwargs: Dict[str, Any], labels: torch.Tensor,
+                           ref_hidden: Optional[torch.Tensor], ref_weight: Optional[torch.Tensor],
+                           ref_bias: Optional[torch.Tensor], **loss_kwargs: Any):
+        """``self.liger_loss(weight, hidden, ref_hidden, labels, bias=, ref_weight=, ref_bias=, **loss_kwargs)`` on
+        the policy's ``hidden[:, :-1]`` and head; tensors of ``loss_kwargs`` moved to the hidden states' device."""
+
+        def run():
+            hidden = self._liger_backbone_hidden(model, model_kwargs)[:, :-1]
+            weight, bias = self._liger_head(model)
+            extra = {k: v.to(hidden.device) if isinstance(v, torch.Tensor) else v for k, v in loss_kwargs.items()}
+            with gathered_params(weight, bias, ref_weight, ref_bias):
+                return self.liger_loss(
+                    weight, hidden, ref_hidden, labels.to(hidden.device), bias=bias,
+                    ref_weight=None if ref_weight is None else ref_weight.detach(),
+                    ref_bias=None if ref_bias is None else ref_bias.detach(), **extra,
+                )
+
+        return self._liger_run(model, run)
+
+    def _liger_count_tokens(self, mode: str, attention_mask: torch.Tensor) -> None:
+        """TRL's ``num_tokens`` metric: attended tokens of every process, accumulated in training."""
+        if mode == "train":
+            num_tokens = self.accelerator.gather_for_metrics(attention_mask.sum()).sum().item()
+            self._total_train_tokens += num_tokens // self._tp_size
+        self._metrics[mode]["num_tokens"] = [self._total_train_tokens]
