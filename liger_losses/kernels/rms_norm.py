@@ -171,10 +171,12 @@ if triton is not None:
 # --------------------------------------------------------------------------- host side
 
 
-def _forward(x2, weight, eps, offset, casting_mode, out_dtype):
-    """Launch the forward kernel on ``x2`` ``[rows, H]`` (unit last stride); returns (out, rstd)."""
+def _forward(x2, weight, eps, offset, casting_mode, out_dtype, out=None):
+    """Launch the forward kernel on ``x2`` ``[rows, H]`` (unit last stride); returns (out, rstd).
+    ``out`` may be given as a contiguous ``[rows, H]`` view of the caller's buffer."""
     n_rows, n_cols = x2.shape
-    out = torch.empty((n_rows, n_cols), dtype=out_dtype, device=x2.device)
+    if out is None:
+        out = torch.empty((n_rows, n_cols), dtype=out_dtype, device=x2.device)
     rstd = torch.empty((n_rows,), dtype=torch.float32, device=x2.device)
     block_m, block_n, warps, programs = fwd_tiling(n_rows, n_cols, _KNOBS)
     with device_ctx(x2):
@@ -227,13 +229,17 @@ class RMSNormFunction(torch.autograd.Function):
         shape = hidden.shape
         x2 = as_rows(hidden)
         out_dtype = _output_dtype(hidden, weight, casting_mode)
-        out, rstd = _forward(x2, weight, eps, offset, casting_mode, out_dtype)
+        # the output is allocated in its final shape and returned as is (not a view made inside
+        # the Function), so callers may modify views of it in place (e.g. in-place RoPE on
+        # Qwen3's q_norm output, transposed)
+        out = torch.empty(shape, dtype=out_dtype, device=hidden.device)
+        _, rstd = _forward(x2, weight, eps, offset, casting_mode, out_dtype, out=out.view(-1, shape[-1]))
         ctx.save_for_backward(x2, weight, rstd)
         ctx.shape = shape
         ctx.offset = offset
         ctx.casting_mode = casting_mode
         ctx.inplace_backward = inplace_backward
-        return out.view(shape)
+        return out
 
     @staticmethod
     @once_differentiable

@@ -13,7 +13,9 @@ rest pass through, exactly as the Hugging Face function does (the kernel handles
 In-place rotation: for the families listed in ``INPLACE_FAMILIES`` the replacement rotates q and k
 in place (``inplace=True``): their attention builds q/k as ``proj(h).view(B, T, H, D).transpose(1, 2)``
 fresh tensors used by nothing but the rotation, so this is
-safe and saves the outputs' allocation. Phi-3 is excluded (q/k are slices of one qkv tensor); Qwen3 too for now (q_norm/k_norm outputs: its parity test lost q/k grads, under investigation).
+safe and saves the outputs' allocation (Qwen3's q/k are views of its q_norm/k_norm outputs, which our
+RMSNorm returns as plain tensors so that autograd allows it). Phi-3 is excluded (q/k are slices of one
+qkv tensor).
 Set ``liger_losses.patching.rope.INPLACE = False`` to turn it off at call time.
 """
 
@@ -28,7 +30,7 @@ INPLACE = True
 
 # transformers model families whose attention passes q/k to apply_rotary_pos_emb as fresh views of
 # the projection (or q_norm/k_norm) outputs used by nothing else (checked in transformers 5.x).
-INPLACE_FAMILIES = frozenset({"llama", "mistral", "qwen2", "gemma", "gemma2"})  # qwen3: see report
+INPLACE_FAMILIES = frozenset({"llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2"})
 
 
 def _rotate(q, k, cos, sin, unsqueeze_dim, inplace=False):
