@@ -25,7 +25,7 @@ vision-language models / datasets, MoE router auxiliary loss (``router_aux_loss_
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Optional
 
 import torch
 import trl
@@ -60,26 +60,6 @@ class KTOTrainer(LigerReferenceTrainerMixin, trl.KTOTrainer):
 
     _liger_config_cls = trl.KTOConfig
     _liger_build_loss = staticmethod(build_kto_loss)
-
-    def __init__(
-        self,
-        model,
-        ref_model=None,
-        args: Optional[trl.KTOConfig] = None,
-        *trl_args: Any,
-        use_liger: bool = False,
-        liger_patch_model: bool = True,
-        liger_chunk_tokens: Optional[int] = None,
-        **trl_kwargs: Any,
-    ):
-        self._liger_setup(
-            use_liger=use_liger, liger_patch_model=liger_patch_model, liger_chunk_tokens=liger_chunk_tokens
-        )
-        if use_liger:
-            args = self._liger_before_trl_init(model, args, trl_args, trl_kwargs)
-        super().__init__(model, ref_model, args, *trl_args, **trl_kwargs)
-        if use_liger:
-            self._liger_after_trl_init(trl_kwargs)
 
     # ------------------------------------------------------------------ helpers
 

@@ -46,6 +46,28 @@ class LigerReferenceTrainerMixin(LigerTrainerMixin):
 
     # ------------------------------------------------------------------ construction
 
+    def __init__(
+        self,
+        model,
+        ref_model=None,
+        args=None,
+        *trl_args: Any,
+        use_liger: bool = False,
+        liger_patch_model: bool = True,
+        liger_chunk_tokens: Optional[int] = None,
+        **trl_kwargs: Any,
+    ):
+        """TRL's ``(model, ref_model, args, ...)`` plus the three ``liger_*`` keywords; ``args`` is the
+        trainer's config (``_liger_config_cls``)."""
+        self._liger_setup(
+            use_liger=use_liger, liger_patch_model=liger_patch_model, liger_chunk_tokens=liger_chunk_tokens
+        )
+        if use_liger:
+            args = self._liger_before_trl_init(model, args, trl_args, trl_kwargs)
+        super().__init__(model, ref_model, args, *trl_args, **trl_kwargs)
+        if use_liger:
+            self._liger_after_trl_init(trl_kwargs)
+
     def _liger_before_trl_init(self, model, args, trl_args: Sequence[Any], trl_kwargs: Mapping[str, Any]):
         """The ``args`` to hand TRL (its default ``<model name>-<DPO|KTO>`` config when None), after building
         ``self.liger_loss`` from it and rejecting a vision-language ``processing_class``."""
