@@ -26,11 +26,12 @@ from torch import Tensor, nn
 from liger_losses.chunked.engine import (
     _check_common,
     _scaled_grads,
-    compact_tokens,
+    grad_like,
     compute_dtype,
     gather_weight,
     run_tiles,
     scatter_rows,
+    token_rows,
     weight_grad_like,
 )
 from liger_losses.chunked.output import LossOutput
@@ -49,8 +50,8 @@ def _prepare(weight, hidden, labels, bias, cfg):
     w_full = gather_weight(weight)
     cdt = cfg["compute_dtype"]
     w_c = w_full if w_full.dtype == cdt else w_full.to(cdt)
-    h_valid, l_valid, index = compact_tokens(hidden, labels, cfg["ignore_index"])
-    return w_full, w_c, h_valid, l_valid, index
+    rows, l_valid, index = token_rows(hidden, labels, cfg["ignore_index"])
+    return w_full, w_c, rows, l_valid, index
 
 
 class _FusedLinearCEFunction(torch.autograd.Function):
@@ -60,24 +61,24 @@ class _FusedLinearCEFunction(torch.autograd.Function):
     def forward(ctx, weight, hidden, bias, labels, denom, cfg, sink):
         needs_w, needs_h, needs_b = ctx.needs_input_grad[:3]
         needs_b = needs_b and bias is not None
-        w_full, w_c, h_valid, l_valid, index = _prepare(weight, hidden, labels, bias, cfg)
+        w_full, w_c, rows, l_valid, index = _prepare(weight, hidden, labels, bias, cfg)
         grad = needs_h or needs_w or needs_b
         scale = 1.0
         if denom is not None:  # 1/denom applied in the kernel (fp32), not to bf16 gradients later
-            scale = (1.0 / denom).reshape(1).expand(h_valid.shape[0]).contiguous()
+            scale = (1.0 / denom).reshape(1).expand(l_valid.shape[0]).contiguous()
         stats, gh, gw, gb = run_tiles(
-            w_c, h_valid, l_valid, bias, mode="ce", grad=grad, grad_scale=scale,
+            w_c, rows, l_valid, bias, mode="ce", grad=grad, grad_scale=scale,
             kernel_opts=cfg["kernel_opts"],
             chunk_tokens=cfg["chunk_tokens"], accum_dtype=cfg["accum_dtype"] or w_full.dtype,
             needs_hidden=needs_h, needs_weight=needs_w, needs_bias=needs_b,
         )
         total = stats["loss"].sum()
         loss = total / denom if denom is not None else total
-        sink["num_tokens"] = h_valid.shape[0]
+        sink["num_tokens"] = l_valid.shape[0]
         sink["correct"] = stats["correct"].sum()
         sink["z_sum"] = (stats["lse"] ** 2).sum() * cfg["z_loss_weight"]
         if gh is not None:
-            gh = scatter_rows(gh, index, hidden.shape, dtype=hidden.dtype)
+            gh = grad_like(gh, hidden)
         ctx.save_for_backward(gh, gw, gb)
         ctx.has = (gh is not None, gw is not None, gb is not None)
         ctx.weight_ref = weight
@@ -109,9 +110,9 @@ def _stats_forward(ctx, weight, hidden, bias, labels, cfg, mode, **run_opts):
     """Forward of a per-token function whose backward recomputes: tile statistics (no grad) of the
     valid tokens and their flat ``index``; saves the inputs and ``cfg`` for :func:`_recompute_saved_backward`."""
     with torch.no_grad():
-        _, w_c, h_valid, l_valid, index = _prepare(weight, hidden, labels, bias, cfg)
+        _, w_c, rows, l_valid, index = _prepare(weight, hidden, labels, bias, cfg)
         stats, _, _, _ = run_tiles(
-            w_c, h_valid, l_valid, bias, mode=mode, grad=False, kernel_opts=cfg["kernel_opts"],
+            w_c, rows, l_valid, bias, mode=mode, grad=False, kernel_opts=cfg["kernel_opts"],
             chunk_tokens=cfg["chunk_tokens"], **run_opts,
         )
     ctx.save_for_backward(weight, hidden, bias, labels)
@@ -134,17 +135,17 @@ def _recompute_backward(ctx, weight, hidden, bias, labels, grad_out, cfg, mode):
     """(grad_weight, grad_hidden, grad_bias) of sum(grad_out * per-token objective)."""
     needs_w, needs_h, needs_b = ctx.needs_input_grad[:3]
     needs_b = needs_b and bias is not None
-    w_full, w_c, h_valid, l_valid, index = _prepare(weight, hidden, labels, bias, cfg)
+    w_full, w_c, rows, l_valid, index = _prepare(weight, hidden, labels, bias, cfg)
     scale = grad_out.reshape(-1).float()
     scale = scale.index_select(0, index) if scale.shape[0] != index.shape[0] else scale
     _, gh, gw, gb = run_tiles(
-        w_c, h_valid, l_valid, bias, mode=mode, grad=True, grad_scale=scale.contiguous(),
+        w_c, rows, l_valid, bias, mode=mode, grad=True, grad_scale=scale.contiguous(),
         kernel_opts=cfg["kernel_opts"], chunk_tokens=cfg["chunk_tokens"],
         accum_dtype=cfg.get("accum_dtype") or w_full.dtype,
         needs_hidden=needs_h, needs_weight=needs_w, needs_bias=needs_b,
     )
     if gh is not None:
-        gh = scatter_rows(gh, index, hidden.shape, dtype=hidden.dtype)
+        gh = grad_like(gh, hidden)
     if gw is not None:
         gw = weight_grad_like(weight, gw if gw.dtype == weight.dtype else gw.to(weight.dtype))
     if gb is not None:

@@ -49,14 +49,15 @@ from torch import Tensor
 
 from liger_losses.chunked.engine import (
     DEFAULT_BUDGET_BYTES,
+    RowScatter,
     _scaled_grads,
     backprop_tile,
     chunk_bounds,
-    compact_tokens,
     compute_dtype,
     gather_weight,
+    grad_like,
     project,
-    scatter_rows,
+    token_rows,
 )
 from liger_losses.chunked.output import LossOutput
 from liger_losses.kernels.divergence_tile import (
@@ -195,8 +196,8 @@ def _run(weight, hidden, bias, teacher_hidden, labels, o, needs_h, needs_w, need
     w_full = gather_weight(weight)
     cdt = o["compute_dtype"]
     w_c = w_full if w_full.dtype == cdt else w_full.to(cdt)
-    h_valid, l_valid, index = compact_tokens(hidden, labels, o["ignore_index"])  # one host sync
-    N = h_valid.shape[0]
+    h_rows, l_valid, index = token_rows(hidden, labels, o["ignore_index"])  # one host sync
+    N = l_valid.shape[0]
 
     topk = o["topk"]
     if topk:
@@ -215,8 +216,7 @@ def _run(weight, hidden, bias, teacher_hidden, labels, o, needs_h, needs_w, need
         tw_c = tw_full[:n_t_cols]
         tw_c = tw_c if tw_c.dtype == tdt else tw_c.to(tdt)
         tb_c = None if tb is None else tb[:n_t_cols]
-        th_all = teacher_hidden.detach().reshape(-1, teacher_hidden.shape[-1])
-        th_valid = th_all if N == th_all.shape[0] else th_all.index_select(0, index)
+        th_rows = h_rows.like(teacher_hidden.detach().reshape(-1, teacher_hidden.shape[-1]))
         t_item = torch.finfo(tdt).bits // 8
 
     # weights of the two terms and the per-row upstream factor (see the module docstring)
@@ -238,7 +238,8 @@ def _run(weight, hidden, bias, teacher_hidden, labels, o, needs_h, needs_w, need
 
     s_item = torch.finfo(cdt).bits // 8
     width = Vs + (n_t_cols * t_item + s_item - 1) // s_item
-    gh = torch.empty(N, w_c.shape[1], dtype=cdt, device=dev) if grad and needs_h else None
+    H = w_c.shape[1]
+    gh = RowScatter(h_rows.flat.shape[0], H, cdt, dev, index, h_rows.identity) if grad and needs_h else None
     gw = torch.empty(w_c.shape, dtype=o["accum_dtype"] or w_full.dtype, device=dev) if grad and needs_w else None
     gb = torch.zeros(Vs, dtype=torch.float32, device=dev) if grad and needs_b else None
     sums = torch.zeros(5, dtype=torch.float32, device=dev)  # loss, divergence, ce, entropy, correct
@@ -255,14 +256,15 @@ def _run(weight, hidden, bias, teacher_hidden, labels, o, needs_h, needs_w, need
     # against 70.8 ms / 1.24x with the budget shared)
     budget = 2 * DEFAULT_BUDGET_BYTES
     for ts, te in chunk_bounds(N, width, chunk_tokens=o["chunk_tokens"], budget_bytes=budget, itemsize=s_item):
-        s_tile = project(h_valid[ts:te], w_c, bias)
+        h = h_rows(ts, te)
+        s_tile = project(h, w_c, bias)
         d_head = _head_transform(s_tile, logit_scale, softcap, want_factor=grad)
         if topk:
             t_tile = None
             extra = dict(topk_logprobs=lp_valid[ts:te], topk_indices=idx_valid[ts:te])
         else:
             with torch.no_grad():
-                t_tile = project(th_valid[ts:te], tw_c, tb_c)
+                t_tile = project(th_rows(ts, te), tw_c, tb_c)
                 _head_transform(t_tile, logit_scale, softcap, want_factor=False)
             extra = {}
         row_scale = scale[ts:te] if isinstance(scale, Tensor) else scale
@@ -279,14 +281,16 @@ def _run(weight, hidden, bias, teacher_hidden, labels, o, needs_h, needs_w, need
             elif d_head != 1.0:
                 s_tile.mul_(d_head)
             del d_head
-            backprop_tile(s_tile, h_valid[ts:te], w_c, grad_hidden=gh[ts:te] if gh is not None else None,
-                          grad_weight=gw, grad_bias=gb, accumulate=not first)
+            buf = gh.target(ts, te) if gh is not None else None
+            backprop_tile(s_tile, h, w_c, grad_hidden=buf, grad_weight=gw, grad_bias=gb, accumulate=not first)
+            if gh is not None:
+                gh.commit(ts, te, buf)
             first = False
         del s_tile
     if gw is not None and first:
         gw.zero_()
     if gh is not None:
-        gh = scatter_rows(gh, index, hidden.shape, dtype=hidden.dtype)
+        gh = grad_like(gh.full, hidden)
     loss = sums[0] if not isinstance(scale, float) or scale == 1.0 else sums[0] * scale
     n = max(N, 1)
     sink["metrics"] = {

@@ -2,7 +2,9 @@
 
 Computes losses of ``logits = hidden @ weight.T (+ bias)`` without ever holding the whole
 ``[tokens, vocab]`` logits: tokens whose label is ``ignore_index`` are dropped first
-(:func:`compact_tokens`), the remaining ``N`` tokens are cut into chunks whose logits tile fits a
+(:func:`token_rows`: their rows are gathered chunk by chunk, never copied whole, and
+:class:`RowScatter` writes their gradient back in place), the remaining ``N`` tokens are cut
+into chunks whose logits tile fits a
 memory budget (:func:`chunk_bounds`, :func:`group_chunk_bounds`), each tile is formed by
 :func:`project` (``[n, V]`` in the compute dtype), a logits-tile kernel
 (``liger_losses.kernels.logits_tile``) writes row statistics and the gradient
@@ -127,29 +129,41 @@ def _valid_index(labels: Tensor, ignore_index: int, order: Optional[Tensor] = No
     return flat.index_select(0, index).long(), index
 
 
-def _compact(hidden: Tensor, labels: Tensor, ignore_index: int, order: Optional[Tensor] = None):
-    """Shared core of :func:`compact_tokens`: ``order`` permutes dim 0 of ``labels [B, T]``."""
-    h2 = hidden.reshape(-1, hidden.shape[-1])
-    labels_valid, index = _valid_index(labels, ignore_index, order)
-    if order is None and index.numel() == h2.shape[0]:
-        return h2, labels_valid, index
-    return h2.index_select(0, index), labels_valid, index
-
-
 def compact_tokens(hidden: Tensor, labels: Tensor, ignore_index: int) -> tuple[Tensor, Tensor, Tensor]:
     """Drop ignored tokens: ``hidden [..., H]``, ``labels [...]`` ->
     ``(hidden_valid [N, H], labels_valid [N] long, index [N] long)`` where ``index`` holds the
     positions in the flattened ``[...]`` layout. One host sync. When no token is ignored the
-    returned hidden is a view (no copy)."""
-    return _compact(hidden, labels, ignore_index)
+    returned hidden is a view (no copy); the engine's own passes use :func:`token_rows` instead,
+    which never copies."""
+    rows, labels_valid, index = token_rows(hidden, labels, ignore_index)
+    return rows(0, index.numel()), labels_valid, index
 
 
-class _RowGather:
+def token_rows(hidden: Tensor, labels: Tensor, ignore_index: int):
+    """The non-ignored tokens without copying them: ``(rows, labels_valid [N] long, index [N])``
+    where ``rows`` (:class:`RowGather`) gathers chunks of ``hidden [..., H]`` on demand. One host
+    sync. The engine's passes take these, so no ``[N, H]`` copy of the hidden states is held."""
+    flat = hidden.reshape(-1, hidden.shape[-1])
+    labels_valid, index = _valid_index(labels, ignore_index)
+    return RowGather(flat, index, index.numel() == flat.shape[0]), labels_valid, index
+
+
+def grad_like(full: Tensor, like: Tensor) -> Tensor:
+    """A ``[M, H]`` gradient buffer (:class:`RowScatter`'s ``full``) in ``like``'s shape and dtype."""
+    out = full.view(like.shape)
+    return out if out.dtype == like.dtype else out.to(like.dtype)
+
+
+class RowGather:
     """Rows ``[ts, te)`` of the compacted tokens of ``flat [M, H]``, gathered chunk by chunk, so no
     ``[N, H]`` copy of the hidden states is ever held (a plain slice when nothing was dropped)."""
 
     def __init__(self, flat: Tensor, index: Tensor, identity: bool):
         self.flat, self.index, self.identity = flat, index, identity
+
+    def like(self, flat: Tensor) -> "RowGather":
+        """The same tokens of another ``[M, H']`` tensor (a reference's or teacher's hidden states)."""
+        return RowGather(flat, self.index, self.identity)
 
     def __call__(self, ts: int, te: int) -> Tensor:
         if self.identity:
@@ -157,7 +171,7 @@ class _RowGather:
         return self.flat.index_select(0, self.index[ts:te])
 
 
-class _RowScatter:
+class RowScatter:
     """The ``[M, H]`` gradient of the hidden states, written chunk by chunk at the compacted
     tokens' positions (zeros elsewhere) without an intermediate ``[N, H]`` buffer."""
 
@@ -513,7 +527,7 @@ def _run_sequence_objective(weight, hidden, bias, cfg, sink, needs_h, needs_w, n
     l_valid, index = _valid_index(labels, ign, order)
     N = index.numel()
     identity = order is None and N == B * T
-    h_rows = _RowGather(h2, index, identity)
+    h_rows = RowGather(h2, index, identity)
     pos_of_tok = torch.repeat_interleave(
         torch.arange(B, device=dev), torch.tensor(ordered_counts, device=dev, dtype=torch.long),
         output_size=N,
@@ -524,7 +538,7 @@ def _run_sequence_objective(weight, hidden, bias, cfg, sink, needs_h, needs_w, n
     ref_logps_in = cfg["ref_logps"]
     ref_hidden = cfg["ref_hidden"]
     if ref_hidden is not None:
-        rh_rows = _RowGather(ref_hidden.reshape(-1, ref_hidden.shape[-1]), index, identity)
+        rh_rows = h_rows.like(ref_hidden.reshape(-1, ref_hidden.shape[-1]))
         rw = cfg["ref_weight"]
         rw = w_c if rw is None else gather_weight(rw)
         rw = rw if rw.dtype == cdt else rw.to(cdt)
@@ -537,7 +551,7 @@ def _run_sequence_objective(weight, hidden, bias, cfg, sink, needs_h, needs_w, n
     # per-position accumulators (positions = sequences in unit order)
     acc = {k: torch.zeros(B, dtype=torch.float32, device=dev)
            for k in ("logps", "logits_sum", "correct", "entropy_sum", "ref_logps")}
-    gh = _RowScatter(B * T, H, cdt, dev, index, identity) if needs_h else None
+    gh = RowScatter(B * T, H, cdt, dev, index, identity) if needs_h else None
     accum = cfg["accum_dtype"] or w_full.dtype
     gw = torch.empty(V, H, dtype=accum, device=dev) if needs_w else None
     gb = torch.zeros(V, dtype=torch.float32, device=dev) if needs_b else None
@@ -569,8 +583,9 @@ def _run_sequence_objective(weight, hidden, bias, cfg, sink, needs_h, needs_w, n
         return tile, seg
 
     def backprop(tile, ts, te, row_scale):
+        """``row_scale`` [te - ts] or None (unit upstream gradient); token weights applied here."""
         if tw_valid is not None:
-            row_scale = row_scale * tw_valid[ts:te]
+            row_scale = tw_valid[ts:te] if row_scale is None else row_scale * tw_valid[ts:te]
         buf = gh.target(ts, te) if gh is not None else None
         backprop_tile(
             tile, h_rows(ts, te), w_c,
@@ -686,7 +701,7 @@ def _run_sequence_objective(weight, hidden, bias, cfg, sink, needs_h, needs_w, n
             del tile
         for ts, te in star_bounds:
             tile, _ = chunk_stats(ts, te, 0, B, True)
-            backprop(tile, ts, te, torch.ones(te - ts, dtype=torch.float32, device=dev))
+            backprop(tile, ts, te, None)
             del tile
         total, mets, grad_pos = call_objective(0, B, need_grad)
         loss = loss + total
@@ -730,9 +745,7 @@ def _run_sequence_objective(weight, hidden, bias, cfg, sink, needs_h, needs_w, n
     )
     grad_hidden = None
     if needs_h:
-        grad_hidden = gh.full.view(B, T, H)
-        if grad_hidden.dtype != hidden.dtype:
-            grad_hidden = grad_hidden.to(hidden.dtype)
+        grad_hidden = grad_like(gh.full, hidden)
     return loss, grad_hidden, gw, gb
 
 
@@ -844,7 +857,7 @@ def fused_linear_sequence_objective(
 
 def run_tiles(
     weight: Tensor,
-    hidden_valid: Tensor,
+    hidden_rows: RowGather,
     labels_valid: Tensor,
     bias: Optional[Tensor],
     *,
@@ -859,21 +872,24 @@ def run_tiles(
     needs_weight: bool = True,
     needs_bias: bool = False,
 ):
-    """One chunked pass of a per-token loss over compacted tokens.
+    """One chunked pass of a per-token loss over the non-ignored tokens.
 
-    ``weight [V, H]`` (full, already in the compute dtype), ``hidden_valid [N, H]``,
-    ``labels_valid [N]``. Per chunk: :func:`project`, the logits-tile kernel in ``mode``
-    ("ce" | "logp") with ``grad_scale`` (float or ``[N]`` tensor, sliced per chunk), and when
-    ``grad`` :func:`backprop_tile`. Returns ``(stats, grad_hidden [N, H] | None,
-    grad_weight [V, H] (accum_dtype or weight dtype) | None, grad_bias [V] fp32 | None)`` where
-    ``stats`` maps loss/lse/logp/correct/logits_sum(/entropy) to ``[N]`` tensors.
+    ``weight [V, H]`` (full, already in the compute dtype), ``hidden_rows`` (:func:`token_rows`:
+    ``N`` tokens of an ``[M, H]`` tensor), ``labels_valid [N]``. Per chunk: :func:`project`, the
+    logits-tile kernel in ``mode`` ("ce" | "logp") with ``grad_scale`` (float or ``[N]`` tensor,
+    sliced per chunk), and when ``grad`` :func:`backprop_tile`. Returns ``(stats,
+    grad_hidden [M, H] | None (zeros at ignored rows), grad_weight [V, H] (accum_dtype or weight
+    dtype) | None, grad_bias [V] fp32 | None)`` where ``stats`` maps
+    loss/lse/logp/correct/logits_sum(/entropy) to ``[N]`` tensors.
     """
     kernel_opts = dict(kernel_opts or {})
-    N, H = hidden_valid.shape
+    N = labels_valid.shape[0]
+    M, H = hidden_rows.flat.shape
     V = weight.shape[0]
-    dev = hidden_valid.device
+    dev = labels_valid.device
     cdt = weight.dtype
-    gh = torch.empty(N, H, dtype=cdt, device=dev) if grad and needs_hidden else None
+    gh = (RowScatter(M, H, cdt, dev, hidden_rows.index, hidden_rows.identity)
+          if grad and needs_hidden else None)
     gw = (torch.empty(V, H, dtype=accum_dtype or cdt, device=dev)
           if grad and needs_weight else None)
     gb = torch.zeros(V, dtype=torch.float32, device=dev) if grad and needs_bias else None
@@ -881,7 +897,8 @@ def run_tiles(
     parts: dict[str, list] = {}
     first = True
     for ts, te in chunk_bounds(N, V, chunk_tokens=chunk_tokens, itemsize=torch.finfo(cdt).bits // 8):
-        tile = project(hidden_valid[ts:te], weight, bias)
+        h = hidden_rows(ts, te)
+        tile = project(h, weight, bias)
         st = logits_tile(
             tile, labels_valid[ts:te], mode=mode, grad=grad,
             grad_scale=grad_scale[ts:te] if per_row else grad_scale,
@@ -891,11 +908,11 @@ def run_tiles(
             if v is not None:
                 parts.setdefault(k, []).append(v)
         if grad:
-            backprop_tile(
-                tile, hidden_valid[ts:te], weight,
-                grad_hidden=gh[ts:te] if gh is not None else None,
-                grad_weight=gw, grad_bias=gb, accumulate=not first,
-            )
+            buf = gh.target(ts, te) if gh is not None else None
+            backprop_tile(tile, h, weight, grad_hidden=buf, grad_weight=gw, grad_bias=gb,
+                          accumulate=not first)
+            if gh is not None:
+                gh.commit(ts, te, buf)
             first = False
         del tile
     if gw is not None and first:
@@ -906,7 +923,7 @@ def run_tiles(
             stats[k] = torch.cat(parts[k])
         elif k != "entropy" or need_entropy:
             stats[k] = torch.zeros(0, dtype=torch.bool if k == "correct" else torch.float32, device=dev)
-    return stats, gh, gw, gb
+    return stats, (gh.full if gh is not None else None), gw, gb
 
 
 def scatter_rows(rows: Tensor, index: Tensor, shape, *, dtype: Optional[torch.dtype] = None) -> Tensor:
