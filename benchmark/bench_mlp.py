@@ -101,7 +101,7 @@ def bench_case(op, shape_name, tokens, modes, rows, rep):
                 def run():
                     out = fn(a, b)
                     return torch.autograd.grad(out, (a, b), grad)
-            m = measure(run, rep=rep)
+            m = measure(run, rep=rep, graph=mode != "backward")
             rows.append(Row("mlp", case, mode, name, m.ms, m.peak_mib,
                             hbm_floor_ms(floors[mode]), mem_floor[mode],
                             extra={"op": op, "tokens": tokens}, error=m.error))
@@ -109,16 +109,54 @@ def bench_case(op, shape_name, tokens, modes, rows, rep):
         torch.cuda.empty_cache()
 
 
+def sweep(ops, rep, tokens=16384):
+    """Forward and backward of ours (fresh-gradient path) per kernel setting; prints a table."""
+    import importlib
+
+    from common import print_table
+
+    inter = SHAPES["llama3-8b"]
+    nbytes = tokens * inter * 2
+    out = []
+    # inputs made before any CUDA-graph capture (BENCH_GRAPH=1)
+    a = torch.randn(tokens, inter, device=DEVICE, dtype=torch.bfloat16, requires_grad=True).clone()
+    b = torch.randn(tokens, inter, device=DEVICE, dtype=torch.bfloat16, requires_grad=True).clone()
+    grad = torch.randn(tokens, inter, device=DEVICE, dtype=torch.bfloat16)
+    for op in ops:
+        mod = importlib.import_module(f"liger_losses.kernels.{op}")
+        defaults = (mod.BLOCK_SIZE, mod.NUM_WARPS)
+        fn = providers(op)["ours"]
+        for block in (1024, 2048, 4096, 8192):
+            for warps in (4, 8, 16):
+                mod.BLOCK_SIZE, mod.NUM_WARPS = block, warps
+                kept = fn(a, b)
+                for mode, run, floor in (
+                    ("forward", lambda: fn(a.detach(), b.detach()), 3 * nbytes),
+                    ("backward", lambda: torch.autograd.grad(kept, (a, b), grad, retain_graph=True), 5 * nbytes),
+                ):
+                    m = measure(run, rep=rep)
+                    out.append(dict(op=op, block=block, warps=warps, mode=mode, ms=round(m.ms, 4),
+                                    over_floor=round(m.ms / hbm_floor_ms(floor), 3), error=m.error or ""))
+                del kept
+        mod.BLOCK_SIZE, mod.NUM_WARPS = defaults
+    print_table(out, keys=list(out[0]))
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="one 8B size + the small model, fewer reps")
     parser.add_argument("--ops", default="swiglu,geglu")
+    parser.add_argument("--sweep", action="store_true",
+                        help="time our kernels at several BLOCK_SIZE x NUM_WARPS settings (8B shape, 16384 tokens)")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("bench_mlp needs a CUDA GPU")
     modes = ("forward", "backward", "full")
     rep = 30 if args.quick else 100
     sizes = [8192] if args.quick else [4096, 8192, 16384, 32768]
+    if args.sweep:
+        sweep(args.ops.split(","), rep)
+        return
     rows: list[Row] = []
     for op in args.ops.split(","):
         for tokens in sizes:

@@ -108,7 +108,7 @@ def bench_case(shape_name, tokens, modes, rows, rep):
                 def run():
                     oq, ok = fn(*views(), cos, sin)
                     return torch.autograd.grad((oq, ok), (q_lin, k_lin), (gq, gk))
-            m = measure(run, rep=rep)
+            m = measure(run, rep=rep, graph=mode != "backward")
             rows.append(Row("rope", case, mode, name, m.ms, m.peak_mib,
                             hbm_floor_ms(floors[mode]), mem_floor[mode],
                             extra={"tokens": tokens}, error=m.error))

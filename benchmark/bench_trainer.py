@@ -55,6 +55,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import gc
+import itertools
 import math
 import os
 import statistics
@@ -78,7 +79,7 @@ TASKS = ("dpo", "sft")
 # --------------------------------------------------------------------------- timing
 
 
-def _make_timer_callback(warmup: int, cuda: bool):
+def _make_timer_callback(warmup: int, cuda: bool, profile_path: str = ""):
     from transformers import TrainerCallback
 
     class StepTimer(TrainerCallback):
@@ -97,6 +98,14 @@ def _make_timer_callback(warmup: int, cuda: bool):
         def on_train_begin(self, args, state, control, **kwargs):
             if cuda:
                 torch.cuda.reset_peak_memory_stats()
+            self.prof = None
+
+        def on_step_begin(self, args, state, control, **kwargs):
+            # --profile: torch.profiler over the first two timed steps (host ops and GPU kernels)
+            if profile_path and cuda and len(self.ends) == warmup and self.prof is None:
+                acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+                self.prof = torch.profiler.profile(activities=acts)
+                self.prof.__enter__()
 
         def on_step_end(self, args, state, control, **kwargs):
             self.ends.append(self._now())
@@ -107,12 +116,33 @@ def _make_timer_callback(warmup: int, cuda: bool):
                 torch.cuda.reset_peak_memory_stats()
             elif len(self.ends) > warmup:
                 self.peak_timed_mib = torch.cuda.max_memory_allocated() / MIB
+            if self.prof is not None and len(self.ends) == warmup + 2:
+                self.prof.__exit__(None, None, None)
+                write_profile(self.prof, profile_path, self.ends[-1] - self.ends[-3])
+                self.prof = None
 
         def step_ms(self) -> list[float]:
             timed = self.ends[max(warmup - 1, 0):]
             return [(b - a) * 1e3 for a, b in zip(timed, timed[1:])]
 
     return StepTimer()
+
+
+def write_profile(prof, path: str, wall_s: float) -> None:
+    """Summary of a profiled pair of steps: wall time, GPU busy time, top host ops and kernels."""
+    events = prof.key_averages()
+    attr = "self_device_time_total" if hasattr(events[0], "self_device_time_total") else "self_cuda_time_total"
+    gpu_us = sum(getattr(e, attr) for e in events)
+    n_kernels = sum(e.count for e in events if getattr(e, attr) > 0)
+    lines = [
+        f"2 steps: wall {wall_s * 1e3:.1f} ms, GPU kernels {gpu_us / 1e3:.1f} ms ({n_kernels} launches), "
+        f"GPU busy {gpu_us / 1e6 / wall_s:.0%}",
+        events.table(sort_by="self_cpu_time_total", row_limit=25, max_name_column_width=70),
+        events.table(sort_by=attr.replace("_total", "_total"), row_limit=15, max_name_column_width=70),
+    ]
+    with open(path, "w") as f:
+        f.write("\n".join(lines))
+    print(lines[0], flush=True)
 
 
 # --------------------------------------------------------------------------- isolation between configurations
@@ -211,7 +241,7 @@ def make_trainer(task: str, provider: str, model, ref_model, args, dataset, toke
     return trl.SFTTrainer(model, **common)
 
 
-def run_one(task: str, provider: str, *, seq: int, warmup: int, timed: int, tiny: bool) -> Row:
+def run_one(task: str, provider: str, *, seq: int, warmup: int, timed: int, tiny: bool, profile: bool = False) -> Row:
     case = f"{task}_seq{seq}"
     cuda = not tiny
     device = "cpu" if tiny else "cuda"
@@ -235,7 +265,12 @@ def run_one(task: str, provider: str, *, seq: int, warmup: int, timed: int, tiny
                 ref_model.requires_grad_(False)
             args = make_config(task, provider, seq=seq, steps=steps, out_dir=out_dir, tiny=tiny)
             extra["grad_ckpt_kwargs"] = str(args.gradient_checkpointing_kwargs)
-            timer = _make_timer_callback(warmup, cuda)
+            profile_path = ""
+            if profile:
+                from benchmark.common import results_dir
+
+                profile_path = os.path.join(results_dir(), f"profile_{case}_{provider.replace('+', '_')}.txt")
+            timer = _make_timer_callback(warmup, cuda, profile_path)
             trainer = make_trainer(task, provider, model, ref_model, args, dataset, tokenizer, timer)
             batch = next(iter(trainer.get_train_dataloader()))
             extra["tokens_per_step"] = int(batch["input_ids"].numel())
@@ -265,6 +300,29 @@ def run_one(task: str, provider: str, *, seq: int, warmup: int, timed: int, tiny
 
 
 # --------------------------------------------------------------------------- main
+
+
+def merge_rounds(rows: list[Row]) -> list[Row]:
+    """One row per (case, provider): median step time over every round's timed steps, the
+    highest peak memory; an error in any round is kept."""
+    merged: dict = {}
+    for r in rows:
+        key = (r.case, r.provider)
+        if key not in merged:
+            merged[key] = r
+            continue
+        m = merged[key]
+        if r.error or m.error:
+            m.error = m.error or r.error
+            continue
+        m.extra["step_ms_all"] = f"{m.extra['step_ms_all']} {r.extra['step_ms_all']}".strip()
+        m.peak_mib = max(m.peak_mib, r.peak_mib)
+    for m in merged.values():
+        steps = [float(t) for t in str(m.extra.get("step_ms_all", "")).split()]
+        if steps and not m.error:
+            m.ms = statistics.median(steps)
+            m.extra["tokens_per_s"] = round(m.extra["tokens_per_step"] / (m.ms / 1e3), 1)
+    return list(merged.values())
 
 
 def ratio_table(rows: list[Row]) -> list[dict]:
@@ -298,6 +356,11 @@ def main(argv=None) -> int:
     ap.add_argument("--budget-s", type=float, default=270.0,
                     help="start no new configuration after this many seconds (its row says so); default 270 so "
                          "the CSV is written inside gpu.sh's 300 s limit")
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="run every provider this many times, alternating (the host's speed drifts between "
+                         "runs); a row's ms is the median over all rounds' timed steps")
+    ap.add_argument("--profile", action="store_true",
+                    help="torch.profiler summary of two timed steps per configuration (profile_<case>_<provider>.txt)")
     a = ap.parse_args(argv)
 
     if a.tiny:
@@ -333,18 +396,19 @@ def main(argv=None) -> int:
     t0 = time.perf_counter()
     rows = []
     for seq in seqs:  # short sequences first: they matter most if the budget runs out
-        for task in a.tasks:
-            for provider in a.providers:
-                elapsed = time.perf_counter() - t0
-                if elapsed > a.budget_s:
-                    rows.append(Row(bench="trainer", case=f"{task}_seq{seq}", mode="step", provider=provider,
-                                    ms=float("nan"), peak_mib=float("nan"),
-                                    extra=dict(seq=seq, tokens_per_s=float("nan"), tokens_per_step=float("nan"),
-                                               train_loss=float("nan"), note=""),
-                                    error=f"skipped: time budget {a.budget_s:.0f} s used ({elapsed:.0f} s)"))
-                    continue
-                rows.append(run_one(task, provider, seq=seq, warmup=warmup, timed=timed, tiny=a.tiny))
+        for task, _round, provider in itertools.product(a.tasks, range(a.rounds), a.providers):
+            elapsed = time.perf_counter() - t0
+            if elapsed > a.budget_s:
+                rows.append(Row(bench="trainer", case=f"{task}_seq{seq}", mode="step", provider=provider,
+                                ms=float("nan"), peak_mib=float("nan"),
+                                extra=dict(seq=seq, tokens_per_s=float("nan"), tokens_per_step=float("nan"),
+                                           train_loss=float("nan"), note=""),
+                                error=f"skipped: time budget {a.budget_s:.0f} s used ({elapsed:.0f} s)"))
+                continue
+            rows.append(run_one(task, provider, seq=seq, warmup=warmup, timed=timed, tiny=a.tiny,
+                                profile=a.profile))
     print(f"bench_trainer: all configurations in {time.perf_counter() - t0:.0f} s", flush=True)
+    rows = merge_rounds(rows)
 
     name = "trainer_tiny" if a.tiny else "trainer"
     write_results(name, rows)

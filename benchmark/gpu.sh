@@ -43,4 +43,4 @@ for a in "${args[@]}"; do
     *) echo "unknown argument $a" ;;
   esac
 done
-(cd "$OUT" && tar czf results.tar.gz results && rm -rf results)
+(cd "$OUT" && tar czf "results-$(date +%H%M%S).tar.gz" results && rm -rf results)

@@ -36,23 +36,25 @@ import torch.nn.functional as F
 from torch import nn
 from torch.autograd.function import once_differentiable
 
-from liger_losses.kernels.norm_common import bwd_tiling, check_norm_args, fwd_tiling, norm_impl
+from liger_losses.kernels.norm_common import bwd_tiling, check_norm_args, fwd_tiling, norm_impl, sum_partials
 from liger_losses.kernels.utils import as_rows, check_choice, check_tensor, device_ctx, import_triton
 
 triton, tl = import_triton()
 
 # Tuning knobs (module constants so the benchmark can sweep them on the GPU); same meaning as in
 # rms_norm.py: a tile is BLOCK_M whole rows holding about *_TILE_ELEMS elements.
-# From the first H200 sweep (bf16, N=16384, H=4096): forward one-row tiles (tile <= 4096 all
-# give BLOCK_M=1 at H=4096; 0.072 ms, 1.16x floor, at its best); backward best with 8
-# programs/SM and 4-row tiles (0.228 ms) or 4/SM and 2-row tiles (0.237). Short rows (H <= 1024)
-# use 8-row backward tiles as RMSNorm does.
+# From CUDA-graph sweeps on the H200 (bench_norm.py --sweep with BENCH_GRAPH=1, GPU time alone):
+# forward one-row tiles (any tile <= 4096 at H=4096; 0.073 ms at N=16384, 1.17x floor);
+# backward one program per SM with 2-row tiles at H=4096 (0.152 ms at N=16384 vs 0.24 with
+# 8/SM, liger-kernel 0.205; 0.285 ms at N=32768, 1.52x floor), and at H <= 1024 4-row tiles
+# with tile-shaped accumulators (0.041 ms at 8192 x 896). One program per SM also keeps the two
+# fp32 partial buffers at 2 x 132 x H x 4 bytes (4.1 MiB at H=4096, as liger-kernel's).
 FWD_TILE_ELEMS = 4096
-BWD_TILE_ELEMS = 16384
+BWD_TILE_ELEMS = 8192
 BWD_SMALL_H = 1024
-BWD_SMALL_H_TILE_ELEMS = 8192
+BWD_SMALL_H_TILE_ELEMS = 4096
 MAX_ROWS_PER_TILE = 16
-BWD_PROGRAMS_PER_SM = 8
+BWD_PROGRAMS_PER_SM = 1
 BWD_MIN_ROWS_PER_PROGRAM = 16
 CPU_BWD_PROGRAMS = 4
 _KNOBS = sys.modules[__name__]  # read at launch time by norm_common's tiling
@@ -100,7 +102,7 @@ if triton is not None:
         n_blocks, blocks_per_program,
         HAS_WEIGHT: tl.constexpr, COMPUTE_DX: tl.constexpr,
         COMPUTE_DW: tl.constexpr, COMPUTE_DB: tl.constexpr,
-        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, TILE_ACC: tl.constexpr,
     ):
         """A contiguous range of row tiles: grad rows and partial dW / dB rows (fp32)."""
         pid = tl.program_id(0)
@@ -108,8 +110,14 @@ if triton is not None:
         col_mask = cols < n_cols
         if HAS_WEIGHT:
             w = tl.load(w_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
-        acc_w = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-        acc_b = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        # Short rows (several per tile): [BLOCK_M, BLOCK_N] accumulators, reduced once at the end
+        # (no cross-warp reduction per tile). Long rows: [BLOCK_N] rows (fewer live registers).
+        if TILE_ACC:
+            acc_w = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+            acc_b = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        else:
+            acc_w = tl.zeros([BLOCK_N], dtype=tl.float32)
+            acc_b = tl.zeros([BLOCK_N], dtype=tl.float32)
         first = pid * blocks_per_program
         last = tl.minimum(first + blocks_per_program, n_blocks)
         for block in range(first, last):
@@ -124,9 +132,15 @@ if triton is not None:
             rstd = tl.load(rstd_ptr + rows, mask=row_mask, other=0.0)
             xhat = tl.where(mask, (x - mean[:, None]) * rstd[:, None], 0.0)
             if COMPUTE_DW:
-                acc_w += dy * xhat
+                if TILE_ACC:
+                    acc_w += dy * xhat
+                else:
+                    acc_w += tl.sum(dy * xhat, axis=0)
             if COMPUTE_DB:
-                acc_b += dy
+                if TILE_ACC:
+                    acc_b += dy
+                else:
+                    acc_b += tl.sum(dy, axis=0)
             if COMPUTE_DX:
                 if HAS_WEIGHT:
                     g = dy * w[None, :]
@@ -141,9 +155,17 @@ if triton is not None:
                     mask=mask,
                 )
         if COMPUTE_DW:
-            tl.store(dw_partial_ptr + pid * n_cols + cols, tl.sum(acc_w, axis=0), mask=col_mask)
+            if TILE_ACC:
+                row_w = tl.sum(acc_w, axis=0)
+            else:
+                row_w = acc_w
+            tl.store(dw_partial_ptr + pid * n_cols + cols, row_w, mask=col_mask)
         if COMPUTE_DB:
-            tl.store(db_partial_ptr + pid * n_cols + cols, tl.sum(acc_b, axis=0), mask=col_mask)
+            if TILE_ACC:
+                row_b = tl.sum(acc_b, axis=0)
+            else:
+                row_b = acc_b
+            tl.store(db_partial_ptr + pid * n_cols + cols, row_b, mask=col_mask)
 
 
 # --------------------------------------------------------------------------- host side
@@ -167,8 +189,9 @@ def _forward(x2, weight, bias, eps):
     return out, mean, rstd
 
 
-def _backward(dy2, x2, weight, mean, rstd, need_dx, need_dw, need_db):
-    """Launch the backward kernel; returns (grad_hidden [rows, H], grad_weight, grad_bias)."""
+def _backward(dy2, x2, weight, mean, rstd, need_dx, need_dw, need_db, sum_dtype=torch.float32):
+    """Launch the backward kernel; returns (grad_hidden [rows, H], grad_weight, grad_bias), the
+    parameter gradients in ``sum_dtype``."""
     n_rows, n_cols = x2.shape
     dx = torch.empty_like(x2, memory_format=torch.contiguous_format) if need_dx else None
     block_m, block_n, warps, n_blocks, programs, blocks_per_program = bwd_tiling(x2, _KNOBS)
@@ -188,9 +211,9 @@ def _backward(dy2, x2, weight, mean, rstd, need_dx, need_dw, need_db):
             n_blocks, blocks_per_program,
             HAS_WEIGHT=weight is not None, COMPUTE_DX=need_dx,
             COMPUTE_DW=need_dw, COMPUTE_DB=need_db,
-            BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps,
+            BLOCK_M=block_m, BLOCK_N=block_n, TILE_ACC=n_cols <= BWD_SMALL_H, num_warps=warps,
         )
-    sums = partial.sum(dim=1) if n_partial else None
+    sums = sum_partials(partial, sum_dtype) if n_partial else None
     dw = sums[0] if need_dw else None
     db = sums[n_partial - 1] if need_db else None
     return dx, dw, db
@@ -223,7 +246,13 @@ class LayerNormFunction(torch.autograd.Function):
         need_db = ctx.bias_dtype is not None and ctx.needs_input_grad[2]
         if not (need_dx or need_dw or need_db):
             return None, None, None, None
-        dx, dw, db = _backward(as_rows(grad_out), x2, weight, mean, rstd, need_dx, need_dw, need_db)
+        dtypes = {weight.dtype} if need_dw else set()
+        if need_db:
+            dtypes.add(ctx.bias_dtype)
+        sum_dtype = dtypes.pop() if len(dtypes) == 1 else torch.float32
+        dx, dw, db = _backward(
+            as_rows(grad_out), x2, weight, mean, rstd, need_dx, need_dw, need_db, sum_dtype
+        )
         if dx is not None:
             dx = dx.view(ctx.shape)
         if dw is not None:

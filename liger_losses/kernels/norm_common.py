@@ -4,7 +4,9 @@ Both normalise ``hidden`` ``[..., H]`` over its last dimension with ``[H]`` para
 be ``None``) and launch one forward kernel over tiles of ``BLOCK_M`` whole rows, and one
 persistent backward kernel whose programs walk contiguous ranges of tiles and write fp32 partial
 parameter-gradient rows ``[programs, H]``. This module holds their input checks, the choice of
-path, and the tiling of both launches.
+path, the tiling of both launches, and the column sum of the partial rows (:func:`sum_partials`:
+one small Triton launch that reads the fp32 partials once and writes the parameter gradient in its
+dtype, with no reduction workspace).
 
 Tiling reads the tuning knobs from the kernel module passed as ``knobs`` at call time (so that the
 benchmark can sweep them by setting the module's attributes): ``FWD_TILE_ELEMS``,
@@ -20,6 +22,8 @@ import torch
 
 from liger_losses.kernels.utils import (
     check_last_dim,
+    device_ctx,
+    import_triton,
     check_number,
     check_range,
     check_same_device,
@@ -31,7 +35,46 @@ from liger_losses.kernels.utils import (
     triton_fallback,
 )
 
+triton, tl = import_triton()
+
 TRITON_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+SUM_BLOCK_COLS = 256
+SUM_BLOCK_ROWS = 32
+
+if triton is not None:
+
+    @triton.jit
+    def _sum_partials_kernel(
+        partial_ptr, out_ptr, n_rows, n_cols,
+        BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
+    ):
+        """out[g, c] = sum_r partial[g, r, c] (fp32), stored in out's dtype; one program per
+        (column block, group)."""
+        group = tl.program_id(1).to(tl.int64)
+        cols = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
+        col_mask = cols < n_cols
+        base = partial_ptr + group * n_rows * n_cols
+        acc = tl.zeros([BLOCK_R, BLOCK_C], dtype=tl.float32)
+        for r0 in range(0, n_rows, BLOCK_R):
+            rows = r0 + tl.arange(0, BLOCK_R)
+            mask = (rows < n_rows)[:, None] & col_mask[None, :]
+            acc += tl.load(base + rows[:, None].to(tl.int64) * n_cols + cols[None, :], mask=mask, other=0.0)
+        total = tl.sum(acc, axis=0)
+        tl.store(out_ptr + group * n_cols + cols, total.to(out_ptr.dtype.element_ty), mask=col_mask)
+
+
+def sum_partials(partial: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Column sums of contiguous fp32 partial rows: ``[P, H] -> [H]`` or ``[G, P, H] -> [G, H]``,
+    returned in ``dtype`` (rounded once, from the fp32 total)."""
+    squeeze = partial.dim() == 2
+    p3 = partial.unsqueeze(0) if squeeze else partial
+    groups, n_rows, n_cols = p3.shape
+    out = torch.empty((groups, n_cols), dtype=dtype, device=partial.device)
+    with device_ctx(partial):
+        _sum_partials_kernel[(-(-n_cols // SUM_BLOCK_COLS), groups)](
+            p3, out, n_rows, n_cols, BLOCK_R=SUM_BLOCK_ROWS, BLOCK_C=SUM_BLOCK_COLS, num_warps=4,
+        )
+    return out[0] if squeeze else out
 MAX_TRITON_HIDDEN = 65536
 
 

@@ -48,7 +48,7 @@ import torch
 from torch import nn
 from torch.autograd.function import once_differentiable
 
-from liger_losses.kernels.norm_common import bwd_tiling, check_norm_args, fwd_tiling, norm_impl
+from liger_losses.kernels.norm_common import bwd_tiling, check_norm_args, fwd_tiling, norm_impl, sum_partials
 from liger_losses.kernels.utils import as_rows, check_choice, check_number, device_ctx, import_triton
 
 triton, tl = import_triton()
@@ -59,20 +59,21 @@ _CASTING_CODE = {"llama": 0, "gemma": 1, "none": 2}
 # Tuning knobs (module constants so the benchmark can sweep them on the GPU).
 # A program handles a tile of BLOCK_M rows x next_pow2(H) columns, BLOCK_M chosen so that the
 # tile holds about *_TILE_ELEMS elements (one row when H is large, several when H is small).
-# Set from the first H200 sweep (bench_norm.py --sweep, bf16): forward tiles of 2048-4096 were
-# best (at H=4096 every tile <= 4096 is the same one-row tile); backward 8 programs/SM with a
-# one-row tile at H=4096 (0.154 ms vs 0.25-0.28 with 4/SM at N=16384), and for short rows
-# (H <= 1024) 8-row tiles (BWD_SMALL_H_TILE_ELEMS: 0.150 ms at H=896 vs 0.23-0.38 otherwise).
+# Set from CUDA-graph sweeps on the H200 (bench_norm.py --sweep with BENCH_GRAPH=1: GPU time
+# alone; the earlier eager sweeps were dominated by host time and misleading). Forward: any tile
+# <= 16384 is within 2% (one row per tile at H=4096). Backward: one program per SM with 4-row
+# tiles (16384 elements) at H=4096: 0.122 ms at N=16384 (1.30x the bytes floor; 8/SM one-row
+# tiles 0.143, liger-kernel 0.189) and 0.227 ms at N=32768 (1.21x); at H=896 one program per SM
+# with 16-row tiles and a tile-shaped accumulator (0.034 ms vs 0.046-0.065 otherwise).
 FWD_TILE_ELEMS = 4096
-BWD_TILE_ELEMS = 4096
+BWD_TILE_ELEMS = 16384
 BWD_SMALL_H = 1024
-BWD_SMALL_H_TILE_ELEMS = 8192
+BWD_SMALL_H_TILE_ELEMS = 16384
 MAX_ROWS_PER_TILE = 16
-# Backward programs on CUDA: BWD_PROGRAMS_PER_SM per SM (several resident programs hide memory
-# latency), but at least BWD_MIN_ROWS_PER_PROGRAM rows each, so that the fp32 partial rows
-# ([programs, H], written then summed) stay a small fraction of the traffic (at most 1/16 of
-# the rows: 16 MiB of partials for 16384 x 4096).
-BWD_PROGRAMS_PER_SM = 8
+# Backward programs on CUDA: BWD_PROGRAMS_PER_SM per SM, but at least BWD_MIN_ROWS_PER_PROGRAM
+# rows each. One per SM is fastest (above) and keeps the fp32 partial rows ([programs, H],
+# written then summed by norm_common.sum_partials) at 132 x H x 4 bytes: 2.1 MiB at H=4096.
+BWD_PROGRAMS_PER_SM = 1
 BWD_MIN_ROWS_PER_PROGRAM = 16
 # Backward programs on the CPU interpreter (small: the interpreter is slow per program).
 CPU_BWD_PROGRAMS = 4
@@ -122,7 +123,7 @@ if triton is not None:
         offset, n_blocks, blocks_per_program,
         CASTING: tl.constexpr, HAS_WEIGHT: tl.constexpr,
         COMPUTE_DX: tl.constexpr, COMPUTE_DW: tl.constexpr,
-        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, TILE_ACC: tl.constexpr,
     ):
         """A contiguous range of row tiles: grad rows (dx may alias dy) and a partial dW row."""
         pid = tl.program_id(0)
@@ -134,7 +135,12 @@ if triton is not None:
                 w_eff = w.to(tl.float32) + offset
             else:
                 w_eff = (w.to(tl.float32) + offset).to(w_ptr.dtype.element_ty).to(tl.float32)
-        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        # Short rows (several per tile): a [BLOCK_M, BLOCK_N] accumulator, reduced once at the end
+        # (no cross-warp reduction per tile). Long rows: a [BLOCK_N] row (fewer live registers).
+        if TILE_ACC:
+            acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        else:
+            acc = tl.zeros([BLOCK_N], dtype=tl.float32)
         first = pid * blocks_per_program
         last = tl.minimum(first + blocks_per_program, n_blocks)
         for block in range(first, last):
@@ -149,9 +155,13 @@ if triton is not None:
             y = x * rstd[:, None]
             if COMPUTE_DW:
                 if CASTING == 0:
-                    acc += dy * y.to(x_ptr.dtype.element_ty).to(tl.float32)
+                    prod = dy * y.to(x_ptr.dtype.element_ty).to(tl.float32)
                 else:
-                    acc += dy * y
+                    prod = dy * y
+                if TILE_ACC:
+                    acc += prod
+                else:
+                    acc += tl.sum(prod, axis=0)
             if COMPUTE_DX:
                 if HAS_WEIGHT:
                     g = dy * w_eff[None, :]
@@ -165,7 +175,11 @@ if triton is not None:
                     mask=mask,
                 )
         if COMPUTE_DW:
-            tl.store(dw_partial_ptr + pid * n_cols + cols, tl.sum(acc, axis=0), mask=col_mask)
+            if TILE_ACC:
+                acc_row = tl.sum(acc, axis=0)
+            else:
+                acc_row = acc
+            tl.store(dw_partial_ptr + pid * n_cols + cols, acc_row, mask=col_mask)
 
 
 # --------------------------------------------------------------------------- host side
@@ -211,9 +225,9 @@ def _backward(dy2, x2, weight, rstd, offset, casting_mode, need_dx, need_dw, inp
             float(offset), n_blocks, blocks_per_program,
             CASTING=_CASTING_CODE[casting_mode], HAS_WEIGHT=weight is not None,
             COMPUTE_DX=need_dx, COMPUTE_DW=need_dw,
-            BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps,
+            BLOCK_M=block_m, BLOCK_N=block_n, TILE_ACC=n_cols <= BWD_SMALL_H, num_warps=warps,
         )
-    dw = partial.sum(dim=0).to(weight.dtype) if need_dw else None
+    dw = sum_partials(partial, weight.dtype) if need_dw else None
     return dx, dw
 
 

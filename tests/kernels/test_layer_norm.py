@@ -60,7 +60,7 @@ def check_all(pairs, tol):
 @pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("affine", ["weight_bias", "weight_only", "bias_only", "none"])
-@pytest.mark.parametrize("shape", [(21, 77), (1, 300), (2, 3, 64)])
+@pytest.mark.parametrize("shape", [(21, 77), (1, 300), (2, 3, 64), (37, 1500)])
 def test_matches_float64_reference(impl, dtype, affine, shape):
     """Output and every gradient (hidden, weight, bias when present) agree with float64 to 1e-5
     (fp32) / 1e-2 (bf16) / 5e-3 (fp16) relative error, on odd H, one row, 21 rows (not a multiple
