@@ -1,7 +1,8 @@
 """Cross-entropy on given logits, forward + backward ("full"), side by side (issue #2, CE kernel).
 
 Cases: bf16 logits [N, V] for V = 32000, 128256 and N = 4096, 8192 (quick: one case).
-Providers: ours (new gradient buffer), ours with inplace_backward=True, plain torch
+Providers: ours (new gradient buffer), ours with inplace_backward=True (timed with the clone that
+gives it a fresh non-leaf input each call; the ``clone-only`` row times that clone alone), plain torch
 (F.cross_entropy(logits.float()) as HF does), liger-kernel 0.8.5 LigerCrossEntropyLoss.
 Floor: memory-bound, read the logits once and write the gradient once: 2 * N * V * 2 bytes at
 4.3 TB/s; memory floor: the gradient, N * V * 2 bytes.
@@ -42,7 +43,13 @@ def liger_kernel():
     return lambda x, y: mod(x, y)
 
 
+def clone_only():
+    """Not a loss: the clone that the in-place rows pay per call (subtract it to compare kernels)."""
+    return None
+
+
 PROVIDERS = {
+    "clone-only": clone_only,
     "ours": ours,
     "ours-inplace": lambda: ours(True),
     "torch": plain_torch,
@@ -71,7 +78,9 @@ def main():
                 continue
             inplace = name == "ours-inplace"
 
-            def step(fn_loss=fn_loss, inplace=inplace):
+            def step(fn_loss=fn_loss, inplace=inplace, name=name):
+                if name == "clone-only":
+                    return base.detach().requires_grad_().clone()
                 # the in-place variant destroys its input: give it a fresh non-leaf each call
                 leaf = base.detach().requires_grad_()
                 x = leaf.clone() if inplace else leaf

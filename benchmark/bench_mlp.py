@@ -21,7 +21,7 @@ import argparse
 import torch
 import torch.nn.functional as F
 
-from common import MIB, Row, hbm_floor_ms, measure, write_results  # noqa: E402  (adds repo root)
+from common import MIB, Row, hbm_floor_ms, measure, write_results, randn  # noqa: E402  (adds repo root)
 
 from liger_losses.kernels.geglu import geglu
 from liger_losses.kernels.swiglu import swiglu
@@ -76,11 +76,11 @@ def bench_case(op, shape_name, tokens, modes, rows, rep):
     mem_floor = {"forward": nbytes / MIB, "backward": float("nan"), "full": nbytes / MIB}
     case = f"{op} {shape_name} N={tokens}"
     for name, fn in providers(op).items():
-        a_leaf = torch.randn(tokens, inter, device=dev, dtype=dt, requires_grad=True)
-        b_leaf = torch.randn(tokens, inter, device=dev, dtype=dt, requires_grad=True)
+        a_leaf = randn(tokens, inter, device=dev, dtype=dt, requires_grad=True)
+        b_leaf = randn(tokens, inter, device=dev, dtype=dt, requires_grad=True)
         # Non-leaf inputs, as projection outputs are in a model (in-place providers need that).
         a, b = a_leaf.clone(), b_leaf.clone()
-        grad = torch.randn(tokens, inter, device=dev, dtype=dt)
+        grad = randn(tokens, inter, device=dev, dtype=dt)
         for mode in modes:
             if mode == "forward":
                 def run():
@@ -119,9 +119,9 @@ def sweep(ops, rep, tokens=16384):
     nbytes = tokens * inter * 2
     out = []
     # inputs made before any CUDA-graph capture (BENCH_GRAPH=1)
-    a = torch.randn(tokens, inter, device=DEVICE, dtype=torch.bfloat16, requires_grad=True).clone()
-    b = torch.randn(tokens, inter, device=DEVICE, dtype=torch.bfloat16, requires_grad=True).clone()
-    grad = torch.randn(tokens, inter, device=DEVICE, dtype=torch.bfloat16)
+    a = randn(tokens, inter, device=DEVICE, dtype=torch.bfloat16, requires_grad=True).clone()
+    b = randn(tokens, inter, device=DEVICE, dtype=torch.bfloat16, requires_grad=True).clone()
+    grad = randn(tokens, inter, device=DEVICE, dtype=torch.bfloat16)
     for op in ops:
         mod = importlib.import_module(f"liger_losses.kernels.{op}")
         defaults = (mod.BLOCK_SIZE, mod.NUM_WARPS)

@@ -32,7 +32,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmark.common import MIB, Row, hbm_floor_ms, measure, print_table, write_results  # noqa: E402
+from benchmark.common import MIB, Row, hbm_floor_ms, measure, print_table, randn, write_results  # noqa: E402
 from liger_losses.kernels import layer_norm as ln_mod  # noqa: E402
 from liger_losses.kernels import rms_norm as rms_mod  # noqa: E402
 
@@ -132,8 +132,8 @@ def bench(kind: str, cases, rep: int) -> list[Row]:
     for N, H in cases:
         case = f"{name} N={N} H={H}"
         torch.manual_seed(0)
-        x = torch.randn(N, H, device=DEVICE, dtype=DTYPE).requires_grad_()
-        dy = torch.randn(N, H, device=DEVICE, dtype=DTYPE)
+        x = randn(N, H, device=DEVICE, dtype=DTYPE).requires_grad_()
+        dy = randn(N, H, device=DEVICE, dtype=DTYPE)
         mods = providers(kind, H)
         hf_out = mods["hf"](x).detach() if isinstance(mods["hf"], torch.nn.Module) else None
         fl = floors(N, H)
@@ -166,8 +166,8 @@ def sweep(rep: int) -> None:
         defaults = (mod.BWD_PROGRAMS_PER_SM, mod.BWD_TILE_ELEMS, mod.FWD_TILE_ELEMS,
                     mod.BWD_SMALL_H_TILE_ELEMS)
         for N, H in SWEEP_CASES:
-            x = torch.randn(N, H, device=DEVICE, dtype=DTYPE).requires_grad_()
-            dy = torch.randn(N, H, device=DEVICE, dtype=DTYPE)
+            x = randn(N, H, device=DEVICE, dtype=DTYPE).requires_grad_()
+            dy = randn(N, H, device=DEVICE, dtype=DTYPE)
             module = providers(kind, H)["ours"]
             fns = mode_fns(module, x, dy)
             fl = floors(N, H)

@@ -19,7 +19,7 @@ import argparse
 
 import torch
 
-from common import MIB, Row, hbm_floor_ms, measure, write_results  # noqa: E402  (adds repo root)
+from common import MIB, Row, hbm_floor_ms, measure, write_results, randn  # noqa: E402  (adds repo root)
 
 from liger_losses.kernels.rope import apply_rotary_pos_emb
 
@@ -84,15 +84,15 @@ def bench_case(shape_name, tokens, modes, rows, rep):
     cos, sin = cos_sin(seq, d, dev, dt)
     for name, fn in providers().items():
         # Projection outputs [B, T, H*D] (non-leaf), viewed as HF does.
-        q_lin = torch.randn(bsz, seq, n_qh * d, device=dev, dtype=dt, requires_grad=True).clone()
-        k_lin = torch.randn(bsz, seq, n_kh * d, device=dev, dtype=dt, requires_grad=True).clone()
+        q_lin = randn(bsz, seq, n_qh * d, device=dev, dtype=dt, requires_grad=True).clone()
+        k_lin = randn(bsz, seq, n_kh * d, device=dev, dtype=dt, requires_grad=True).clone()
 
         def views():
             return (q_lin.view(bsz, seq, n_qh, d).transpose(1, 2),
                     k_lin.view(bsz, seq, n_kh, d).transpose(1, 2))
 
-        gq = torch.randn(bsz, n_qh, seq, d, device=dev, dtype=dt)
-        gk = torch.randn(bsz, n_kh, seq, d, device=dev, dtype=dt)
+        gq = randn(bsz, n_qh, seq, d, device=dev, dtype=dt)
+        gk = randn(bsz, n_kh, seq, d, device=dev, dtype=dt)
         for mode in modes:
             if mode == "forward":
                 def run():
