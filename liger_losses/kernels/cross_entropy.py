@@ -51,7 +51,8 @@ class _CrossEntropyFunction(torch.autograd.Function):
         ctx.shape = shape
         ctx.per_token = red == "none"
         if red == "none":
-            st = logits_tile(x, lab, mode="ce", grad=False, class_weight=weight, **kopts)
+            st = logits_tile(x, lab, mode="ce", grad=False, class_weight=weight,
+                             need_logits_sum=False, **kopts)
             ctx.save_for_backward(logits, labels, weight)
             ctx.cfg = cfg
             return st.loss.reshape(shape[:-1]).to(logits.dtype)
@@ -67,17 +68,16 @@ class _CrossEntropyFunction(torch.autograd.Function):
         else:
             denom, scale = None, 1.0
         grad = ctx.needs_input_grad[0]
-        if grad:
-            if cfg["inplace_backward"] and x.data_ptr() == logits.data_ptr() and x.is_contiguous():
-                buf = x
-            else:
-                buf = x.clone(memory_format=torch.contiguous_format)
-        else:
-            buf = x
-        st = logits_tile(buf, lab, mode="ce", grad=grad, grad_scale=scale, class_weight=weight, **kopts)
+        out = None  # the gradient goes into x itself (in place) or into a new buffer
+        if grad and not (cfg["inplace_backward"] and x.data_ptr() == logits.data_ptr() and x.is_contiguous()):
+            out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+            if x.stride(1) != 1:
+                x = x.contiguous()
+        st = logits_tile(x, lab, mode="ce", grad=grad, grad_scale=scale, class_weight=weight,
+                         need_logits_sum=False, out=out, **kopts)
         total = st.loss.sum()
         loss = total / denom if denom is not None else total
-        ctx.save_for_backward(buf if grad else None)
+        ctx.save_for_backward((x if out is None else out) if grad else None)
         return loss.to(logits.dtype)
 
     @staticmethod
@@ -86,15 +86,22 @@ class _CrossEntropyFunction(torch.autograd.Function):
             logits, labels, weight = ctx.saved_tensors
             cfg = ctx.cfg
             V = logits.shape[-1]
-            buf = logits.reshape(-1, V).clone(memory_format=torch.contiguous_format)
+            x = logits.reshape(-1, V)
+            if x.stride(1) != 1:
+                x = x.contiguous()
+            buf = torch.empty(x.shape, dtype=x.dtype, device=x.device)
             logits_tile(
-                buf, labels.reshape(-1), mode="ce", grad=True,
+                x, labels.reshape(-1), mode="ce", grad=True,
                 grad_scale=grad_loss.reshape(-1).float().contiguous(), class_weight=weight,
-                **cfg["kernel_opts"],
+                need_logits_sum=False, out=buf, **cfg["kernel_opts"],
             )
             return buf.view(ctx.shape), None, None, None
         (buf,) = ctx.saved_tensors
-        return buf.mul_(grad_loss).view(ctx.shape), None, None, None
+        # The usual upstream gradient is exactly 1 (loss.backward()): skip a pass over [N, V]
+        # then. The test reads one scalar back to the host, as liger-kernel's does.
+        if not bool(grad_loss == 1):
+            buf.mul_(grad_loss)
+        return buf.view(ctx.shape), None, None, None
 
 
 def cross_entropy(

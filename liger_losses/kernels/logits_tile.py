@@ -49,7 +49,7 @@ class TileStats(NamedTuple):
     logp: Tensor
     entropy: Optional[Tensor]
     correct: Tensor
-    logits_sum: Tensor
+    logits_sum: Optional[Tensor]  # None when not asked for (need_logits_sum=False)
 
 
 triton, tl = import_triton()
@@ -71,15 +71,16 @@ if triton is not None:
 
     @triton.jit
     def _logits_tile_kernel(
-        X, stride_x, LABELS, SCALE, scale_value, CW,
+        X, stride_x, G, stride_g, LABELS, SCALE, scale_value, CW,
         LOSS, LSE, LOGP, ENT, CORRECT, LSUM,
         V, ignore_index, logit_scale, inv_temp, softcap, eps, z_w,
         MODE_CE: tl.constexpr, WRITE_GRAD: tl.constexpr, SCALE_PER_ROW: tl.constexpr,
         HAS_SOFTCAP: tl.constexpr, HAS_CW: tl.constexpr, NEED_ENT: tl.constexpr,
-        BLOCK: tl.constexpr,
+        NEED_LSUM: tl.constexpr, BLOCK: tl.constexpr,
     ):
         row = tl.program_id(0).to(tl.int64)
         x_ptr = X + row * stride_x
+        g_ptr = G + row * stride_g  # the gradient row: X itself (in place) or another buffer
         label = tl.load(LABELS + row).to(tl.int64)
         valid = label != ignore_index
         safe = tl.where(valid, label, 0)
@@ -109,7 +110,8 @@ if triton is not None:
             if NEED_ENT:
                 e = e * alpha + tl.sum(p * z, axis=0)
             m = m_new
-            s += tl.sum(z, axis=0)
+            if NEED_LSUM:  # a block-wide reduction per block: only when asked for
+                s += tl.sum(z, axis=0)
             if HAS_CW:
                 w = tl.load(CW + cols, mask=mask, other=0.0).to(tl.float32)
                 sw += tl.sum(w * z, axis=0)
@@ -126,7 +128,7 @@ if triton is not None:
         else:
             w_y = 1.0
             w_sum = V * 1.0
-            sw = s
+            sw = s  # NEED_LSUM is set whenever smoothing needs it
         if MODE_CE:
             loss = (1.0 - eps) * w_y * (-logp) + eps / V * (w_sum * lse - sw) + z_w * lse * lse
         else:
@@ -167,7 +169,7 @@ if triton is not None:
                 if HAS_SOFTCAP:
                     g = g * (1.0 - t * t)
                 g = tl.where(valid, g, 0.0)
-                tl.store(x_ptr + cols, g.to(X.dtype.element_ty), mask=mask)
+                tl.store(g_ptr + cols, g.to(G.dtype.element_ty), mask=mask)
 
 
 def _transform_torch(x: Tensor, logit_scale, temperature, softcap):
@@ -181,7 +183,7 @@ def _transform_torch(x: Tensor, logit_scale, temperature, softcap):
 
 def _logits_tile_torch(
     logits, labels, scale, ignore_index, logit_scale, temperature, softcap, eps, z_w,
-    class_weight, mode_ce, grad, need_entropy,
+    class_weight, mode_ce, grad, need_entropy, out=None, need_logits_sum=True,
 ) -> TileStats:
     n, V = logits.shape
     valid = labels != ignore_index
@@ -213,7 +215,8 @@ def _logits_tile_torch(
     correct = valid & (z_y >= z.max(1).values)
     stats = TileStats(
         torch.where(valid, loss, zero), torch.where(valid, lse, zero),
-        torch.where(valid, logp, zero), entropy, correct, torch.where(valid, s, zero),
+        torch.where(valid, logp, zero), entropy, correct,
+        torch.where(valid, s, zero) if need_logits_sum else None,
     )
     if grad:
         onehot = torch.zeros_like(z).scatter_(1, safe[:, None], 1.0)
@@ -230,7 +233,7 @@ def _logits_tile_torch(
             g = g * (1.0 - t * t)
         scale = scale if isinstance(scale, Tensor) else torch.full_like(lse, float(scale))
         g = g * torch.where(valid, scale.float(), zero)[:, None]
-        logits.copy_(g)
+        (logits if out is None else out).copy_(g)
     return stats
 
 
@@ -265,13 +268,19 @@ def logits_tile(
     z_loss_weight: float = 0.0,
     class_weight: Optional[Tensor] = None,
     need_entropy: bool = False,
+    need_logits_sum: bool = True,
+    out: Optional[Tensor] = None,
     impl: str = "auto",
 ) -> TileStats:
     """Row statistics of ``logits [n, V]`` against ``labels [n]``; with ``grad=True`` the tile
-    is overwritten by ``grad_scale * d loss / d logits`` (see the module docstring).
+    is overwritten by ``grad_scale * d loss / d logits`` (see the module docstring), or, when
+    ``out`` is given (``[n, V]``, logits' dtype and device, unit column stride), ``out`` is
+    written instead and the logits are left untouched.
 
     ``grad_scale`` is a float or a ``[n]`` tensor (cast to float32). ``class_weight [V]`` only
-    applies to ``mode="ce"``. Returns :class:`TileStats`.
+    applies to ``mode="ce"``. ``need_logits_sum=False`` skips the ``logits_sum`` statistic (one
+    block-wide reduction per block in the kernel) and returns it as ``None``. Returns
+    :class:`TileStats`.
     """
     check_tensor("logits", logits, ndim=2, floating=True)
     check_tensor("labels", labels, ndim=1, floating=False)
@@ -296,17 +305,31 @@ def logits_tile(
         grad_scale = grad_scale.float().contiguous()
     check_same_device(logits=logits, labels=labels, class_weight=class_weight,
                       grad_scale=grad_scale if per_row else None)
-    if grad and logits.stride(1) != 1:
+    if out is not None:
+        if not grad:
+            raise ValueError("out is only written with grad=True")
+        check_tensor("out", out, ndim=2, floating=True)
+        if tuple(out.shape) != (n, V) or out.dtype != logits.dtype or out.stride(1) != 1:
+            raise ValueError(
+                f"out must be a [{n}, {V}] {logits.dtype} tensor with unit stride in the last dimension, "
+                f"got shape {tuple(out.shape)}, dtype {out.dtype}, strides {tuple(out.stride())}"
+            )
+        check_same_device(logits=logits, out=out)
+    elif grad and logits.stride(1) != 1:
         raise ValueError("logits must have unit stride in the last dimension to take the gradient in place")
     mode_ce = mode == "ce"
     eps = float(label_smoothing) if mode_ce else 0.0
     z_w = float(z_loss_weight) if mode_ce else 0.0
     cw = class_weight if mode_ce else None
 
+    # label smoothing without class weights needs the row sum of z
+    need_lsum = bool(need_logits_sum) or (mode_ce and eps > 0.0 and cw is None)
+
     if resolve_impl(impl, logits) == "torch" or n == 0:
         return _logits_tile_torch(
             logits, labels, grad_scale, ignore_index, float(logit_scale), float(temperature),
             None if softcap is None else float(softcap), eps, z_w, cw, mode_ce, grad, need_entropy,
+            out, bool(need_logits_sum),
         )
 
     x = logits if logits.stride(1) == 1 else logits.contiguous()
@@ -322,13 +345,15 @@ def logits_tile(
     scale_ptr = grad_scale if per_row else loss
     scale_value = 0.0 if per_row else float(grad_scale)
     block, warps = _block_settings(V)
+    g = out if out is not None else x
     _logits_tile_kernel[(n,)](
-        x, x.stride(0), lab, scale_ptr, scale_value, cw_arg,
+        x, x.stride(0), g, g.stride(0), lab, scale_ptr, scale_value, cw_arg,
         loss, lse, logp, ent, correct, lsum,
         V, int(ignore_index), float(logit_scale), 1.0 / float(temperature),
         float(softcap) if softcap is not None else 1.0, eps, z_w,
         MODE_CE=mode_ce, WRITE_GRAD=bool(grad), SCALE_PER_ROW=per_row,
         HAS_SOFTCAP=softcap is not None, HAS_CW=cw is not None, NEED_ENT=bool(need_entropy),
-        BLOCK=block, num_warps=warps,
+        NEED_LSUM=need_lsum, BLOCK=block, num_warps=warps,
     )
-    return TileStats(loss, lse, logp, ent if need_entropy else None, correct.bool(), lsum)
+    return TileStats(loss, lse, logp, ent if need_entropy else None, correct.bool(),
+                     lsum if need_logits_sum else None)

@@ -119,6 +119,40 @@ def test_no_grad_mode_keeps_tile(impl):
     assert_close_rel(st.logp, ref["logp"], TOL[torch.float32], "logp")
 
 
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("mode", ["ce", "logp"])
+def test_out_buffer_and_no_logits_sum(impl, mode):
+    """``out=``: the gradient lands in ``out`` (within 1e-5 of float64) and the tile -- here a
+    row-strided column slice -- is left bit-identical. ``need_logits_sum=False`` returns
+    ``logits_sum=None`` and the same other statistics, label smoothing included (it needs the
+    row sum internally)."""
+    V = 1500  # several blocks in the interpreter
+    buf = torch.randn(4, V + 9) * 2
+    labels = torch.tensor([3, -100, 1499, 42])
+    tile = buf[:, :V]
+    before = buf.clone()
+    kw = dict(label_smoothing=0.1) if mode == "ce" else {}
+    ref = reference(tile, labels, mode, torch.full((4,), 0.7), **kw)
+    out = torch.full((4, V), float("nan"))
+    st = logits_tile(tile, labels, mode=mode, grad_scale=0.7, need_logits_sum=False, out=out,
+                     impl=impl, **kw)
+    assert torch.equal(buf, before)
+    assert st.logits_sum is None
+    assert_close_rel(out, ref["grad"], TOL[torch.float32], "grad")
+    for k in ("loss", "lse", "logp"):
+        assert_close_rel(getattr(st, k), ref[k], TOL[torch.float32], k)
+
+
+def test_out_buffer_bad_inputs():
+    """``out`` of the wrong shape/dtype/stride, or with grad=False, raises naming ``out``."""
+    x, labels = _inputs(3, 20)
+    for bad in (torch.empty(3, 21), torch.empty(3, 20, dtype=torch.float64), torch.empty(20, 3).t()):
+        with pytest.raises(ValueError, match="out must"):
+            logits_tile(x, labels, out=bad)
+    with pytest.raises(ValueError, match="out is only written"):
+        logits_tile(x, labels, grad=False, out=torch.empty(3, 20))
+
+
 def test_triton_and_torch_agree_all_ignored():
     """All rows ignored: zeros everywhere, no NaN, in both implementations."""
     x, _ = _inputs(3, 50)
