@@ -16,6 +16,7 @@ benchmark can sweep them by setting the module's attributes): ``FWD_TILE_ELEMS``
 
 from __future__ import annotations
 
+import functools
 from typing import Optional
 
 import torch
@@ -115,20 +116,33 @@ def norm_impl(impl: str, hidden: torch.Tensor, **params: Optional[torch.Tensor])
 
 def fwd_tiling(n_rows: int, n_cols: int, knobs) -> tuple[int, int, int, int]:
     """(BLOCK_M, BLOCK_N, num_warps, programs) of the forward launch: one program per tile."""
-    block_m, block_n, warps = row_tile(n_cols, n_rows, knobs.FWD_TILE_ELEMS, knobs.MAX_ROWS_PER_TILE)
+    return _fwd_tiling(n_rows, n_cols, knobs.FWD_TILE_ELEMS, knobs.MAX_ROWS_PER_TILE)
+
+
+@functools.lru_cache(maxsize=1024)
+def _fwd_tiling(n_rows: int, n_cols: int, tile_elems: int, max_rows: int) -> tuple[int, int, int, int]:
+    block_m, block_n, warps = row_tile(n_cols, n_rows, tile_elems, max_rows)
     return block_m, block_n, warps, -(-n_rows // block_m)
 
 
 def bwd_tiling(x2: torch.Tensor, knobs) -> tuple[int, int, int, int, int, int]:
     """(BLOCK_M, BLOCK_N, num_warps, n_blocks, programs, blocks_per_program) of the backward
-    launch on ``x2`` ``[rows, H]``: multi-row tiles for short rows (``H <= BWD_SMALL_H``)."""
+    launch on ``x2`` ``[rows, H]``: multi-row tiles for short rows (``H <= BWD_SMALL_H``).
+    Cached per shape, device and knob values (host time per call matters for small steps)."""
     n_rows, n_cols = x2.shape
     tile_elems = knobs.BWD_SMALL_H_TILE_ELEMS if n_cols <= knobs.BWD_SMALL_H else knobs.BWD_TILE_ELEMS
-    block_m, block_n, warps = row_tile(n_cols, n_rows, tile_elems, knobs.MAX_ROWS_PER_TILE)
+    return _bwd_tiling(
+        n_rows, n_cols, x2.device, tile_elems, knobs.MAX_ROWS_PER_TILE, knobs.BWD_PROGRAMS_PER_SM,
+        knobs.BWD_MIN_ROWS_PER_PROGRAM, knobs.CPU_BWD_PROGRAMS,
+    )
+
+
+@functools.lru_cache(maxsize=1024)
+def _bwd_tiling(n_rows, n_cols, device, tile_elems, max_rows, per_sm, min_rows, cpu_programs):
+    block_m, block_n, warps = row_tile(n_cols, n_rows, tile_elems, max_rows)
     n_blocks = -(-n_rows // block_m)
     programs = num_row_programs(
-        x2.device, n_blocks, n_rows, per_sm=knobs.BWD_PROGRAMS_PER_SM,
-        min_rows=knobs.BWD_MIN_ROWS_PER_PROGRAM, cpu_programs=knobs.CPU_BWD_PROGRAMS,
+        device, n_blocks, n_rows, per_sm=per_sm, min_rows=min_rows, cpu_programs=cpu_programs,
     )
     blocks_per_program = -(-n_blocks // programs)
     programs = -(-n_blocks // blocks_per_program)

@@ -171,14 +171,19 @@ def _launch_into(q, k, qo, ko, cos, sin, head_axis: int, backward: bool, copy_pa
 
 def _dense_perm(shape, stride):
     """Dims ordered by decreasing stride when (shape, stride) is a permutation of a contiguous
-    layout (non-overlapping and dense), else None."""
+    layout (non-overlapping and dense), else None (cached per layout: called on every step)."""
+    return _dense_perm_cached(tuple(shape), tuple(stride))
+
+
+@functools.lru_cache(maxsize=1024)
+def _dense_perm_cached(shape, stride):
     perm = sorted(range(len(shape)), key=lambda i: (-stride[i], -shape[i]))
     expected = 1
     for i in reversed(perm):
         if shape[i] != 1 and stride[i] != expected:
             return None
         expected *= shape[i]
-    return perm
+    return tuple(perm)
 
 
 def _empty_like_layout(shape, stride, like: torch.Tensor) -> torch.Tensor:
@@ -245,10 +250,15 @@ def _carrier(x: torch.Tensor):
 def _rebuild(carrier: torch.Tensor, geom) -> torch.Tensor:
     """The view of ``carrier`` with ``geom``'s shape and strides, made by view + permute (cheap
     backward: a reshape and a permute, no zero-filled as_strided buffer)."""
-    shape, stride, _ = geom
+    view_shape, inverse = _rebuild_plan(*geom[:2])
+    return carrier.view(view_shape).permute(inverse)
+
+
+@functools.lru_cache(maxsize=1024)
+def _rebuild_plan(shape, stride):
+    """(the permuted dense shape, the permutation back to ``shape``) of a dense layout."""
     perm = _dense_perm(shape, stride)
-    out = carrier.view([shape[i] for i in perm]).permute([perm.index(i) for i in range(len(shape))])
-    return out
+    return tuple(shape[i] for i in perm), tuple(perm.index(i) for i in range(len(shape)))
 
 
 def _as_geom(t: torch.Tensor, geom) -> torch.Tensor:
