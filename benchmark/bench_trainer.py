@@ -138,7 +138,7 @@ def write_profile(prof, path: str, wall_s: float) -> None:
         f"2 steps: wall {wall_s * 1e3:.1f} ms, GPU kernels {gpu_us / 1e3:.1f} ms ({n_kernels} launches), "
         f"GPU busy {gpu_us / 1e6 / wall_s:.0%}",
         events.table(sort_by="self_cpu_time_total", row_limit=25, max_name_column_width=70),
-        events.table(sort_by=attr.replace("_total", "_total"), row_limit=15, max_name_column_width=70),
+        events.table(sort_by=attr, row_limit=15, max_name_column_width=70),
     ]
     with open(path, "w") as f:
         f.write("\n".join(lines))

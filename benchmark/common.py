@@ -75,27 +75,8 @@ def randn(*shape, device="cuda", **kwargs) -> torch.Tensor:
     return torch.randn(*shape, device=device, generator=_GEN[device], **kwargs)
 
 
-_PRIMED = []
-
-
-def _prime_capture() -> None:
-    """One throw-away capture of a tiny forward + backward: the first captures of a process have
-    been seen to fail ("operation failed due to a previous error during capture") on the H200."""
-    if _PRIMED:
-        return
-    _PRIMED.append(True)
-    x = torch.ones(8, device="cuda", requires_grad=True)
-    for _ in range(2):
-        try:
-            _graphed(lambda: torch.autograd.grad((x * 2).sum(), x), prime=False)
-        except Exception:  # noqa: BLE001 - that is what priming is for
-            torch.cuda.synchronize()
-
-
-def _graphed(fn: Callable[[], object], *, prime: bool = True) -> Callable[[], object]:
+def _graphed(fn: Callable[[], object]) -> Callable[[], object]:
     """``fn`` captured once in a CUDA graph (after warm-up on a side stream); returns the replay."""
-    if prime:
-        _prime_capture()
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):

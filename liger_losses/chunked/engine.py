@@ -563,7 +563,8 @@ def _run_sequence_objective(weight, hidden, bias, cfg, sink, needs_h, needs_w, n
         size = p1 - p0
         if ref_hidden is not None and ref_logps_in is None:
             rt = project(rh_rows(ts, te), rw, rb)
-            rs = logits_tile(rt, l_valid[ts:te], mode="logp", grad=False, **kopts)
+            rs = logits_tile(rt, l_valid[ts:te], mode="logp", grad=False, need_logits_sum=False,
+                             **kopts)
             del rt
             v = rs.logp if tw_valid is None else rs.logp * tw_valid[ts:te]
             acc["ref_logps"][p0:p1] += _segment_sum(v, seg, size)
@@ -718,7 +719,8 @@ def _run_sequence_objective(weight, hidden, bias, cfg, sink, needs_h, needs_w, n
                     gb.mul_(g_star)
             for ts, te in other_bounds:
                 tile = project(h_rows(ts, te), w_c, b_c)
-                logits_tile(tile, l_valid[ts:te], mode="logp", grad=True, **kopts)
+                # statistics were taken in phase 1: only the gradient is wanted here
+                logits_tile(tile, l_valid[ts:te], mode="logp", grad=True, need_logits_sum=False, **kopts)
                 backprop(tile, ts, te, grad_pos[pos_of_tok[ts:te]])
                 del tile
 
@@ -880,7 +882,7 @@ def run_tiles(
     sliced per chunk), and when ``grad`` :func:`backprop_tile`. Returns ``(stats,
     grad_hidden [M, H] | None (zeros at ignored rows), grad_weight [V, H] (accum_dtype or weight
     dtype) | None, grad_bias [V] fp32 | None)`` where ``stats`` maps
-    loss/lse/logp/correct/logits_sum(/entropy) to ``[N]`` tensors.
+    loss/lse/logp/correct(/entropy) to ``[N]`` tensors.
     """
     kernel_opts = dict(kernel_opts or {})
     N = labels_valid.shape[0]
@@ -902,7 +904,7 @@ def run_tiles(
         st = logits_tile(
             tile, labels_valid[ts:te], mode=mode, grad=grad,
             grad_scale=grad_scale[ts:te] if per_row else grad_scale,
-            need_entropy=need_entropy, **kernel_opts,
+            need_entropy=need_entropy, need_logits_sum=False, **kernel_opts,
         )
         for k, v in st._asdict().items():
             if v is not None:
@@ -918,7 +920,7 @@ def run_tiles(
     if gw is not None and first:
         gw.zero_()
     stats = {}
-    for k in ("loss", "lse", "logp", "correct", "logits_sum", "entropy"):
+    for k in ("loss", "lse", "logp", "correct", "entropy"):
         if k in parts:
             stats[k] = torch.cat(parts[k])
         elif k != "entropy" or need_entropy:
