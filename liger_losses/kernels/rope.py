@@ -187,8 +187,9 @@ def _dense_perm_cached(shape, stride):
 
 
 def _empty_like_layout(shape, stride, like: torch.Tensor) -> torch.Tensor:
-    """Uninitialised tensor of ``shape`` with ``stride`` when that layout is dense, else contiguous."""
-    if _dense_perm(shape, stride) is not None:
+    """Uninitialised tensor of ``shape`` with ``stride`` when that layout is dense with a unit last
+    stride (the kernel writes the head dim contiguously), else contiguous."""
+    if stride[-1] == 1 and _dense_perm(shape, stride) is not None:
         return torch.empty_strided(shape, stride, dtype=like.dtype, device=like.device)
     return torch.empty(shape, dtype=like.dtype, device=like.device)
 
