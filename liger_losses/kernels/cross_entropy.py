@@ -56,23 +56,21 @@ class _CrossEntropyFunction(torch.autograd.Function):
             ctx.save_for_backward(logits, labels, weight)
             ctx.cfg = cfg
             return st.loss.reshape(shape[:-1]).to(logits.dtype)
-        valid = lab != kopts["ignore_index"]
         if red == "mean":
+            valid = lab != kopts["ignore_index"]
             if weight is not None:
                 w_y = weight.float()[torch.where(valid, lab, torch.zeros_like(lab))]
                 denom = (w_y * valid).sum()
             else:
                 denom = valid.sum().float()
             denom = torch.where(denom > 0, denom, torch.ones_like(denom))
-            scale = (1.0 / denom).reshape(1).expand(x.shape[0]).contiguous()
+            scale = 1.0 / denom  # 0-d: logits_tile takes it as every row's scale
         else:
             denom, scale = None, 1.0
         grad = ctx.needs_input_grad[0]
         out = None  # the gradient goes into x itself (in place) or into a new buffer
         if grad and not (cfg["inplace_backward"] and x.data_ptr() == logits.data_ptr() and x.is_contiguous()):
             out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-            if x.stride(1) != 1:
-                x = x.contiguous()
         st = logits_tile(x, lab, mode="ce", grad=grad, grad_scale=scale, class_weight=weight,
                          need_logits_sum=False, out=out, **kopts)
         total = st.loss.sum()
@@ -87,12 +85,10 @@ class _CrossEntropyFunction(torch.autograd.Function):
             cfg = ctx.cfg
             V = logits.shape[-1]
             x = logits.reshape(-1, V)
-            if x.stride(1) != 1:
-                x = x.contiguous()
             buf = torch.empty(x.shape, dtype=x.dtype, device=x.device)
             logits_tile(
                 x, labels.reshape(-1), mode="ce", grad=True,
-                grad_scale=grad_loss.reshape(-1).float().contiguous(), class_weight=weight,
+                grad_scale=grad_loss.reshape(-1), class_weight=weight,
                 need_logits_sum=False, out=buf, **cfg["kernel_opts"],
             )
             return buf.view(ctx.shape), None, None, None

@@ -335,26 +335,22 @@ if triton is not None:
                 # forward KL: d div / d z_j = p_s,j * S - p_t,j with S = teacher mass on the shared columns
                 # (exactly 1 with teacher_vocab="renormalize"): known after pass 1, so no extra pass
                 coef_dense = -(d_ts / d_t)
-            else:
+            elif WRITE_GRAD:
                 # shift c = t at the student's argmax: grad_j = p_j ((t_j - c) - sum_i p_i (t_i - c)) has no
                 # cancellation on the peak entry
                 ls_c = tl.load(s_row + best_idx).to(tl.float32) * inv_t - lse_s
                 lt_c = tl.load(t_row + best_idx).to(tl.float32) * inv_t - lse_t
                 _dc, _gc, t_c = _div_terms(ls_c, lt_c, log_1m_beta, log_beta, beta, MODE)
-                # ---- pass 2: sum_i p_i (t_i - c) for the gradient (only t, no divergence term), or, with no
-                # gradient wanted, the divergence itself (then there is no pass 3)
+                # ---- pass 2: sum_i p_i (t_i - c) for the gradient (only t, no divergence term)
                 for start in range(0, n_cols, BLOCK):
                     offs = start + cols
                     mask = offs < n_cols
                     ls = tl.load(s_row + offs, mask=mask, other=0.0).to(tl.float32) * inv_t - lse_s
                     lt = tl.load(t_row + offs, mask=mask, other=0.0).to(tl.float32) * inv_t - lse_t
-                    if WRITE_GRAD:
-                        tt = _t_only(ls, lt, log_1m_beta, log_beta, beta, MODE)
-                        coef_dense += tl.sum(tl.where(mask, tl.exp(ls) * (tt - t_c), 0.0), axis=0)
-                    else:
-                        dd, _gg, _tt = _div_terms(ls, lt, log_1m_beta, log_beta, beta, MODE)
-                        div += tl.sum(tl.where(mask, dd, 0.0), axis=0)
-            if MODE == 0 and not WRITE_GRAD:
+                    tt = _t_only(ls, lt, log_1m_beta, log_beta, beta, MODE)
+                    coef_dense += tl.sum(tl.where(mask, tl.exp(ls) * (tt - t_c), 0.0), axis=0)
+            if not WRITE_GRAD:
+                # ---- no gradient wanted: pass 2 is the divergence itself (then there is no last pass)
                 for start in range(0, n_cols, BLOCK):
                     offs = start + cols
                     mask = offs < n_cols

@@ -2,7 +2,8 @@
 :mod:`geglu`): input checks, the row-split launch, and the autograd forward/backward bodies.
 
 ``gate`` and ``up`` have one shape ``[..., I]`` and dtype; the kernels see them as 2-D views
-``[rows, I]`` (:func:`~liger_losses.kernels.utils.pair_rows`) on a grid ``(cdiv(I, BLOCK), rows)``.
+``[rows, I]`` (:func:`~liger_losses.kernels.utils.pair_rows`) on a grid ``(cdiv(I, BLOCK), rows)``;
+each kernel takes ``(*pointers, I, *row_strides, BLOCK)`` (+ its own constexprs).
 The backward writes ``d_gate``/``d_up`` into fresh tensors, or with ``inplace_backward`` into the
 buffers of ``gate`` and ``up`` (only when the caller owns them: see :mod:`swiglu`).
 """
@@ -39,39 +40,45 @@ def check_inplace_backward(inplace_backward) -> None:
         raise TypeError(f"inplace_backward must be a bool, got {type(inplace_backward).__name__}")
 
 
-def launch_rows(kernel, tensors, strides, n_cols: int, *, block: int, num_warps: int, **constexprs) -> None:
-    """Launch ``kernel[(cdiv(n_cols, block), rows)](*tensors, n_cols, *strides, ...)`` over the 2-D
-    ``tensors`` (all ``[rows, n_cols]``), in slices of at most ``MAX_GRID_Y`` rows (the grid's
-    second axis holds at most 65535 programs; the usual one flat row takes one launch)."""
-    rows = tensors[0].shape[0]
+def launch_rows(kernel, tensors, knobs, **constexprs) -> None:
+    """Launch ``kernel[(cdiv(I, BLOCK), rows)](*tensors, I, *row_strides, ...)`` over the 2-D
+    ``tensors`` (all ``[rows, I]``), ``BLOCK``/``num_warps`` read from ``knobs.BLOCK_SIZE`` /
+    ``knobs.NUM_WARPS`` at call time (the benchmark sweeps them), in slices of at most
+    ``MAX_GRID_Y`` rows (the grid's second axis holds at most 65535 programs; the usual one flat
+    row takes one launch)."""
+    rows, n_cols = tensors[0].shape
+    strides = tuple(t.stride(0) for t in tensors)
+    block = knobs.BLOCK_SIZE
     grid_x = -(-n_cols // block)
     with device_ctx(tensors[0]):
         for r0 in range(0, rows, MAX_GRID_Y):
             r1 = min(rows, r0 + MAX_GRID_Y)
             views = tensors if r1 - r0 == rows else [t[r0:r1] for t in tensors]
             kernel[(grid_x, r1 - r0)](
-                *views, n_cols, *strides, BLOCK=block, num_warps=num_warps, **constexprs
+                *views, n_cols, *strides, BLOCK=block, num_warps=knobs.NUM_WARPS, **constexprs
             )
 
 
-def gated_forward(ctx, gate, up, inplace_backward, launch_fwd) -> torch.Tensor:
-    """Autograd forward: ``launch_fwd(a2, b2, out2)`` on the 2-D views; saves gate and up and
-    whether the backward may write into their buffers."""
+def gated_forward(ctx, gate, up, inplace_backward, kernel, knobs, **constexprs) -> torch.Tensor:
+    """Autograd forward: ``kernel`` over the 2-D views (:func:`launch_rows`) into an output made
+    in gate's shape (returned as is, not as a view made here, so callers may modify it in
+    place); saves gate and up and whether the backward may write into their buffers."""
     a2, b2 = pair_rows(gate, up)
-    out = torch.empty(a2.shape, dtype=gate.dtype, device=gate.device)
+    out = torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)
     if out.numel():
-        launch_fwd(a2, b2, out)
+        launch_rows(kernel, (a2, b2, out.view(a2.shape)), knobs, **constexprs)
     ctx.inplace = bool(
         inplace_backward
         and owns_buffer(gate, a2) and owns_buffer(up, b2)
         and gate.untyped_storage().data_ptr() != up.untyped_storage().data_ptr()
     )
     ctx.save_for_backward(gate, up)
-    return out.view(gate.shape)
+    return out
 
 
-def gated_backward(ctx, grad_out, launch_bwd) -> tuple[torch.Tensor, torch.Tensor]:
-    """Autograd backward: ``launch_bwd(dc2, a2, b2, da2, db2)``; returns (grad_gate, grad_up)."""
+def gated_backward(ctx, grad_out, kernel, knobs, **constexprs) -> tuple[torch.Tensor, torch.Tensor]:
+    """Autograd backward: ``kernel(dc, a, b, da, db)`` over the 2-D views; returns
+    (grad_gate, grad_up)."""
     gate, up = ctx.saved_tensors
     a2, b2 = pair_rows(gate, up)
     dc2 = grad_out.contiguous().view(a2.shape)
@@ -81,7 +88,7 @@ def gated_backward(ctx, grad_out, launch_bwd) -> tuple[torch.Tensor, torch.Tenso
         da2 = torch.empty(a2.shape, dtype=gate.dtype, device=gate.device)
         db2 = torch.empty(b2.shape, dtype=up.dtype, device=up.device)
     if da2.numel():
-        launch_bwd(dc2, a2, b2, da2, db2)
+        launch_rows(kernel, (dc2, a2, b2, da2, db2), knobs, **constexprs)
     if ctx.inplace:
         # Anyone else who saved gate/up now gets a loud version-counter error, not wrong grads.
         torch.autograd.graph.increment_version(gate)

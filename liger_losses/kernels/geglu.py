@@ -21,6 +21,8 @@ Public API:
 
 from __future__ import annotations
 
+import sys
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -30,15 +32,16 @@ from liger_losses.kernels.gated import (
     check_inplace_backward,
     gated_backward,
     gated_forward,
-    launch_rows,
 )
 from liger_losses.kernels.utils import check_choice, import_triton, resolve_impl
 
 triton, tl = import_triton()
 
 APPROXIMATIONS = ("tanh", "none")
+# Elements per program and warps (read at launch time by gated.launch_rows: the benchmark sweeps them).
 BLOCK_SIZE = 4096
 NUM_WARPS = 8
+_KNOBS = sys.modules[__name__]
 
 
 if triton is not None:
@@ -96,35 +99,17 @@ if triton is not None:
         tl.store(db_ptr + row * stride_db + cols, (dc * gelu).to(db_ptr.dtype.element_ty), mask=mask)
 
 
-def _launch_fwd(a2, b2, c2, tanh: bool) -> None:
-    launch_rows(
-        _geglu_fwd_kernel, (a2, b2, c2), (a2.stride(0), b2.stride(0), c2.stride(0)), a2.shape[1],
-        block=BLOCK_SIZE, num_warps=NUM_WARPS, TANH=tanh,
-    )
-
-
-def _launch_bwd(dc2, a2, b2, da2, db2, tanh: bool) -> None:
-    strides = (dc2.stride(0), a2.stride(0), b2.stride(0), da2.stride(0), db2.stride(0))
-    launch_rows(
-        _geglu_bwd_kernel, (dc2, a2, b2, da2, db2), strides, a2.shape[1],
-        block=BLOCK_SIZE, num_warps=NUM_WARPS, TANH=tanh,
-    )
-
-
 class GEGLUFunction(torch.autograd.Function):
     """gelu(gate) * up; saves gate and up only. ``inplace_backward`` writes grads into them."""
 
     @staticmethod
     def forward(ctx, gate, up, approximate="tanh", inplace_backward=False):
-        tanh = approximate == "tanh"
-        ctx.tanh = tanh
-        return gated_forward(
-            ctx, gate, up, inplace_backward, lambda a2, b2, c2: _launch_fwd(a2, b2, c2, tanh)
-        )
+        ctx.tanh = approximate == "tanh"
+        return gated_forward(ctx, gate, up, inplace_backward, _geglu_fwd_kernel, _KNOBS, TANH=ctx.tanh)
 
     @staticmethod
     def backward(ctx, grad_out):
-        grads = gated_backward(ctx, grad_out, lambda *t: _launch_bwd(*t, ctx.tanh))
+        grads = gated_backward(ctx, grad_out, _geglu_bwd_kernel, _KNOBS, TANH=ctx.tanh)
         return (*grads, None, None)
 
 

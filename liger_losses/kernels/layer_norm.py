@@ -36,8 +36,12 @@ import torch.nn.functional as F
 from torch import nn
 from torch.autograd.function import once_differentiable
 
-from liger_losses.kernels.norm_common import bwd_tiling, check_norm_args, fwd_tiling, norm_impl, sum_partials
-from liger_losses.kernels.utils import as_rows, check_choice, check_tensor, device_ctx, import_triton
+from liger_losses.kernels.norm_common import (
+    bwd_tiling, check_norm_args, fwd_tiling, norm_impl, partial_rows, sum_partials,
+)
+from liger_losses.kernels.utils import (
+    IMPLS, as_rows, check_choice, check_last_dim, check_tensor, device_ctx, import_triton,
+)
 
 triton, tl = import_triton()
 
@@ -171,22 +175,22 @@ if triton is not None:
 # --------------------------------------------------------------------------- host side
 
 
-def _forward(x2, weight, bias, eps):
-    """Launch the forward kernel on ``x2`` ``[rows, H]``; returns (out, mean, rstd)."""
+def _forward(x2, weight, bias, eps, out2):
+    """Launch the forward kernel on ``x2`` ``[rows, H]`` into ``out2`` (a contiguous ``[rows, H]``
+    view of the caller's output); returns (mean, rstd), ``[rows]`` fp32 each."""
     n_rows, n_cols = x2.shape
-    out = torch.empty((n_rows, n_cols), dtype=x2.dtype, device=x2.device)
     mean = torch.empty((n_rows,), dtype=torch.float32, device=x2.device)
     rstd = torch.empty((n_rows,), dtype=torch.float32, device=x2.device)
     block_m, block_n, warps, programs = fwd_tiling(n_rows, n_cols, _KNOBS)
     with device_ctx(x2):
         _layer_norm_fwd_kernel[(programs,)](
             x2, weight if weight is not None else x2, bias if bias is not None else x2,
-            out, mean, rstd,
-            n_rows, n_cols, x2.stride(0), out.stride(0), float(eps),
+            out2, mean, rstd,
+            n_rows, n_cols, x2.stride(0), out2.stride(0), float(eps),
             HAS_WEIGHT=weight is not None, HAS_BIAS=bias is not None,
             BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps,
         )
-    return out, mean, rstd
+    return mean, rstd
 
 
 def _backward(dy2, x2, weight, mean, rstd, need_dx, need_dw, need_db, sum_dtype=torch.float32):
@@ -194,13 +198,9 @@ def _backward(dy2, x2, weight, mean, rstd, need_dx, need_dw, need_db, sum_dtype=
     parameter gradients in ``sum_dtype``."""
     n_rows, n_cols = x2.shape
     dx = torch.empty_like(x2, memory_format=torch.contiguous_format) if need_dx else None
-    block_m, block_n, warps, n_blocks, programs, blocks_per_program = bwd_tiling(x2, _KNOBS)
-    # One fp32 buffer for both partial sums: one allocation and one reduction launch.
+    block_m, block_n, warps, n_blocks, programs, blocks_per_program, tile_acc = bwd_tiling(x2, _KNOBS)
     n_partial = int(need_dw) + int(need_db)
-    partial = (
-        torch.empty((n_partial, programs, n_cols), dtype=torch.float32, device=x2.device)
-        if n_partial else None
-    )
+    partial = partial_rows(n_partial, programs, x2)
     dw_partial = partial[0] if need_dw else x2
     db_partial = partial[n_partial - 1] if need_db else x2
     with device_ctx(x2):
@@ -211,7 +211,7 @@ def _backward(dy2, x2, weight, mean, rstd, need_dx, need_dw, need_db, sum_dtype=
             n_blocks, blocks_per_program,
             HAS_WEIGHT=weight is not None, COMPUTE_DX=need_dx,
             COMPUTE_DW=need_dw, COMPUTE_DB=need_db,
-            BLOCK_M=block_m, BLOCK_N=block_n, TILE_ACC=n_cols <= BWD_SMALL_H, num_warps=warps,
+            BLOCK_M=block_m, BLOCK_N=block_n, TILE_ACC=tile_acc, num_warps=warps,
         )
     sums = sum_partials(partial, sum_dtype) if n_partial else None
     dw = sums[0] if need_dw else None
@@ -231,11 +231,14 @@ class LayerNormFunction(torch.autograd.Function):
     def forward(ctx, hidden, weight, bias, eps):
         shape = hidden.shape
         x2 = as_rows(hidden)
-        out, mean, rstd = _forward(x2, weight, bias, eps)
+        # made in its final shape and returned as is (not a view made inside the Function), so
+        # callers may modify it in place
+        out = torch.empty(shape, dtype=hidden.dtype, device=hidden.device)
+        mean, rstd = _forward(x2, weight, bias, eps, out.view(-1, shape[-1]))
         ctx.save_for_backward(x2, weight, mean, rstd)
         ctx.shape = shape
         ctx.bias_dtype = None if bias is None else bias.dtype
-        return out.view(shape)
+        return out
 
     @staticmethod
     @once_differentiable
@@ -320,16 +323,12 @@ class LigerLayerNorm(nn.LayerNorm):
                 f"normalized_shape must be an int or a 1-tuple (LigerLayerNorm normalises the last "
                 f"dimension only), got {normalized_shape!r}"
             )
-        check_choice("impl", impl, ("auto", "triton", "torch"))
+        check_choice("impl", impl, IMPLS)
         super().__init__(shape, eps=eps, elementwise_affine=elementwise_affine, bias=bias,
                          device=device, dtype=dtype)
         self.impl = impl
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:  # noqa: A002 - nn.LayerNorm's name
         check_tensor("input", input, min_ndim=1, floating=True)
-        if input.shape[-1] != self.normalized_shape[0]:
-            raise ValueError(
-                f"input must have last dimension {self.normalized_shape[0]} (normalized_shape), "
-                f"got shape {tuple(input.shape)}"
-            )
+        check_last_dim("input", input, self.normalized_shape[0], "normalized_shape")
         return layer_norm(input, self.weight, self.bias, eps=self.eps, impl=self.impl)

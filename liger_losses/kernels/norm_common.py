@@ -125,16 +125,18 @@ def _fwd_tiling(n_rows: int, n_cols: int, tile_elems: int, max_rows: int) -> tup
     return block_m, block_n, warps, -(-n_rows // block_m)
 
 
-def bwd_tiling(x2: torch.Tensor, knobs) -> tuple[int, int, int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, num_warps, n_blocks, programs, blocks_per_program) of the backward
-    launch on ``x2`` ``[rows, H]``: multi-row tiles for short rows (``H <= BWD_SMALL_H``).
-    Cached per shape, device and knob values (host time per call matters for small steps)."""
+def bwd_tiling(x2: torch.Tensor, knobs) -> tuple[int, int, int, int, int, int, bool]:
+    """(BLOCK_M, BLOCK_N, num_warps, n_blocks, programs, blocks_per_program, TILE_ACC) of the
+    backward launch on ``x2`` ``[rows, H]``: short rows (``H <= BWD_SMALL_H``) take multi-row
+    tiles and a tile-shaped parameter-gradient accumulator (``TILE_ACC``), long rows a row-shaped
+    one. Cached per shape, device and knob values (host time per call matters for small steps)."""
     n_rows, n_cols = x2.shape
-    tile_elems = knobs.BWD_SMALL_H_TILE_ELEMS if n_cols <= knobs.BWD_SMALL_H else knobs.BWD_TILE_ELEMS
+    short = n_cols <= knobs.BWD_SMALL_H
+    tile_elems = knobs.BWD_SMALL_H_TILE_ELEMS if short else knobs.BWD_TILE_ELEMS
     return _bwd_tiling(
         n_rows, n_cols, x2.device, tile_elems, knobs.MAX_ROWS_PER_TILE, knobs.BWD_PROGRAMS_PER_SM,
         knobs.BWD_MIN_ROWS_PER_PROGRAM, knobs.CPU_BWD_PROGRAMS,
-    )
+    ) + (short,)
 
 
 @functools.lru_cache(maxsize=1024)
@@ -147,3 +149,11 @@ def _bwd_tiling(n_rows, n_cols, device, tile_elems, max_rows, per_sm, min_rows, 
     blocks_per_program = -(-n_blocks // programs)
     programs = -(-n_blocks // blocks_per_program)
     return block_m, block_n, warps, n_blocks, programs, blocks_per_program
+
+
+def partial_rows(count: int, programs: int, x2: torch.Tensor) -> Optional[torch.Tensor]:
+    """The fp32 ``[count, programs, H]`` buffer of the backward's partial parameter-gradient rows
+    (one allocation and one :func:`sum_partials` launch for all of them), or None for none."""
+    if not count:
+        return None
+    return torch.empty((count, programs, x2.shape[1]), dtype=torch.float32, device=x2.device)

@@ -48,8 +48,10 @@ import torch
 from torch import nn
 from torch.autograd.function import once_differentiable
 
-from liger_losses.kernels.norm_common import bwd_tiling, check_norm_args, fwd_tiling, norm_impl, sum_partials
-from liger_losses.kernels.utils import as_rows, check_choice, check_number, device_ctx, import_triton
+from liger_losses.kernels.norm_common import (
+    bwd_tiling, check_norm_args, fwd_tiling, norm_impl, partial_rows, sum_partials,
+)
+from liger_losses.kernels.utils import IMPLS, as_rows, check_choice, check_number, device_ctx, import_triton
 
 triton, tl = import_triton()
 
@@ -185,23 +187,21 @@ if triton is not None:
 # --------------------------------------------------------------------------- host side
 
 
-def _forward(x2, weight, eps, offset, casting_mode, out_dtype, out=None):
-    """Launch the forward kernel on ``x2`` ``[rows, H]`` (unit last stride); returns (out, rstd).
-    ``out`` may be given as a contiguous ``[rows, H]`` view of the caller's buffer."""
+def _forward(x2, weight, eps, offset, casting_mode, out2):
+    """Launch the forward kernel on ``x2`` ``[rows, H]`` (unit last stride) into ``out2`` (a
+    contiguous ``[rows, H]`` view of the caller's output); returns rstd ``[rows]`` fp32."""
     n_rows, n_cols = x2.shape
-    if out is None:
-        out = torch.empty((n_rows, n_cols), dtype=out_dtype, device=x2.device)
     rstd = torch.empty((n_rows,), dtype=torch.float32, device=x2.device)
     block_m, block_n, warps, programs = fwd_tiling(n_rows, n_cols, _KNOBS)
     with device_ctx(x2):
         _rms_norm_fwd_kernel[(programs,)](
-            x2, weight if weight is not None else x2, out, rstd,
-            n_rows, n_cols, x2.stride(0), out.stride(0),
+            x2, weight if weight is not None else x2, out2, rstd,
+            n_rows, n_cols, x2.stride(0), out2.stride(0),
             float(eps), float(offset),
             CASTING=_CASTING_CODE[casting_mode], HAS_WEIGHT=weight is not None,
             BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps,
         )
-    return out, rstd
+    return rstd
 
 
 def _backward(dy2, x2, weight, rstd, offset, casting_mode, need_dx, need_dw, inplace):
@@ -213,21 +213,19 @@ def _backward(dy2, x2, weight, rstd, offset, casting_mode, need_dx, need_dw, inp
             dx = dy2
         else:
             dx = torch.empty_like(x2, memory_format=torch.contiguous_format)
-    block_m, block_n, warps, n_blocks, programs, blocks_per_program = bwd_tiling(x2, _KNOBS)
-    partial = (
-        torch.empty((programs, n_cols), dtype=torch.float32, device=x2.device) if need_dw else x2
-    )
+    block_m, block_n, warps, n_blocks, programs, blocks_per_program, tile_acc = bwd_tiling(x2, _KNOBS)
+    partial = partial_rows(int(need_dw), programs, x2)
     with device_ctx(x2):
         _rms_norm_bwd_kernel[(programs,)](
             dy2, x2, weight if weight is not None else x2, rstd,
-            dx if dx is not None else x2, partial,
+            dx if dx is not None else x2, partial if need_dw else x2,
             n_rows, n_cols, dy2.stride(0), x2.stride(0), dx.stride(0) if dx is not None else 0,
             float(offset), n_blocks, blocks_per_program,
             CASTING=_CASTING_CODE[casting_mode], HAS_WEIGHT=weight is not None,
             COMPUTE_DX=need_dx, COMPUTE_DW=need_dw,
-            BLOCK_M=block_m, BLOCK_N=block_n, TILE_ACC=n_cols <= BWD_SMALL_H, num_warps=warps,
+            BLOCK_M=block_m, BLOCK_N=block_n, TILE_ACC=tile_acc, num_warps=warps,
         )
-    dw = sum_partials(partial, weight.dtype) if need_dw else None
+    dw = sum_partials(partial, weight.dtype)[0] if need_dw else None
     return dx, dw
 
 
@@ -247,7 +245,7 @@ class RMSNormFunction(torch.autograd.Function):
         # the Function), so callers may modify views of it in place (e.g. in-place RoPE on
         # Qwen3's q_norm output, transposed)
         out = torch.empty(shape, dtype=out_dtype, device=hidden.device)
-        _, rstd = _forward(x2, weight, eps, offset, casting_mode, out_dtype, out=out.view(-1, shape[-1]))
+        rstd = _forward(x2, weight, eps, offset, casting_mode, out.view(-1, shape[-1]))
         ctx.save_for_backward(x2, weight, rstd)
         ctx.shape = shape
         ctx.offset = offset
@@ -344,7 +342,7 @@ class LigerRMSNorm(nn.Module):
     ) -> None:
         super().__init__()
         check_choice("casting_mode", casting_mode, CASTING_MODES)
-        check_choice("impl", impl, ("auto", "triton", "torch"))
+        check_choice("impl", impl, IMPLS)
         self.weight = nn.Parameter(torch.ones(hidden_size))
         self.variance_epsilon = eps
         self.offset = offset
@@ -376,7 +374,7 @@ class LigerGemmaRMSNorm(nn.Module):
         impl: str = "auto",
     ) -> None:
         super().__init__()
-        check_choice("impl", impl, ("auto", "triton", "torch"))
+        check_choice("impl", impl, IMPLS)
         self.eps = eps
         self.weight = nn.Parameter(torch.zeros(dim))
         self.inplace_backward = inplace_backward

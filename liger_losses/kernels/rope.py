@@ -45,6 +45,7 @@ from liger_losses.kernels.utils import (
     import_triton,
     next_power_of_2,
     resolve_impl,
+    triton_fallback,
 )
 
 triton, tl = import_triton()
@@ -409,7 +410,8 @@ def _check_inputs(q, k, cos, sin, position_ids, unsqueeze_dim):
             raise ValueError(
                 f"position_ids must have shape [{bsz} or 1, {seq}], got {tuple(position_ids.shape)}"
             )
-        if position_ids.numel() and (int(position_ids.min()) < 0 or int(position_ids.max()) >= cos.shape[0]):
+        lo, hi = torch.stack([position_ids.min(), position_ids.max()]).tolist() if position_ids.numel() else (0, -1)
+        if lo < 0 or hi >= cos.shape[0]:
             raise ValueError(f"position_ids must be in [0, {cos.shape[0]}) (rows of the cos table)")
         pid2 = position_ids if position_ids.dim() == 2 else position_ids[None]
         cos, sin = cos[pid2], sin[pid2]
@@ -456,12 +458,10 @@ def apply_rotary_pos_emb(
     which = resolve_impl(impl, q, k, cos, sin)
     cos_grad = torch.is_grad_enabled() and (cos.requires_grad or sin.requires_grad)
     if which == "triton" and cos_grad:
-        if impl == "triton":
-            raise ValueError(
-                "cos and sin must not require grad with impl='triton' (the kernel gives no cos/sin "
-                "gradient); use impl='torch' or detach them"
-            )
-        which = "torch"
+        which = triton_fallback(impl, ValueError(
+            "cos and sin must not require grad with impl='triton' (the kernel gives no cos/sin "
+            "gradient); use impl='torch' or detach them"
+        ))
     if not isinstance(inplace, bool):
         raise TypeError(f"inplace must be a bool, got {inplace!r}")
     if which == "torch":

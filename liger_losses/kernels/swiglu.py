@@ -25,6 +25,8 @@ Public API:
 
 from __future__ import annotations
 
+import sys
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -41,9 +43,11 @@ from liger_losses.kernels.utils import check_tensor, import_triton, resolve_impl
 triton, tl = import_triton()
 
 # Elements per program and warps of the pointwise kernels: 16 elements (two 16-byte bf16
-# vectors) per thread. Kept as module constants so that they are easy to tune on the GPU.
+# vectors) per thread. Module constants read at launch time (gated.launch_rows), so the
+# benchmark can sweep them.
 BLOCK_SIZE = 4096
 NUM_WARPS = 8
+_KNOBS = sys.modules[__name__]
 
 
 if triton is not None:
@@ -84,24 +88,6 @@ if triton is not None:
         tl.store(db_ptr + row * stride_db + cols, db.to(db_ptr.dtype.element_ty), mask=mask)
 
 
-# --------------------------------------------------------------------------- launch helpers
-
-
-def _launch_fwd(a2, b2, c2) -> None:
-    launch_rows(
-        _swiglu_fwd_kernel, (a2, b2, c2), (a2.stride(0), b2.stride(0), c2.stride(0)), a2.shape[1],
-        block=BLOCK_SIZE, num_warps=NUM_WARPS,
-    )
-
-
-def _launch_bwd(dc2, a2, b2, da2, db2) -> None:
-    strides = (dc2.stride(0), a2.stride(0), b2.stride(0), da2.stride(0), db2.stride(0))
-    launch_rows(
-        _swiglu_bwd_kernel, (dc2, a2, b2, da2, db2), strides, a2.shape[1],
-        block=BLOCK_SIZE, num_warps=NUM_WARPS,
-    )
-
-
 # --------------------------------------------------------------------------- autograd
 
 
@@ -110,11 +96,11 @@ class SwiGLUFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, gate, up, inplace_backward=False):
-        return gated_forward(ctx, gate, up, inplace_backward, _launch_fwd)
+        return gated_forward(ctx, gate, up, inplace_backward, _swiglu_fwd_kernel, _KNOBS)
 
     @staticmethod
     def backward(ctx, grad_out):
-        return (*gated_backward(ctx, grad_out, _launch_bwd), None)
+        return (*gated_backward(ctx, grad_out, _swiglu_bwd_kernel, _KNOBS), None)
 
 
 class SwiGLUPackedFunction(torch.autograd.Function):
@@ -124,26 +110,31 @@ class SwiGLUPackedFunction(torch.autograd.Function):
     def forward(ctx, gate_up, inplace_backward=False):
         inter = gate_up.shape[-1] // 2
         gu2 = gate_up.contiguous().view(-1, 2 * inter)
-        out = torch.empty((gu2.shape[0], inter), dtype=gate_up.dtype, device=gate_up.device)
+        out = torch.empty((*gate_up.shape[:-1], inter), dtype=gate_up.dtype, device=gate_up.device)
         if out.numel():
-            _launch_fwd(gu2[:, :inter], gu2[:, inter:], out)
+            launch_rows(_swiglu_fwd_kernel, (gu2[:, :inter], gu2[:, inter:], out.view(-1, inter)), _KNOBS)
         ctx.inplace = bool(inplace_backward and gate_up.is_contiguous() and gate_up.grad_fn is not None)
-        ctx.save_for_backward(gate_up)
-        return out.view(*gate_up.shape[:-1], inter)
+        # the contiguous copy when one was made (the backward reads it again), else gate_up itself
+        ctx.save_for_backward(gate_up if gate_up.is_contiguous() else gu2)
+        ctx.shape = gate_up.shape
+        return out
 
     @staticmethod
     def backward(ctx, grad_out):
-        (gate_up,) = ctx.saved_tensors
-        inter = gate_up.shape[-1] // 2
-        gu2 = gate_up.contiguous().view(-1, 2 * inter)
+        (saved,) = ctx.saved_tensors
+        inter = ctx.shape[-1] // 2
+        gu2 = saved.view(-1, 2 * inter)
         d2 = gu2 if ctx.inplace else torch.empty_like(gu2)
         if d2.numel():
             dc2 = grad_out.contiguous().view(-1, inter)
-            _launch_bwd(dc2, gu2[:, :inter], gu2[:, inter:], d2[:, :inter], d2[:, inter:])
+            launch_rows(
+                _swiglu_bwd_kernel,
+                (dc2, gu2[:, :inter], gu2[:, inter:], d2[:, :inter], d2[:, inter:]), _KNOBS,
+            )
         if ctx.inplace:
-            torch.autograd.graph.increment_version(gate_up)
-            return gate_up, None
-        return d2.view(gate_up.shape), None
+            torch.autograd.graph.increment_version(saved)
+            return saved, None
+        return d2.view(ctx.shape), None
 
 
 # --------------------------------------------------------------------------- public functions
