@@ -24,7 +24,9 @@ import torch
 from torch import Tensor, nn
 
 from liger_losses.chunked.engine import (
+    RowGather,
     _check_common,
+    _needs_input_grads,
     _scaled_grads,
     grad_like,
     compute_dtype,
@@ -46,10 +48,15 @@ def _check_options(reduction, label_smoothing, z_loss_weight):
     check_range("z_loss_weight", float(z_loss_weight), 0.0, None)
 
 
-def _prepare(weight, hidden, labels, bias, cfg):
+def _full_weight(weight, cfg):
+    """``(w_full, w_c)``: the gathered ``[V, H]`` weight and the same in the compute dtype."""
     w_full = gather_weight(weight)
     cdt = cfg["compute_dtype"]
-    w_c = w_full if w_full.dtype == cdt else w_full.to(cdt)
+    return w_full, (w_full if w_full.dtype == cdt else w_full.to(cdt))
+
+
+def _prepare(weight, hidden, labels, cfg):
+    w_full, w_c = _full_weight(weight, cfg)
     rows, l_valid, index = token_rows(hidden, labels, cfg["ignore_index"])
     return w_full, w_c, rows, l_valid, index
 
@@ -59,9 +66,9 @@ class _FusedLinearCEFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, weight, hidden, bias, labels, denom, cfg, sink):
-        needs_w, needs_h, needs_b = ctx.needs_input_grad[:3]
+        needs_w, needs_h, needs_b = _needs_input_grads(ctx, cfg["grad_enabled"])
         needs_b = needs_b and bias is not None
-        w_full, w_c, rows, l_valid, index = _prepare(weight, hidden, labels, bias, cfg)
+        w_full, w_c, rows, l_valid, index = _prepare(weight, hidden, labels, cfg)
         grad = needs_h or needs_w or needs_b
         scale = 1.0
         if denom is not None:  # 1/denom applied in the kernel (fp32), not to bf16 gradients later
@@ -108,14 +115,16 @@ class _FusedLinearCENoneFunction(torch.autograd.Function):
 
 def _stats_forward(ctx, weight, hidden, bias, labels, cfg, mode, **run_opts):
     """Forward of a per-token function whose backward recomputes: tile statistics (no grad) of the
-    valid tokens and their flat ``index``; saves the inputs and ``cfg`` for :func:`_recompute_saved_backward`."""
+    valid tokens and their flat ``index``; saves the inputs, the valid tokens' labels and ``index``
+    (so backward needs no second ``nonzero`` host sync) and ``cfg`` for
+    :func:`_recompute_saved_backward`."""
     with torch.no_grad():
-        _, w_c, rows, l_valid, index = _prepare(weight, hidden, labels, bias, cfg)
+        _, w_c, rows, l_valid, index = _prepare(weight, hidden, labels, cfg)
         stats, _, _, _ = run_tiles(
             w_c, rows, l_valid, bias, mode=mode, grad=False, kernel_opts=cfg["kernel_opts"],
             chunk_tokens=cfg["chunk_tokens"], **run_opts,
         )
-    ctx.save_for_backward(weight, hidden, bias, labels)
+    ctx.save_for_backward(weight, hidden, bias, l_valid, index)
     ctx.cfg = cfg
     return stats, index
 
@@ -127,15 +136,18 @@ def _scatter_token_values(values, index, labels):
 
 def _recompute_saved_backward(ctx, grad_out, mode):
     """Backward of ``f(weight, hidden, bias, labels, cfg, sink)`` saved by :func:`_stats_forward`."""
-    weight, hidden, bias, labels = ctx.saved_tensors
-    return _recompute_backward(ctx, weight, hidden, bias, labels, grad_out, ctx.cfg, mode) + (None, None, None)
+    weight, hidden, bias, l_valid, index = ctx.saved_tensors
+    return _recompute_backward(ctx, weight, hidden, bias, l_valid, index, grad_out, ctx.cfg, mode) + (None, None, None)
 
 
-def _recompute_backward(ctx, weight, hidden, bias, labels, grad_out, cfg, mode):
-    """(grad_weight, grad_hidden, grad_bias) of sum(grad_out * per-token objective)."""
+def _recompute_backward(ctx, weight, hidden, bias, l_valid, index, grad_out, cfg, mode):
+    """(grad_weight, grad_hidden, grad_bias) of sum(grad_out * per-token objective); ``l_valid``
+    and ``index`` are the valid tokens' labels and flat positions saved by :func:`_stats_forward`."""
     needs_w, needs_h, needs_b = ctx.needs_input_grad[:3]
     needs_b = needs_b and bias is not None
-    w_full, w_c, rows, l_valid, index = _prepare(weight, hidden, labels, bias, cfg)
+    w_full, w_c = _full_weight(weight, cfg)
+    flat = hidden.reshape(-1, hidden.shape[-1])
+    rows = RowGather(flat, index, index.numel() == flat.shape[0])  # as token_rows
     scale = grad_out.reshape(-1).float()
     scale = scale.index_select(0, index) if scale.shape[0] != index.shape[0] else scale
     _, gh, gw, gb = run_tiles(
@@ -202,6 +214,7 @@ def fused_linear_cross_entropy(
     cfg = dict(
         ignore_index=ignore_index, compute_dtype=compute_dtype(weight), chunk_tokens=chunk_tokens,
         accum_dtype=accum_dtype, z_loss_weight=float(z_loss_weight),
+        grad_enabled=torch.is_grad_enabled(),
         kernel_opts=dict(
             ignore_index=ignore_index, label_smoothing=float(label_smoothing),
             z_loss_weight=float(z_loss_weight), softcap=None if softcap is None else float(softcap),

@@ -50,6 +50,8 @@ from torch import Tensor
 from liger_losses.chunked.engine import (
     DEFAULT_BUDGET_BYTES,
     RowScatter,
+    _check_common,
+    _needs_input_grads,
     _scaled_grads,
     backprop_tile,
     chunk_bounds,
@@ -66,17 +68,9 @@ from liger_losses.kernels.divergence_tile import (
     check_topk,
     divergence_tile,
 )
-from liger_losses.kernels.utils import (
-    check_choice,
-    check_labels,
-    check_range,
-    check_same_device,
-    check_tensor,
-    resolve_impl,
-)
+from liger_losses.kernels.utils import check_choice, check_range, check_same_device, check_tensor
 
 REDUCTIONS = ("batchmean", "mean", "sum")
-_ACCUM_DTYPES = (None, torch.float32, torch.float64, torch.bfloat16, torch.float16)
 
 # our metric name -> the name TRL 1.16 logs for the same quantity (DistillationTrainer logs "entropy";
 # SFTTrainer logs "mean_token_accuracy"); divergence / nll / num_tokens have no TRL counterpart.
@@ -87,38 +81,18 @@ TRL_METRIC_NAMES = {
 
 
 def _check(weight, hidden, teacher_hidden, labels, o):
-    check_tensor("weight", weight, ndim=2, floating=True)
-    check_tensor("hidden", hidden, min_ndim=1, floating=True)
-    check_tensor("labels", labels, floating=False)
-    Vs, H = weight.shape
-    if hidden.shape[-1] != H:
-        raise ValueError(f"hidden must have last dimension {H} (weight is [Vs={Vs}, H={H}]), got shape "
-                         f"{tuple(hidden.shape)}")
+    """The engine's common checks (student head, hidden, labels, shared options), then the
+    distillation-specific ones (options, teacher tensors); returns whether the teacher is top-k."""
+    Vs = _check_common(weight, hidden, labels, o["bias"], o["ignore_index"], o["temperature"], o["softcap"],
+                       o["logit_scale"], o["chunk_tokens"], o["accum_dtype"], o["impl"])
     lead = tuple(hidden.shape[:-1])
-    if tuple(labels.shape) != lead:
-        raise ValueError(f"labels must have shape {lead} (hidden.shape[:-1]), got {tuple(labels.shape)}")
-    if o["bias"] is not None:
-        check_tensor("bias", o["bias"], ndim=1, floating=True)
-        if o["bias"].shape[0] != Vs:
-            raise ValueError(f"bias must have shape [{Vs}] (vocab of weight), got {tuple(o['bias'].shape)}")
     check_choice("divergence", o["divergence"], DIVERGENCES)
     check_choice("reduction", o["reduction"], REDUCTIONS)
     check_choice("teacher_vocab", o["teacher_vocab"], TEACHER_VOCAB_MODES)
     check_range("beta", float(o["beta"]), 0.0, 1.0)
-    check_range("temperature", float(o["temperature"]), 0.0, None, low_inclusive=False)
-    check_range("logit_scale", float(o["logit_scale"]), 0.0, None, low_inclusive=False)
-    if o["softcap"] is not None:
-        check_range("softcap", float(o["softcap"]), 0.0, None, low_inclusive=False)
     check_range("hard_label_weight", float(o["hard_label_weight"]), 0.0, None)
     if o["soft_label_weight"] is not None:
         check_range("soft_label_weight", float(o["soft_label_weight"]), 0.0, None)
-    if not isinstance(o["ignore_index"], int):
-        raise TypeError(f"ignore_index must be an int, got {type(o['ignore_index']).__name__}")
-    ct = o["chunk_tokens"]
-    if ct is not None and (not isinstance(ct, int) or ct < 1):
-        raise ValueError(f"chunk_tokens must be a positive int or None, got {ct!r}")
-    if o["accum_dtype"] not in _ACCUM_DTYPES:
-        raise ValueError(f"accum_dtype must be one of {_ACCUM_DTYPES}, got {o['accum_dtype']!r}")
     nib = o["num_items_in_batch"]
     if nib is not None and not isinstance(nib, (int, float, Tensor)):
         raise TypeError(f"num_items_in_batch must be a number or a tensor, got {type(nib).__name__}")
@@ -162,8 +136,6 @@ def _check(weight, hidden, teacher_hidden, labels, o):
     check_same_device(weight=weight, hidden=hidden, labels=labels, bias=o["bias"], teacher_hidden=teacher_hidden,
                       teacher_weight=tw, teacher_bias=tb, teacher_topk_logprobs=topk_lp,
                       teacher_topk_indices=topk_idx)
-    resolve_impl(o["impl"], hidden)
-    check_labels("labels", labels, Vs, o["ignore_index"])
     return topk
 
 
@@ -208,13 +180,16 @@ def _run(weight, hidden, bias, teacher_hidden, labels, o, needs_h, needs_w, need
         n_t_cols, t_item = 0, 0
     else:
         tw_given = o["teacher_weight"] is not None
-        tw_full = gather_weight(o["teacher_weight"] if tw_given else weight).detach()
         tb = o["teacher_bias"] if (tw_given or o["teacher_bias"] is not None) else bias
         tb = None if tb is None else tb.detach()
-        n_t_cols = Vs if o["teacher_vocab"] == "renormalize" else tw_full.shape[0]
-        tdt = compute_dtype(tw_full)
-        tw_c = tw_full[:n_t_cols]
-        tw_c = tw_c if tw_c.dtype == tdt else tw_c.to(tdt)
+        if tw_given:
+            tw_full = gather_weight(o["teacher_weight"])  # detached by the caller
+            n_t_cols = Vs if o["teacher_vocab"] == "renormalize" else tw_full.shape[0]
+            tdt = compute_dtype(tw_full)
+            tw_c = tw_full[:n_t_cols]
+            tw_c = tw_c if tw_c.dtype == tdt else tw_c.to(tdt)
+        else:  # the student's head, already gathered and cast (all Vs columns, in cdt)
+            n_t_cols, tdt, tw_c = Vs, cdt, w_c.detach()
         tb_c = None if tb is None else tb[:n_t_cols]
         th_rows = h_rows.like(teacher_hidden.detach().reshape(-1, teacher_hidden.shape[-1]))
         t_item = torch.finfo(tdt).bits // 8
@@ -308,7 +283,7 @@ class _FusedLinearDistillationFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, weight, hidden, bias, teacher_hidden, labels, o, sink):
-        needs_w, needs_h, needs_b = ctx.needs_input_grad[:3]
+        needs_w, needs_h, needs_b = _needs_input_grads(ctx, o["grad_enabled"])
         needs_b = needs_b and bias is not None
         loss, gh, gw, gb = _run(weight, hidden, bias, teacher_hidden, labels, o, needs_h, needs_w, needs_b, sink)
         ctx.save_for_backward(gh, gw, gb)
@@ -369,15 +344,9 @@ def fused_linear_distillation_loss(
     for key in ("teacher_weight", "teacher_bias", "teacher_topk_logprobs", "teacher_topk_indices"):
         if o[key] is not None:
             o[key] = o[key].detach()
+    o["grad_enabled"] = torch.is_grad_enabled()
     sink: dict = {}
-    wants_grad = torch.is_grad_enabled() and any(
-        t is not None and t.requires_grad for t in (weight, hidden, bias)
-    )
-    if wants_grad:
-        loss = _FusedLinearDistillationFunction.apply(weight, hidden, bias, teacher_hidden, labels, o, sink)
-    else:
-        with torch.no_grad():
-            loss, _, _, _ = _run(weight, hidden, bias, teacher_hidden, labels, o, False, False, False, sink)
+    loss = _FusedLinearDistillationFunction.apply(weight, hidden, bias, teacher_hidden, labels, o, sink)
     return LossOutput(loss, sink["metrics"])
 
 

@@ -435,10 +435,23 @@ def _segment_sum(values: Tensor, seg: Tensor, size: int) -> Tensor:
     return torch.zeros(size, dtype=torch.float32, device=values.device).index_add_(0, seg, values.float())
 
 
+def _needs_input_grads(ctx, grad_enabled: bool) -> tuple[bool, bool, bool]:
+    """``(needs_weight, needs_hidden, needs_bias)`` of a fused-linear ``autograd.Function`` whose
+    first inputs are ``(weight, hidden, bias)``: ``ctx.needs_input_grad[:3]``, all False when grad
+    mode was off at ``.apply`` (``grad_enabled``, recorded by the caller with
+    ``torch.is_grad_enabled()``). ``needs_input_grad`` follows ``requires_grad`` even under
+    ``torch.no_grad()``, so without this the one-pass losses would run the gradient GEMMs and
+    allocate the gradient buffers during evaluation."""
+    if not grad_enabled:
+        return False, False, False
+    needs_w, needs_h, needs_b = ctx.needs_input_grad[:3]
+    return needs_w, needs_h, needs_b
+
+
 class _SequenceObjectiveFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, weight, hidden, bias, cfg, sink):
-        needs_w, needs_h, needs_b = ctx.needs_input_grad[:3]
+        needs_w, needs_h, needs_b = _needs_input_grads(ctx, cfg["grad_enabled"])
         loss, gh, gw, gb = _run_sequence_objective(
             weight, hidden, bias, cfg, sink, needs_h, needs_w, needs_b and bias is not None
         )
@@ -684,12 +697,13 @@ def _run_sequence_objective(weight, hidden, bias, cfg, sink, needs_h, needs_w, n
         # One sequence (the longest) is exempt from the recompute: its tiles are back-propagated
         # in phase 1 with a unit row scale while the weight-gradient buffer is still empty, and
         # the result is scaled once its upstream gradient is known (8NHV - 2N*HV instead of 8NHV;
-        # a single long pair costs 7NHV).
+        # a single long pair costs 7NHV). Its tokens are chunked apart whether or not gradients are
+        # wanted, so the loss does not depend on it (bitwise the same under torch.no_grad()).
         ck = cfg["chunk_tokens"]
         starts = [0]
         for c in ordered_counts:
             starts.append(starts[-1] + c)
-        star = max(range(B), key=lambda p: ordered_counts[p]) if (need_grad and B > 0) else None
+        star = max(range(B), key=lambda p: ordered_counts[p]) if B > 0 else None
         a, b = (starts[star], starts[star + 1]) if star is not None else (0, 0)
 
         def spans(lo, hi):
@@ -701,8 +715,9 @@ def _run_sequence_objective(weight, hidden, bias, cfg, sink, needs_h, needs_w, n
             tile, _ = chunk_stats(ts, te, 0, B, False)  # statistics only, sums into all positions
             del tile
         for ts, te in star_bounds:
-            tile, _ = chunk_stats(ts, te, 0, B, True)
-            backprop(tile, ts, te, None)
+            tile, _ = chunk_stats(ts, te, 0, B, need_grad)
+            if need_grad:
+                backprop(tile, ts, te, None)
             del tile
         total, mets, grad_pos = call_objective(0, B, need_grad)
         loss = loss + total
@@ -847,7 +862,7 @@ def fused_linear_sequence_objective(
         ignore_index=ignore_index, temperature=float(temperature),
         softcap=None if softcap is None else float(softcap), logit_scale=float(logit_scale),
         need_entropy=bool(need_entropy), chunk_tokens=chunk_tokens, accum_dtype=accum_dtype,
-        impl=impl, compute_dtype=compute_dtype(weight),
+        impl=impl, compute_dtype=compute_dtype(weight), grad_enabled=torch.is_grad_enabled(),
     )
     sink: dict = {}
     loss = _SequenceObjectiveFunction.apply(weight, hidden, bias, cfg, sink)

@@ -78,8 +78,7 @@ def cpo_pair_losses(
     eps = label_smoothing
     if loss_type == "simpo":
         z = z - simpo_gamma / beta
-        return -F.logsigmoid(beta * z) * (1 - eps) - F.logsigmoid(-beta * z) * eps
-    if loss_type == "sigmoid":
+    if loss_type in ("sigmoid", "simpo"):
         return -F.logsigmoid(beta * z) * (1 - eps) - F.logsigmoid(-beta * z) * eps
     if loss_type == "hinge":
         return torch.relu(1 - beta * z)
@@ -88,7 +87,7 @@ def cpo_pair_losses(
     raise ValueError(f"loss_type must be one of {CPO_LOSS_TYPES}, got {loss_type!r}")
 
 
-def normalize_cpo_options(*, beta, loss_type, label_smoothing, cpo_alpha, simpo_gamma, alpha) -> tuple[str, float]:
+def normalize_cpo_options(*, beta, loss_type, label_smoothing, cpo_alpha) -> tuple[str, float]:
     """Validate the CPO options; ``"alphapo"`` becomes ``("simpo", cpo_alpha=0)`` as in TRL.
 
     Returns ``(loss_type, cpo_alpha)``.
@@ -164,7 +163,6 @@ def fused_linear_cpo_loss(
     """CPO/SimPO/AlphaPO loss of TRL 1.16 from hidden states; see the module docstring."""
     loss_type, cpo_alpha = normalize_cpo_options(
         beta=beta, loss_type=loss_type, label_smoothing=label_smoothing, cpo_alpha=cpo_alpha,
-        simpo_gamma=simpo_gamma, alpha=alpha,
     )
     check_inputs(weight, hidden, labels, paired=True, bias=bias)
 
@@ -234,10 +232,7 @@ class LigerFusedLinearCPOLoss(PreferenceLossModule):
         accum_dtype: Optional[torch.dtype] = None,
         impl: str = "auto",
     ):
-        normalize_cpo_options(
-            beta=beta, loss_type=loss_type, label_smoothing=label_smoothing, cpo_alpha=cpo_alpha,
-            simpo_gamma=simpo_gamma, alpha=alpha,
-        )
+        normalize_cpo_options(beta=beta, loss_type=loss_type, label_smoothing=label_smoothing, cpo_alpha=cpo_alpha)
         super().__init__(locals())
 
 
@@ -264,8 +259,5 @@ class LigerFusedLinearSimPOLoss(PreferenceLossModule):
         accum_dtype: Optional[torch.dtype] = None,
         impl: str = "auto",
     ):
-        normalize_cpo_options(
-            beta=beta, loss_type="simpo", label_smoothing=label_smoothing, cpo_alpha=cpo_alpha,
-            simpo_gamma=gamma, alpha=alpha,
-        )
+        normalize_cpo_options(beta=beta, loss_type="simpo", label_smoothing=label_smoothing, cpo_alpha=cpo_alpha)
         super().__init__(locals())

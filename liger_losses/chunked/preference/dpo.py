@@ -37,6 +37,7 @@ from ..output import LossOutput
 from .common import (
     PAIR_TRL_METRIC_NAMES,
     PreferenceLossModule,
+    StoredOptions,
     check_inputs,
     check_sequence_values,
     chosen_nll_per_unit,
@@ -199,7 +200,6 @@ def normalize_dpo_options(
     loss_weights,
     label_smoothing: float,
     f_divergence_type: str,
-    f_alpha_divergence_coef: float,
     discopop_tau: float,
     ld_alpha: Optional[float],
     use_weighting: bool,
@@ -279,27 +279,15 @@ def ld_token_weights(labels: torch.Tensor, ld_alpha: float, ignore_index: int = 
 # --------------------------------------------------------------------------- engine objective
 
 
-class DPOObjective:
-    """``objective(stats) -> (losses [U], {})`` for the chunked engine (pairs, ``group_size=2``)."""
+class DPOObjective(StoredOptions):
+    """``objective(stats) -> (losses [U], {})`` for the chunked engine (pairs, ``group_size=2``).
 
-    def __init__(
-        self,
-        *,
-        beta: float,
-        loss_types: Sequence[str],
-        loss_weights: Sequence[float],
-        label_smoothing: float,
-        f_divergence_type: str,
-        f_alpha_divergence_coef: float,
-        discopop_tau: float,
-    ):
-        self.beta = beta
-        self.loss_types = tuple(loss_types)
-        self.loss_weights = tuple(loss_weights)
-        self.label_smoothing = label_smoothing
-        self.f_divergence_type = f_divergence_type
-        self.f_alpha_divergence_coef = f_alpha_divergence_coef
-        self.discopop_tau = discopop_tau
+    Options (keyword): ``beta, loss_types, loss_weights, label_smoothing, f_divergence_type,
+    f_alpha_divergence_coef, discopop_tau`` (``loss_types``/``loss_weights`` kept as tuples).
+    """
+
+    def __init__(self, *, loss_types: Sequence[str], loss_weights: Sequence[float], **options):
+        super().__init__(loss_types=tuple(loss_types), loss_weights=tuple(loss_weights), **options)
 
     @property
     def separable(self) -> bool:
@@ -376,8 +364,8 @@ def fused_linear_dpo_loss(
     """
     types, weights = normalize_dpo_options(
         beta=beta, loss_type=loss_type, loss_weights=loss_weights, label_smoothing=label_smoothing,
-        f_divergence_type=f_divergence_type, f_alpha_divergence_coef=f_alpha_divergence_coef,
-        discopop_tau=discopop_tau, ld_alpha=ld_alpha, use_weighting=use_weighting, rpo_alpha=rpo_alpha,
+        f_divergence_type=f_divergence_type, discopop_tau=discopop_tau, ld_alpha=ld_alpha,
+        use_weighting=use_weighting, rpo_alpha=rpo_alpha,
     )
     check_inputs(
         weight, hidden, labels, paired=True, bias=bias, ref_hidden=ref_hidden,
@@ -458,8 +446,8 @@ class LigerFusedLinearDPOLoss(PreferenceLossModule):
     ):
         normalize_dpo_options(  # fail at construction on bad options
             beta=beta, loss_type=loss_type, loss_weights=loss_weights, label_smoothing=label_smoothing,
-            f_divergence_type=f_divergence_type, f_alpha_divergence_coef=f_alpha_divergence_coef,
-            discopop_tau=discopop_tau, ld_alpha=ld_alpha, use_weighting=use_weighting, rpo_alpha=rpo_alpha,
+            f_divergence_type=f_divergence_type, discopop_tau=discopop_tau, ld_alpha=ld_alpha,
+            use_weighting=use_weighting, rpo_alpha=rpo_alpha,
         )
         loss_type = loss_type if isinstance(loss_type, str) else tuple(loss_type)
         loss_weights = None if loss_weights is None else tuple(loss_weights)

@@ -35,8 +35,9 @@ from .common import (
     StoredOptions,
     check_inputs,
     check_sequence_values,
+    detached,
     entropy_metric,
-    token_mean,
+    sequence_metrics,
     zero_objective,
 )
 
@@ -122,9 +123,9 @@ def kto_metrics(stats, preference_labels: torch.Tensor, kl: torch.Tensor, *, bet
     n_des, n_und, tok_des, tok_und = counts
     metrics = {"kl": kl.reshape(()), **entropy_metric(stats)}
     if tok_des > 0:
-        metrics["chosen_logits_mean"] = token_mean(stats.logits_sum[des], stats.num_tokens[des])
+        metrics.update(sequence_metrics(stats, des, "chosen"))
     if tok_und > 0:
-        metrics["rejected_logits_mean"] = token_mean(stats.logits_sum[und], stats.num_tokens[und])
+        metrics.update(sequence_metrics(stats, und, "rejected"))
     if n_des > 0:
         metrics["chosen_rewards"] = rewards[des].nansum() / n_des
         metrics["chosen_logps"] = stats.logps[des].nansum() / n_des
@@ -133,7 +134,7 @@ def kto_metrics(stats, preference_labels: torch.Tensor, kl: torch.Tensor, *, bet
         metrics["rejected_logps"] = stats.logps[und].nansum() / n_und
     if n_des > 0 and n_und > 0:
         metrics["reward_margins"] = metrics["chosen_rewards"] - metrics["rejected_rewards"]
-    return {k: v.detach() for k, v in metrics.items()}
+    return detached(metrics)
 
 
 def kto_kl(
@@ -155,13 +156,13 @@ def kto_kl(
     """KTO's KL estimate, 0-d float32, detached: ``clamp(mean_b(kl_logps_b - ref_kl_logps_b), min=0)``.
 
     Forward only (no gradient, no weight-gradient GEMM): one policy and (unless ``ref_kl_logps``
-    is given) one reference pass over the mismatched KL completions.
+    is given) one reference pass over the mismatched KL completions. Run under ``torch.no_grad()``,
+    so the engine computes no gradient even when the inputs require one.
     """
 
     with torch.no_grad():
         _, _, stats = fused_linear_sequence_objective(
-            weight.detach(), kl_hidden.detach(), kl_labels, zero_objective, group_size=1, separable=True,
-            bias=None if bias is None else bias.detach(),
+            weight, kl_hidden, kl_labels, zero_objective, group_size=1, separable=True, bias=bias,
             ref_hidden=None if ref_kl_logps is not None else kl_ref_hidden, ref_weight=ref_weight,
             ref_bias=ref_bias, ref_logps=ref_kl_logps, ignore_index=ignore_index, softcap=softcap,
             logit_scale=logit_scale, chunk_tokens=chunk_tokens, impl=impl,
