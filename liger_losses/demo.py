@@ -158,11 +158,12 @@ def step_peak_bytes(trainer, batch) -> Optional[int]:
 def _fmt_bytes(n: Optional[float]) -> str:
     if n is None:
         return "n/a"
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if abs(n) < 1024 or unit == "GiB":
-            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
+    if abs(n) < 1024:
+        return f"{int(n)} B"
+    for unit in ("KiB", "MiB", "GiB"):
         n /= 1024
-    return str(n)
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n:.1f} {unit}"
 
 
 # --------------------------------------------------------------------------- the demo

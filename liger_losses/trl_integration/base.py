@@ -14,11 +14,14 @@ This module gives those pieces, each usable on its own:
   policy/reference models with :func:`liger_losses.patching.apply_liger_kernels`, and has the
   helpers the adapters call: :meth:`~LigerTrainerMixin._liger_backbone_hidden` (run the backbone,
   inside the wrapper's forward when the model is distributed), :meth:`~LigerTrainerMixin._liger_head`
-  (LM head weight/bias), :meth:`~LigerTrainerMixin._liger_log` (log metrics under TRL's names),
+  (LM head weight/bias), :meth:`~LigerTrainerMixin._liger_gather` / :meth:`~LigerTrainerMixin._liger_log`
+  (metrics reduced over processes in one gather, logged under TRL's names, with TRL's ``num_tokens``),
   :meth:`~LigerTrainerMixin._liger_return` (TRL's ``return_outputs`` contract).
-* :func:`unwrap_causal_lm`, :func:`backbone_of`, :func:`lm_head_params`, :func:`head_logit_options`
-  -- find the decoder, the head parameters and the head's logit transform (softcap / scale) of a
-  Hugging Face causal LM, through PEFT and accelerate wrappers.
+* :func:`gather_metric_values` -- per-process 0-d values averaged or summed over processes by one
+  ``gather_for_metrics`` and one host read; :func:`completion_labels` -- shifted labels of a completion mask.
+* :func:`innermost_module`, :func:`unwrap_causal_lm`, :func:`backbone_of`, :func:`lm_head_params`,
+  :func:`head_logit_options` -- find the decoder, the head parameters and the head's logit transform
+  (softcap / scale) of a Hugging Face causal LM, through PEFT and accelerate wrappers.
 * :func:`gathered_params` -- a ZeRO-3 partitioned LM head is gathered with
   ``deepspeed.zero.GatheredParameters`` for the duration of the loss (``deepspeed`` imported lazily;
   a null context otherwise).
@@ -43,7 +46,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import inspect
-from typing import Any, Callable, Dict, Iterable, Mapping, Optional, Tuple
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import nn
@@ -80,13 +83,20 @@ def is_peft_model(model: nn.Module) -> bool:
     return isinstance(model, PeftModel)
 
 
+def innermost_module(model: nn.Module, *, max_depth: int = 8) -> nn.Module:
+    """``model`` with its DDP/FSDP1/DeepSpeed wrappers (``.module``) taken off, at most ``max_depth`` of them."""
+    for _ in range(max_depth):
+        inner = getattr(model, "module", None)
+        if not isinstance(inner, nn.Module):
+            break
+        model = inner
+    return model
+
+
 def unwrap_causal_lm(model: nn.Module) -> nn.Module:
     """The Hugging Face ``...ForCausalLM`` inside ``model``: through DDP/FSDP/DeepSpeed (``.module``)
     and PEFT (``get_base_model()``) wrappers."""
-    seen = 0
-    while hasattr(model, "module") and isinstance(getattr(model, "module"), nn.Module) and seen < 8:
-        model = model.module
-        seen += 1
+    model = innermost_module(model)
     if is_peft_model(model):
         model = model.get_base_model()
     return model
@@ -200,9 +210,7 @@ def run_in_forward(root: nn.Module, fn: Callable[..., Any], *args, **kwargs) -> 
     original forward is restored before ``fn`` runs, so nested calls of the model inside ``fn``
     are ordinary calls. Returns ``fn``'s result.
     """
-    inner = root
-    while hasattr(inner, "module") and isinstance(getattr(inner, "module"), nn.Module):
-        inner = inner.module
+    inner = innermost_module(root)
     had_attr = "forward" in inner.__dict__
     saved = inner.__dict__.get("forward")
 
@@ -324,6 +332,42 @@ def build_config_loss(cls, args, fields: Mapping[str, str], config_cls, *, chunk
     return build_loss(cls, options, defaults, config_cls.__name__)
 
 
+# --------------------------------------------------------------------------- labels and metrics
+
+
+def completion_labels(input_ids: torch.Tensor, completion_mask: torch.Tensor) -> torch.Tensor:
+    """Shifted labels ``[B, T-1]``: ``input_ids[:, 1:]`` with ``-100`` where ``completion_mask[:, 1:]`` is 0."""
+    return input_ids.masked_fill(completion_mask == 0, IGNORE_INDEX)[:, 1:]
+
+
+def gather_metric_values(accelerator, values: Sequence[torch.Tensor],
+                         reduction: Union[str, Sequence[str]] = "mean") -> List[float]:
+    """Each 0-d tensor of ``values`` reduced over processes -- ``"mean"`` or ``"sum"`` (one for all, or one per
+    value) -- as Python floats, in one ``gather_for_metrics`` and one host read.
+
+    The values are stacked into one ``[1, K]`` row (float64, so counts stay exact and float32 values pass
+    unchanged; float32 on MPS, which has no float64), gathered to ``[processes, K]`` and reduced over dim 0.
+    On one process each result is its value exactly.
+    """
+    if not values:
+        return []
+    reductions = [reduction] * len(values) if isinstance(reduction, str) else list(reduction)
+    if len(reductions) != len(values) or not set(reductions) <= {"mean", "sum"}:
+        raise ValueError(f"reduction must be 'mean' or 'sum', one for all or one per value, got {reduction!r}")
+    device = values[0].device
+    dtype = torch.float32 if device.type == "mps" else torch.float64
+    row = torch.stack([v.detach().reshape(()).to(device=device, dtype=dtype) for v in values]).unsqueeze(0)
+    rows = accelerator.gather_for_metrics(row)  # [processes, K]
+    if all(r == "sum" for r in reductions):
+        reduced = rows.sum(0)
+    elif all(r == "mean" for r in reductions):
+        reduced = rows.mean(0)
+    else:
+        is_sum = torch.tensor([r == "sum" for r in reductions], device=rows.device)
+        reduced = torch.where(is_sum, rows.sum(0), rows.mean(0))
+    return reduced.tolist()
+
+
 # --------------------------------------------------------------------------- the mixin
 
 
@@ -357,9 +401,7 @@ class LigerTrainerMixin:
             return
         user_optimizer = trl_kwargs.get("optimizers", (None, None))[0] is not None
         policy = unwrap_causal_lm(self.model)
-        peft_root = self.model
-        while hasattr(peft_root, "module") and isinstance(peft_root.module, nn.Module):
-            peft_root = peft_root.module
+        peft_root = innermost_module(self.model)
         if is_peft_model(peft_root):
             cfg = peft_root.peft_config.get(peft_root.active_adapter)
             if cfg is not None and getattr(cfg, "is_prompt_learning", False):
@@ -401,14 +443,37 @@ class LigerTrainerMixin:
 
     # -- metrics
 
-    def _liger_log(self, mode: str, metrics: Mapping[str, torch.Tensor], names: Mapping[str, str],
-                   skip: Iterable[str] = ()) -> None:
-        """Append each metric of ``metrics`` (0-d tensors) under its TRL name ``names[key]``, averaged
-        over processes (``gather_for_metrics``). Keys absent from ``names`` or in ``skip`` are ignored."""
-        skip = set(skip)
-        for key, trl_name in names.items():
-            if key not in metrics or key in skip:
-                continue
-            value = metrics[key].detach().float().reshape(1)
-            value = self.accelerator.gather_for_metrics(value).mean().item()
-            self._metrics[mode][trl_name].append(value)
+    def _liger_gather(self, mode: str, values: Sequence[torch.Tensor], reduction: Union[str, Sequence[str]] = "mean",
+                      *, inputs: Optional[Mapping[str, Any]] = None) -> List[float]:
+        """:func:`gather_metric_values` of ``values``; with ``inputs``, TRL's ``num_tokens`` too, in the same gather:
+        in training this process's token count (:meth:`_liger_local_tokens`) is summed over processes and added to
+        the running total, and ``num_tokens`` is set to the total in either mode."""
+        count = inputs is not None and mode == "train"
+        if count:
+            values = [*values, self._liger_local_tokens(inputs)]
+            reduction = ([reduction] * (len(values) - 1) if isinstance(reduction, str) else list(reduction)) + ["sum"]
+        out = gather_metric_values(self.accelerator, values, reduction)
+        if count:
+            self._total_train_tokens += int(out.pop()) // self._tp_size
+        if inputs is not None:
+            self._metrics[mode]["num_tokens"] = [self._total_train_tokens]
+        return out
+
+    @staticmethod
+    def _liger_local_tokens(inputs: Mapping[str, Any]) -> torch.Tensor:
+        """This process's tokens for TRL's ``num_tokens``: the attended ones (``attention_mask``), else the packed
+        length (``position_ids``, padding-free batches)."""
+        if "attention_mask" in inputs:
+            return inputs["attention_mask"].sum()
+        if "position_ids" in inputs:
+            return torch.tensor(inputs["position_ids"].size(1), device=inputs["position_ids"].device)
+        raise ValueError("Expected 'attention_mask' or 'position_ids' in inputs.")
+
+    def _liger_log(self, mode: str, metrics: Mapping[str, torch.Tensor], names: Mapping[str, str], *,
+                   inputs: Optional[Mapping[str, Any]] = None) -> None:
+        """Append each metric of ``metrics`` (0-d tensors) under its TRL name ``names[key]``, averaged over processes
+        (keys absent from ``metrics`` are ignored); with ``inputs``, ``num_tokens`` too (:meth:`_liger_gather`)."""
+        keys = [key for key in names if key in metrics]
+        values = self._liger_gather(mode, [metrics[key] for key in keys], "mean", inputs=inputs)
+        for key, value in zip(keys, values):
+            self._metrics[mode][names[key]].append(value)

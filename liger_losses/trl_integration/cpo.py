@@ -19,20 +19,28 @@ argument of ``trl.experimental.cpo.CPOTrainer`` plus three keywords:
 
 Options TRL supports that use_liger=True cannot serve raise ``ValueError`` at construction, naming the option:
 encoder-decoder models (``is_encoder_decoder``), MoE router auxiliary loss (``output_router_logits``), PEFT
-prompt learning. Also :func:`mean_logit_all_positions` and :func:`gathered_metric_means` live here and are
-shared by the ORPO adapter.
+prompt learning. Also :func:`mean_logit_all_positions` / :func:`mean_logits_of_groups` and
+:func:`gathered_metric_means` live here and are shared by the ORPO adapter.
 """
 
 from __future__ import annotations
 
-from typing import Any, Dict, Mapping, Optional
+from typing import Any, Dict, List, Mapping, Optional, Sequence
 
 import torch
 from trl.experimental.cpo import CPOConfig
 from trl.experimental.cpo import CPOTrainer as _TRLCPOTrainer
 
 from ..chunked.preference.cpo import TRL_METRIC_NAMES, LigerFusedLinearCPOLoss
-from .base import LigerTrainerMixin, build_config_loss, gathered_params, head_logit_options, reject, unwrap_causal_lm
+from .base import (
+    LigerTrainerMixin,
+    build_config_loss,
+    gather_metric_values,
+    gathered_params,
+    head_logit_options,
+    reject,
+    unwrap_causal_lm,
+)
 
 # CPOConfig field -> keyword of LigerFusedLinearCPOLoss
 _CPO_OPTIONS = {
@@ -53,45 +61,64 @@ def mean_logit_all_positions(hidden: torch.Tensor, weight: torch.Tensor, bias: O
 
     Without softcap the mean is linear: ``logit_scale * (mean_rows(hidden) . mean_v(weight) + mean(bias))``, two
     reductions and no GEMM. With a softcap the logits are formed ``chunk_rows`` rows at a time (forward only).
-    0 for an empty ``hidden``.
+    0 for an empty ``hidden``. :func:`mean_logits_of_groups` does several row groups with one head reduction.
     """
+    return mean_logits_of_groups([hidden], weight, bias, softcap=softcap, logit_scale=logit_scale,
+                                 chunk_rows=chunk_rows)[0]
+
+
+def mean_logits_of_groups(groups: Sequence[torch.Tensor], weight: torch.Tensor, bias: Optional[torch.Tensor] = None,
+                          *, softcap: Optional[float] = None, logit_scale: float = 1.0,
+                          chunk_rows: int = 1024) -> List[torch.Tensor]:
+    """:func:`mean_logit_all_positions` of each hidden-state tensor of ``groups`` (e.g. the chosen and the rejected
+    rows), reducing (no softcap: ``mean_v(weight)``, ``mean(bias)``) or gathering (softcap: a DTensor head's
+    ``full_tensor()``) the head once for all of them. A list of 0-d float32 tensors."""
     with torch.no_grad():
-        rows = hidden.reshape(-1, hidden.shape[-1])
-        n, vocab = rows.shape[0], weight.shape[0]
-        if n == 0:
-            return torch.zeros((), dtype=torch.float32, device=hidden.device)
+        rows_of = [hidden.reshape(-1, hidden.shape[-1]) for hidden in groups]
+        vocab = weight.shape[0]
+        if all(rows.shape[0] == 0 for rows in rows_of):
+            return [torch.zeros((), dtype=torch.float32, device=rows.device) for rows in rows_of]
         if softcap is None:
             w_mean = weight.sum(0, dtype=torch.float32) / vocab
             if hasattr(w_mean, "full_tensor"):  # DTensor (sharded head): only the [H] result is gathered
                 w_mean = w_mean.full_tensor()
-            value = rows.sum(0, dtype=torch.float32).div_(n) @ w_mean.to(rows.device)
+            b_mean = None
             if bias is not None:
-                b = bias.sum(dtype=torch.float32) / vocab
-                value = value + (b.full_tensor() if hasattr(b, "full_tensor") else b).to(value.device)
-            return value * float(logit_scale)
-        w = weight.full_tensor() if hasattr(weight, "full_tensor") else weight
-        b = bias.full_tensor() if hasattr(bias, "full_tensor") else bias
-        total = torch.zeros((), dtype=torch.float32, device=hidden.device)
-        for start in range(0, n, chunk_rows):
-            z = rows[start:start + chunk_rows] @ w.to(rows.dtype).t()
-            if b is not None:
-                z = z + b.to(z.dtype)
-            z = z.float() * float(logit_scale)
-            total += (float(softcap) * torch.tanh(z / float(softcap))).sum()
-        return total / (n * vocab)
+                b_mean = bias.sum(dtype=torch.float32) / vocab
+                b_mean = b_mean.full_tensor() if hasattr(b_mean, "full_tensor") else b_mean
+        else:
+            w = weight.full_tensor() if hasattr(weight, "full_tensor") else weight
+            b = bias.full_tensor() if hasattr(bias, "full_tensor") else bias
+        out = []
+        for rows in rows_of:
+            n = rows.shape[0]
+            if n == 0:
+                out.append(torch.zeros((), dtype=torch.float32, device=rows.device))
+            elif softcap is None:
+                value = rows.sum(0, dtype=torch.float32).div_(n) @ w_mean.to(rows.device)
+                if b_mean is not None:
+                    value = value + b_mean.to(value.device)
+                out.append(value * float(logit_scale))
+            else:
+                total = torch.zeros((), dtype=torch.float32, device=rows.device)
+                for start in range(0, n, chunk_rows):
+                    z = rows[start:start + chunk_rows] @ w.to(rows.dtype).t()
+                    if b is not None:
+                        z = z + b.to(z.dtype)
+                    z = z.float() * float(logit_scale)
+                    total += (float(softcap) * torch.tanh(z / float(softcap))).sum()
+                out.append(total / (n * vocab))
+        return out
 
 
 def gathered_metric_means(accelerator, metrics: Mapping[str, torch.Tensor], names: Mapping[str, str],
                           prefix: str = "") -> Dict[str, float]:
     """``{prefix + names[key]: mean over processes of metrics[key]}`` as Python floats (keys absent from
-    ``metrics`` are skipped); TRL's CPO/ORPO ``gather_for_metrics(x).mean().item()``."""
-    out = {}
-    for key, trl_name in names.items():
-        if key not in metrics:
-            continue
-        value = metrics[key].detach().float().reshape(1)
-        out[prefix + trl_name] = accelerator.gather_for_metrics(value).mean().item()
-    return out
+    ``metrics`` are skipped), in one gather (:func:`~liger_losses.trl_integration.base.gather_metric_values`);
+    TRL's CPO/ORPO ``gather_for_metrics(x).mean().item()``."""
+    keys = [key for key in names if key in metrics]
+    values = gather_metric_values(accelerator, [metrics[key] for key in keys], "mean")
+    return {prefix + names[key]: value for key, value in zip(keys, values)}
 
 
 def build_cpo_loss(args, *, chunk_tokens: Optional[int] = None, softcap=None, logit_scale: float = 1.0):
@@ -156,10 +183,8 @@ class CPOTrainer(LigerTrainerMixin, _TRLCPOTrainer):
             weight, bias = self._liger_head(model)
             with gathered_params(weight, bias):
                 out = self.liger_loss(weight, hidden[:, :-1], labels.to(hidden.device), bias=bias)
-                logits_means = (
-                    mean_logit_all_positions(hidden[:num_pairs], weight, bias, **self._liger_logit_opts),
-                    mean_logit_all_positions(hidden[num_pairs:], weight, bias, **self._liger_logit_opts),
-                )
+                logits_means = mean_logits_of_groups(
+                    [hidden[:num_pairs], hidden[num_pairs:]], weight, bias, **self._liger_logit_opts)
             return out, logits_means
 
         (loss, metrics), (logits_chosen, logits_rejected) = self._liger_run(model, head_loss)

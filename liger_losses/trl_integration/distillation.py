@@ -23,8 +23,6 @@ vision-language models, a trainer without a local ``teacher_model``, PEFT prompt
 
 from __future__ import annotations
 
-from typing import Any, Optional
-
 import torch
 import trl
 
@@ -35,23 +33,7 @@ from .gkd import LigerDistillationMixin
 class DistillationTrainer(LigerDistillationMixin, trl.DistillationTrainer):
     """``trl.DistillationTrainer`` with ``use_liger`` (see the module docstring)."""
 
-    def __init__(
-        self,
-        model,
-        teacher_model=None,
-        args: Optional[trl.DistillationConfig] = None,
-        *trl_args: Any,
-        use_liger: bool = False,
-        liger_patch_model: bool = True,
-        liger_chunk_tokens: Optional[int] = None,
-        **trl_kwargs: Any,
-    ):
-        self._liger_setup(
-            use_liger=use_liger, liger_patch_model=liger_patch_model, liger_chunk_tokens=liger_chunk_tokens
-        )
-        super().__init__(model, teacher_model, args, *trl_args, **trl_kwargs)
-        if use_liger:
-            self._liger_after_trl_init(trl_kwargs, require_teacher=True)
+    _liger_require_teacher = True
 
     def _compute_loss(self, unwrapped_student, inputs, num_items_in_batch):
         """``(loss, entropy_sum, num_valid_tokens)`` of one generated batch (TRL's contract)."""

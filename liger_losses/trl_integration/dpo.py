@@ -29,7 +29,7 @@ import torch
 import trl
 
 from ..chunked.preference.dpo import TRL_METRIC_NAMES, LigerFusedLinearDPOLoss
-from .base import IGNORE_INDEX, build_config_loss, is_peft_model
+from .base import build_config_loss, completion_labels
 from .reference import LigerReferenceTrainerMixin
 
 # batch keys that are not model inputs (TRL's DataCollatorForPreference adds them)
@@ -85,9 +85,8 @@ class DPOTrainer(LigerReferenceTrainerMixin, trl.DPOTrainer):
         model_kwargs = {k: v for k, v in inputs.items() if k not in _NON_MODEL_KEYS}
         model_kwargs["use_cache"] = False
         completion_mask = inputs["completion_mask"]
-        labels = inputs["input_ids"].masked_fill(completion_mask == 0, IGNORE_INDEX)[:, 1:]
-        peft_ref = self.ref_model is None and is_peft_model(self.accelerator.unwrap_model(self.model))
-        with self._liger_reference_scope(peft_ref), self.accelerator.autocast():
+        labels = completion_labels(inputs["input_ids"], completion_mask)
+        with self._liger_reference_scope(self._liger_peft_reference()), self.accelerator.autocast():
             per_token = self._liger_token_logps(model, model_kwargs, labels)
         ref_logps = _ld_alpha_sums(per_token.float(), completion_mask[:, 1:].to(per_token.device), self.ld_alpha)
         return ref_logps.chunk(2, dim=0)
@@ -100,29 +99,18 @@ class DPOTrainer(LigerReferenceTrainerMixin, trl.DPOTrainer):
         mode = "train" if self.model.training else "eval"
         model_kwargs = {k: v for k, v in inputs.items() if k not in _NON_MODEL_KEYS}
         model_kwargs["use_cache"] = False
-        completion_mask = inputs["completion_mask"]
-        labels = inputs["input_ids"].masked_fill(completion_mask == 0, IGNORE_INDEX)[:, 1:]
+        labels = completion_labels(inputs["input_ids"], inputs["completion_mask"])
 
-        ref_chosen = ref_rejected = None
-        ref_hidden = ref_weight = ref_bias = None
-        ref_model = None
+        # reference: precomputed columns, the policy with its adapter off (PEFT), or the reference model
+        ref_chosen = ref_rejected = ref_hidden = ref_weight = ref_bias = None
         if self.precompute_ref_logps:
             ref_chosen, ref_rejected = inputs["ref_chosen_logps"], inputs["ref_rejected_logps"]
-        elif self.ref_model is None:  # PEFT: the policy with its adapter disabled (or the "ref" adapter)
-            with self._liger_reference_scope(True):
-                ref_hidden = self._liger_run(model, self._liger_backbone_hidden, model, model_kwargs)[:, :-1]
         else:
-            ref_model = self.ref_model
-            with torch.no_grad():
-                ref_hidden = self._liger_run(
-                    ref_model, self._liger_backbone_hidden, ref_model, model_kwargs
-                )[:, :-1]
-            ref_weight, ref_bias = self._liger_head(ref_model)
+            ref_hidden, ref_weight, ref_bias, _ = self._liger_reference_hidden(model, model_kwargs)
 
         loss, metrics = self._liger_policy_loss(
             model, model_kwargs, labels, ref_hidden, ref_weight, ref_bias,
             ref_chosen_logps=ref_chosen, ref_rejected_logps=ref_rejected,
         )
-        self._liger_count_tokens(mode, inputs["attention_mask"])
-        self._liger_log(mode, metrics, TRL_METRIC_NAMES)
+        self._liger_log(mode, metrics, TRL_METRIC_NAMES, inputs=inputs)
         return self._liger_return(model, model_kwargs, loss, return_outputs)

@@ -18,8 +18,8 @@ takes every argument of ``trl.experimental.gkd.GKDTrainer`` plus three keywords:
 Options TRL supports that use_liger=True cannot serve raise ``ValueError`` at construction, naming the option:
 a student and a teacher whose heads transform logits differently (softcap / logit scale: the loss applies one
 transform to both), vision-language models, PEFT prompt learning. :func:`shared_head_transform` and
-:class:`LigerDistillationMixin` (construction checks, the loss through both heads) are shared with the
-distillation adapter.
+:class:`LigerDistillationMixin` (the constructor, construction checks, the loss through both heads) are shared
+with the distillation adapter.
 """
 
 from __future__ import annotations
@@ -27,7 +27,6 @@ from __future__ import annotations
 from typing import Any, Optional
 
 import torch
-from trl.experimental.gkd import GKDConfig
 from trl.experimental.gkd import GKDTrainer as _TRLGKDTrainer
 
 from ..chunked.distillation import fused_linear_distillation_loss
@@ -53,12 +52,33 @@ class LigerDistillationMixin(LigerTrainerMixin):
     """What the GKD and on-policy distillation adapters share: the construction checks and the loss through both
     heads. List it before the TRL trainer class; the trainer has ``teacher_model``, ``beta`` and ``_is_vlm``."""
 
-    def _liger_after_trl_init(self, trl_kwargs, *, require_teacher: bool = False) -> None:
-        """After TRL's ``__init__``: reject VLMs (and, with ``require_teacher``, a missing teacher), fix the shared
-        head transform, patch both models' layers."""
+    _liger_require_teacher: bool = False  # reject a trainer built without a local teacher_model
+
+    def __init__(
+        self,
+        model=None,
+        teacher_model=None,
+        args=None,
+        *trl_args: Any,
+        use_liger: bool = False,
+        liger_patch_model: bool = True,
+        liger_chunk_tokens: Optional[int] = None,
+        **trl_kwargs: Any,
+    ):
+        """TRL's ``(model, teacher_model, args, ...)`` plus the three ``liger_*`` keywords."""
+        self._liger_setup(
+            use_liger=use_liger, liger_patch_model=liger_patch_model, liger_chunk_tokens=liger_chunk_tokens
+        )
+        super().__init__(model, teacher_model, args, *trl_args, **trl_kwargs)
+        if use_liger:
+            self._liger_after_trl_init(trl_kwargs)
+
+    def _liger_after_trl_init(self, trl_kwargs) -> None:
+        """After TRL's ``__init__``: reject VLMs (and, with ``_liger_require_teacher``, a missing teacher), fix the
+        shared head transform, patch both models' layers."""
         if self._is_vlm:
             reject_vision(self.processing_class)
-        if require_teacher and self.teacher_model is None:
+        if self._liger_require_teacher and self.teacher_model is None:
             reject("teacher_model", None, "the chunked loss needs a local teacher model (its hidden states and head)")
         self._liger_head_transform = shared_head_transform(self.model, self.teacher_model)
         self._liger_after_init(self.model, self.teacher_model, trl_kwargs=trl_kwargs)
@@ -83,24 +103,6 @@ class LigerDistillationMixin(LigerTrainerMixin):
 
 class GKDTrainer(LigerDistillationMixin, _TRLGKDTrainer):
     """``trl.experimental.gkd.GKDTrainer`` with ``use_liger`` (see the module docstring)."""
-
-    def __init__(
-        self,
-        model=None,
-        teacher_model=None,
-        args: Optional[GKDConfig] = None,
-        *trl_args: Any,
-        use_liger: bool = False,
-        liger_patch_model: bool = True,
-        liger_chunk_tokens: Optional[int] = None,
-        **trl_kwargs: Any,
-    ):
-        self._liger_setup(
-            use_liger=use_liger, liger_patch_model=liger_patch_model, liger_chunk_tokens=liger_chunk_tokens
-        )
-        super().__init__(model, teacher_model, args, *trl_args, **trl_kwargs)
-        if use_liger:
-            self._liger_after_trl_init(trl_kwargs)
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         if not self.use_liger:

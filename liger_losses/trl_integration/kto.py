@@ -31,7 +31,7 @@ import torch
 import trl
 
 from ..chunked.preference.kto import LigerFusedLinearKTOLoss
-from .base import IGNORE_INDEX, build_config_loss, is_peft_model
+from .base import build_config_loss, completion_labels
 from .reference import LigerReferenceTrainerMixin
 
 # batch keys that are not model inputs (TRL's unpaired-preference collator / precompute add them)
@@ -74,8 +74,7 @@ class KTOTrainer(LigerReferenceTrainerMixin, trl.KTOTrainer):
         for key in ("token_type_ids", "mm_token_type_ids"):
             if f"KL_{key}" in batch:
                 kwargs[key] = batch[f"KL_{key}"]
-        labels = batch["KL_input_ids"].masked_fill(batch["KL_completion_mask"] == 0, IGNORE_INDEX)[:, 1:]
-        return kwargs, labels
+        return kwargs, completion_labels(batch["KL_input_ids"], batch["KL_completion_mask"])
 
     # ------------------------------------------------------------------ reference precompute
 
@@ -85,9 +84,8 @@ class KTOTrainer(LigerReferenceTrainerMixin, trl.KTOTrainer):
             return super().compute_ref_log_probs(model, inputs)
         model_kwargs = {"input_ids": inputs["input_ids"], "attention_mask": inputs["attention_mask"],
                         "use_cache": False}
-        labels = inputs["input_ids"].masked_fill(inputs["completion_mask"] == 0, IGNORE_INDEX)[:, 1:]
-        peft_ref = self.ref_model is None and is_peft_model(self.accelerator.unwrap_model(self.model))
-        with self._liger_reference_scope(peft_ref), self.accelerator.autocast():
+        labels = completion_labels(inputs["input_ids"], inputs["completion_mask"])
+        with self._liger_reference_scope(self._liger_peft_reference()), self.accelerator.autocast():
             logps = self._liger_sequence_logps(model, model_kwargs, labels)
             kl_logps = None
             if self.calculate_KL:
@@ -106,7 +104,7 @@ class KTOTrainer(LigerReferenceTrainerMixin, trl.KTOTrainer):
         desirable = torch.as_tensor(batch["label"], dtype=torch.bool, device=device)
         model_kwargs = {k: v for k, v in batch.items() if k not in _NON_MODEL_KEYS}
         model_kwargs["use_cache"] = False
-        labels = batch["input_ids"].masked_fill(batch["completion_mask"] == 0, IGNORE_INDEX)[:, 1:]
+        labels = completion_labels(batch["input_ids"], batch["completion_mask"])
         if self.calculate_KL:
             kl_kwargs, kl_labels = self._liger_kl_inputs(model_kwargs, batch)
 
@@ -117,14 +115,9 @@ class KTOTrainer(LigerReferenceTrainerMixin, trl.KTOTrainer):
             if self.calculate_KL:
                 ref_kl_logps = batch["ref_KL_logps"].float()
         else:
-            peft_ref = self.ref_model is None
-            ref = model if peft_ref else self.ref_model
-            with self._liger_reference_scope(peft_ref):
-                ref_hidden = self._liger_run(ref, self._liger_backbone_hidden, ref, model_kwargs)[:, :-1]
-                if self.calculate_KL:
-                    ref_kl_logps = self._liger_sequence_logps(ref, kl_kwargs, kl_labels)
-            if not peft_ref:
-                ref_weight, ref_bias = self._liger_head(ref)
+            also = (lambda ref: self._liger_sequence_logps(ref, kl_kwargs, kl_labels)) if self.calculate_KL else None
+            ref_hidden, ref_weight, ref_bias, ref_kl_logps = self._liger_reference_hidden(
+                model, model_kwargs, also=also)
 
         # the KL estimate (forward only), averaged over processes before the clamp as in TRL
         if self.calculate_KL:
@@ -143,8 +136,7 @@ class KTOTrainer(LigerReferenceTrainerMixin, trl.KTOTrainer):
         return self._liger_return(model, model_kwargs, loss, return_outputs)
 
     def _liger_log_kto(self, mode, metrics, kl, desirable, batch) -> None:
-        """Log what TRL logs, reduced as TRL does: sums and counts gathered over processes, then divided."""
-        gather = self.accelerator.gather_for_metrics
+        """Log what TRL logs, reduced as TRL does: sums and counts summed over processes (one gather), then divided."""
         log = self._metrics[mode]
         mask = batch["completion_mask"][:, 1:].to(desirable.device)
         tok_des = (mask * desirable.unsqueeze(1)).sum().float()
@@ -153,28 +145,28 @@ class KTOTrainer(LigerReferenceTrainerMixin, trl.KTOTrainer):
         n_des = desirable.sum().float()
         n_und = desirable.numel() - n_des
 
-        def global_sum(key, count):  # local mean * local count, summed over processes (0 when absent)
-            local = metrics[key].float() * count if key in metrics else torch.zeros((), device=count.device)
-            return gather(local.reshape(1)).sum().item()
+        def local_sum(key, count):  # local mean * local count (0 when absent)
+            return metrics[key].float() * count if key in metrics else torch.zeros((), device=count.device)
 
-        def total(count):
-            return gather(count.reshape(1)).sum().item()
-
-        log["kl"].append(kl.item())
-        all_tokens = total(tok_all)
-        log["entropy"].append(global_sum("entropy", tok_all) / all_tokens if all_tokens > 0 else 0.0)
-        self._liger_count_tokens(mode, batch["attention_mask"])
-        all_tok_des, all_tok_und = total(tok_des), total(tok_und)
+        # kl is already the mean over processes (equal on all): its "mean" leaves it as it is
+        (kl, all_tokens, entropy, all_tok_des, all_tok_und, logits_c, logits_r, all_des, all_und,
+         rewards_c, logps_c, rewards_r, logps_r) = self._liger_gather(mode, [
+            kl, tok_all, local_sum("entropy", tok_all), tok_des, tok_und,
+            local_sum("chosen_logits_mean", tok_des), local_sum("rejected_logits_mean", tok_und), n_des, n_und,
+            local_sum("chosen_rewards", n_des), local_sum("chosen_logps", n_des),
+            local_sum("rejected_rewards", n_und), local_sum("rejected_logps", n_und),
+        ], ["mean"] + ["sum"] * 12, inputs=batch)
+        log["kl"].append(kl)
+        log["entropy"].append(entropy / all_tokens if all_tokens > 0 else 0.0)
         if all_tok_des > 0:
-            log["logits/chosen"].append(global_sum("chosen_logits_mean", tok_des) / all_tok_des)
+            log["logits/chosen"].append(logits_c / all_tok_des)
         if all_tok_und > 0:
-            log["logits/rejected"].append(global_sum("rejected_logits_mean", tok_und) / all_tok_und)
-        all_des, all_und = total(n_des), total(n_und)
+            log["logits/rejected"].append(logits_r / all_tok_und)
         if all_des > 0:
-            log["rewards/chosen"].append(global_sum("chosen_rewards", n_des) / all_des)
-            log["logps/chosen"].append(global_sum("chosen_logps", n_des) / all_des)
+            log["rewards/chosen"].append(rewards_c / all_des)
+            log["logps/chosen"].append(logps_c / all_des)
         if all_und > 0:
-            log["rewards/rejected"].append(global_sum("rejected_rewards", n_und) / all_und)
-            log["logps/rejected"].append(global_sum("rejected_logps", n_und) / all_und)
+            log["rewards/rejected"].append(rewards_r / all_und)
+            log["logps/rejected"].append(logps_r / all_und)
         if all_des > 0 and all_und > 0:
             log["rewards/margins"].append(log["rewards/chosen"][-1] - log["rewards/rejected"][-1])

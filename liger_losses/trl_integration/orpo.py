@@ -18,10 +18,10 @@ argument of ``trl.experimental.orpo.ORPOTrainer`` plus three keywords:
   sequences laid out as pairs ``[chosen completion; chosen prompt | rejected completion; empty]`` (the chosen
   hidden states enter twice, with disjoint labels, so no token is projected twice): the real pairs carry the
   odds ratio, every chosen group its share of the NLL (:class:`ORPOPromptNLLObjective`). The formula pieces are
-  :func:`liger_losses.chunked.preference.orpo.orpo_log_odds`. Every metric TRL logs (``rewards/*``, ``logps/*``,
-  ``logits/*``, ``nll_loss``, ``log_odds_ratio``, ``log_odds_chosen``) is returned under TRL's name
-  (``eval_`` prefixed in evaluation); ``logits/*`` are the mean over every position but the last and every
-  vocabulary entry, as TRL's.
+  :func:`liger_losses.chunked.preference.orpo.orpo_pair_losses` and ``orpo_log_odds``. Every metric TRL logs
+  (``rewards/*``, ``logps/*``, ``logits/*``, ``nll_loss``, ``log_odds_ratio``, ``log_odds_chosen``) is returned
+  under TRL's name (``eval_`` prefixed in evaluation); ``logits/*`` are the mean over every position but the last
+  and every vocabulary entry, as TRL's.
 
 Options TRL supports that use_liger=True cannot serve raise ``ValueError`` at construction, naming the option:
 encoder-decoder models, MoE router auxiliary loss (``output_router_logits``), PEFT prompt learning.
@@ -38,10 +38,17 @@ from trl.experimental.orpo import ORPOTrainer as _TRLORPOTrainer
 
 from ..chunked.engine import fused_linear_sequence_objective
 from ..chunked.preference.common import average_logps, chosen_nll_per_unit, split_pairs
-from ..chunked.preference.orpo import TRL_METRIC_NAMES, orpo_log_odds
+from ..chunked.preference.orpo import TRL_METRIC_NAMES, orpo_log_odds, orpo_pair_losses
 from ..kernels.utils import check_range
-from .base import IGNORE_INDEX, LigerTrainerMixin, gathered_params, head_logit_options, unwrap_causal_lm
-from .cpo import check_paired_model, gathered_metric_means, mean_logit_all_positions
+from .base import (
+    IGNORE_INDEX,
+    LigerTrainerMixin,
+    completion_labels,
+    gathered_params,
+    head_logit_options,
+    unwrap_causal_lm,
+)
+from .cpo import check_paired_model, gathered_metric_means, mean_logits_of_groups
 
 
 class ORPOPromptNLLObjective:
@@ -62,15 +69,14 @@ class ORPOPromptNLLObjective:
         self.num_pairs = num_pairs
 
     def __call__(self, stats):
+        # orpo_pair_losses with 2 beta: nll - (2 beta) logsigmoid(log_odds), 0 odds term where not ``real``
         chosen_sum, _ = split_pairs(stats.logps)
         nll = chosen_nll_per_unit(chosen_sum, stats.batch_num_tokens)
         chosen_avg, rejected_avg = split_pairs(average_logps(stats.logps, stats.num_tokens))
         c_len, r_len = split_pairs(stats.num_tokens)
         chosen_index, _ = split_pairs(stats.index)
         real = (chosen_index < self.num_pairs) & (c_len > 0) & (r_len > 0)
-        ratio = F.logsigmoid(orpo_log_odds(chosen_avg, rejected_avg))
-        ratio = torch.where(real, ratio, torch.zeros_like(ratio))
-        return nll - 2.0 * self.beta * ratio, {}
+        return orpo_pair_losses(chosen_avg, rejected_avg, nll, beta=2.0 * self.beta, valid_pairs=real), {}
 
 
 def orpo_trl_metrics(stats, *, beta: float, num_pairs: int) -> dict:
@@ -151,7 +157,7 @@ class ORPOTrainer(LigerTrainerMixin, _TRLORPOTrainer):
         input_ids, attention_mask = cat["concatenated_input_ids"], cat["concatenated_attention_mask"]
         model_kwargs = {"input_ids": input_ids, "attention_mask": attention_mask, "use_cache": False}
         labels = cat["concatenated_labels"][:, 1:]
-        nll_labels = input_ids[:num_pairs].masked_fill(attention_mask[:num_pairs] == 0, IGNORE_INDEX)[:, 1:]
+        nll_labels = completion_labels(input_ids[:num_pairs], attention_mask[:num_pairs])  # every attended token
 
         def head_loss():
             hidden = self._liger_backbone_hidden(model, model_kwargs)[:, :-1]
@@ -160,10 +166,8 @@ class ORPOTrainer(LigerTrainerMixin, _TRLORPOTrainer):
                 loss, metrics = self._liger_orpo(
                     weight, bias, hidden, labels.to(hidden.device), nll_labels.to(hidden.device)
                 )
-                metrics["chosen_logits_mean"] = mean_logit_all_positions(
-                    hidden[:num_pairs], weight, bias, **self._liger_logit_opts)
-                metrics["rejected_logits_mean"] = mean_logit_all_positions(
-                    hidden[num_pairs:], weight, bias, **self._liger_logit_opts)
+                metrics["chosen_logits_mean"], metrics["rejected_logits_mean"] = mean_logits_of_groups(
+                    [hidden[:num_pairs], hidden[num_pairs:]], weight, bias, **self._liger_logit_opts)
             return loss, metrics
 
         loss, metrics = self._liger_run(model, head_loss)

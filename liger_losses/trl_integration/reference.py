@@ -8,13 +8,15 @@
   rejected, the loss rebuilt with the head's softcap / logit scale, layer patching of policy and reference).
   A subclass names its config class and loss builder in ``_liger_config_cls`` / ``_liger_build_loss``.
 * the reference: :meth:`~LigerReferenceTrainerMixin._liger_reference_scope` (no grad, gradient
-  checkpointing off, the PEFT policy switched to its reference adapter when it is the reference) and
-  :meth:`~LigerReferenceTrainerMixin._liger_token_logps` (per-token log-probs ``[B, T-1]`` of a model on
-  completion labels, chunked, for the precompute and the KL terms).
+  checkpointing off, the PEFT policy switched to its reference adapter when it is the reference),
+  :meth:`~LigerReferenceTrainerMixin._liger_peft_reference` (is the PEFT policy the reference),
+  :meth:`~LigerReferenceTrainerMixin._liger_reference_hidden` (the reference's hidden states
+  ``[B, T-1, H]`` and head) and :meth:`~LigerReferenceTrainerMixin._liger_token_logps` (per-token
+  log-probs ``[B, T-1]`` of a model on completion labels, chunked, for the precompute and the KL terms).
 * the loss: :meth:`~LigerReferenceTrainerMixin._liger_policy_loss` runs the policy backbone (``hidden[:, :-1]``,
   ``[B, T-1, H]``) and ``self.liger_loss`` on it, the labels ``[B, T-1]`` (``-100`` ignored), the LM head and the
   reference's hidden states / head (detached) or precomputed log-probs; inside the model's forward when the
-  model is distributed. :meth:`~LigerReferenceTrainerMixin._liger_count_tokens` keeps TRL's ``num_tokens``.
+  model is distributed. TRL's ``num_tokens`` is kept by the base mixin's ``_liger_gather(..., inputs=)``.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from .base import (
     LigerTrainerMixin,
     gathered_params,
     head_logit_options,
+    is_peft_model,
     reference_adapter,
     reject,
     reject_vision,
@@ -99,9 +102,9 @@ class LigerReferenceTrainerMixin(LigerTrainerMixin):
 
     # ------------------------------------------------------------------ reference
 
-    def _liger_reference_context(self):
-        """Context where the policy acts as the reference (PEFT without a separate ref model)."""
-        return reference_adapter(self.accelerator.unwrap_model(self.model))
+    def _liger_peft_reference(self) -> bool:
+        """True when the policy itself, with its PEFT adapter off (or its "ref" adapter), is the reference."""
+        return self.ref_model is None and is_peft_model(self.accelerator.unwrap_model(self.model))
 
     @contextlib.contextmanager
     def _liger_reference_scope(self, peft_ref: bool):
@@ -111,9 +114,25 @@ class LigerReferenceTrainerMixin(LigerTrainerMixin):
         with (
             torch.no_grad(),
             disable_gradient_checkpointing(self.model, self.args.gradient_checkpointing_kwargs),
-            self._liger_reference_context() if peft_ref else contextlib.nullcontext(),
+            reference_adapter(self.accelerator.unwrap_model(self.model)) if peft_ref else contextlib.nullcontext(),
         ):
             yield
+
+    def _liger_reference_hidden(self, model: nn.Module, model_kwargs: Dict[str, Any], *,
+                                also: Optional[Callable[[nn.Module], Any]] = None):
+        """``(ref_hidden [B, T-1, H], ref_weight, ref_bias, also(ref) or None)`` under no grad.
+
+        The reference is ``self.ref_model`` (with its own head) or, without one, the policy ``model`` with its PEFT
+        adapter off (:meth:`_liger_reference_scope`; ``ref_weight``/``ref_bias`` None: the policy's head serves).
+        ``also`` runs in the same scope on the reference module (e.g. the KL completions' log-probs).
+        """
+        peft_ref = self.ref_model is None
+        ref = model if peft_ref else self.ref_model
+        with (self._liger_reference_scope(True) if peft_ref else torch.no_grad()):
+            ref_hidden = self._liger_run(ref, self._liger_backbone_hidden, ref, model_kwargs)[:, :-1]
+            extra = None if also is None else also(ref)
+        ref_weight, ref_bias = (None, None) if peft_ref else self._liger_head(ref)
+        return ref_hidden, ref_weight, ref_bias, extra
 
     def _liger_token_logps(self, model: nn.Module, model_kwargs: Dict[str, Any],
                            labels: torch.Tensor) -> torch.Tensor:
@@ -151,10 +170,3 @@ class LigerReferenceTrainerMixin(LigerTrainerMixin):
                 )
 
         return self._liger_run(model, run)
-
-    def _liger_count_tokens(self, mode: str, attention_mask: torch.Tensor) -> None:
-        """TRL's ``num_tokens`` metric: attended tokens of every process, accumulated in training."""
-        if mode == "train":
-            num_tokens = self.accelerator.gather_for_metrics(attention_mask.sum()).sum().item()
-            self._total_train_tokens += num_tokens // self._tp_size
-        self._metrics[mode]["num_tokens"] = [self._total_train_tokens]

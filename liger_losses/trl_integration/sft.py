@@ -44,6 +44,11 @@ from .base import (
 )
 
 
+def _f32_ratio(num: float, den: float) -> float:
+    """``num / den`` as a float32 division (the dtype the summed statistics have), as a Python float."""
+    return (torch.tensor(num, dtype=torch.float32) / torch.tensor(den, dtype=torch.float32)).item()
+
+
 class _TokenMeanNLL:
     """Engine objective: per sequence ``-logps * B / denom`` so the engine's mean over the B
     sequences is ``-sum(all token logps) / denom``."""
@@ -126,23 +131,12 @@ class SFTTrainer(LigerTrainerMixin, trl.SFTTrainer):
         if self.args.average_tokens_across_devices and num_items_in_batch is not None:
             loss = loss * (self.accelerator.num_processes // self.get_tp_size())
 
-        num_valid = self.accelerator.gather_for_metrics(num_valid.reshape(1)).sum()
-        entropy_sum = self.accelerator.gather_for_metrics(entropy_sum.reshape(1)).sum()
-        num_correct = self.accelerator.gather_for_metrics(num_correct.reshape(1)).sum()
-        self._metrics[mode]["entropy"].append((entropy_sum / num_valid).item() if num_valid > 0 else 0.0)
+        num_valid, entropy_sum, num_correct = self._liger_gather(
+            mode, [num_valid, entropy_sum, num_correct], "sum", inputs=inputs)
+        self._metrics[mode]["entropy"].append(_f32_ratio(entropy_sum, num_valid) if num_valid > 0 else 0.0)
         self._metrics[mode]["mean_token_accuracy"].append(
-            (num_correct / num_valid).item() if num_valid > 0 else 0.0
+            _f32_ratio(num_correct, num_valid) if num_valid > 0 else 0.0
         )
-        if mode == "train":
-            if "attention_mask" in inputs:
-                n = self.accelerator.gather_for_metrics(inputs["attention_mask"].sum()).sum().item()
-            elif "position_ids" in inputs:
-                local = torch.tensor(inputs["position_ids"].size(1), device=inputs["position_ids"].device)
-                n = self.accelerator.gather_for_metrics(local).sum().item()
-            else:
-                raise ValueError("Expected 'attention_mask' or 'position_ids' in inputs.")
-            self._total_train_tokens += n // self._tp_size
-        self._metrics[mode]["num_tokens"] = [self._total_train_tokens]
 
         return self._liger_return(model, model_kwargs, loss, return_outputs)
 
@@ -152,9 +146,8 @@ class SFTTrainer(LigerTrainerMixin, trl.SFTTrainer):
         """One engine pass: NLL token mean + accuracy + entropy from the same tiles."""
         from ..chunked.engine import fused_linear_sequence_objective
 
-        denom = None if num_items_in_batch is None else num_items_in_batch
         loss, _, stats = fused_linear_sequence_objective(
-            weight, hidden, labels, _TokenMeanNLL(denom), group_size=1, separable=True, bias=bias,
+            weight, hidden, labels, _TokenMeanNLL(num_items_in_batch), group_size=1, separable=True, bias=bias,
             ignore_index=IGNORE_INDEX, need_entropy=True, chunk_tokens=self.liger_chunk_tokens,
             **self._liger_logit_opts,
         )
