@@ -61,6 +61,15 @@ def _prepare(weight, hidden, labels, cfg):
     return w_full, w_c, rows, l_valid, index
 
 
+def _sink_stats(sink, stats, num_tokens, cfg):
+    """The metrics' raw sums of one forward (valid tokens, argmax hits, z-loss, entropy)."""
+    sink["num_tokens"] = num_tokens
+    sink["correct"] = stats["correct"].sum()
+    sink["z_sum"] = (stats["lse"] ** 2).sum() * cfg["z_loss_weight"]
+    if cfg["need_entropy"]:
+        sink["entropy_sum"] = stats["entropy"].sum()
+
+
 class _FusedLinearCEFunction(torch.autograd.Function):
     """mean / sum: gradients computed in forward."""
 
@@ -75,15 +84,13 @@ class _FusedLinearCEFunction(torch.autograd.Function):
             scale = (1.0 / denom).reshape(1).expand(l_valid.shape[0]).contiguous()
         stats, gh, gw, gb = run_tiles(
             w_c, rows, l_valid, bias, mode="ce", grad=grad, grad_scale=scale,
-            kernel_opts=cfg["kernel_opts"],
+            kernel_opts=cfg["kernel_opts"], need_entropy=cfg["need_entropy"],
             chunk_tokens=cfg["chunk_tokens"], accum_dtype=cfg["accum_dtype"] or w_full.dtype,
             needs_hidden=needs_h, needs_weight=needs_w, needs_bias=needs_b,
         )
         total = stats["loss"].sum()
         loss = total / denom if denom is not None else total
-        sink["num_tokens"] = l_valid.shape[0]
-        sink["correct"] = stats["correct"].sum()
-        sink["z_sum"] = (stats["lse"] ** 2).sum() * cfg["z_loss_weight"]
+        _sink_stats(sink, stats, l_valid.shape[0], cfg)
         if gh is not None:
             gh = grad_like(gh, hidden)
         ctx.save_for_backward(gh, gw, gb)
@@ -102,10 +109,9 @@ class _FusedLinearCENoneFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, weight, hidden, bias, labels, cfg, sink):
-        stats, index = _stats_forward(ctx, weight, hidden, bias, labels, cfg, "ce")
-        sink["num_tokens"] = index.shape[0]
-        sink["correct"] = stats["correct"].sum()
-        sink["z_sum"] = (stats["lse"] ** 2).sum() * cfg["z_loss_weight"]
+        stats, index = _stats_forward(ctx, weight, hidden, bias, labels, cfg, "ce",
+                                      need_entropy=cfg["need_entropy"])
+        _sink_stats(sink, stats, index.shape[0], cfg)
         return _scatter_token_values(stats["loss"], index, labels)
 
     @staticmethod
@@ -180,16 +186,19 @@ def fused_linear_cross_entropy(
     num_items_in_batch: Optional[Union[int, float, Tensor]] = None,
     return_token_accuracy: bool = False,
     return_z_loss: bool = False,
+    return_entropy: bool = False,
     chunk_tokens: Optional[int] = None,
     accum_dtype: Optional[torch.dtype] = None,
     impl: str = "auto",
 ):
     """Cross-entropy of ``hidden [..., H] @ weight[V, H].T (+ bias)`` against ``labels [...]``.
 
-    Returns the loss (0-d for mean/sum, ``[...]`` for none) or, when ``return_token_accuracy``
-    or ``return_z_loss``, ``LossOutput(loss, metrics)`` with ``metrics["token_accuracy"]`` (share
-    of non-ignored tokens whose argmax is the label) and ``metrics["z_loss"]`` (the z-loss part
-    of the loss, reduced like the loss; mean over valid tokens for ``none``), both detached.
+    Returns the loss (0-d for mean/sum, ``[...]`` for none) or, when ``return_token_accuracy``,
+    ``return_z_loss`` or ``return_entropy``, ``LossOutput(loss, metrics)`` with
+    ``metrics["token_accuracy"]`` (share of non-ignored tokens whose argmax is the label),
+    ``metrics["z_loss"]`` (the z-loss part of the loss, reduced like the loss; mean over valid
+    tokens for ``none``) and ``metrics["entropy"]`` (mean softmax entropy of the non-ignored
+    tokens, from the same tiles: no extra GEMM), all detached.
     """
     _check_options(reduction, label_smoothing, z_loss_weight)
     _check_common(weight, hidden, labels, bias, ignore_index, 1.0, softcap, logit_scale,
@@ -214,7 +223,7 @@ def fused_linear_cross_entropy(
     cfg = dict(
         ignore_index=ignore_index, compute_dtype=compute_dtype(weight), chunk_tokens=chunk_tokens,
         accum_dtype=accum_dtype, z_loss_weight=float(z_loss_weight),
-        grad_enabled=torch.is_grad_enabled(),
+        grad_enabled=torch.is_grad_enabled(), need_entropy=bool(return_entropy),
         kernel_opts=dict(
             ignore_index=ignore_index, label_smoothing=float(label_smoothing),
             z_loss_weight=float(z_loss_weight), softcap=None if softcap is None else float(softcap),
@@ -229,7 +238,7 @@ def fused_linear_cross_entropy(
             # number of valid tokens, at least 1 (all ignored -> loss 0, zero grads)
             denom = (labels != ignore_index).sum().clamp_min(1).float()
         loss = _FusedLinearCEFunction.apply(weight, hidden, bias, labels, denom, cfg, sink)
-    if not (return_token_accuracy or return_z_loss):
+    if not (return_token_accuracy or return_z_loss or return_entropy):
         return loss
     n = sink["num_tokens"]
     metrics = {}
@@ -242,6 +251,8 @@ def fused_linear_cross_entropy(
         elif reduction == "none":
             z = z / max(n, 1)
         metrics["z_loss"] = z.detach()
+    if return_entropy:
+        metrics["entropy"] = (sink["entropy_sum"] / max(n, 1)).detach()
     return LossOutput(loss, metrics)
 
 

@@ -17,9 +17,8 @@ How: by default one call of the chunked engine
 objective ``-logps * B / N``) gives the loss, its gradients, the token accuracy *and* the entropy
 from the same logits tiles -- no extra GEMM. (When one sequence alone exceeds the tile budget the
 engine recomputes tiles in backward.) With ``label_smoothing_factor > 0`` the loss is
-:func:`liger_losses.chunked.cross_entropy.fused_linear_cross_entropy` (label smoothing, token accuracy)
-and the entropy costs one extra forward GEMM (:func:`~liger_losses.chunked.token_logprobs.
-fused_linear_token_logprobs` with ``return_entropy=True`` under no grad).
+:func:`liger_losses.chunked.cross_entropy.fused_linear_cross_entropy`, which gives the token accuracy
+and the entropy from its own tiles too.
 
 Options TRL supports that use_liger=True cannot serve raise ``ValueError`` at construction, naming the
 option: ``loss_type="dft"``, ``compute_loss_func``, vision-language models, PEFT prompt learning,
@@ -154,22 +153,14 @@ class SFTTrainer(LigerTrainerMixin, trl.SFTTrainer):
         return loss, stats.num_tokens.sum(), stats.correct.sum(), stats.entropy_sum.sum()
 
     def _liger_smoothed(self, weight, bias, hidden, labels, num_items_in_batch, smoothing):
-        """Label-smoothed CE (+ token accuracy) and, by one extra no-grad forward, the entropy."""
+        """Label-smoothed CE, token accuracy and entropy from the same tiles (one engine pass)."""
         from ..chunked.cross_entropy import fused_linear_cross_entropy
-        from ..chunked.token_logprobs import fused_linear_token_logprobs
 
         out = fused_linear_cross_entropy(
             weight, hidden, labels, bias=bias, ignore_index=IGNORE_INDEX, label_smoothing=smoothing,
-            num_items_in_batch=num_items_in_batch, return_token_accuracy=True,
+            num_items_in_batch=num_items_in_batch, return_token_accuracy=True, return_entropy=True,
             chunk_tokens=self.liger_chunk_tokens, **self._liger_logit_opts,
         )
-        valid = labels != IGNORE_INDEX
-        num_valid = valid.sum()
-        with torch.no_grad():
-            _, entropy = fused_linear_token_logprobs(
-                weight.detach(), hidden.detach(), labels, bias=None if bias is None else bias.detach(),
-                ignore_index=IGNORE_INDEX, return_entropy=True, chunk_tokens=self.liger_chunk_tokens,
-                **self._liger_logit_opts,
-            )
-        num_correct = out.metrics["token_accuracy"] * num_valid
-        return out.loss, num_valid, num_correct, (entropy.float() * valid).sum()
+        num_valid = (labels != IGNORE_INDEX).sum()
+        return (out.loss, num_valid, out.metrics["token_accuracy"] * num_valid,
+                out.metrics["entropy"] * num_valid)

@@ -71,7 +71,7 @@ def test_num_items_in_batch_parity(tok, tmp_path):
 
 def test_label_smoothing_parity(tok, tmp_path):
     """label_smoothing_factor=0.1 (TRL: HF LabelSmoother on full logits; ours: chunked CE with label
-    smoothing and an extra no-grad pass for the entropy): loss, metrics, grads match."""
+    smoothing, the entropy from the same tiles): loss, metrics, grads match."""
     _check(*_pair(tok, tmp_path, sft_dataset(), label_smoothing_factor=0.1))
 
 
