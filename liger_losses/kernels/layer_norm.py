@@ -44,6 +44,8 @@ from liger_losses.kernels.utils import (
 )
 
 triton, tl = import_triton()
+if triton is not None:
+    from liger_losses.kernels.norm_common import acc_row, fold_rows  # jit helpers of the backward
 
 # Tuning knobs (module constants so the benchmark can sweep them on the GPU); same meaning as in
 # rms_norm.py: a tile is BLOCK_M whole rows holding about *_TILE_ELEMS elements.
@@ -116,12 +118,8 @@ if triton is not None:
             w = tl.load(w_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
         # Short rows (several per tile): [BLOCK_M, BLOCK_N] accumulators, reduced once at the end
         # (no cross-warp reduction per tile). Long rows: [BLOCK_N] rows (fewer live registers).
-        if TILE_ACC:
-            acc_w = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-            acc_b = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-        else:
-            acc_w = tl.zeros([BLOCK_N], dtype=tl.float32)
-            acc_b = tl.zeros([BLOCK_N], dtype=tl.float32)
+        acc_w = fold_rows(tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32), TILE_ACC)
+        acc_b = fold_rows(tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32), TILE_ACC)
         first = pid * blocks_per_program
         last = tl.minimum(first + blocks_per_program, n_blocks)
         for block in range(first, last):
@@ -136,15 +134,9 @@ if triton is not None:
             rstd = tl.load(rstd_ptr + rows, mask=row_mask, other=0.0)
             xhat = tl.where(mask, (x - mean[:, None]) * rstd[:, None], 0.0)
             if COMPUTE_DW:
-                if TILE_ACC:
-                    acc_w += dy * xhat
-                else:
-                    acc_w += tl.sum(dy * xhat, axis=0)
+                acc_w += fold_rows(dy * xhat, TILE_ACC)
             if COMPUTE_DB:
-                if TILE_ACC:
-                    acc_b += dy
-                else:
-                    acc_b += tl.sum(dy, axis=0)
+                acc_b += fold_rows(dy, TILE_ACC)
             if COMPUTE_DX:
                 if HAS_WEIGHT:
                     g = dy * w[None, :]
@@ -159,17 +151,9 @@ if triton is not None:
                     mask=mask,
                 )
         if COMPUTE_DW:
-            if TILE_ACC:
-                row_w = tl.sum(acc_w, axis=0)
-            else:
-                row_w = acc_w
-            tl.store(dw_partial_ptr + pid * n_cols + cols, row_w, mask=col_mask)
+            tl.store(dw_partial_ptr + pid * n_cols + cols, acc_row(acc_w, TILE_ACC), mask=col_mask)
         if COMPUTE_DB:
-            if TILE_ACC:
-                row_b = tl.sum(acc_b, axis=0)
-            else:
-                row_b = acc_b
-            tl.store(db_partial_ptr + pid * n_cols + cols, row_b, mask=col_mask)
+            tl.store(db_partial_ptr + pid * n_cols + cols, acc_row(acc_b, TILE_ACC), mask=col_mask)
 
 
 # --------------------------------------------------------------------------- host side

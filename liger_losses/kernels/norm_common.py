@@ -64,6 +64,26 @@ if triton is not None:
         tl.store(out_ptr + group * n_cols + cols, total.to(out_ptr.dtype.element_ty), mask=col_mask)
 
 
+    @triton.jit
+    def fold_rows(x, TILE_ACC: tl.constexpr):
+        """A ``[BLOCK_M, BLOCK_N]`` tile as the backward's parameter-gradient accumulator takes it:
+        as is (tile-shaped accumulator, short rows) or summed over its rows (row-shaped, long rows)."""
+        if TILE_ACC:
+            out = x
+        else:
+            out = tl.sum(x, axis=0)
+        return out
+
+    @triton.jit
+    def acc_row(acc, TILE_ACC: tl.constexpr):
+        """The ``[BLOCK_N]`` partial row of an accumulator built with :func:`fold_rows`."""
+        if TILE_ACC:
+            out = tl.sum(acc, axis=0)
+        else:
+            out = acc
+        return out
+
+
 def sum_partials(partial: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """Column sums of contiguous fp32 partial rows: ``[P, H] -> [H]`` or ``[G, P, H] -> [G, H]``,
     returned in ``dtype`` (rounded once, from the fp32 total)."""

@@ -54,6 +54,8 @@ from liger_losses.kernels.norm_common import (
 from liger_losses.kernels.utils import IMPLS, as_rows, check_choice, check_number, device_ctx, import_triton
 
 triton, tl = import_triton()
+if triton is not None:
+    from liger_losses.kernels.norm_common import acc_row, fold_rows  # jit helpers of the backward
 
 CASTING_MODES = ("llama", "gemma", "none")
 _CASTING_CODE = {"llama": 0, "gemma": 1, "none": 2}
@@ -139,10 +141,7 @@ if triton is not None:
                 w_eff = (w.to(tl.float32) + offset).to(w_ptr.dtype.element_ty).to(tl.float32)
         # Short rows (several per tile): a [BLOCK_M, BLOCK_N] accumulator, reduced once at the end
         # (no cross-warp reduction per tile). Long rows: a [BLOCK_N] row (fewer live registers).
-        if TILE_ACC:
-            acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-        else:
-            acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+        acc = fold_rows(tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32), TILE_ACC)
         first = pid * blocks_per_program
         last = tl.minimum(first + blocks_per_program, n_blocks)
         for block in range(first, last):
@@ -160,10 +159,7 @@ if triton is not None:
                     prod = dy * y.to(x_ptr.dtype.element_ty).to(tl.float32)
                 else:
                     prod = dy * y
-                if TILE_ACC:
-                    acc += prod
-                else:
-                    acc += tl.sum(prod, axis=0)
+                acc += fold_rows(prod, TILE_ACC)
             if COMPUTE_DX:
                 if HAS_WEIGHT:
                     g = dy * w_eff[None, :]
@@ -177,11 +173,7 @@ if triton is not None:
                     mask=mask,
                 )
         if COMPUTE_DW:
-            if TILE_ACC:
-                acc_row = tl.sum(acc, axis=0)
-            else:
-                acc_row = acc
-            tl.store(dw_partial_ptr + pid * n_cols + cols, acc_row, mask=col_mask)
+            tl.store(dw_partial_ptr + pid * n_cols + cols, acc_row(acc, TILE_ACC), mask=col_mask)
 
 
 # --------------------------------------------------------------------------- host side
