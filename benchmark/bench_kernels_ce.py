@@ -57,10 +57,42 @@ PROVIDERS = {
 }
 
 
+def sweep() -> None:
+    """Ours at a few (BLOCK_CAP, NUM_WARPS) settings of kernels.logits_tile, 8192 x 128256."""
+    from benchmark.common import print_table
+    from liger_losses.kernels import logits_tile as lt
+
+    N, V = 8192, 128256
+    base = torch.randn(N, V, device="cuda", dtype=torch.bfloat16) * 2
+    y = torch.randint(0, V, (N,), device="cuda")
+    y[::10] = -100
+    fn_loss = ours()
+    defaults = lt.BLOCK_CAP, lt.NUM_WARPS
+    results = []
+    for block, warps in ((4096, 8), (4096, 8), (4096, 16), (8192, 8), (8192, 16), (16384, 16), (16384, 32),
+                         (32768, 16), (32768, 32), (2048, 4), (2048, 8)):
+        lt.BLOCK_CAP, lt.NUM_WARPS = block, warps
+
+        def step():
+            leaf = base.detach().requires_grad_()
+            loss = fn_loss(leaf, y)
+            return torch.autograd.grad(loss, (leaf,))
+
+        m = measure(step, warmup=5, rep=30)
+        results.append(dict(block=block, warps=warps, ms=round(m.ms, 4),
+                            over_floor=round(m.ms / hbm_floor_ms(2 * N * V * 2), 3), error=(m.error or "")[:60]))
+    lt.BLOCK_CAP, lt.NUM_WARPS = defaults
+    print_table(results, keys=list(results[0]))
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--sweep", action="store_true", help="only sweep our kernel's block/warps knobs")
     args = ap.parse_args()
+    if args.sweep:
+        sweep()
+        return
     cases = [(8192, 128256)] if args.quick else [(4096, 32000), (8192, 32000), (4096, 128256), (8192, 128256)]
     rows = []
     for N, V in cases:

@@ -25,6 +25,7 @@ Usage: python benchmark/bench_norm.py [--quick] [--sweep] [--which rms|layer|bot
 from __future__ import annotations
 
 import argparse
+import itertools
 import os
 import sys
 
@@ -40,7 +41,7 @@ DTYPE = torch.bfloat16
 DEVICE = "cuda"
 CASES = [(4096, 4096), (8192, 4096), (16384, 4096), (32768, 4096), (8192, 896)]
 QUICK_CASES = [(4096, 4096), (16384, 4096), (8192, 896)]
-SWEEP_CASES = [(4096, 4096), (16384, 4096), (32768, 4096), (8192, 896)]
+SWEEP_CASES = [(8192, 4096), (8192, 4096), (16384, 4096), (32768, 4096), (8192, 896)]  # first: warm-up (captures may fail)
 
 
 def _copy_params(src: torch.nn.Module, dst: torch.nn.Module) -> None:
@@ -160,36 +161,30 @@ def bench(kind: str, cases, rep: int) -> list[Row]:
 
 
 def sweep(rep: int) -> None:
-    """Time ours at a few knob settings (backward: programs per SM x tile size; forward: tile)."""
+    """Time our backward at a few knob settings: programs per SM x tile size x next-tile prefetch x
+    accumulator shape (``BWD_SMALL_H``: rows up to this size take tile-shaped accumulators)."""
     results = []
+    knobs = ("BWD_PROGRAMS_PER_SM", "BWD_TILE_ELEMS", "BWD_SMALL_H_TILE_ELEMS", "BWD_PREFETCH", "BWD_SMALL_H")
     for kind, mod in (("rms", rms_mod), ("layer", ln_mod)):
-        defaults = (mod.BWD_PROGRAMS_PER_SM, mod.BWD_TILE_ELEMS, mod.FWD_TILE_ELEMS,
-                    mod.BWD_SMALL_H_TILE_ELEMS)
+        defaults = {k: getattr(mod, k) for k in knobs}
         for N, H in SWEEP_CASES:
             x = randn(N, H, device=DEVICE, dtype=DTYPE).requires_grad_()
             dy = randn(N, H, device=DEVICE, dtype=DTYPE)
             module = providers(kind, H)["ours"]
             fns = mode_fns(module, x, dy)
             fl = floors(N, H)
-            for pps in (1, 2, 4):
-                for tile in (4096, 8192, 16384, 32768):
-                    mod.BWD_PROGRAMS_PER_SM, mod.BWD_TILE_ELEMS = pps, tile
-                    mod.BWD_SMALL_H_TILE_ELEMS = tile
-                    m = measure(fns["backward"], rep=rep)
-                    results.append(dict(kind=kind, N=N, H=H, mode="backward", programs_per_sm=pps,
-                                        tile=tile, ms=round(m.ms, 4),
-                                        over_floor=round(m.ms / fl["backward"][0], 3),
-                                        peak_mib=round(m.peak_mib, 1), error=m.error or ""))
-            mod.BWD_PROGRAMS_PER_SM, mod.BWD_TILE_ELEMS = defaults[0], defaults[1]
-            mod.BWD_SMALL_H_TILE_ELEMS = defaults[3]
-            for tile in (1024, 2048, 4096, 8192, 16384):
-                mod.FWD_TILE_ELEMS = tile
-                m = measure(fns["forward"], rep=rep)
-                results.append(dict(kind=kind, N=N, H=H, mode="forward", programs_per_sm="",
-                                    tile=tile, ms=round(m.ms, 4),
-                                    over_floor=round(m.ms / fl["forward"][0], 3),
-                                    peak_mib=round(m.peak_mib, 1), error=m.error or ""))
-            mod.FWD_TILE_ELEMS = defaults[2]
+            for pps, tile, prefetch, small_h in itertools.product((1, 2), (8192, 16384), (False, True), (1024, 4096)):
+                if small_h > 1024 and H <= 1024:
+                    continue
+                mod.BWD_PROGRAMS_PER_SM, mod.BWD_TILE_ELEMS, mod.BWD_SMALL_H_TILE_ELEMS = pps, tile, tile
+                mod.BWD_PREFETCH, mod.BWD_SMALL_H = prefetch, small_h
+                m = measure(fns["full"], rep=rep)
+                results.append(dict(kind=kind, N=N, H=H, mode="full", programs_per_sm=pps, tile=tile,
+                                    prefetch=int(prefetch), tile_acc_max_h=small_h, ms=round(m.ms, 4),
+                                    over_floor=round(m.ms / fl["full"][0], 3),
+                                    peak_mib=round(m.peak_mib, 1), error=(m.error or "")[:60]))
+            for k, v in defaults.items():
+                setattr(mod, k, v)
     print_table(results, keys=list(results[0]))
 
 

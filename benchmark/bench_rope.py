@@ -16,10 +16,11 @@ Usage (GPU): python benchmark/bench_rope.py [--quick]
 from __future__ import annotations
 
 import argparse
+import itertools
 
 import torch
 
-from common import MIB, Row, hbm_floor_ms, measure, write_results, randn  # noqa: E402  (adds repo root)
+from common import MIB, Row, hbm_floor_ms, measure, print_table, write_results, randn  # noqa: E402  (adds repo root)
 
 from liger_losses.kernels.rope import apply_rotary_pos_emb
 
@@ -71,7 +72,7 @@ def cos_sin(seq, head_dim, device, dtype):
     return emb.cos().to(dtype), emb.sin().to(dtype)
 
 
-def bench_case(shape_name, tokens, modes, rows, rep):
+def bench_case(shape_name, tokens, modes, rows, rep, only=None):
     n_qh, n_kh, d = SHAPES[shape_name]
     dev, dt = DEVICE, torch.bfloat16
     bsz, seq = 1, tokens
@@ -83,6 +84,8 @@ def bench_case(shape_name, tokens, modes, rows, rep):
     case = f"{shape_name} T={tokens}"
     cos, sin = cos_sin(seq, d, dev, dt)
     for name, fn in providers().items():
+        if only is not None and name != only:
+            continue
         # Projection outputs [B, T, H*D] (non-leaf), viewed as HF does.
         q_lin = randn(bsz, seq, n_qh * d, device=dev, dtype=dt, requires_grad=True).clone()
         k_lin = randn(bsz, seq, n_kh * d, device=dev, dtype=dt, requires_grad=True).clone()
@@ -116,12 +119,36 @@ def bench_case(shape_name, tokens, modes, rows, rep):
         torch.cuda.empty_cache()
 
 
+def sweep(rep: int) -> None:
+    """Our out-of-place forward + backward at a few (TILE_ELEMENTS, NUM_WARPS) settings."""
+    from liger_losses.kernels import rope as rope_mod
+
+    defaults = rope_mod.TILE_ELEMENTS, rope_mod.NUM_WARPS
+    results = []
+    for tokens in (8192, 8192, 32768):  # the first case warms up the graph captures
+        for tile, warps in itertools.product((1024, 2048, 4096, 8192), (0, 4, 8, 16)):
+            rope_mod.TILE_ELEMENTS, rope_mod.NUM_WARPS = tile, warps
+            rope_mod._config.cache_clear()
+            rows: list[Row] = []
+            bench_case("llama3-8b", tokens, ("full",), rows, rep, only="ours")
+            r = rows[0]
+            results.append(dict(tokens=tokens, tile=tile, warps=warps, ms=round(r.ms, 4),
+                                over_floor=round(r.ms / r.floor_ms, 3), error=(r.error or "")[:60]))
+    rope_mod.TILE_ELEMENTS, rope_mod.NUM_WARPS = defaults
+    rope_mod._config.cache_clear()
+    print_table(results, keys=list(results[0]))
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="one 8B size + the small model, fewer reps")
+    parser.add_argument("--sweep", action="store_true", help="only sweep our kernel's tile/warps knobs")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("bench_rope needs a CUDA GPU")
+    if args.sweep:
+        sweep(30)
+        return
     modes = ("forward", "backward", "full")
     rep = 30 if args.quick else 100
     sizes = [8192] if args.quick else [4096, 8192, 16384, 32768]

@@ -79,7 +79,7 @@ TASKS = ("dpo", "sft")
 # --------------------------------------------------------------------------- timing
 
 
-def _make_timer_callback(warmup: int, cuda: bool, profile_path: str = ""):
+def _make_timer_callback(warmup: int, cuda: bool, profile_path: str = "", cprofile_path: str = ""):
     from transformers import TrainerCallback
 
     class StepTimer(TrainerCallback):
@@ -87,10 +87,12 @@ def _make_timer_callback(warmup: int, cuda: bool, profile_path: str = ""):
 
         def __init__(self):
             self.ends: list[float] = []
+            self.issued: list[float] = []  # host time when the step's work was issued (before the sync)
             self.peak_warmup_mib = float("nan")
             self.peak_timed_mib = float("nan")
 
         def _now(self) -> float:
+            self.issued.append(time.perf_counter())
             if cuda:
                 torch.cuda.synchronize()
             return time.perf_counter()
@@ -99,8 +101,15 @@ def _make_timer_callback(warmup: int, cuda: bool, profile_path: str = ""):
             if cuda:
                 torch.cuda.reset_peak_memory_stats()
             self.prof = None
+            self.cprof = None
 
         def on_step_begin(self, args, state, control, **kwargs):
+            # --cprofile: Python-level profile of all timed steps (where the host time goes)
+            if cprofile_path and len(self.ends) == warmup and self.cprof is None:
+                import cProfile
+
+                self.cprof = cProfile.Profile()
+                self.cprof.enable()
             # --profile: torch.profiler over the first two timed steps (host ops and GPU kernels)
             if profile_path and cuda and len(self.ends) == warmup and self.prof is None:
                 acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
@@ -109,6 +118,10 @@ def _make_timer_callback(warmup: int, cuda: bool, profile_path: str = ""):
 
         def on_step_end(self, args, state, control, **kwargs):
             self.ends.append(self._now())
+            if self.cprof is not None and state.global_step >= state.max_steps:
+                self.cprof.disable()
+                write_cprofile(self.cprof, cprofile_path, len(self.ends) - warmup)
+                self.cprof = None
             if not cuda:
                 return
             if len(self.ends) == warmup:
@@ -125,7 +138,27 @@ def _make_timer_callback(warmup: int, cuda: bool, profile_path: str = ""):
             timed = self.ends[max(warmup - 1, 0):]
             return [(b - a) * 1e3 for a, b in zip(timed, timed[1:])]
 
+        def issue_ms(self) -> list[float]:
+            """Per timed step: host time from the previous step's end until this step's work was
+            issued (before the closing sync); close to ``step_ms`` when the step is host-bound."""
+            ends = self.ends[max(warmup - 1, 0):-1]
+            issued = self.issued[max(warmup, 1):]
+            return [(b - a) * 1e3 for a, b in zip(ends, issued)]
+
     return StepTimer()
+
+
+def write_cprofile(prof, path: str, steps: int) -> None:
+    """Top host functions (by own time and by cumulative time) over the timed steps."""
+    import io
+    import pstats
+
+    buf = io.StringIO()
+    buf.write(f"cProfile over {steps} timed steps\n")
+    for key in ("tottime", "cumulative"):
+        pstats.Stats(prof, stream=buf).sort_stats(key).print_stats(45)
+    with open(path, "w") as f:
+        f.write(buf.getvalue())
 
 
 def write_profile(prof, path: str, wall_s: float) -> None:
@@ -241,7 +274,8 @@ def make_trainer(task: str, provider: str, model, ref_model, args, dataset, toke
     return trl.SFTTrainer(model, **common)
 
 
-def run_one(task: str, provider: str, *, seq: int, warmup: int, timed: int, tiny: bool, profile: bool = False) -> Row:
+def run_one(task: str, provider: str, *, seq: int, warmup: int, timed: int, tiny: bool, profile: bool = False,
+            cprofile: bool = False) -> Row:
     case = f"{task}_seq{seq}"
     cuda = not tiny
     device = "cpu" if tiny else "cuda"
@@ -249,7 +283,8 @@ def run_one(task: str, provider: str, *, seq: int, warmup: int, timed: int, tiny
     vocab = shape["vocab_size"]
     steps = warmup + timed
     extra = dict(seq=seq, tokens_per_s=float("nan"), tokens_per_step=float("nan"), train_loss=float("nan"),
-                 grad_ckpt=True, grad_ckpt_kwargs="", peak_warmup_mib=float("nan"), step_ms_all="", note="")
+                 grad_ckpt=True, grad_ckpt_kwargs="", peak_warmup_mib=float("nan"), step_ms_all="", issue_ms_all="",
+                 note="")
     row = Row(bench="trainer", case=case, mode="step", provider=provider, ms=float("nan"), peak_mib=float("nan"),
               extra=extra)
     model = ref_model = trainer = None
@@ -270,7 +305,12 @@ def run_one(task: str, provider: str, *, seq: int, warmup: int, timed: int, tiny
                 from benchmark.common import results_dir
 
                 profile_path = os.path.join(results_dir(), f"profile_{case}_{provider.replace('+', '_')}.txt")
-            timer = _make_timer_callback(warmup, cuda, profile_path)
+            cprofile_path = ""
+            if cprofile:
+                from benchmark.common import results_dir
+
+                cprofile_path = os.path.join(results_dir(), f"cprofile_{case}_{provider.replace('+', '_')}.txt")
+            timer = _make_timer_callback(warmup, cuda, profile_path, cprofile_path)
             trainer = make_trainer(task, provider, model, ref_model, args, dataset, tokenizer, timer)
             batch = next(iter(trainer.get_train_dataloader()))
             extra["tokens_per_step"] = int(batch["input_ids"].numel())
@@ -284,6 +324,7 @@ def run_one(task: str, provider: str, *, seq: int, warmup: int, timed: int, tiny
             row.peak_mib = timer.peak_timed_mib
             extra["peak_warmup_mib"] = round(timer.peak_warmup_mib, 1)
             extra["step_ms_all"] = " ".join(f"{t:.1f}" for t in step_ms)
+            extra["issue_ms_all"] = " ".join(f"{t:.1f}" for t in timer.issue_ms())
             extra["tokens_per_s"] = round(extra["tokens_per_step"] / (row.ms / 1e3), 1)
         except Exception as exc:  # noqa: BLE001 - a provider failing must not stop the table
             row.error = f"{type(exc).__name__}: {str(exc)[:300]}".replace("\n", " ")
@@ -316,6 +357,7 @@ def merge_rounds(rows: list[Row]) -> list[Row]:
             m.error = m.error or r.error
             continue
         m.extra["step_ms_all"] = f"{m.extra['step_ms_all']} {r.extra['step_ms_all']}".strip()
+        m.extra["issue_ms_all"] = f"{m.extra.get('issue_ms_all', '')} {r.extra.get('issue_ms_all', '')}".strip()
         m.peak_mib = max(m.peak_mib, r.peak_mib)
     for m in merged.values():
         steps = [float(t) for t in str(m.extra.get("step_ms_all", "")).split()]
@@ -361,6 +403,8 @@ def main(argv=None) -> int:
                          "runs); a row's ms is the median over all rounds' timed steps")
     ap.add_argument("--profile", action="store_true",
                     help="torch.profiler summary of two timed steps per configuration (profile_<case>_<provider>.txt)")
+    ap.add_argument("--cprofile", action="store_true",
+                    help="cProfile of the timed steps per configuration (cprofile_<case>_<provider>.txt)")
     a = ap.parse_args(argv)
 
     if a.tiny:
@@ -406,7 +450,7 @@ def main(argv=None) -> int:
                                 error=f"skipped: time budget {a.budget_s:.0f} s used ({elapsed:.0f} s)"))
                 continue
             rows.append(run_one(task, provider, seq=seq, warmup=warmup, timed=timed, tiny=a.tiny,
-                                profile=a.profile))
+                                profile=a.profile, cprofile=a.cprofile))
     print(f"bench_trainer: all configurations in {time.perf_counter() - t0:.0f} s", flush=True)
     rows = merge_rounds(rows)
 

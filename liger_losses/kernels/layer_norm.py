@@ -45,7 +45,7 @@ from liger_losses.kernels.utils import (
 
 triton, tl = import_triton()
 if triton is not None:
-    from liger_losses.kernels.norm_common import acc_row, fold_rows  # jit helpers of the backward
+    from liger_losses.kernels.norm_common import acc_row, fold_rows, load_row_tiles  # backward jit helpers
 
 # Tuning knobs (module constants so the benchmark can sweep them on the GPU); same meaning as in
 # rms_norm.py: a tile is BLOCK_M whole rows holding about *_TILE_ELEMS elements.
@@ -63,6 +63,7 @@ MAX_ROWS_PER_TILE = 16
 BWD_PROGRAMS_PER_SM = 1
 BWD_MIN_ROWS_PER_PROGRAM = 16
 CPU_BWD_PROGRAMS = 4
+BWD_PREFETCH = True  # load the next tile while computing this one
 _KNOBS = sys.modules[__name__]  # read at launch time by norm_common's tiling
 
 
@@ -108,7 +109,7 @@ if triton is not None:
         n_blocks, blocks_per_program,
         HAS_WEIGHT: tl.constexpr, COMPUTE_DX: tl.constexpr,
         COMPUTE_DW: tl.constexpr, COMPUTE_DB: tl.constexpr,
-        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, TILE_ACC: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, TILE_ACC: tl.constexpr, PREFETCH: tl.constexpr,
     ):
         """A contiguous range of row tiles: grad rows and partial dW / dB rows (fp32)."""
         pid = tl.program_id(0)
@@ -122,15 +123,21 @@ if triton is not None:
         acc_b = fold_rows(tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32), TILE_ACC)
         first = pid * blocks_per_program
         last = tl.minimum(first + blocks_per_program, n_blocks)
+        # PREFETCH: the loads of tile b + 1 are issued before tile b is computed (rms_norm.py).
+        x, dy, mean = load_row_tiles(x_ptr, dy_ptr, mean_ptr, first, last, n_rows, stride_x, stride_dy,
+                                     cols, col_mask, BLOCK_M, PREFETCH)
         for block in range(first, last):
+            if PREFETCH:
+                x_next, dy_next, mean_next = load_row_tiles(
+                    x_ptr, dy_ptr, mean_ptr, block + 1, last, n_rows, stride_x, stride_dy,
+                    cols, col_mask, BLOCK_M, True,
+                )
+            else:
+                x, dy, mean = load_row_tiles(x_ptr, dy_ptr, mean_ptr, block, last, n_rows, stride_x,
+                                             stride_dy, cols, col_mask, BLOCK_M, True)
             rows = (block * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
             row_mask = rows < n_rows
             mask = row_mask[:, None] & col_mask[None, :]
-            x = tl.load(x_ptr + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0)
-            x = x.to(tl.float32)
-            dy = tl.load(dy_ptr + rows[:, None] * stride_dy + cols[None, :], mask=mask, other=0.0)
-            dy = dy.to(tl.float32)
-            mean = tl.load(mean_ptr + rows, mask=row_mask, other=0.0)
             rstd = tl.load(rstd_ptr + rows, mask=row_mask, other=0.0)
             xhat = tl.where(mask, (x - mean[:, None]) * rstd[:, None], 0.0)
             if COMPUTE_DW:
@@ -150,6 +157,8 @@ if triton is not None:
                     dx.to(dx_ptr.dtype.element_ty),
                     mask=mask,
                 )
+            if PREFETCH:
+                x, dy, mean = x_next, dy_next, mean_next
         if COMPUTE_DW:
             tl.store(dw_partial_ptr + pid * n_cols + cols, acc_row(acc_w, TILE_ACC), mask=col_mask)
         if COMPUTE_DB:
@@ -195,7 +204,7 @@ def _backward(dy2, x2, weight, mean, rstd, need_dx, need_dw, need_db, sum_dtype=
             n_blocks, blocks_per_program,
             HAS_WEIGHT=weight is not None, COMPUTE_DX=need_dx,
             COMPUTE_DW=need_dw, COMPUTE_DB=need_db,
-            BLOCK_M=block_m, BLOCK_N=block_n, TILE_ACC=tile_acc, num_warps=warps,
+            BLOCK_M=block_m, BLOCK_N=block_n, TILE_ACC=tile_acc, PREFETCH=BWD_PREFETCH, num_warps=warps,
         )
     sums = sum_partials(partial, sum_dtype) if n_partial else None
     dw = sums[0] if need_dw else None

@@ -88,14 +88,15 @@ if triton is not None:
         n_iter = tl.where(valid, n_blocks, 0)
         offs = tl.arange(0, BLOCK)
 
-        # pass 1: online max / sum-exp with scalar state per row (one exp per element),
-        # plus the sums for smoothing, entropy and the mean logit
+        # pass 1: online max / sum-exp: a scalar running max (one exp per element) and per-lane
+        # [BLOCK] sums rescaled by the scalar factor, reduced once after the loop (one block-wide
+        # reduction per block -- the max -- instead of one per statistic)
         m = -1e30
-        d = 0.0
-        e = 0.0
-        s = 0.0
-        sw = 0.0
-        w_sum_acc = 0.0
+        d = tl.zeros([BLOCK], dtype=tl.float32)
+        e = tl.zeros([BLOCK], dtype=tl.float32)
+        s = tl.zeros([BLOCK], dtype=tl.float32)
+        sw = tl.zeros([BLOCK], dtype=tl.float32)
+        w_sum_acc = tl.zeros([BLOCK], dtype=tl.float32)
         for b in range(0, n_iter):
             cols = b * BLOCK + offs
             mask = cols < V
@@ -106,16 +107,23 @@ if triton is not None:
             m_new = tl.maximum(m, tl.max(zm, axis=0))
             alpha = tl.exp(m - m_new)
             p = tl.exp(zm - m_new)
-            d = d * alpha + tl.sum(p, axis=0)
+            d = d * alpha + p
             if NEED_ENT:
-                e = e * alpha + tl.sum(p * z, axis=0)
+                e = e * alpha + p * z
             m = m_new
-            if NEED_LSUM:  # a block-wide reduction per block: only when asked for
-                s += tl.sum(z, axis=0)
+            if NEED_LSUM:
+                s += z
             if HAS_CW:
                 w = tl.load(CW + cols, mask=mask, other=0.0).to(tl.float32)
-                sw += tl.sum(w * z, axis=0)
-                w_sum_acc += tl.sum(w, axis=0)
+                sw += w * z
+                w_sum_acc += w
+        d = tl.sum(d, axis=0)
+        e_tot = 0.0
+        if NEED_ENT:
+            e_tot = tl.sum(e, axis=0)
+        s_tot = 0.0
+        if NEED_LSUM:
+            s_tot = tl.sum(s, axis=0)
         d = tl.where(valid, d, 1.0)  # ignored rows: no NaN/inf on the way to the zero outputs
         lse = tl.where(valid, m + tl.log(d), 0.0)
 
@@ -124,22 +132,23 @@ if triton is not None:
         logp = z_y - lse
         if HAS_CW:
             w_y = tl.load(CW + safe).to(tl.float32)
-            w_sum = w_sum_acc
+            w_sum = tl.sum(w_sum_acc, axis=0)
+            sw_tot = tl.sum(sw, axis=0)
         else:
             w_y = 1.0
             w_sum = V * 1.0
-            sw = s  # NEED_LSUM is set whenever smoothing needs it
+            sw_tot = s_tot  # NEED_LSUM is set whenever smoothing needs it
         if MODE_CE:
-            loss = (1.0 - eps) * w_y * (-logp) + eps / V * (w_sum * lse - sw) + z_w * lse * lse
+            loss = (1.0 - eps) * w_y * (-logp) + eps / V * (w_sum * lse - sw_tot) + z_w * lse * lse
         else:
             loss = logp
         tl.store(LOSS + row, tl.where(valid, loss, 0.0))
         tl.store(LSE + row, tl.where(valid, lse, 0.0))
         tl.store(LOGP + row, tl.where(valid, logp, 0.0))
         tl.store(CORRECT + row, tl.where(valid & (z_y >= m), 1, 0).to(tl.int8))
-        tl.store(LSUM + row, tl.where(valid, s, 0.0))
+        tl.store(LSUM + row, tl.where(valid, s_tot, 0.0))
         if NEED_ENT:
-            ent = lse - e / d
+            ent = lse - e_tot / d
             tl.store(ENT + row, tl.where(valid, ent, 0.0))
 
         # pass 2: gradient d loss / d x, times the row scale, in place
@@ -237,10 +246,16 @@ def _logits_tile_torch(
     return stats
 
 
+# Columns per block of the row loops and warps per program on the GPU (module constants so that
+# ``benchmark/bench_kernels_ce.py --sweep`` can set them; NUM_WARPS 0: 8 for blocks >= 2048, else 4).
+BLOCK_CAP = 4096
+NUM_WARPS = 0
+
+
 def _block_settings(V: int) -> tuple[int, int]:
-    cap = 1024 if triton_interpret() else 4096
+    cap = 1024 if triton_interpret() else BLOCK_CAP
     block = min(next_power_of_2(V), cap)
-    warps = 8 if block >= 2048 else 4
+    warps = NUM_WARPS or (8 if block >= 2048 else 4)
     return block, warps
 
 

@@ -75,6 +75,23 @@ if triton is not None:
         return out
 
     @triton.jit
+    def load_row_tiles(x_ptr, dy_ptr, stat_ptr, block, last, n_rows, stride_x, stride_dy,
+                       cols, col_mask, BLOCK_M: tl.constexpr, ACTIVE: tl.constexpr):
+        """Tile ``block`` of the backward (rows ``block * BLOCK_M + [0, BLOCK_M)``): ``x`` and
+        ``dy`` as fp32 ``[BLOCK_M, BLOCK_N]`` and the per-row fp32 statistic; zeros where the rows
+        run past ``n_rows`` or ``block >= last``, and nothing loaded unless ``ACTIVE``."""
+        rows = (block * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
+        if ACTIVE:  # rows of tiles >= last are at or past last * BLOCK_M
+            row_mask = rows < tl.minimum(n_rows, last * BLOCK_M)
+        else:
+            row_mask = rows < 0
+        mask = row_mask[:, None] & col_mask[None, :]
+        x = tl.load(x_ptr + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0)
+        dy = tl.load(dy_ptr + rows[:, None] * stride_dy + cols[None, :], mask=mask, other=0.0)
+        stat = tl.load(stat_ptr + rows, mask=row_mask, other=0.0)
+        return x.to(tl.float32), dy.to(tl.float32), stat
+
+    @triton.jit
     def acc_row(acc, TILE_ACC: tl.constexpr):
         """The ``[BLOCK_N]`` partial row of an accumulator built with :func:`fold_rows`."""
         if TILE_ACC:

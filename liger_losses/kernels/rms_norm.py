@@ -55,7 +55,7 @@ from liger_losses.kernels.utils import IMPLS, as_rows, check_choice, check_numbe
 
 triton, tl = import_triton()
 if triton is not None:
-    from liger_losses.kernels.norm_common import acc_row, fold_rows  # jit helpers of the backward
+    from liger_losses.kernels.norm_common import acc_row, fold_rows, load_row_tiles  # jit helpers of the backward
 
 CASTING_MODES = ("llama", "gemma", "none")
 _CASTING_CODE = {"llama": 0, "gemma": 1, "none": 2}
@@ -79,6 +79,8 @@ MAX_ROWS_PER_TILE = 16
 # written then summed by norm_common.sum_partials) at 132 x H x 4 bytes: 2.1 MiB at H=4096.
 BWD_PROGRAMS_PER_SM = 1
 BWD_MIN_ROWS_PER_PROGRAM = 16
+# Backward: load the next tile while computing this one (see the kernel).
+BWD_PREFETCH = True
 # Backward programs on the CPU interpreter (small: the interpreter is slow per program).
 CPU_BWD_PROGRAMS = 4
 _KNOBS = sys.modules[__name__]  # read at launch time by norm_common's tiling
@@ -127,7 +129,7 @@ if triton is not None:
         offset, n_blocks, blocks_per_program,
         CASTING: tl.constexpr, HAS_WEIGHT: tl.constexpr,
         COMPUTE_DX: tl.constexpr, COMPUTE_DW: tl.constexpr,
-        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, TILE_ACC: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, TILE_ACC: tl.constexpr, PREFETCH: tl.constexpr,
     ):
         """A contiguous range of row tiles: grad rows (dx may alias dy) and a partial dW row."""
         pid = tl.program_id(0)
@@ -144,15 +146,21 @@ if triton is not None:
         acc = fold_rows(tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32), TILE_ACC)
         first = pid * blocks_per_program
         last = tl.minimum(first + blocks_per_program, n_blocks)
+        # PREFETCH: the loads of tile b + 1 are issued before tile b is computed (two tiles in
+        # flight per program: one program per SM alone leaves HBM latency exposed).
+        x, dy, rstd = load_row_tiles(x_ptr, dy_ptr, rstd_ptr, first, last, n_rows, stride_x, stride_dy,
+                                     cols, col_mask, BLOCK_M, PREFETCH)
         for block in range(first, last):
+            if PREFETCH:
+                x_next, dy_next, rstd_next = load_row_tiles(
+                    x_ptr, dy_ptr, rstd_ptr, block + 1, last, n_rows, stride_x, stride_dy,
+                    cols, col_mask, BLOCK_M, True,
+                )
+            else:
+                x, dy, rstd = load_row_tiles(x_ptr, dy_ptr, rstd_ptr, block, last, n_rows, stride_x,
+                                             stride_dy, cols, col_mask, BLOCK_M, True)
             rows = (block * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
-            row_mask = rows < n_rows
-            mask = row_mask[:, None] & col_mask[None, :]
-            x = tl.load(x_ptr + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0)
-            x = x.to(tl.float32)
-            dy = tl.load(dy_ptr + rows[:, None] * stride_dy + cols[None, :], mask=mask, other=0.0)
-            dy = dy.to(tl.float32)
-            rstd = tl.load(rstd_ptr + rows, mask=row_mask, other=0.0)
+            mask = (rows < n_rows)[:, None] & col_mask[None, :]
             y = x * rstd[:, None]
             if COMPUTE_DW:
                 if CASTING == 0:
@@ -172,6 +180,8 @@ if triton is not None:
                     dx.to(dx_ptr.dtype.element_ty),
                     mask=mask,
                 )
+            if PREFETCH:
+                x, dy, rstd = x_next, dy_next, rstd_next
         if COMPUTE_DW:
             tl.store(dw_partial_ptr + pid * n_cols + cols, acc_row(acc, TILE_ACC), mask=col_mask)
 
@@ -215,7 +225,7 @@ def _backward(dy2, x2, weight, rstd, offset, casting_mode, need_dx, need_dw, inp
             float(offset), n_blocks, blocks_per_program,
             CASTING=_CASTING_CODE[casting_mode], HAS_WEIGHT=weight is not None,
             COMPUTE_DX=need_dx, COMPUTE_DW=need_dw,
-            BLOCK_M=block_m, BLOCK_N=block_n, TILE_ACC=tile_acc, num_warps=warps,
+            BLOCK_M=block_m, BLOCK_N=block_n, TILE_ACC=tile_acc, PREFETCH=BWD_PREFETCH, num_warps=warps,
         )
     dw = sum_partials(partial, weight.dtype)[0] if need_dw else None
     return dx, dw

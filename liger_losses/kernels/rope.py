@@ -50,8 +50,11 @@ from liger_losses.kernels.utils import (
 
 triton, tl = import_triton()
 
-# Elements of one [heads, R/2] tile the kernel holds per tensor (x1, x2, out1, out2 each).
+# Elements of one [heads, R/2] tile the kernel holds per tensor (x1, x2, out1, out2 each), and the
+# warps per program (0: 8 for tiles of >= 2048 elements, else 4). Module constants so that
+# ``benchmark/bench_rope.py --sweep`` can set them (then call ``_config.cache_clear()``).
 TILE_ELEMENTS = 2048
+NUM_WARPS = 0
 
 
 if triton is not None:
@@ -139,7 +142,7 @@ def _config(rot: int, d: int, n_qh: int, n_kh: int, rotate_pass: bool):
     max_h = max(1, TILE_ELEMENTS // half_block)
     block_hq = min(next_power_of_2(max(n_qh, 1)), max_h)
     block_hk = min(next_power_of_2(max(n_kh, 1)), max_h)
-    warps = 8 if max(block_hq, block_hk) * half_block >= 2048 else 4
+    warps = NUM_WARPS or (8 if max(block_hq, block_hk) * half_block >= 2048 else 4)
     return half, half_block, pass_dims, pass_block, block_hq, block_hk, warps
 
 

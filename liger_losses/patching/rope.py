@@ -10,13 +10,18 @@ Shapes as in Hugging Face: ``q`` ``[B, n_q_heads, T, D]``, ``k`` ``[B, n_kv_head
 e.g. Phi-3 with ``partial_rotary_factor < 1``) only the first ``R`` features are rotated and the
 rest pass through, exactly as the Hugging Face function does (the kernel handles it). Any float dtype; outputs keep it.
 
-In-place rotation: for the families listed in ``INPLACE_FAMILIES`` the replacement rotates q and k
-in place (``inplace=True``): their attention builds q/k as ``proj(h).view(B, T, H, D).transpose(1, 2)``
+In-place rotation (off by default): for the families listed in ``INPLACE_FAMILIES`` the
+replacement can rotate q and k in place (``inplace=True``): their attention builds q/k as ``proj(h).view(B, T, H, D).transpose(1, 2)``
 fresh tensors used by nothing but the rotation, so this is
 safe and saves the outputs' allocation (Qwen3's q/k are views of its q_norm/k_norm outputs, which our
 RMSNorm returns as plain tensors so that autograd allows it). Phi-3 is excluded (q/k are slices of one
 qkv tensor).
-Set ``liger_losses.patching.rope.INPLACE = False`` to turn it off at call time.
+Set ``liger_losses.patching.rope.INPLACE = True`` to turn it on at call time. It is off because it
+does not pay in a training step: the rotated q/k replace the projection views, whose memory is freed
+right away, so out of place costs only a transient copy, while in place makes autograd route the
+gradient through the view's ``CopySlices`` (a clone of the whole projection gradient). Measured on an
+H200 (8B shapes, forward + backward, GPU time): 0.112 ms out of place vs 0.164 in place at 8192 tokens,
+0.413 vs 0.611 at 32768; host time per forward call 0.10 vs 0.22 ms.
 """
 
 from __future__ import annotations
@@ -25,8 +30,8 @@ import inspect
 from typing import Callable
 
 
-# Module-level switch read at every call of the in-place replacements.
-INPLACE = True
+# Module-level switch read at every call of the in-place replacements (see the module docstring).
+INPLACE = False
 
 # transformers model families whose attention passes q/k to apply_rotary_pos_emb as fresh views of
 # the projection (or q_norm/k_norm) outputs used by nothing else (checked in transformers 5.x).
