@@ -22,12 +22,14 @@ arguments passed by keyword, and whenever something unexpected happens (a fast l
 while the slow path succeeds turns the fast path off for that kernel).
 
 Fast path key (a refinement of Triton's own specialization: the same key means Triton would pick
-the same compiled kernel): the current device, Triton's debug/instrumentation knobs, and per
+the same compiled kernel): the current device, the debug flags (``knobs.runtime.debug``, the
+kernel's own) and Triton's instrumentation knobs (the options ``JITFunction.run`` adds), and per
 positional argument its exact type plus
 
 * tensor: ``dtype`` and ``data_ptr() % 16 == 0``;
-* int: ``== 1`` (Triton turns 1 into a constexpr), ``% 16 == 0``, in int32 range, in int64 range
-  (Triton: ``i32`` / ``i64`` / ``u64``, ``"D"`` for divisible by 16);
+* int: ``== 1`` (Triton turns 1 into a constexpr), ``% 16 == 0``, in int32 range, ``<= 2**63-1``
+  (Triton: ``i32`` / ``i64`` / ``u64``, ``"D"`` for divisible by 16; below ``-2**63`` both
+  Triton and the compiled launcher raise ``OverflowError``);
 * bool, float, None: the type only (Triton: ``u1``, ``fp32``, constexpr ``None``);
 
 plus the keyword arguments (names, values and value types: constexprs and launch options). The
@@ -130,7 +132,7 @@ def _triton_unsupported_reason() -> Optional[str]:
         return f"triton internals missing: {exc!r}"
     if not isinstance(inspect.getattr_static(CompiledKernel, "run", None), property):
         return "CompiledKernel.run is not a property"
-    for name in ("launch_enter_hook", "launch_exit_hook", "debug"):
+    for name in ("launch_enter_hook", "launch_exit_hook", "debug", "add_stages_inspection_hook"):
         if not hasattr(knobs.runtime, name):
             return f"triton.knobs.runtime.{name} missing"
     if not hasattr(knobs.compilation, "instrumentation_mode"):
@@ -182,7 +184,7 @@ def make_key_fn(kinds: tuple) -> Callable[..., tuple]:
                 f"{n} == 1",
                 f"({n} & 15) == 0",
                 f"-2147483648 <= {n} <= 2147483647",
-                f"-9223372036854775808 <= {n} <= 9223372036854775807",
+                f"{n} <= 9223372036854775807",  # i64 vs u64 (below -2**63 triton raises)
             ]
     body = "(" + "".join(p + ", " for p in parts) + ")"
     src = f"def key({', '.join(names)}):\n    return {body}\n"
@@ -256,7 +258,7 @@ class FastKernel:
             return partial(self._slow, grid, None)
         return partial(self._launch, grid)
 
-    def _launch(self, grid, *args, **kwargs):
+    def _launch(self, grid, /, *args, **kwargs):
         keyfn = self._keyfn
         if keyfn is None:
             return self._first(grid, args, kwargs)
@@ -266,7 +268,7 @@ class FastKernel:
             dev = self._get_device()
             key = (
                 dev, keyfn(*args), tuple(kwargs.items()), tuple(map(type, kwargs.values())),
-                rt.debug, comp.instrumentation_mode,
+                rt.debug, self.jit_fn.debug, comp.instrumentation_mode,
                 comp.fpsan_homomorphic_casts if self._has_fpsan else None,
             )
             entry = self._cache.get(key)
@@ -304,7 +306,7 @@ class FastKernel:
         self._turn_off(f"fast launch raised {exc!r} where the slow path did not")
         return kernel
 
-    def _slow(self, grid, key, *args, **kwargs):
+    def _slow(self, grid, key, /, *args, **kwargs):
         kernel = self.jit_fn[grid](*args, **kwargs)
         self.slow_launches += 1
         if key is not None and self._keyfn is not None:
@@ -378,5 +380,8 @@ _MISSING = object()
 
 def fast_kernel(jit_fn) -> FastKernel:
     """Wrap a ``@triton.jit`` kernel so that ``fast_kernel(k)[grid](*args, **kwargs)`` launches
-    it like ``k[grid](*args, **kwargs)`` with less host time (see the module docstring)."""
+    it like ``k[grid](*args, **kwargs)`` with less host time (see the module docstring). A
+    ``FastKernel`` given here is unwrapped first (a new wrapper around the same kernel)."""
+    if isinstance(jit_fn, FastKernel):
+        jit_fn = jit_fn.jit_fn
     return FastKernel(jit_fn)

@@ -63,7 +63,10 @@ MAX_ROWS_PER_TILE = 16
 BWD_PROGRAMS_PER_SM = 1
 BWD_MIN_ROWS_PER_PROGRAM = 16
 CPU_BWD_PROGRAMS = 4
-BWD_PREFETCH = True  # load the next tile while computing this one
+# Load the next tile while computing this one: H200 sweep (graph time, forward + backward, bf16,
+# H=4096, one program per SM, 2-row tiles): 0.107 / 0.195 / 0.364 ms at 8k / 16k / 32k tokens
+# (1.37x / 1.25x / 1.17x the HBM floor) vs 0.124 / 0.235 / 0.447 without.
+BWD_PREFETCH = True
 _KNOBS = sys.modules[__name__]  # read at launch time by norm_common's tiling
 
 

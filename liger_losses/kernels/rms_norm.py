@@ -79,7 +79,10 @@ MAX_ROWS_PER_TILE = 16
 # written then summed by norm_common.sum_partials) at 132 x H x 4 bytes: 2.1 MiB at H=4096.
 BWD_PROGRAMS_PER_SM = 1
 BWD_MIN_ROWS_PER_PROGRAM = 16
-# Backward: load the next tile while computing this one (see the kernel).
+# Backward: load the next tile while computing this one (see the kernel). H200 sweep (graph time,
+# forward + backward, bf16, H=4096, one program per SM, 4-row tiles): 0.101 / 0.185 / 0.356 ms at
+# 8k / 16k / 32k tokens (1.30x / 1.19x / 1.14x the HBM floor) vs 0.107 / 0.190 / 0.359 without;
+# H=896: 0.041 vs 0.045 ms.
 BWD_PREFETCH = True
 # Backward programs on the CPU interpreter (small: the interpreter is slow per program).
 CPU_BWD_PROGRAMS = 4
