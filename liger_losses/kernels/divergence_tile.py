@@ -53,6 +53,7 @@ from typing import NamedTuple, Optional, Union
 import torch
 import torch.nn.functional as F
 
+from liger_losses.kernels.launch import fast_kernel
 from .utils import (
     check_choice,
     check_labels,
@@ -405,6 +406,9 @@ if triton is not None:
                     onehot_k = tl.where(idx == label, 1.0, 0.0)
                     gval += tl.where(has_label, c_hard * (prk - onehot_k), 0.0)
                 tl.store(s_row + idx, gval.to(s_ptr.dtype.element_ty), mask=valid)
+
+    # host launches go through launch.fast_kernel (the compiled launcher after a first launch)
+    _divergence_tile_kernel = fast_kernel(_divergence_tile_kernel)
 
 
 # --------------------------------------------------------------------------- PyTorch fallback

@@ -33,6 +33,7 @@ from liger_losses.kernels.gated import (
     gated_backward,
     gated_forward,
 )
+from liger_losses.kernels.launch import fast_kernel
 from liger_losses.kernels.utils import check_choice, import_triton, resolve_impl
 
 triton, tl = import_triton()
@@ -97,6 +98,10 @@ if triton is not None:
         gelu, dgelu = _gelu_and_grad(a, TANH)
         tl.store(da_ptr + row * stride_da + cols, (dc * b * dgelu).to(da_ptr.dtype.element_ty), mask=mask)
         tl.store(db_ptr + row * stride_db + cols, (dc * gelu).to(db_ptr.dtype.element_ty), mask=mask)
+
+    # host launches go through launch.fast_kernel (the compiled launcher after a first launch)
+    _geglu_fwd_kernel = fast_kernel(_geglu_fwd_kernel)
+    _geglu_bwd_kernel = fast_kernel(_geglu_bwd_kernel)
 
 
 class GEGLUFunction(torch.autograd.Function):

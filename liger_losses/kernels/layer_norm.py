@@ -39,6 +39,7 @@ from torch.autograd.function import once_differentiable
 from liger_losses.kernels.norm_common import (
     bwd_tiling, check_norm_args, fwd_tiling, norm_impl, partial_rows, sum_partials,
 )
+from liger_losses.kernels.launch import fast_kernel
 from liger_losses.kernels.utils import (
     IMPLS, as_rows, check_choice, check_last_dim, check_tensor, device_ctx, import_triton,
 )
@@ -166,6 +167,10 @@ if triton is not None:
             tl.store(dw_partial_ptr + pid * n_cols + cols, acc_row(acc_w, TILE_ACC), mask=col_mask)
         if COMPUTE_DB:
             tl.store(db_partial_ptr + pid * n_cols + cols, acc_row(acc_b, TILE_ACC), mask=col_mask)
+
+    # host launches go through launch.fast_kernel (the compiled launcher after a first launch)
+    _layer_norm_fwd_kernel = fast_kernel(_layer_norm_fwd_kernel)
+    _layer_norm_bwd_kernel = fast_kernel(_layer_norm_bwd_kernel)
 
 
 # --------------------------------------------------------------------------- host side

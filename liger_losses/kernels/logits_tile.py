@@ -27,6 +27,7 @@ from typing import NamedTuple, Optional, Union
 import torch
 from torch import Tensor
 
+from liger_losses.kernels.launch import fast_kernel
 from liger_losses.kernels.utils import (
     check_choice,
     check_range,
@@ -182,6 +183,9 @@ if triton is not None:
                         g = g * (1.0 - t * t)
                     g = tl.where(valid, g, 0.0)
                     tl.store(g_ptr + cols, g.to(G.dtype.element_ty), mask=mask)
+
+    # host launches go through launch.fast_kernel (the compiled launcher after a first launch)
+    _logits_tile_kernel = fast_kernel(_logits_tile_kernel)
 
 
 def _transform_torch(x: Tensor, logit_scale, temperature, softcap):

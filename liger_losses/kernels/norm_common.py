@@ -21,6 +21,7 @@ from typing import Optional
 
 import torch
 
+from liger_losses.kernels.launch import fast_kernel
 from liger_losses.kernels.utils import (
     check_last_dim,
     device_ctx,
@@ -99,6 +100,9 @@ if triton is not None:
         else:
             out = acc
         return out
+
+    # host launches go through launch.fast_kernel (the compiled launcher after a first launch)
+    _sum_partials_kernel = fast_kernel(_sum_partials_kernel)
 
 
 def sum_partials(partial: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

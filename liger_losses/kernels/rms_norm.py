@@ -51,6 +51,7 @@ from torch.autograd.function import once_differentiable
 from liger_losses.kernels.norm_common import (
     bwd_tiling, check_norm_args, fwd_tiling, norm_impl, partial_rows, sum_partials,
 )
+from liger_losses.kernels.launch import fast_kernel
 from liger_losses.kernels.utils import IMPLS, as_rows, check_choice, check_number, device_ctx, import_triton
 
 triton, tl = import_triton()
@@ -187,6 +188,10 @@ if triton is not None:
                 x, dy, rstd = x_next, dy_next, rstd_next
         if COMPUTE_DW:
             tl.store(dw_partial_ptr + pid * n_cols + cols, acc_row(acc, TILE_ACC), mask=col_mask)
+
+    # host launches go through launch.fast_kernel (the compiled launcher after a first launch)
+    _rms_norm_fwd_kernel = fast_kernel(_rms_norm_fwd_kernel)
+    _rms_norm_bwd_kernel = fast_kernel(_rms_norm_bwd_kernel)
 
 
 # --------------------------------------------------------------------------- host side

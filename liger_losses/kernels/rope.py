@@ -38,6 +38,7 @@ from typing import Optional
 
 import torch
 
+from liger_losses.kernels.launch import fast_kernel
 from liger_losses.kernels.utils import (
     check_same_device,
     check_tensor,
@@ -123,6 +124,9 @@ if triton is not None:
             k_ptr, ko_ptr, b * k_sb + t * k_st, b * ko_sb + t * ko_st, n_kh, k_sh, ko_sh,
             c1, c2, s1, s2, d, d_mask, HALF, PASS, PASS_BLOCK, BLOCK_HK, BACKWARD,
         )
+
+    # host launches go through launch.fast_kernel (the compiled launcher after a first launch)
+    _rope_kernel = fast_kernel(_rope_kernel)
 
 
 def _bth_strides(x: torch.Tensor, head_dim_index: int) -> tuple[int, int, int]:

@@ -38,6 +38,7 @@ from liger_losses.kernels.gated import (
     gated_forward,
     launch_rows,
 )
+from liger_losses.kernels.launch import fast_kernel
 from liger_losses.kernels.utils import check_tensor, import_triton, resolve_impl
 
 triton, tl = import_triton()
@@ -86,6 +87,10 @@ if triton is not None:
         da = dc * b * (sig + silu * (1.0 - sig))
         tl.store(da_ptr + row * stride_da + cols, da.to(da_ptr.dtype.element_ty), mask=mask)
         tl.store(db_ptr + row * stride_db + cols, db.to(db_ptr.dtype.element_ty), mask=mask)
+
+    # host launches go through launch.fast_kernel (the compiled launcher after a first launch)
+    _swiglu_fwd_kernel = fast_kernel(_swiglu_fwd_kernel)
+    _swiglu_bwd_kernel = fast_kernel(_swiglu_bwd_kernel)
 
 
 # --------------------------------------------------------------------------- autograd
