@@ -58,8 +58,7 @@ PROVIDERS = {
 
 
 def sweep() -> None:
-    """Ours at a few (BLOCK_CAP, NUM_WARPS, PROGRAMS_PER_SM) settings of kernels.logits_tile,
-    8192 x 128256 (PROGRAMS_PER_SM 0: one program per row)."""
+    """Ours at a few (BLOCK_CAP, NUM_WARPS) settings of kernels.logits_tile, 8192 x 128256."""
     from benchmark.common import print_table
     from liger_losses.kernels import logits_tile as lt
 
@@ -68,12 +67,11 @@ def sweep() -> None:
     y = torch.randint(0, V, (N,), device="cuda")
     y[::10] = -100
     fn_loss = ours()
-    defaults = lt.BLOCK_CAP, lt.NUM_WARPS, lt.PROGRAMS_PER_SM
+    defaults = lt.BLOCK_CAP, lt.NUM_WARPS
     results = []
-    for block, warps, pps in ((4096, 8, 0), (4096, 8, 0), (2048, 4, 0), (4096, 8, 1), (4096, 8, 2), (4096, 8, 4),
-                              (4096, 16, 1), (4096, 16, 2), (8192, 16, 1), (8192, 32, 1), (16384, 32, 1),
-                              (32768, 32, 1), (2048, 4, 4), (2048, 4, 8), (4096, 32, 1)):
-        lt.BLOCK_CAP, lt.NUM_WARPS, lt.PROGRAMS_PER_SM = block, warps, pps
+    for block, warps in ((4096, 8), (4096, 8), (2048, 4), (2048, 8), (4096, 16), (8192, 16), (16384, 32),
+                         (32768, 32)):
+        lt.BLOCK_CAP, lt.NUM_WARPS = block, warps
 
         def step():
             leaf = base.detach().requires_grad_()
@@ -81,9 +79,9 @@ def sweep() -> None:
             return torch.autograd.grad(loss, (leaf,))
 
         m = measure(step, warmup=5, rep=30)
-        results.append(dict(block=block, warps=warps, programs_per_sm=pps, ms=round(m.ms, 4),
+        results.append(dict(block=block, warps=warps, ms=round(m.ms, 4),
                             over_floor=round(m.ms / hbm_floor_ms(2 * N * V * 2), 3), error=(m.error or "")[:60]))
-    lt.BLOCK_CAP, lt.NUM_WARPS, lt.PROGRAMS_PER_SM = defaults
+    lt.BLOCK_CAP, lt.NUM_WARPS = defaults
     print_table(results, keys=list(results[0]))
 
 

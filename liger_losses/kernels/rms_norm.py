@@ -73,7 +73,7 @@ _CASTING_CODE = {"llama": 0, "gemma": 1, "none": 2}
 FWD_TILE_ELEMS = 4096
 BWD_TILE_ELEMS = 16384
 BWD_SMALL_H = 1024
-BWD_SMALL_H_TILE_ELEMS = 16384
+BWD_SMALL_H_TILE_ELEMS = 8192
 MAX_ROWS_PER_TILE = 16
 # Backward programs on CUDA: BWD_PROGRAMS_PER_SM per SM, but at least BWD_MIN_ROWS_PER_PROGRAM
 # rows each. One per SM is fastest (above) and keeps the fp32 partial rows ([programs, H],

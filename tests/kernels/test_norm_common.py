@@ -3,7 +3,8 @@ partial parameter-gradient rows that both norm backward kernels write ([P, H] or
 
 Held to the float64 sum of the same fp32 rows at 1e-6 relative for an fp32 result (fp32
 accumulation over at most a few hundred rows) and at bf16/fp16 rounding (1e-2) for a rounded one.
-Runs the Triton kernel (the interpreter on the CPU).
+Runs the Triton kernel (the interpreter on the CPU). Also: both norm backward kernels with the
+next-tile prefetch on and off, against float64 autograd.
 """
 
 import pytest
@@ -11,7 +12,7 @@ import torch
 
 from liger_losses.kernels.norm_common import sum_partials
 from liger_losses.kernels.utils import triton_runs_on
-from tests.helpers import assert_close_rel
+from tests.helpers import TOL, assert_close_rel
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -36,3 +37,31 @@ def test_sum_partials_more_rows_than_a_block():
     # 200 rows: several BLOCK_R steps of the row loop, and a ragged last one
     partial = torch.randn(200, 50, dtype=torch.float32, device=DEVICE)
     assert_close_rel(sum_partials(partial, torch.float32), partial.double().sum(0), 1e-6, "column sums")
+
+
+@pytest.mark.parametrize("prefetch", [False, True])
+@pytest.mark.parametrize("module", ["rms_norm", "layer_norm"])
+def test_backward_with_and_without_prefetch(module, prefetch, monkeypatch):
+    """The norm backward kernels with the next-tile prefetch on and off (``BWD_PREFETCH``) over
+    programs that walk several tiles (37 rows, 4 programs, tiles of 4 rows: full, partial and
+    empty last tiles): input and weight gradients within 1e-5 of float64 autograd (fp32)."""
+    import importlib
+
+    mod = importlib.import_module(f"liger_losses.kernels.{module}")
+    monkeypatch.setattr(mod, "BWD_PREFETCH", prefetch)
+    monkeypatch.setattr(mod, "BWD_SMALL_H_TILE_ELEMS", 4 * 64)
+    x = torch.randn(37, 50, device=DEVICE, requires_grad=True)
+    w = (torch.rand(50, device=DEVICE) + 0.5).requires_grad_()
+    dy = torch.randn(37, 50, device=DEVICE)
+    if module == "rms_norm":
+        out = mod.rms_norm(x, w, eps=1e-6, impl="triton")
+        xd, wd = x.detach().double().requires_grad_(), w.detach().double().requires_grad_()
+        ref = wd * (xd * torch.rsqrt(xd.pow(2).mean(-1, keepdim=True) + 1e-6))
+    else:
+        out = mod.layer_norm(x, w, None, eps=1e-5, impl="triton")
+        xd, wd = x.detach().double().requires_grad_(), w.detach().double().requires_grad_()
+        ref = torch.nn.functional.layer_norm(xd, (50,), wd, None, 1e-5)
+    gx, gw = torch.autograd.grad(out, (x, w), dy)
+    rx, rw = torch.autograd.grad(ref, (xd, wd), dy.double())
+    assert_close_rel(gx, rx, TOL[torch.float32], "grad hidden")
+    assert_close_rel(gw, rw, TOL[torch.float32], "grad weight")
