@@ -24,7 +24,7 @@ Providers:
 Training settings (all providers): bf16=True (autocast; weights already bf16), gradient_checkpointing=True
 with ``gradient_checkpointing_kwargs={"use_reentrant": False}`` (set explicitly so every transformers
 version does the same; recorded in the ``grad_ckpt_kwargs`` column),
-``optim="adamw_torch_fused"``, lr 1e-6 constant, per_device_train_batch_size=1, gradient accumulation 1,
+``optim="adamw_torch_fused"``, lr 1e-6 constant, per_device_train_batch_size=1 (``--batch``), gradient accumulation 1,
 no eval, no saving, ``report_to="none"``, huge ``logging_steps``, ``dataloader_num_workers=0``, one process.
 
 Measurement: a ``TrainerCallback`` records ``torch.cuda.synchronize(); time.perf_counter()`` at every
@@ -226,13 +226,13 @@ def free_memory(cuda: bool) -> None:
 # --------------------------------------------------------------------------- one configuration
 
 
-def make_config(task: str, provider: str, *, seq: int, steps: int, out_dir: str, tiny: bool):
+def make_config(task: str, provider: str, *, seq: int, steps: int, out_dir: str, tiny: bool, batch: int = 1):
     import trl
 
     kwargs = dict(
         output_dir=out_dir,
         max_steps=steps,
-        per_device_train_batch_size=1,
+        per_device_train_batch_size=batch,
         gradient_accumulation_steps=1,
         learning_rate=1e-6,
         lr_scheduler_type="constant",
@@ -275,8 +275,8 @@ def make_trainer(task: str, provider: str, model, ref_model, args, dataset, toke
 
 
 def run_one(task: str, provider: str, *, seq: int, warmup: int, timed: int, tiny: bool, profile: bool = False,
-            cprofile: bool = False) -> Row:
-    case = f"{task}_seq{seq}"
+            cprofile: bool = False, batch: int = 1) -> Row:
+    case = f"{task}_seq{seq}" + (f"_b{batch}" if batch > 1 else "")
     cuda = not tiny
     device = "cpu" if tiny else "cuda"
     shape = TINY if tiny else LLAMA_3_2_1B
@@ -293,12 +293,12 @@ def run_one(task: str, provider: str, *, seq: int, warmup: int, timed: int, tiny
         warnings.simplefilter("always")
         try:
             tokenizer = build_tokenizer(vocab)
-            dataset = (dpo_dataset if task == "dpo" else sft_dataset)(steps, seq, vocab, seed=1)
+            dataset = (dpo_dataset if task == "dpo" else sft_dataset)(steps * batch, seq, vocab, seed=1)
             model = build_model(shape, device=device, dtype=torch.bfloat16, seed=0)
             if task == "dpo":
                 ref_model = build_model(shape, device=device, dtype=torch.bfloat16, seed=0).eval()
                 ref_model.requires_grad_(False)
-            args = make_config(task, provider, seq=seq, steps=steps, out_dir=out_dir, tiny=tiny)
+            args = make_config(task, provider, seq=seq, steps=steps, out_dir=out_dir, tiny=tiny, batch=batch)
             extra["grad_ckpt_kwargs"] = str(args.gradient_checkpointing_kwargs)
             profile_path = ""
             if profile:
@@ -403,6 +403,9 @@ def main(argv=None) -> int:
                          "runs); a row's ms is the median over all rounds' timed steps")
     ap.add_argument("--profile", action="store_true",
                     help="torch.profiler summary of two timed steps per configuration (profile_<case>_<provider>.txt)")
+    ap.add_argument("--batch", type=int, default=1,
+                    help="per_device_train_batch_size (default 1; 8 is the TrainingArguments default); cases "
+                         "with batch > 1 are named <task>_seq<S>_b<batch>")
     ap.add_argument("--cprofile", action="store_true",
                     help="cProfile of the timed steps per configuration (cprofile_<case>_<provider>.txt)")
     a = ap.parse_args(argv)
@@ -443,18 +446,19 @@ def main(argv=None) -> int:
         for task, _round, provider in itertools.product(a.tasks, range(a.rounds), a.providers):
             elapsed = time.perf_counter() - t0
             if elapsed > a.budget_s:
-                rows.append(Row(bench="trainer", case=f"{task}_seq{seq}", mode="step", provider=provider,
+                rows.append(Row(bench="trainer", case=f"{task}_seq{seq}" + (f"_b{a.batch}" if a.batch > 1 else ""),
+                                mode="step", provider=provider,
                                 ms=float("nan"), peak_mib=float("nan"),
                                 extra=dict(seq=seq, tokens_per_s=float("nan"), tokens_per_step=float("nan"),
                                            train_loss=float("nan"), note=""),
                                 error=f"skipped: time budget {a.budget_s:.0f} s used ({elapsed:.0f} s)"))
                 continue
             rows.append(run_one(task, provider, seq=seq, warmup=warmup, timed=timed, tiny=a.tiny,
-                                profile=a.profile, cprofile=a.cprofile))
+                                profile=a.profile, cprofile=a.cprofile, batch=a.batch))
     print(f"bench_trainer: all configurations in {time.perf_counter() - t0:.0f} s", flush=True)
     rows = merge_rounds(rows)
 
-    name = "trainer_tiny" if a.tiny else "trainer"
+    name = "trainer_tiny" if a.tiny else ("trainer" if a.batch == 1 else f"trainer_b{a.batch}")
     write_results(name, rows)
     print()
     print_table([{"case": r.case, "provider": r.provider, "ms": round(r.ms, 1), "tokens_per_step": r.extra["tokens_per_step"],
