@@ -69,8 +69,8 @@ def sweep() -> None:
     fn_loss = ours()
     defaults = lt.BLOCK_CAP, lt.NUM_WARPS
     results = []
-    for block, warps in ((4096, 8), (4096, 8), (2048, 4), (2048, 8), (4096, 16), (8192, 16), (16384, 32),
-                         (32768, 32)):
+    for block, warps in ((4096, 8), (4096, 8), (1024, 4), (1024, 8), (2048, 4), (2048, 16), (4096, 16),
+                         (4096, 32), (8192, 32), (2048, 32), (16384, 16), (32768, 32)):
         lt.BLOCK_CAP, lt.NUM_WARPS = block, warps
 
         def step():
