@@ -1,0 +1,71 @@
+"""Diagnostic (GPU): registers, spills and time of the cross-entropy tile kernel per (block, warps),
+beside liger-kernel 0.8.5's kernel, on 8192 x 128256 bf16 logits (forward + backward, eager do_bench).
+
+Why a row's second pass hits or misses L2 depends on how many rows run at once per SM, which the
+kernel's register count decides; this prints it. Output of the session-3 runs:
+``benchmark/results/session3/logs/ce_registers.log``.
+
+    python benchmark/diag_ce_registers.py [--configs 4096x8 32768x32 ...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch  # noqa: E402
+import triton  # noqa: E402
+
+from liger_losses.kernels import logits_tile as lt  # noqa: E402
+from liger_losses.kernels.cross_entropy import cross_entropy  # noqa: E402
+
+
+def compiled_kernels(wrapper) -> list:
+    """The CompiledKernels a launch.FastKernel has cached so far."""
+    return [entry[4] for entry in wrapper._cache.values()]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--configs", nargs="+", default=["4096x8", "2048x4", "1024x4", "32768x32"])
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        print("diag_ce_registers: needs a CUDA GPU")
+        return
+    N, V = 8192, 128256
+    x = torch.randn(N, V, device="cuda", dtype=torch.bfloat16) * 2
+    y = torch.randint(0, V, (N,), device="cuda")
+    y[::10] = -100
+
+    def step(loss_fn):
+        leaf = x.detach().requires_grad_()
+        return torch.autograd.grad(loss_fn(leaf, y), (leaf,))
+
+    for cfg in args.configs:
+        block, warps = (int(v) for v in cfg.split("x"))
+        lt.BLOCK_CAP, lt.NUM_WARPS = block, warps
+        lt._logits_tile_kernel.reset()
+        step(cross_entropy)
+        step(cross_entropy)
+        for ck in compiled_kernels(lt._logits_tile_kernel):
+            print(f"ours {block}/{warps}: regs {ck.n_regs} spills {ck.n_spills}", flush=True)
+        print(f"  {triton.testing.do_bench(lambda: step(cross_entropy), warmup=5, rep=50):.3f} ms", flush=True)
+    try:
+        from liger_kernel.ops import cross_entropy as lce
+        from liger_kernel.transformers.cross_entropy import LigerCrossEntropyLoss
+    except Exception as exc:  # noqa: BLE001
+        print(f"(liger-kernel unavailable: {exc})")
+        return
+    mod = LigerCrossEntropyLoss()
+    step(mod)
+    for dev_cache in lce.liger_cross_entropy_kernel.device_caches.values():
+        for ck in dev_cache[0].values():
+            print(f"liger: regs {ck.n_regs} spills {ck.n_spills} warps {ck.metadata.num_warps}")
+    print(f"  {triton.testing.do_bench(lambda: step(mod), warmup=5, rep=50):.3f} ms")
+
+
+if __name__ == "__main__":
+    main()
