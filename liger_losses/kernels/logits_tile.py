@@ -71,13 +71,31 @@ if triton is not None:
         return y * inv_temp, t
 
     @triton.jit
+    def fold_lanes(x, VEC_SUMS: tl.constexpr):
+        """A [BLOCK] term of a pass-1 sum: kept per lane (VEC_SUMS) or reduced now."""
+        if VEC_SUMS:
+            out = x
+        else:
+            out = tl.sum(x, axis=0)
+        return out
+
+    @triton.jit
+    def lanes_total(acc, VEC_SUMS: tl.constexpr):
+        """The row total of a pass-1 sum built with :func:`fold_lanes`."""
+        if VEC_SUMS:
+            out = tl.sum(acc, axis=0)
+        else:
+            out = acc
+        return out
+
+    @triton.jit
     def _logits_tile_kernel(
         X, stride_x, G, stride_g, LABELS, SCALE, scale_value, CW,
         LOSS, LSE, LOGP, ENT, CORRECT, LSUM,
         V, ignore_index, logit_scale, inv_temp, softcap, eps, z_w,
         MODE_CE: tl.constexpr, WRITE_GRAD: tl.constexpr, SCALE_PER_ROW: tl.constexpr,
         HAS_SOFTCAP: tl.constexpr, HAS_CW: tl.constexpr, NEED_ENT: tl.constexpr,
-        NEED_LSUM: tl.constexpr, BLOCK: tl.constexpr,
+        NEED_LSUM: tl.constexpr, BLOCK: tl.constexpr, VEC_SUMS: tl.constexpr,
     ):
         row = tl.program_id(0).to(tl.int64)
         x_ptr = X + row * stride_x
@@ -89,15 +107,23 @@ if triton is not None:
         n_iter = tl.where(valid, n_blocks, 0)
         offs = tl.arange(0, BLOCK)
 
-        # pass 1: online max / sum-exp: a scalar running max (one exp per element) and per-lane
-        # [BLOCK] sums rescaled by the scalar factor, reduced once after the loop (one block-wide
-        # reduction per block -- the max -- instead of one per statistic)
+        # pass 1: online max / sum-exp with a scalar running max (one exp per element). The sums
+        # are per-lane [BLOCK] vectors rescaled by the scalar factor and reduced once after the loop
+        # (VEC_SUMS: one block-wide reduction per block, the max) or scalars reduced per block
+        # (fewer live registers: what large blocks with many warps need to stay spill-free)
         m = -1e30
-        d = tl.zeros([BLOCK], dtype=tl.float32)
-        e = tl.zeros([BLOCK], dtype=tl.float32)
-        s = tl.zeros([BLOCK], dtype=tl.float32)
-        sw = tl.zeros([BLOCK], dtype=tl.float32)
-        w_sum_acc = tl.zeros([BLOCK], dtype=tl.float32)
+        if VEC_SUMS:
+            d = tl.zeros([BLOCK], dtype=tl.float32)
+            e = tl.zeros([BLOCK], dtype=tl.float32)
+            s = tl.zeros([BLOCK], dtype=tl.float32)
+            sw = tl.zeros([BLOCK], dtype=tl.float32)
+            w_sum_acc = tl.zeros([BLOCK], dtype=tl.float32)
+        else:
+            d = 0.0
+            e = 0.0
+            s = 0.0
+            sw = 0.0
+            w_sum_acc = 0.0
         for b in range(0, n_iter):
             cols = b * BLOCK + offs
             mask = cols < V
@@ -108,23 +134,23 @@ if triton is not None:
             m_new = tl.maximum(m, tl.max(zm, axis=0))
             alpha = tl.exp(m - m_new)
             p = tl.exp(zm - m_new)
-            d = d * alpha + p
+            d = d * alpha + fold_lanes(p, VEC_SUMS)
             if NEED_ENT:
-                e = e * alpha + p * z
+                e = e * alpha + fold_lanes(p * z, VEC_SUMS)
             m = m_new
             if NEED_LSUM:
-                s += z
+                s += fold_lanes(z, VEC_SUMS)
             if HAS_CW:
                 w = tl.load(CW + cols, mask=mask, other=0.0).to(tl.float32)
-                sw += w * z
-                w_sum_acc += w
-        d = tl.sum(d, axis=0)
+                sw += fold_lanes(w * z, VEC_SUMS)
+                w_sum_acc += fold_lanes(w, VEC_SUMS)
+        d = lanes_total(d, VEC_SUMS)
         e_tot = 0.0
         if NEED_ENT:
-            e_tot = tl.sum(e, axis=0)
+            e_tot = lanes_total(e, VEC_SUMS)
         s_tot = 0.0
         if NEED_LSUM:
-            s_tot = tl.sum(s, axis=0)
+            s_tot = lanes_total(s, VEC_SUMS)
         d = tl.where(valid, d, 1.0)  # ignored rows: no NaN/inf on the way to the zero outputs
         lse = tl.where(valid, m + tl.log(d), 0.0)
 
@@ -133,8 +159,8 @@ if triton is not None:
         logp = z_y - lse
         if HAS_CW:
             w_y = tl.load(CW + safe).to(tl.float32)
-            w_sum = tl.sum(w_sum_acc, axis=0)
-            sw_tot = tl.sum(sw, axis=0)
+            w_sum = lanes_total(w_sum_acc, VEC_SUMS)
+            sw_tot = lanes_total(sw, VEC_SUMS)
         else:
             w_y = 1.0
             w_sum = V * 1.0
@@ -160,25 +186,31 @@ if triton is not None:
                 scale = scale_value
             lse_s = tl.where(valid, lse, 0.0)
             zc = 2.0 * z_w * lse_s
+            # per-row scalars, so that an element costs one exp, one fma and one select (few live
+            # registers: large blocks with many warps stay spill-free); coef is 0 on ignored rows
+            coef = tl.where(valid, inv_temp * logit_scale * scale, 0.0)
+            if MODE_CE:
+                a = (1.0 + zc) * coef  # g = p * a - c0, minus c1 at the label
+                c0 = eps / V * coef
+                c1 = (1.0 - eps) * coef
+            else:  # d logp / dz = onehot - p
+                a = -coef
+                c0 = 0.0
+                c1 = -coef
             for b in range(0, n_blocks):
                 cols = b * BLOCK + offs
                 mask = cols < V
                 x = tl.load(x_ptr + cols, mask=mask, other=0.0).to(tl.float32)
                 z, t = _transform(x, logit_scale, inv_temp, softcap, HAS_SOFTCAP)
                 p = tl.exp(tl.minimum(z - lse_s, 0.0))
-                hit = cols == safe
-                if MODE_CE:
-                    if HAS_CW:
-                        w = tl.load(CW + cols, mask=mask, other=0.0).to(tl.float32)
-                        g = (1.0 - eps) * w_y * (p - tl.where(hit, 1.0, 0.0)) + eps / V * (w_sum * p - w) + zc * p
-                    else:
-                        g = p * (1.0 + zc) - tl.where(hit, 1.0 - eps, 0.0) - eps / V
+                if HAS_CW and MODE_CE:
+                    w = tl.load(CW + cols, mask=mask, other=0.0).to(tl.float32)
+                    g = ((1.0 - eps) * w_y * p + eps / V * (w_sum * p - w) + zc * p) * coef
                 else:
-                    g = tl.where(hit, 1.0, 0.0) - p
-                g = g * (inv_temp * logit_scale * scale)
+                    g = p * a - c0
+                g = tl.where(cols == safe, g - c1 * w_y, g)
                 if HAS_SOFTCAP:
                     g = g * (1.0 - t * t)
-                g = tl.where(valid, g, 0.0)
                 tl.store(g_ptr + cols, g.to(G.dtype.element_ty), mask=mask)
 
     # host launches go through launch.fast_kernel (the compiled launcher after a first launch)
@@ -257,6 +289,12 @@ def _logits_tile_torch(
 # of 1-8 programs per SM (to keep a row in L2 between the passes) was slower (2.9-6.3 ms).
 BLOCK_CAP = 4096
 NUM_WARPS = 0
+# Blocks up to this size keep the pass-1 sums per lane (see the kernel), larger ones per block.
+# Register counts (ptxas for sm_90, triton 3.9; the H200's triton 3.6 gave the same for the kernels
+# it ran): 4096 / 8 warps 52 (92 with entropy, 122 with class weights); 32768 / 32 warps with
+# per-block sums 64 and no spills, like liger-kernel's kernel (one row per SM in flight, so the
+# second pass reads from L2) -- not yet timed on the GPU (benchmark/diag_ce_registers.py).
+VEC_SUMS_MAX_BLOCK = 4096
 
 
 def _block_settings(V: int) -> tuple[int, int]:
@@ -375,7 +413,7 @@ def logits_tile(
         float(softcap) if softcap is not None else 1.0, eps, z_w,
         MODE_CE=mode_ce, WRITE_GRAD=bool(grad), SCALE_PER_ROW=per_row,
         HAS_SOFTCAP=softcap is not None, HAS_CW=cw is not None, NEED_ENT=bool(need_entropy),
-        NEED_LSUM=need_lsum, BLOCK=block, num_warps=warps,
+        NEED_LSUM=need_lsum, BLOCK=block, VEC_SUMS=block <= VEC_SUMS_MAX_BLOCK, num_warps=warps,
     )
     return TileStats(loss, lse, logp, ent if need_entropy else None, correct.bool(),
                      lsum if need_logits_sum else None)
