@@ -1,0 +1,187 @@
+"""Registers and spills of our Triton kernels at their default launch configurations, compiled
+offline for an H100/H200 (sm_90) with the ptxas that ships in the triton wheel -- no GPU needed.
+
+Why: a kernel's register count decides how many programs an SM runs at once (bytes in flight,
+L2 reuse), and a spill (``STACK`` > 0: local-memory traffic) silently costs bandwidth. This gives
+both for every default configuration (and for a few alternatives worth timing), so a change that
+adds live state shows up on the CPU, before a GPU run. (Session 3: the RMSNorm backward default,
+4-row tiles with prefetch, spills 40 bytes per thread and still timed fastest; the CE tile at
+liger-kernel's 32768 / 32-warp shape fits in 64 registers without spills.)
+
+Each case is compiled like a real launch: bf16 tensors, 16-byte aligned pointers and strides
+divisible by 16 (as the 8B shapes give), constexprs and warps from the kernel modules' knobs at the
+8B shapes (H=4096, V=128256, 32/8 heads of 128, intermediate 14336).
+
+    python benchmark/diag_registers.py [--json]
+
+Output per case: name, registers per thread, spill stack bytes per thread, warps.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+
+os.environ.pop("TRITON_INTERPRET", None)  # compile, do not interpret (set before importing triton)
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import triton  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource  # noqa: E402
+
+from liger_losses.kernels import (  # noqa: E402
+    geglu, layer_norm, logits_tile, norm_common, rms_norm, rope, swiglu,
+)
+from liger_losses.kernels.utils import next_power_of_2, row_tile  # noqa: E402
+
+TARGET = GPUTarget("cuda", 90, 32)
+H, V, I_SIZE, N_TOKENS = 4096, 128256, 14336, 16384
+N_QH, N_KH, HEAD_DIM = 32, 8, 128
+
+
+def _jit(kernel):
+    """The JITFunction behind a launch.FastKernel wrapper (or the kernel itself)."""
+    return getattr(kernel, "jit_fn", kernel)
+
+
+def compile_case(kernel, *, constexprs: dict, num_warps: int, pointers: dict | None = None,
+                 floats: tuple = (), default_ptr: str = "*bf16") -> dict:
+    """Compile ``kernel`` for sm_90; runtime params: pointers (``*_ptr`` or named in
+    ``pointers``) aligned, ints i32 divisible by 16, names in ``floats`` fp32."""
+    fn = _jit(kernel)
+    pointers = pointers or {}
+    signature, attrs = {}, {}
+    for i, p in enumerate(fn.params):
+        if p.is_constexpr:
+            signature[p.name] = "constexpr"
+            continue
+        if p.name in pointers or p.name.endswith("_ptr"):
+            signature[p.name] = pointers.get(p.name, default_ptr)
+        elif p.name in floats:
+            signature[p.name] = "fp32"
+            continue
+        else:
+            signature[p.name] = "i32"
+        attrs[(i,)] = [["tt.divisibility", 16]]
+    missing = [p.name for p in fn.params if p.is_constexpr and p.name not in constexprs]
+    if missing:
+        raise ValueError(f"{fn.__name__}: constexprs missing: {missing}")
+    consts = {(fn.arg_names.index(k),): v for k, v in constexprs.items()}
+    src = ASTSource(fn=fn, signature=signature, constexprs=consts, attrs=attrs)
+    compiled = triton.compile(src, target=TARGET, options={"num_warps": num_warps})
+    return dict(num_warps=num_warps, **_resources(compiled.asm["cubin"]))
+
+
+def _resources(cubin: bytes) -> dict:
+    """REG and STACK of the cubin's kernel, read with the wheel's cuobjdump."""
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
+        f.write(cubin)
+        path = f.name
+    try:
+        out = subprocess.run([tool, "-res-usage", path], capture_output=True, text=True, check=True).stdout
+    finally:
+        os.unlink(path)
+    line = next(ln for ln in out.splitlines() if "REG:" in ln)
+    fields = dict(tok.split(":", 1) for tok in line.split() if ":" in tok)
+    return {"regs": int(fields["REG"]), "stack": int(fields["STACK"])}
+
+
+def _logits_case(block: int, warps: int, vec_sums: bool, **flags) -> dict:
+    pointers = {n: "*fp32" for n in ("SCALE", "CW", "LOSS", "LSE", "LOGP", "ENT", "LSUM")}
+    pointers.update(X="*bf16", G="*bf16", LABELS="*i64", CORRECT="*i8")
+    const = dict(MODE_CE=True, WRITE_GRAD=True, SCALE_PER_ROW=True, HAS_SOFTCAP=False, HAS_CW=False,
+                 NEED_ENT=False, NEED_LSUM=False, BLOCK=block, VEC_SUMS=vec_sums)
+    const.update(flags)
+    return compile_case(logits_tile._logits_tile_kernel, constexprs=const, num_warps=warps, pointers=pointers,
+                        floats=("scale_value", "logit_scale", "inv_temp", "softcap", "eps", "z_w"))
+
+
+def default_cases() -> dict:
+    """name -> thunk compiling one default launch configuration."""
+    cases = {}
+    block_v = min(next_power_of_2(V), logits_tile.BLOCK_CAP)
+    warps_v = logits_tile.NUM_WARPS or (8 if block_v >= 2048 else 4)
+    vec = block_v <= logits_tile.VEC_SUMS_MAX_BLOCK
+    for name, flags in (("ce", {}), ("ce+entropy", {"NEED_ENT": True}), ("logp+entropy", {"MODE_CE": False, "NEED_ENT": True}),
+                        ("ce+softcap", {"HAS_SOFTCAP": True}), ("stats only", {"WRITE_GRAD": False})):
+        cases[f"logits_tile {name} {block_v}/{warps_v}"] = (lambda f=flags: _logits_case(block_v, warps_v, vec, **f))
+
+    for mod, kernel, extra in ((rms_norm, "_rms_norm", dict(CASTING=0)), (layer_norm, "_layer_norm", {})):
+        bm, bn, w = row_tile(H, N_TOKENS, mod.FWD_TILE_ELEMS, mod.MAX_ROWS_PER_TILE)
+        fwd = dict(extra, HAS_WEIGHT=True, BLOCK_M=bm, BLOCK_N=bn)
+        if mod is layer_norm:
+            fwd["HAS_BIAS"] = True
+        cases[f"{kernel}_fwd {bm}x{bn}/{w}"] = (
+            lambda k=getattr(mod, kernel + "_fwd_kernel"), c=fwd, w=w:
+            compile_case(k, constexprs=c, num_warps=w, pointers={"mean_ptr": "*fp32", "rstd_ptr": "*fp32"},
+                         floats=("eps", "offset")))
+        for h, tile in ((H, mod.BWD_TILE_ELEMS), (896, mod.BWD_SMALL_H_TILE_ELEMS)):
+            bm, bn, w = row_tile(h, N_TOKENS, tile, mod.MAX_ROWS_PER_TILE)
+            bwd = dict(extra, HAS_WEIGHT=True, COMPUTE_DX=True, COMPUTE_DW=True, BLOCK_M=bm, BLOCK_N=bn,
+                       TILE_ACC=h <= mod.BWD_SMALL_H, PREFETCH=mod.BWD_PREFETCH)
+            if mod is layer_norm:
+                bwd["COMPUTE_DB"] = True
+            cases[f"{kernel}_bwd H={h} {bm}x{bn}/{w}"] = (
+                lambda k=getattr(mod, kernel + "_bwd_kernel"), c=bwd, w=w:
+                compile_case(k, constexprs=c, num_warps=w,
+                             pointers={n: "*fp32" for n in ("mean_ptr", "rstd_ptr", "dw_partial_ptr", "db_partial_ptr")},
+                             floats=("offset",)))
+    cases["sum_partials"] = lambda: compile_case(
+        norm_common._sum_partials_kernel, num_warps=4, default_ptr="*fp32",
+        constexprs=dict(BLOCK_R=norm_common.SUM_BLOCK_ROWS, BLOCK_C=norm_common.SUM_BLOCK_COLS))
+
+    half, half_block, pass_dims, pass_block, bhq, bhk, w = rope._config(HEAD_DIM, HEAD_DIM, N_QH, N_KH, True)
+    for backward in (False, True):
+        cases[f"rope {'bwd' if backward else 'fwd'} heads {bhq}/{bhk}/{w}"] = (
+            lambda b=backward: compile_case(
+                rope._rope_kernel, num_warps=w,
+                constexprs=dict(HALF=half, HALF_BLOCK=half_block, PASS=pass_dims, PASS_BLOCK=pass_block,
+                                BLOCK_HQ=bhq, BLOCK_HK=bhk, BACKWARD=b)))
+    for mod, name, extra in ((swiglu, "_swiglu", {}), (geglu, "_geglu", {"TANH": True})):
+        for part in ("fwd", "bwd"):
+            cases[f"{name}_{part} {mod.BLOCK_SIZE}/{mod.NUM_WARPS}"] = (
+                lambda k=getattr(mod, f"{name}_{part}_kernel"), m=mod, e=extra:
+                compile_case(k, constexprs=dict(e, BLOCK=m.BLOCK_SIZE), num_warps=m.NUM_WARPS))
+    return cases
+
+
+def alternative_cases() -> dict:
+    """Configurations worth timing on a GPU (not defaults): CE tile at liger-kernel's shape, RMSNorm
+    backward with 2-row tiles (the 4-row default spills a little yet timed fastest on the H200)."""
+    bm, bn, w = row_tile(H, N_TOKENS, 8192, rms_norm.MAX_ROWS_PER_TILE)
+    return {
+        "logits_tile ce 32768/32 (per-block sums)": lambda: _logits_case(32768, 32, False),
+        "logits_tile ce 16384/32 (per-block sums)": lambda: _logits_case(16384, 32, False),
+        f"_rms_norm_bwd H={H} {bm}x{bn}/{w}": lambda: compile_case(
+            rms_norm._rms_norm_bwd_kernel, num_warps=w,
+            constexprs=dict(CASTING=0, HAS_WEIGHT=True, COMPUTE_DX=True, COMPUTE_DW=True, BLOCK_M=bm, BLOCK_N=bn,
+                            TILE_ACC=False, PREFETCH=True),
+            pointers={"rstd_ptr": "*fp32", "dw_partial_ptr": "*fp32"}, floats=("offset",)),
+    }
+
+
+def main() -> None:
+    as_json = "--json" in sys.argv[1:]
+    results = {}
+    for group, cases in (("default", default_cases()), ("alternative", alternative_cases())):
+        for name, thunk in cases.items():
+            try:
+                results[name] = dict(group=group, **thunk())
+            except Exception as exc:  # noqa: BLE001 - report, keep going
+                results[name] = dict(group=group, error=f"{type(exc).__name__}: {exc}"[:300])
+    if as_json:
+        print(json.dumps(results))
+        return
+    for name, r in results.items():
+        if "error" in r:
+            print(f"{r['group']:11s} {name:45s} ERROR {r['error']}")
+        else:
+            print(f"{r['group']:11s} {name:45s} regs {r['regs']:3d}  stack {r['stack']:4d}  warps {r['num_warps']}")
+
+
+if __name__ == "__main__":
+    main()
