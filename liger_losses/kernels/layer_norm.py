@@ -46,7 +46,8 @@ from liger_losses.kernels.utils import (
 
 triton, tl = import_triton()
 if triton is not None:
-    from liger_losses.kernels.norm_common import acc_row, fold_rows, load_row_tiles  # backward jit helpers
+    from liger_losses.kernels.norm_common import load_row_tiles  # backward jit helper
+    from liger_losses.kernels.utils import keep_or_sum, kept_total
 
 # Tuning knobs (module constants so the benchmark can sweep them on the GPU); same meaning as in
 # rms_norm.py: a tile is BLOCK_M whole rows holding about *_TILE_ELEMS elements.
@@ -123,8 +124,8 @@ if triton is not None:
             w = tl.load(w_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
         # Short rows (several per tile): [BLOCK_M, BLOCK_N] accumulators, reduced once at the end
         # (no cross-warp reduction per tile). Long rows: [BLOCK_N] rows (fewer live registers).
-        acc_w = fold_rows(tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32), TILE_ACC)
-        acc_b = fold_rows(tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32), TILE_ACC)
+        acc_w = keep_or_sum(tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32), TILE_ACC)
+        acc_b = keep_or_sum(tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32), TILE_ACC)
         first = pid * blocks_per_program
         last = tl.minimum(first + blocks_per_program, n_blocks)
         # PREFETCH: the loads of tile b + 1 are issued before tile b is computed (rms_norm.py).
@@ -145,9 +146,9 @@ if triton is not None:
             rstd = tl.load(rstd_ptr + rows, mask=row_mask, other=0.0)
             xhat = tl.where(mask, (x - mean[:, None]) * rstd[:, None], 0.0)
             if COMPUTE_DW:
-                acc_w += fold_rows(dy * xhat, TILE_ACC)
+                acc_w += keep_or_sum(dy * xhat, TILE_ACC)
             if COMPUTE_DB:
-                acc_b += fold_rows(dy, TILE_ACC)
+                acc_b += keep_or_sum(dy, TILE_ACC)
             if COMPUTE_DX:
                 if HAS_WEIGHT:
                     g = dy * w[None, :]
@@ -164,9 +165,9 @@ if triton is not None:
             if PREFETCH:
                 x, dy, mean = x_next, dy_next, mean_next
         if COMPUTE_DW:
-            tl.store(dw_partial_ptr + pid * n_cols + cols, acc_row(acc_w, TILE_ACC), mask=col_mask)
+            tl.store(dw_partial_ptr + pid * n_cols + cols, kept_total(acc_w, TILE_ACC), mask=col_mask)
         if COMPUTE_DB:
-            tl.store(db_partial_ptr + pid * n_cols + cols, acc_row(acc_b, TILE_ACC), mask=col_mask)
+            tl.store(db_partial_ptr + pid * n_cols + cols, kept_total(acc_b, TILE_ACC), mask=col_mask)
 
     # host launches go through launch.fast_kernel (the compiled launcher after a first launch)
     _layer_norm_fwd_kernel = fast_kernel(_layer_norm_fwd_kernel)

@@ -56,6 +56,7 @@ class TileStats(NamedTuple):
 triton, tl = import_triton()
 
 if triton is not None:
+    from liger_losses.kernels.utils import keep_or_sum, kept_total  # jit helpers
 
     @triton.jit
     def _transform(x, logit_scale, inv_temp, softcap, HAS_SOFTCAP: tl.constexpr):
@@ -69,24 +70,6 @@ if triton is not None:
             t = tl.where(u < 0, -t, t)
             y = softcap * t
         return y * inv_temp, t
-
-    @triton.jit
-    def fold_lanes(x, VEC_SUMS: tl.constexpr):
-        """A [BLOCK] term of a pass-1 sum: kept per lane (VEC_SUMS) or reduced now."""
-        if VEC_SUMS:
-            out = x
-        else:
-            out = tl.sum(x, axis=0)
-        return out
-
-    @triton.jit
-    def lanes_total(acc, VEC_SUMS: tl.constexpr):
-        """The row total of a pass-1 sum built with :func:`fold_lanes`."""
-        if VEC_SUMS:
-            out = tl.sum(acc, axis=0)
-        else:
-            out = acc
-        return out
 
     @triton.jit
     def _logits_tile_kernel(
@@ -134,23 +117,23 @@ if triton is not None:
             m_new = tl.maximum(m, tl.max(zm, axis=0))
             alpha = tl.exp(m - m_new)
             p = tl.exp(zm - m_new)
-            d = d * alpha + fold_lanes(p, VEC_SUMS)
+            d = d * alpha + keep_or_sum(p, VEC_SUMS)
             if NEED_ENT:
-                e = e * alpha + fold_lanes(p * z, VEC_SUMS)
+                e = e * alpha + keep_or_sum(p * z, VEC_SUMS)
             m = m_new
             if NEED_LSUM:
-                s += fold_lanes(z, VEC_SUMS)
+                s += keep_or_sum(z, VEC_SUMS)
             if HAS_CW:
                 w = tl.load(CW + cols, mask=mask, other=0.0).to(tl.float32)
-                sw += fold_lanes(w * z, VEC_SUMS)
-                w_sum_acc += fold_lanes(w, VEC_SUMS)
-        d = lanes_total(d, VEC_SUMS)
+                sw += keep_or_sum(w * z, VEC_SUMS)
+                w_sum_acc += keep_or_sum(w, VEC_SUMS)
+        d = kept_total(d, VEC_SUMS)
         e_tot = 0.0
         if NEED_ENT:
-            e_tot = lanes_total(e, VEC_SUMS)
+            e_tot = kept_total(e, VEC_SUMS)
         s_tot = 0.0
         if NEED_LSUM:
-            s_tot = lanes_total(s, VEC_SUMS)
+            s_tot = kept_total(s, VEC_SUMS)
         d = tl.where(valid, d, 1.0)  # ignored rows: no NaN/inf on the way to the zero outputs
         lse = tl.where(valid, m + tl.log(d), 0.0)
 
@@ -159,8 +142,8 @@ if triton is not None:
         logp = z_y - lse
         if HAS_CW:
             w_y = tl.load(CW + safe).to(tl.float32)
-            w_sum = lanes_total(w_sum_acc, VEC_SUMS)
-            sw_tot = lanes_total(sw, VEC_SUMS)
+            w_sum = kept_total(w_sum_acc, VEC_SUMS)
+            sw_tot = kept_total(sw, VEC_SUMS)
         else:
             w_y = 1.0
             w_sum = V * 1.0

@@ -64,17 +64,6 @@ if triton is not None:
         total = tl.sum(acc, axis=0)
         tl.store(out_ptr + group * n_cols + cols, total.to(out_ptr.dtype.element_ty), mask=col_mask)
 
-
-    @triton.jit
-    def fold_rows(x, TILE_ACC: tl.constexpr):
-        """A ``[BLOCK_M, BLOCK_N]`` tile as the backward's parameter-gradient accumulator takes it:
-        as is (tile-shaped accumulator, short rows) or summed over its rows (row-shaped, long rows)."""
-        if TILE_ACC:
-            out = x
-        else:
-            out = tl.sum(x, axis=0)
-        return out
-
     @triton.jit
     def load_row_tiles(x_ptr, dy_ptr, stat_ptr, block, last, n_rows, stride_x, stride_dy,
                        cols, col_mask, BLOCK_M: tl.constexpr, ACTIVE: tl.constexpr):
@@ -92,14 +81,6 @@ if triton is not None:
         stat = tl.load(stat_ptr + rows, mask=row_mask, other=0.0)
         return x.to(tl.float32), dy.to(tl.float32), stat
 
-    @triton.jit
-    def acc_row(acc, TILE_ACC: tl.constexpr):
-        """The ``[BLOCK_N]`` partial row of an accumulator built with :func:`fold_rows`."""
-        if TILE_ACC:
-            out = tl.sum(acc, axis=0)
-        else:
-            out = acc
-        return out
 
     # host launches go through launch.fast_kernel (the compiled launcher after a first launch)
     _sum_partials_kernel = fast_kernel(_sum_partials_kernel)

@@ -56,7 +56,8 @@ from liger_losses.kernels.utils import IMPLS, as_rows, check_choice, check_numbe
 
 triton, tl = import_triton()
 if triton is not None:
-    from liger_losses.kernels.norm_common import acc_row, fold_rows, load_row_tiles  # jit helpers of the backward
+    from liger_losses.kernels.norm_common import load_row_tiles  # backward jit helper
+    from liger_losses.kernels.utils import keep_or_sum, kept_total
 
 CASTING_MODES = ("llama", "gemma", "none")
 _CASTING_CODE = {"llama": 0, "gemma": 1, "none": 2}
@@ -147,7 +148,7 @@ if triton is not None:
                 w_eff = (w.to(tl.float32) + offset).to(w_ptr.dtype.element_ty).to(tl.float32)
         # Short rows (several per tile): a [BLOCK_M, BLOCK_N] accumulator, reduced once at the end
         # (no cross-warp reduction per tile). Long rows: a [BLOCK_N] row (fewer live registers).
-        acc = fold_rows(tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32), TILE_ACC)
+        acc = keep_or_sum(tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32), TILE_ACC)
         first = pid * blocks_per_program
         last = tl.minimum(first + blocks_per_program, n_blocks)
         # PREFETCH: the loads of tile b + 1 are issued before tile b is computed (two tiles in
@@ -171,7 +172,7 @@ if triton is not None:
                     prod = dy * y.to(x_ptr.dtype.element_ty).to(tl.float32)
                 else:
                     prod = dy * y
-                acc += fold_rows(prod, TILE_ACC)
+                acc += keep_or_sum(prod, TILE_ACC)
             if COMPUTE_DX:
                 if HAS_WEIGHT:
                     g = dy * w_eff[None, :]
@@ -187,7 +188,7 @@ if triton is not None:
             if PREFETCH:
                 x, dy, rstd = x_next, dy_next, rstd_next
         if COMPUTE_DW:
-            tl.store(dw_partial_ptr + pid * n_cols + cols, acc_row(acc, TILE_ACC), mask=col_mask)
+            tl.store(dw_partial_ptr + pid * n_cols + cols, kept_total(acc, TILE_ACC), mask=col_mask)
 
     # host launches go through launch.fast_kernel (the compiled launcher after a first launch)
     _rms_norm_fwd_kernel = fast_kernel(_rms_norm_fwd_kernel)

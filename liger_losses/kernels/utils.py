@@ -47,6 +47,30 @@ def import_triton():
     return triton, tl
 
 
+_triton, _tl = import_triton()
+if _triton is not None:
+
+    @_triton.jit
+    def keep_or_sum(x, KEEP: _tl.constexpr):
+        """The term an accumulator takes from ``x``: ``x`` itself when the accumulator keeps
+        ``x``'s shape (summed once at the end by :func:`kept_total`: no cross-warp reduction per
+        step, more live registers) or ``x`` summed over its first axis (a reduction per step)."""
+        if KEEP:
+            out = x
+        else:
+            out = _tl.sum(x, axis=0)
+        return out
+
+    @_triton.jit
+    def kept_total(acc, KEEP: _tl.constexpr):
+        """The first-axis sum of an accumulator built with :func:`keep_or_sum`."""
+        if KEEP:
+            out = _tl.sum(acc, axis=0)
+        else:
+            out = acc
+        return out
+
+
 def triton_interpret() -> bool:
     """True when Triton runs kernels in its CPU interpreter (``TRITON_INTERPRET=1``)."""
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0", "false", "False")
