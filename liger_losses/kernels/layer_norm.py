@@ -46,7 +46,7 @@ from liger_losses.kernels.utils import (
 
 triton, tl = import_triton()
 if triton is not None:
-    from liger_losses.kernels.norm_common import load_row_tiles  # backward jit helper
+    from liger_losses.kernels.norm_common import load_row_tiles, step_row_tiles  # backward jit helpers
     from liger_losses.kernels.utils import keep_or_sum, kept_total
 
 # Tuning knobs (module constants so the benchmark can sweep them on the GPU); same meaning as in
@@ -132,14 +132,10 @@ if triton is not None:
         x, dy, mean = load_row_tiles(x_ptr, dy_ptr, mean_ptr, first, last, n_rows, stride_x, stride_dy,
                                      cols, col_mask, BLOCK_M, PREFETCH)
         for block in range(first, last):
-            if PREFETCH:
-                x_next, dy_next, mean_next = load_row_tiles(
-                    x_ptr, dy_ptr, mean_ptr, block + 1, last, n_rows, stride_x, stride_dy,
-                    cols, col_mask, BLOCK_M, True,
-                )
-            else:
-                x, dy, mean = load_row_tiles(x_ptr, dy_ptr, mean_ptr, block, last, n_rows, stride_x,
-                                             stride_dy, cols, col_mask, BLOCK_M, True)
+            x, dy, mean, x_next, dy_next, mean_next = step_row_tiles(
+                x_ptr, dy_ptr, mean_ptr, x, dy, mean, block, last, n_rows, stride_x, stride_dy,
+                cols, col_mask, BLOCK_M, PREFETCH,
+            )
             rows = (block * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
             row_mask = rows < n_rows
             mask = row_mask[:, None] & col_mask[None, :]
@@ -162,8 +158,7 @@ if triton is not None:
                     dx.to(dx_ptr.dtype.element_ty),
                     mask=mask,
                 )
-            if PREFETCH:
-                x, dy, mean = x_next, dy_next, mean_next
+            x, dy, mean = x_next, dy_next, mean_next
         if COMPUTE_DW:
             tl.store(dw_partial_ptr + pid * n_cols + cols, kept_total(acc_w, TILE_ACC), mask=col_mask)
         if COMPUTE_DB:

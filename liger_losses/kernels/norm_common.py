@@ -82,6 +82,26 @@ if triton is not None:
         return x.to(tl.float32), dy.to(tl.float32), stat
 
 
+    @triton.jit
+    def step_row_tiles(x_ptr, dy_ptr, stat_ptr, x, dy, stat, block, last, n_rows, stride_x, stride_dy,
+                       cols, col_mask, BLOCK_M: tl.constexpr, PREFETCH: tl.constexpr):
+        """One step of the backward's tile loop: ``(x, dy, stat)`` of tile ``block`` to compute now
+        and the values to carry into the next step. With ``PREFETCH`` the given ``(x, dy, stat)``
+        already hold tile ``block`` (loaded by the previous step, or before the loop with
+        ``load_row_tiles(..., first, ..., PREFETCH)``) and tile ``block + 1`` is loaded here, before
+        the caller computes: two tiles in flight per program. Without, tile ``block`` is loaded
+        here and nothing is carried."""
+        if PREFETCH:
+            x_next, dy_next, stat_next = load_row_tiles(
+                x_ptr, dy_ptr, stat_ptr, block + 1, last, n_rows, stride_x, stride_dy,
+                cols, col_mask, BLOCK_M, True,
+            )
+        else:
+            x, dy, stat = load_row_tiles(x_ptr, dy_ptr, stat_ptr, block, last, n_rows, stride_x, stride_dy,
+                                         cols, col_mask, BLOCK_M, True)
+            x_next, dy_next, stat_next = x, dy, stat
+        return x, dy, stat, x_next, dy_next, stat_next
+
     # host launches go through launch.fast_kernel (the compiled launcher after a first launch)
     _sum_partials_kernel = fast_kernel(_sum_partials_kernel)
 

@@ -56,7 +56,7 @@ from liger_losses.kernels.utils import IMPLS, as_rows, check_choice, check_numbe
 
 triton, tl = import_triton()
 if triton is not None:
-    from liger_losses.kernels.norm_common import load_row_tiles  # backward jit helper
+    from liger_losses.kernels.norm_common import load_row_tiles, step_row_tiles  # backward jit helpers
     from liger_losses.kernels.utils import keep_or_sum, kept_total
 
 CASTING_MODES = ("llama", "gemma", "none")
@@ -156,14 +156,10 @@ if triton is not None:
         x, dy, rstd = load_row_tiles(x_ptr, dy_ptr, rstd_ptr, first, last, n_rows, stride_x, stride_dy,
                                      cols, col_mask, BLOCK_M, PREFETCH)
         for block in range(first, last):
-            if PREFETCH:
-                x_next, dy_next, rstd_next = load_row_tiles(
-                    x_ptr, dy_ptr, rstd_ptr, block + 1, last, n_rows, stride_x, stride_dy,
-                    cols, col_mask, BLOCK_M, True,
-                )
-            else:
-                x, dy, rstd = load_row_tiles(x_ptr, dy_ptr, rstd_ptr, block, last, n_rows, stride_x,
-                                             stride_dy, cols, col_mask, BLOCK_M, True)
+            x, dy, rstd, x_next, dy_next, rstd_next = step_row_tiles(
+                x_ptr, dy_ptr, rstd_ptr, x, dy, rstd, block, last, n_rows, stride_x, stride_dy,
+                cols, col_mask, BLOCK_M, PREFETCH,
+            )
             rows = (block * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
             mask = (rows < n_rows)[:, None] & col_mask[None, :]
             y = x * rstd[:, None]
@@ -185,8 +181,7 @@ if triton is not None:
                     dx.to(dx_ptr.dtype.element_ty),
                     mask=mask,
                 )
-            if PREFETCH:
-                x, dy, rstd = x_next, dy_next, rstd_next
+            x, dy, rstd = x_next, dy_next, rstd_next
         if COMPUTE_DW:
             tl.store(dw_partial_ptr + pid * n_cols + cols, kept_total(acc, TILE_ACC), mask=col_mask)
 
