@@ -16,7 +16,8 @@ Floors: bytes moved / 4.3 TB/s with N tokens, H hidden, 2-byte elements: forward
 (4NH); backward reads x, dy and writes dx (6NH); full = 10NH. Memory floor (peak above inputs):
 the output (forward), grad hidden (backward), both (full).
 
-``--sweep`` times our backward (and forward) for a few tile/program settings, so the defaults in
+``--sweep`` times our forward + backward for a few backward settings (programs per SM, tile size,
+next-tile prefetch, accumulator shape), so the defaults in
 liger_losses/kernels/{rms_norm,layer_norm}.py can be set from one GPU run.
 
 Usage: python benchmark/bench_norm.py [--quick] [--sweep] [--which rms|layer|both]

@@ -331,6 +331,8 @@ def run_one(task: str, provider: str, *, seq: int, warmup: int, timed: int, tiny
             traceback.print_exc()
         finally:
             notes = sorted({str(w.message).split(".")[0][:120] for w in caught if "liger" in str(w.message).lower()})
+            if cprofile:
+                notes.insert(0, "timed under cProfile (slower than a plain run)")
             extra["note"] = " | ".join(notes)[:400]
             del trainer, model, ref_model
             free_memory(cuda)

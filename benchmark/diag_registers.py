@@ -40,6 +40,7 @@ from liger_losses.kernels.utils import next_power_of_2, row_tile  # noqa: E402
 TARGET = GPUTarget("cuda", 90, 32)
 H, V, I_SIZE, N_TOKENS = 4096, 128256, 14336, 16384
 N_QH, N_KH, HEAD_DIM = 32, 8, 128
+NOT_DIVISIBLE = {"ignore_index"}  # int arguments whose real values are not multiples of 16 (-100)
 
 
 def _jit(kernel):
@@ -50,7 +51,7 @@ def _jit(kernel):
 def compile_case(kernel, *, constexprs: dict, num_warps: int, pointers: dict | None = None,
                  floats: tuple = (), default_ptr: str = "*bf16") -> dict:
     """Compile ``kernel`` for sm_90; runtime params: pointers (``*_ptr`` or named in
-    ``pointers``) aligned, ints i32 divisible by 16, names in ``floats`` fp32."""
+    ``pointers``) aligned, ints i32 divisible by 16 (but ``NOT_DIVISIBLE``), ``floats`` fp32."""
     fn = _jit(kernel)
     pointers = pointers or {}
     signature, attrs = {}, {}
@@ -65,6 +66,8 @@ def compile_case(kernel, *, constexprs: dict, num_warps: int, pointers: dict | N
             continue
         else:
             signature[p.name] = "i32"
+            if p.name in NOT_DIVISIBLE:
+                continue
         attrs[(i,)] = [["tt.divisibility", 16]]
     missing = [p.name for p in fn.params if p.is_constexpr and p.name not in constexprs]
     if missing:

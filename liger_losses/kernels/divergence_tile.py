@@ -60,6 +60,7 @@ from .utils import (
     check_range,
     check_same_device,
     check_tensor,
+    device_ctx,
     import_triton,
     next_power_of_2,
     resolve_impl,
@@ -640,23 +641,24 @@ def divergence_tile(
     row_scale = isinstance(grad_scale, torch.Tensor)
     k = topk_logprobs.shape[1] if topk else 0
     b = float(beta)
-    _divergence_tile_kernel[(n,)](
-        student, student.stride(0),
-        teacher if teacher is not None else dummy, teacher.stride(0) if teacher is not None else 0,
-        labels if labels is not None else dummy,
-        topk_logprobs if topk else dummy, topk_logprobs.stride(0) if topk else 0,
-        topk_indices if topk else dummy, topk_indices.stride(0) if topk else 0,
-        grad_scale.float().contiguous() if row_scale else dummy,
-        float(grad_scale) if (grad_scale is not None and not row_scale) else 1.0,
-        *outs,
-        vs, n_t_cols, k,
-        inv_t, b,
-        math.log1p(-b) if b < 1.0 else 0.0, math.log(b) if b > 0.0 else 0.0,
-        float(hard_weight), float(soft_weight), int(ignore_index),
-        MODE=mode, TOPK=topk, TAIL=bool(topk_tail), HAS_LABELS=labels is not None,
-        SEP_RAW=(labels is not None and float(temperature) != 1.0),
-        WRITE_GRAD=grad_scale is not None, ROW_SCALE=row_scale,
-        BLOCK=block, BLOCK_K=max(2, next_power_of_2(k + 1)) if topk else 2,
-        num_warps=warps,
-    )
+    with device_ctx(student):  # Triton launches on the current GPU
+        _divergence_tile_kernel[(n,)](
+            student, student.stride(0),
+            teacher if teacher is not None else dummy, teacher.stride(0) if teacher is not None else 0,
+            labels if labels is not None else dummy,
+            topk_logprobs if topk else dummy, topk_logprobs.stride(0) if topk else 0,
+            topk_indices if topk else dummy, topk_indices.stride(0) if topk else 0,
+            grad_scale.float().contiguous() if row_scale else dummy,
+            float(grad_scale) if (grad_scale is not None and not row_scale) else 1.0,
+            *outs,
+            vs, n_t_cols, k,
+            inv_t, b,
+            math.log1p(-b) if b < 1.0 else 0.0, math.log(b) if b > 0.0 else 0.0,
+            float(hard_weight), float(soft_weight), int(ignore_index),
+            MODE=mode, TOPK=topk, TAIL=bool(topk_tail), HAS_LABELS=labels is not None,
+            SEP_RAW=(labels is not None and float(temperature) != 1.0),
+            WRITE_GRAD=grad_scale is not None, ROW_SCALE=row_scale,
+            BLOCK=block, BLOCK_K=max(2, next_power_of_2(k + 1)) if topk else 2,
+            num_warps=warps,
+        )
     return DivergenceTileStats(*outs)

@@ -32,7 +32,8 @@ positional argument its exact type plus
   Triton and the compiled launcher raise ``OverflowError``);
 * bool, float, None: the type only (Triton: ``u1``, ``fp32``, constexpr ``None``);
 
-plus the keyword arguments (names, values and value types: constexprs and launch options). The
+plus the keyword arguments (names, values and value types: constexprs and launch options; a call
+passing a constexpr by position keeps the slow path, its value not being in the key). The
 per-position "kind" (tensor / int / other) is learned at the first launch and compiled into a
 small key function; a call whose kinds differ gets a different key (types are in it) and is never
 inserted, so it keeps the slow path.
@@ -180,12 +181,11 @@ def make_key_fn(kinds: tuple) -> Callable[..., tuple]:
         if k == _KIND_TENSOR:
             parts += [f"{n}.dtype", f"({n}.data_ptr() & 15) == 0"]
         elif k == _KIND_INT:
-            parts += [
-                f"{n} == 1",
-                f"({n} & 15) == 0",
-                f"-2147483648 <= {n} <= 2147483647",
-                f"{n} <= 9223372036854775807",  # i64 vs u64 (below -2**63 triton raises)
-            ]
+            # the int tests only when it is an int (never ``&``/compare a tensor: GPU work, syncs)
+            parts.append(
+                f"(({n} == 1, ({n} & 15) == 0, -2147483648 <= {n} <= 2147483647, "
+                f"{n} <= 9223372036854775807) if type({n}) is int else None)"  # i64 vs u64
+            )
     body = "(" + "".join(p + ", " for p in parts) + ")"
     src = f"def key({', '.join(names)}):\n    return {body}\n"
     namespace: dict = {}
@@ -348,6 +348,8 @@ class FastKernel:
             return
         params = self._params
         n = len(args)
+        if any(p.is_constexpr for p in params[:n]):
+            return  # a constexpr by position: its value is not in the key
         by_name = {p.name: p for p in params}
         for name in kwargs:
             p = by_name.get(name)

@@ -33,6 +33,7 @@ from liger_losses.kernels.utils import (
     check_range,
     check_same_device,
     check_tensor,
+    device_ctx,
     import_triton,
     next_power_of_2,
     resolve_impl,
@@ -180,10 +181,11 @@ if triton is not None:
                 a = -coef
                 c0 = 0.0
                 c1 = -coef
+            v_read = tl.where(valid, V, 0)  # ignored rows: nothing read, x = 0, a zero gradient row
             for b in range(0, n_blocks):
                 cols = b * BLOCK + offs
                 mask = cols < V
-                x = tl.load(x_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+                x = tl.load(x_ptr + cols, mask=cols < v_read, other=0.0).to(tl.float32)
                 z, t = _transform(x, logit_scale, inv_temp, softcap, HAS_SOFTCAP)
                 p = tl.exp(tl.minimum(z - lse_s, 0.0))
                 if HAS_CW and MODE_CE:
@@ -321,8 +323,8 @@ def logits_tile(
     written instead and the logits are left untouched.
 
     ``grad_scale`` is a float or a ``[n]`` tensor (cast to float32). ``class_weight [V]`` only
-    applies to ``mode="ce"``. ``need_logits_sum=False`` skips the ``logits_sum`` statistic (one
-    block-wide reduction per block in the kernel) and returns it as ``None``. Returns
+    applies to ``mode="ce"``. ``need_logits_sum=False`` skips the ``logits_sum`` statistic (a
+    running sum in the kernel's first pass) and returns it as ``None``. Returns
     :class:`TileStats`.
     """
     check_tensor("logits", logits, ndim=2, floating=True)
@@ -389,14 +391,15 @@ def logits_tile(
     scale_value = 0.0 if per_row else float(grad_scale)
     block, warps = _block_settings(V)
     g = out if out is not None else x
-    _logits_tile_kernel[(n,)](
-        x, x.stride(0), g, g.stride(0), lab, scale_ptr, scale_value, cw_arg,
-        loss, lse, logp, ent, correct, lsum,
-        V, int(ignore_index), float(logit_scale), 1.0 / float(temperature),
-        float(softcap) if softcap is not None else 1.0, eps, z_w,
-        MODE_CE=mode_ce, WRITE_GRAD=bool(grad), SCALE_PER_ROW=per_row,
-        HAS_SOFTCAP=softcap is not None, HAS_CW=cw is not None, NEED_ENT=bool(need_entropy),
-        NEED_LSUM=need_lsum, BLOCK=block, VEC_SUMS=block <= VEC_SUMS_MAX_BLOCK, num_warps=warps,
-    )
+    with device_ctx(x):  # Triton launches on the current GPU
+        _logits_tile_kernel[(n,)](
+            x, x.stride(0), g, g.stride(0), lab, scale_ptr, scale_value, cw_arg,
+            loss, lse, logp, ent, correct, lsum,
+            V, int(ignore_index), float(logit_scale), 1.0 / float(temperature),
+            float(softcap) if softcap is not None else 1.0, eps, z_w,
+            MODE_CE=mode_ce, WRITE_GRAD=bool(grad), SCALE_PER_ROW=per_row,
+            HAS_SOFTCAP=softcap is not None, HAS_CW=cw is not None, NEED_ENT=bool(need_entropy),
+            NEED_LSUM=need_lsum, BLOCK=block, VEC_SUMS=block <= VEC_SUMS_MAX_BLOCK, num_warps=warps,
+        )
     return TileStats(loss, lse, logp, ent if need_entropy else None, correct.bool(),
                      lsum if need_logits_sum else None)

@@ -1,7 +1,7 @@
 """Drop-in replacements for a Hugging Face modeling module's ``apply_rotary_pos_emb``.
 
-``make_rotary_replacement(original)`` returns a function (in-place for ``INPLACE_FAMILIES``) with the same call signature as
-``original`` (either ``(q, k, cos, sin, unsqueeze_dim=1)`` as in transformers 5.x, or the older
+``make_rotary_replacement(original)`` returns a function (out of place; in place for
+``INPLACE_FAMILIES`` only when ``INPLACE`` is set) with the same call signature as ``original`` (either ``(q, k, cos, sin, unsqueeze_dim=1)`` as in transformers 5.x, or the older
 ``(q, k, cos, sin, position_ids=None, unsqueeze_dim=1)``) that rotates with
 ``liger_losses.kernels.rope.apply_rotary_pos_emb``.
 
@@ -20,8 +20,8 @@ Set ``liger_losses.patching.rope.INPLACE = True`` to turn it on at call time. It
 does not pay in a training step: the rotated q/k replace the projection views, whose memory is freed
 right away, so out of place costs only a transient copy, while in place makes autograd route the
 gradient through the view's ``CopySlices`` (a clone of the whole projection gradient). Measured on an
-H200 (8B shapes, forward + backward, GPU time): 0.112 ms out of place vs 0.164 in place at 8192 tokens,
-0.413 vs 0.611 at 32768; host time per forward call 0.10 vs 0.22 ms.
+H200 (8B shapes, forward + backward, GPU time, session 3): 0.099 ms out of place vs 0.160 in place at
+8192 tokens, 0.361 vs 0.597 at 32768; host time per forward call 0.10 vs 0.22 ms (session 2).
 """
 
 from __future__ import annotations

@@ -123,16 +123,15 @@ def test_key_distinguishes_specialization_classes():
 
 
 def test_key_fn_other_kinds_do_not_alias():
-    """A key function learned for (tensor, int) raises or gives a different key when called with
-    other kinds (an int where the tensor was, a bool or float where the int was)."""
+    """A key function learned for (tensor, int) raises (an int where the tensor was) or gives a
+    different key (a bool or float where the int was) when called with other kinds."""
     fn = L.make_key_fn(("t", "i"))
     x = torch.zeros(4)
     base = fn(x, 1)
     with pytest.raises(AttributeError):
         fn(3, 1)
     assert fn(x, True) != base
-    with pytest.raises(TypeError):
-        fn(x, 1.0)
+    assert fn(x, 1.0) != base
     with pytest.raises(ValueError, match="kinds"):
         L.make_key_fn(("t", "x"))
 
@@ -321,6 +320,37 @@ def test_fast_path_fallbacks(fake):
     assert L.launch_stats()["off"][k.name] == k.off_reason
 
 
+def test_constexpr_by_position_never_reuses_another_value(fake):
+    """A constexpr passed by position (its value is not in the key) keeps the slow path: BLOCK=64
+    then BLOCK=128 by position never launches the kernel compiled for the other value."""
+    k, ft = fake
+    x = torch.zeros(128)
+    for block in (64, 64, 128, 128, 64):
+        k[(1,)](x, x, 1.0, 16, None, block)
+    assert k.fast_hits == 0 and not ft.wrong
+
+
+def test_tensor_where_int_was_learned_takes_the_slow_path(fake):
+    """A tensor in a position learned as an int gives its own key without any tensor arithmetic
+    in the key (no ``&``/comparison on the tensor), and never a wrong kernel."""
+    k, ft = fake
+    x = torch.zeros(32)
+    k[(1,)](x, x, 1.0, 16, None, BLOCK=32)
+    k[(1,)](x, x, 1.0, 16, None, BLOCK=32)
+    hits = k.fast_hits
+
+    class NoArithmetic(torch.Tensor):
+        def __and__(self, other):
+            raise AssertionError("the key did arithmetic on a tensor")
+
+        __le__ = __ge__ = __eq__ = __and__
+
+    t = torch.tensor(16).as_subclass(NoArithmetic)
+    key = L.make_key_fn(L.arg_kinds((x, x, 1.0, 16, None)))(x, x, 1.0, t, None)
+    assert key != L.make_key_fn(L.arg_kinds((x, x, 1.0, 16, None)))(x, x, 1.0, 16, None)
+    assert k.fast_hits == hits and not ft.wrong
+
+
 def test_fast_path_bad_input_still_raises(fake):
     """An argument Triton cannot specialize (a string) raises Triton's own TypeError through the
     wrapper, and does not turn the fast path off."""
@@ -369,6 +399,7 @@ def test_gpu_rms_norm_forward_through_wrapper(monkeypatch):
 
     plain = getattr(R._rms_norm_fwd_kernel, "jit_fn", R._rms_norm_fwd_kernel)  # unwrapped
     wrapped = L.fast_kernel(plain)
+    monkeypatch.setattr(R, "_rms_norm_fwd_kernel", plain)  # references through JITFunction launches
     shapes = [(8, 256), (3, 1000), (1, 4096), (64, 4096)]
     for dtype in (torch.float32, torch.bfloat16):
         for rows, h in shapes:

@@ -58,12 +58,22 @@ def _inputs(n, V, dtype=torch.float32):
     return x, labels
 
 
+@pytest.fixture(params=[4096, 0], ids=["lane-sums", "block-sums"])
+def vec_sums_max_block(request, monkeypatch):
+    """Both pass-1 sum paths of the Triton kernel: per-lane sums (blocks up to
+    VEC_SUMS_MAX_BLOCK, the default) and per-block sums (larger blocks on the GPU)."""
+    from liger_losses.kernels import logits_tile as lt
+
+    monkeypatch.setattr(lt, "VEC_SUMS_MAX_BLOCK", request.param)
+    return request.param
+
+
 @pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("mode", ["ce", "logp"])
 @pytest.mark.parametrize("opt", range(len(OPTIONS)))
-def test_matches_fp64_reference(impl, mode, opt):
+def test_matches_fp64_reference(impl, mode, opt, vec_sums_max_block):
     """Every statistic and the in-place gradient (with a per-row scale) match float64 within
-    1e-5 (fp32) for each option set; ignored rows give zeros."""
+    1e-5 (fp32) for each option set, with either pass-1 sum path; ignored rows give zeros."""
     kw = dict(OPTIONS[opt])
     if kw.get("class_weight") == "rand":
         kw["class_weight"] = torch.rand(300) + 0.5
@@ -80,7 +90,7 @@ def test_matches_fp64_reference(impl, mode, opt):
 
 
 @pytest.mark.parametrize("impl", IMPLS)
-def test_multiple_blocks_and_row_stride(impl):
+def test_multiple_blocks_and_row_stride(impl, vec_sums_max_block):
     """V larger than one block (1500 > 1024 in the interpreter) and a tile that is a column
     slice of a wider buffer (row stride != V): stats/grad within 1e-5, the rest untouched."""
     V = 1500
@@ -93,6 +103,23 @@ def test_multiple_blocks_and_row_stride(impl):
     assert_close_rel(st.loss, ref["loss"], TOL[torch.float32], "loss")
     assert_close_rel(tile, ref["grad"], TOL[torch.float32], "grad")
     assert torch.equal(buf[:, V:], tail)
+
+
+@pytest.mark.parametrize("mode", ["ce", "logp"])
+def test_ignored_rows_zero_gradient_whatever_their_logits(mode):
+    """Rows with ``ignore_index`` get an exact zero gradient row and zero statistics even when
+    their logits are NaN/inf (the Triton kernel does not read them), with softcap and smoothing:
+    nothing non-finite leaks from a padded position into the gradient."""
+    x, labels = _inputs(4, 300)
+    x[1, :7] = float("nan")
+    x[1, 7:] = float("inf")
+    tile = x.clone()
+    st = logits_tile(tile, labels, mode=mode, softcap=5.0, label_smoothing=0.1 if mode == "ce" else 0.0,
+                     need_entropy=True, impl="triton")
+    assert torch.all(tile[1] == 0)
+    assert torch.isfinite(tile).all()
+    for k in ("loss", "lse", "logp", "entropy"):
+        assert getattr(st, k)[1] == 0, k
 
 
 @pytest.mark.parametrize("impl", IMPLS)

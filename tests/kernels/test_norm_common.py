@@ -39,29 +39,36 @@ def test_sum_partials_more_rows_than_a_block():
     assert_close_rel(sum_partials(partial, torch.float32), partial.double().sum(0), 1e-6, "column sums")
 
 
+@pytest.mark.parametrize("small_h", [1024, 16], ids=["tile-acc", "row-acc"])
 @pytest.mark.parametrize("prefetch", [False, True])
 @pytest.mark.parametrize("module", ["rms_norm", "layer_norm"])
-def test_backward_with_and_without_prefetch(module, prefetch, monkeypatch):
-    """The norm backward kernels with the next-tile prefetch on and off (``BWD_PREFETCH``) over
+def test_backward_with_and_without_prefetch(module, prefetch, small_h, monkeypatch):
+    """The norm backward kernels with the next-tile prefetch on and off (``BWD_PREFETCH``), with
+    tile-shaped (short rows) and row-shaped (long rows: ``BWD_SMALL_H`` below H) accumulators, over
     programs that walk several tiles (37 rows, 4 programs, tiles of 4 rows: full, partial and
-    empty last tiles): input and weight gradients within 1e-5 of float64 autograd (fp32)."""
+    empty last tiles): input, weight (and LayerNorm bias) gradients within 1e-5 of float64
+    autograd (fp32)."""
     import importlib
 
     mod = importlib.import_module(f"liger_losses.kernels.{module}")
     monkeypatch.setattr(mod, "BWD_PREFETCH", prefetch)
+    monkeypatch.setattr(mod, "BWD_SMALL_H", small_h)
     monkeypatch.setattr(mod, "BWD_SMALL_H_TILE_ELEMS", 4 * 64)
+    monkeypatch.setattr(mod, "BWD_TILE_ELEMS", 4 * 64)
     x = torch.randn(37, 50, device=DEVICE, requires_grad=True)
     w = (torch.rand(50, device=DEVICE) + 0.5).requires_grad_()
+    b = torch.randn(50, device=DEVICE, requires_grad=True)
     dy = torch.randn(37, 50, device=DEVICE)
+    xd, wd, bd = (t.detach().double().requires_grad_() for t in (x, w, b))
     if module == "rms_norm":
+        inputs, ref_inputs = (x, w), (xd, wd)
         out = mod.rms_norm(x, w, eps=1e-6, impl="triton")
-        xd, wd = x.detach().double().requires_grad_(), w.detach().double().requires_grad_()
         ref = wd * (xd * torch.rsqrt(xd.pow(2).mean(-1, keepdim=True) + 1e-6))
     else:
-        out = mod.layer_norm(x, w, None, eps=1e-5, impl="triton")
-        xd, wd = x.detach().double().requires_grad_(), w.detach().double().requires_grad_()
-        ref = torch.nn.functional.layer_norm(xd, (50,), wd, None, 1e-5)
-    gx, gw = torch.autograd.grad(out, (x, w), dy)
-    rx, rw = torch.autograd.grad(ref, (xd, wd), dy.double())
-    assert_close_rel(gx, rx, TOL[torch.float32], "grad hidden")
-    assert_close_rel(gw, rw, TOL[torch.float32], "grad weight")
+        inputs, ref_inputs = (x, w, b), (xd, wd, bd)
+        out = mod.layer_norm(x, w, b, eps=1e-5, impl="triton")
+        ref = torch.nn.functional.layer_norm(xd, (50,), wd, bd, 1e-5)
+    grads = torch.autograd.grad(out, inputs, dy)
+    ref_grads = torch.autograd.grad(ref, ref_inputs, dy.double())
+    for name, g, r in zip(("hidden", "weight", "bias"), grads, ref_grads):
+        assert_close_rel(g, r, TOL[torch.float32], f"grad {name}")
