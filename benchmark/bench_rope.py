@@ -72,6 +72,13 @@ def cos_sin(seq, head_dim, device, dtype):
     return emb.cos().to(dtype), emb.sin().to(dtype)
 
 
+# Layout of the upstream gradients of q/k: contiguous [B, H, T, D] (default), or q's own layout
+# ([B, T, H, D] memory seen transposed, what SDPA's flash/cuDNN backward returns for such a q;
+# ``--grad-layout q``). The in-place rotation's backward pays a copy for a gradient whose layout
+# differs from q's (autograd's view backward on the projection output); out of place does not.
+GRAD_LAYOUT = {"q": False}
+
+
 def bench_case(shape_name, tokens, modes, rows, rep, only=None):
     n_qh, n_kh, d = SHAPES[shape_name]
     dev, dt = DEVICE, torch.bfloat16
@@ -94,8 +101,12 @@ def bench_case(shape_name, tokens, modes, rows, rep, only=None):
             return (q_lin.view(bsz, seq, n_qh, d).transpose(1, 2),
                     k_lin.view(bsz, seq, n_kh, d).transpose(1, 2))
 
-        gq = randn(bsz, n_qh, seq, d, device=dev, dtype=dt)
-        gk = randn(bsz, n_kh, seq, d, device=dev, dtype=dt)
+        if GRAD_LAYOUT["q"]:  # upstream gradients laid out like q/k (as SDPA's dq from empty_like(q))
+            gq = randn(bsz, seq, n_qh, d, device=dev, dtype=dt).transpose(1, 2)
+            gk = randn(bsz, seq, n_kh, d, device=dev, dtype=dt).transpose(1, 2)
+        else:  # contiguous [B, H, T, D] upstream gradients
+            gq = randn(bsz, n_qh, seq, d, device=dev, dtype=dt)
+            gk = randn(bsz, n_kh, seq, d, device=dev, dtype=dt)
         for mode in modes:
             if mode == "forward":
                 def run():
@@ -143,7 +154,10 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="one 8B size + the small model, fewer reps")
     parser.add_argument("--sweep", action="store_true", help="only sweep our kernel's tile/warps knobs")
+    parser.add_argument("--grad-layout", choices=("contiguous", "q"), default="contiguous",
+                        help="layout of the upstream q/k gradients (see GRAD_LAYOUT); 'q' writes rope_qgrad.csv")
     args = parser.parse_args()
+    GRAD_LAYOUT["q"] = args.grad_layout == "q"
     if not torch.cuda.is_available():
         raise SystemExit("bench_rope needs a CUDA GPU")
     if args.sweep:
@@ -156,7 +170,7 @@ def main():
     for tokens in sizes:
         bench_case("llama3-8b", tokens, modes, rows, rep)
     bench_case("qwen2-0.5b", 8192, modes, rows, rep)
-    write_results("rope", rows)
+    write_results("rope_qgrad" if GRAD_LAYOUT["q"] else "rope", rows)
 
 
 if __name__ == "__main__":
