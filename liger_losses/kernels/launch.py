@@ -13,7 +13,8 @@ Usage (call sites keep their syntax)::
 Positional arguments are the kernel's runtime arguments in parameter order; constexprs come by
 keyword; launch options (``num_warps``, ``num_stages``, ...) by keyword.
 
-Slow path: exactly ``jit_fn[grid](*args, **kwargs)``. It is taken under ``TRITON_INTERPRET=1``
+Slow path: exactly ``jit_fn[grid](*args, **kwargs)``. It is taken while ``torch.compile`` traces
+(so the compiler sees triton's own kernel launch), under ``TRITON_INTERPRET=1``
 (the interpreter has no compiled kernels), for anything that is not a ``JITFunction``, on the first
 launch of each key, when ``LIGER_LOSSES_FAST_LAUNCH=0``, on triton versions whose launch internals
 were not checked (3.6 and 3.9 were; ``LIGER_LOSSES_FAST_LAUNCH=force`` skips only the version
@@ -254,6 +255,8 @@ class FastKernel:
     # ---- launching
 
     def __getitem__(self, grid):
+        if _is_compiling():  # torch.compile traces triton's own launch (user-defined kernels)
+            return self.jit_fn[grid]
         if callable(grid):
             return partial(self._slow, grid, None)
         return partial(self._launch, grid)
@@ -378,6 +381,7 @@ class FastKernel:
 
 
 _MISSING = object()
+_is_compiling = getattr(getattr(torch, "compiler", None), "is_compiling", lambda: False)
 
 
 def fast_kernel(jit_fn) -> FastKernel:

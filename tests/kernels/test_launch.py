@@ -351,6 +351,20 @@ def test_tensor_where_int_was_learned_takes_the_slow_path(fake):
     assert k.fast_hits == hits and not ft.wrong
 
 
+def test_torch_compile_tracing_sees_the_jit_function(fake, monkeypatch):
+    """While torch.compile traces (``torch.compiler.is_compiling()``), indexing the wrapper gives
+    triton's own ``JITFunction`` launcher (what the compiler knows how to trace), not the wrapper's
+    fast path; the launch still reaches the kernel."""
+    k, ft = fake
+    x = torch.zeros(32)
+    monkeypatch.setattr(L, "_is_compiling", lambda: True)
+    before = k.slow_launches + k.fast_hits
+    for _ in range(3):
+        k[(1,)](x, x, 1.0, 16, None, BLOCK=32)
+    assert k.slow_launches + k.fast_hits == before  # the wrapper was bypassed
+    assert len(ft.launches) >= 3 and not ft.wrong
+
+
 def test_fast_path_bad_input_still_raises(fake):
     """An argument Triton cannot specialize (a string) raises Triton's own TypeError through the
     wrapper, and does not turn the fast path off."""
