@@ -49,11 +49,10 @@ from torch import Tensor
 
 from liger_losses.chunked.engine import (
     DEFAULT_BUDGET_BYTES,
-    RowScatter,
+    HeadGrads,
     _check_common,
     _needs_input_grads,
     _scaled_grads,
-    backprop_tile,
     chunk_bounds,
     compute_dtype,
     gather_weight,
@@ -214,11 +213,9 @@ def _run(weight, hidden, bias, teacher_hidden, labels, o, needs_h, needs_w, need
     s_item = torch.finfo(cdt).bits // 8
     width = Vs + (n_t_cols * t_item + s_item - 1) // s_item
     H = w_c.shape[1]
-    gh = RowScatter(h_rows.flat.shape[0], H, cdt, dev, index, h_rows.identity) if grad and needs_h else None
-    gw = torch.empty(w_c.shape, dtype=o["accum_dtype"] or w_full.dtype, device=dev) if grad and needs_w else None
-    gb = torch.zeros(Vs, dtype=torch.float32, device=dev) if grad and needs_b else None
+    grads = HeadGrads(h_rows, Vs, H, dtype=cdt, weight_dtype=o["accum_dtype"] or w_full.dtype, device=dev,
+                      hidden=grad and needs_h, weight=grad and needs_w, bias=grad and needs_b)
     sums = torch.zeros(5, dtype=torch.float32, device=dev)  # loss, divergence, ce, entropy, correct
-    first = True
     kopts = dict(divergence=o["divergence"], beta=float(o["beta"]), temperature=float(o["temperature"]),
                  teacher_vocab=o["teacher_vocab"], topk_tail=o["topk_tail"], hard_weight=w_hard,
                  soft_weight=w_soft, ignore_index=o["ignore_index"], check_inputs=False, impl=o["impl"])
@@ -251,21 +248,14 @@ def _run(weight, hidden, bias, teacher_hidden, labels, o, needs_h, needs_w, need
             part[0] = (st.loss * row_scale).sum()
         sums += part
         if grad:
-            if isinstance(d_head, Tensor):
-                s_tile.mul_(d_head)
-            elif d_head != 1.0:
+            if isinstance(d_head, Tensor) or d_head != 1.0:
                 s_tile.mul_(d_head)
             del d_head
-            buf = gh.target(ts, te) if gh is not None else None
-            backprop_tile(s_tile, h, w_c, grad_hidden=buf, grad_weight=gw, grad_bias=gb, accumulate=not first)
-            if gh is not None:
-                gh.commit(ts, te, buf)
-            first = False
+            grads.add(s_tile, h, w_c, ts, te)
         del s_tile
-    if gw is not None and first:
-        gw.zero_()
+    gh, gw, gb = grads.finish()
     if gh is not None:
-        gh = grad_like(gh.full, hidden)
+        gh = grad_like(gh, hidden)
     loss = sums[0] if not isinstance(scale, float) or scale == 1.0 else sums[0] * scale
     n = max(N, 1)
     sink["metrics"] = {

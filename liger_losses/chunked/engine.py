@@ -197,6 +197,36 @@ class RowScatter:
             self.full.index_copy_(0, idx, self.full.index_select(0, idx).mul_(factor))
 
 
+class HeadGrads:
+    """The gradients of a head's inputs, filled chunk by chunk by :meth:`add`: ``hidden`` (a
+    :class:`RowScatter` over ``rows``' tokens), ``weight`` ``[V, H]`` (``weight_dtype``) and ``bias``
+    ``[V]`` fp32, each None when not wanted. The first :meth:`add` overwrites the weight and bias
+    gradients, later ones accumulate (``started``); :meth:`finish` returns ``(grad_hidden [M, H],
+    grad_weight, grad_bias)`` (Nones kept), the weight gradient zeroed when no chunk was added."""
+
+    def __init__(self, rows: RowGather, V: int, H: int, *, dtype, weight_dtype, device,
+                 hidden: bool, weight: bool, bias: bool):
+        self.hidden = RowScatter(rows.flat.shape[0], H, dtype, device, rows.index, rows.identity) if hidden else None
+        self.weight = torch.empty(V, H, dtype=weight_dtype, device=device) if weight else None
+        self.bias = torch.zeros(V, dtype=torch.float32, device=device) if bias else None
+        self.started = False
+
+    def add(self, grad_logits: Tensor, hidden: Tensor, weight: Tensor, ts: int, te: int,
+            row_scale: Optional[Tensor] = None) -> None:
+        """:func:`backprop_tile` of the chunk of tokens ``[ts, te)`` into these gradients."""
+        buf = self.hidden.target(ts, te) if self.hidden is not None else None
+        backprop_tile(grad_logits, hidden, weight, grad_hidden=buf, grad_weight=self.weight,
+                      grad_bias=self.bias, accumulate=self.started, row_scale=row_scale)
+        if self.hidden is not None:
+            self.hidden.commit(ts, te, buf)
+        self.started = True
+
+    def finish(self):
+        if self.weight is not None and not self.started:
+            self.weight.zero_()
+        return (self.hidden.full if self.hidden is not None else None), self.weight, self.bias
+
+
 # --------------------------------------------------------------------------- chunk sizing
 
 
@@ -564,11 +594,8 @@ def _run_sequence_objective(weight, hidden, bias, cfg, sink, needs_h, needs_w, n
     # per-position accumulators (positions = sequences in unit order)
     acc = {k: torch.zeros(B, dtype=torch.float32, device=dev)
            for k in ("logps", "logits_sum", "correct", "entropy_sum", "ref_logps")}
-    gh = RowScatter(B * T, H, cdt, dev, index, identity) if needs_h else None
-    accum = cfg["accum_dtype"] or w_full.dtype
-    gw = torch.empty(V, H, dtype=accum, device=dev) if needs_w else None
-    gb = torch.zeros(V, dtype=torch.float32, device=dev) if needs_b else None
-    first = [True]
+    grads = HeadGrads(h_rows, V, H, dtype=cdt, weight_dtype=cfg["accum_dtype"] or w_full.dtype, device=dev,
+                      hidden=needs_h, weight=needs_w, bias=needs_b)
 
     def chunk_stats(ts, te, p0, p1, with_grad):
         """Tile of tokens [ts, te) (positions [p0, p1)): per-position sums; tile keeps the grad."""
@@ -600,15 +627,7 @@ def _run_sequence_objective(weight, hidden, bias, cfg, sink, needs_h, needs_w, n
         """``row_scale`` [te - ts] or None (unit upstream gradient); token weights applied here."""
         if tw_valid is not None:
             row_scale = tw_valid[ts:te] if row_scale is None else row_scale * tw_valid[ts:te]
-        buf = gh.target(ts, te) if gh is not None else None
-        backprop_tile(
-            tile, h_rows(ts, te), w_c,
-            grad_hidden=buf, grad_weight=gw, grad_bias=gb, accumulate=not first[0],
-            row_scale=row_scale,
-        )
-        if gh is not None:
-            gh.commit(ts, te, buf)
-        first[0] = False
+        grads.add(tile, h_rows(ts, te), w_c, ts, te, row_scale)
 
     def full_ref(p0, p1):
         if ref_logps_in is not None:
@@ -726,12 +745,12 @@ def _run_sequence_objective(weight, hidden, bias, cfg, sink, needs_h, needs_w, n
         if need_grad:
             if star_bounds:
                 g_star = grad_pos[star]
-                if gh is not None:
-                    gh.scale(a, b, g_star.to(gh.full.dtype))
-                if gw is not None and not first[0]:
-                    gw.mul_(g_star.to(gw.dtype))
-                if gb is not None and not first[0]:
-                    gb.mul_(g_star)
+                if grads.hidden is not None:
+                    grads.hidden.scale(a, b, g_star.to(grads.hidden.full.dtype))
+                if grads.weight is not None and grads.started:
+                    grads.weight.mul_(g_star.to(grads.weight.dtype))
+                if grads.bias is not None and grads.started:
+                    grads.bias.mul_(g_star)
             for ts, te in other_bounds:
                 tile = project(h_rows(ts, te), w_c, b_c)
                 # statistics were taken in phase 1: only the gradient is wanted here
@@ -739,8 +758,7 @@ def _run_sequence_objective(weight, hidden, bias, cfg, sink, needs_h, needs_w, n
                 backprop(tile, ts, te, grad_pos[pos_of_tok[ts:te]])
                 del tile
 
-    if needs_w and first[0]:
-        gw.zero_()
+    gh, gw, gb = grads.finish()
     # outputs
     metrics = {k: torch.cat(v) for k, v in metric_parts.items()}  # [U_total], unit order
     full = {}
@@ -760,9 +778,7 @@ def _run_sequence_objective(weight, hidden, bias, cfg, sink, needs_h, needs_w, n
         ref_logps=ref_full, batch_num_tokens=batch_num_tokens,
         index=torch.arange(B, device=dev),
     )
-    grad_hidden = None
-    if needs_h:
-        grad_hidden = grad_like(gh.full, hidden)
+    grad_hidden = grad_like(gh, hidden) if gh is not None else None
     return loss, grad_hidden, gw, gb
 
 
@@ -905,14 +921,10 @@ def run_tiles(
     V = weight.shape[0]
     dev = labels_valid.device
     cdt = weight.dtype
-    gh = (RowScatter(M, H, cdt, dev, hidden_rows.index, hidden_rows.identity)
-          if grad and needs_hidden else None)
-    gw = (torch.empty(V, H, dtype=accum_dtype or cdt, device=dev)
-          if grad and needs_weight else None)
-    gb = torch.zeros(V, dtype=torch.float32, device=dev) if grad and needs_bias else None
+    grads = HeadGrads(hidden_rows, V, H, dtype=cdt, weight_dtype=accum_dtype or cdt, device=dev,
+                      hidden=grad and needs_hidden, weight=grad and needs_weight, bias=grad and needs_bias)
     per_row = isinstance(grad_scale, Tensor)
     parts: dict[str, list] = {}
-    first = True
     for ts, te in chunk_bounds(N, V, chunk_tokens=chunk_tokens, itemsize=torch.finfo(cdt).bits // 8):
         h = hidden_rows(ts, te)
         tile = project(h, weight, bias)
@@ -925,22 +937,15 @@ def run_tiles(
             if v is not None:
                 parts.setdefault(k, []).append(v)
         if grad:
-            buf = gh.target(ts, te) if gh is not None else None
-            backprop_tile(tile, h, weight, grad_hidden=buf, grad_weight=gw, grad_bias=gb,
-                          accumulate=not first)
-            if gh is not None:
-                gh.commit(ts, te, buf)
-            first = False
+            grads.add(tile, h, weight, ts, te)
         del tile
-    if gw is not None and first:
-        gw.zero_()
     stats = {}
     for k in ("loss", "lse", "logp", "correct", "entropy"):
         if k in parts:
             stats[k] = torch.cat(parts[k])
         elif k != "entropy" or need_entropy:
             stats[k] = torch.zeros(0, dtype=torch.bool if k == "correct" else torch.float32, device=dev)
-    return stats, (gh.full if gh is not None else None), gw, gb
+    return (stats, *grads.finish())
 
 
 def scatter_rows(rows: Tensor, index: Tensor, shape, *, dtype: Optional[torch.dtype] = None) -> Tensor:
