@@ -23,7 +23,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from benchmark.common import MIB, Row, gemm_floor_ms, measure, write_results  # noqa: E402
+from benchmark.common import MIB, Row, gemm_floor_ms, loss_accuracy_rows, loss_rows, write_results  # noqa: E402
 
 BENCH = "fused_linear_ce"
 
@@ -81,64 +81,23 @@ def make_inputs(N, H, V, dtype=torch.bfloat16, seed=0):
     return w, h, y
 
 
-def full_step(loss_fn, w, h, y):
-    """forward + backward; returns the grads so the peak includes them."""
-
-    def fn():
-        loss = loss_fn(w, h, y)
-        gw, gh = torch.autograd.grad(loss, (w, h))
-        return loss, gw, gh
-
-    return fn
-
-
 def bench_case(rows, case, N, H, V, providers, extra=None, quick=False):
-    w, h, y = make_inputs(N, H, V)
-    floor_ms = gemm_floor_ms(6.0 * N * H * V)
-    floor_mib = (V * H + N * H) * 2 / MIB
-    for name, make in providers.items():
-        try:
-            loss_fn = make()
-        except Exception as exc:  # noqa: BLE001 - a missing provider must not stop the table
-            rows.append(Row(BENCH, case, "full", name, float("nan"), float("nan"), floor_ms,
-                            floor_mib, dict(extra or {}), f"unavailable: {type(exc).__name__}: {exc}"[:160]))
-            continue
-        m = measure(full_step(loss_fn, w, h, y), warmup=5 if quick else 25, rep=20 if quick else 100)
-        rows.append(Row(BENCH, case, "full", name, m.ms, m.peak_mib, floor_ms, floor_mib,
-                        dict(extra or {}), m.error))
-        print(rows[-1].as_dict(), flush=True)
-    del w, h, y
+    loss_rows(rows, BENCH, case, providers, make_inputs(N, H, V), floor_ms=gemm_floor_ms(6.0 * N * H * V),
+              floor_mib=(V * H + N * H) * 2 / MIB, extra=extra, quick=quick)
     torch.cuda.empty_cache()
 
 
 def accuracy_rows(providers, N=1024, H=4096, V=128256):
     """rel errors of loss / grad_hidden / grad_weight vs float64, bf16 inputs, N tokens."""
-    w, h, y = make_inputs(N, H, V, seed=1)
+    inputs = w, h, y = make_inputs(N, H, V, seed=1)
     wd = w.detach().double().requires_grad_()
     hd = h.detach().double().requires_grad_()
     ref = F.cross_entropy(hd @ wd.t(), y)
-    ref.backward()
-    ref_gw, ref_gh = wd.grad, hd.grad
+    ref_gw, ref_gh = torch.autograd.grad(ref, (wd, hd))
     del wd, hd
     torch.cuda.empty_cache()
-
-    def rel(a, b):
-        return float((a.double() - b).norm() / b.norm())
-
-    rows = []
-    for name, make in providers.items():
-        extra = {"tokens": N, "H": H, "V": V}
-        try:
-            loss, gw, gh = full_step(make(), w, h, y)()
-            extra.update(err_loss=rel(loss.detach(), ref.detach()), err_grad_hidden=rel(gh, ref_gh),
-                         err_grad_weight=rel(gw, ref_gw))
-            err = None
-        except Exception as exc:  # noqa: BLE001
-            err = f"{type(exc).__name__}: {str(exc)[:120]}"
-        rows.append(Row(BENCH + "_accuracy", f"H{H}_V{V}_N{N}", "accuracy", name, float("nan"),
-                        float("nan"), extra=extra, error=err))
-        print(rows[-1].as_dict(), flush=True)
-    return rows
+    return loss_accuracy_rows(BENCH, f"H{H}_V{V}_N{N}", providers, inputs, (ref, ref_gw, ref_gh),
+                              {"tokens": N, "H": H, "V": V})
 
 
 def main():

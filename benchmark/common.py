@@ -247,3 +247,61 @@ def plot(name: str, rows: list[Row], *, x: Optional[str] = None) -> None:
     fig.tight_layout()
     fig.savefig(os.path.join(results_dir(), f"{name}.png"), dpi=110)
     plt.close(fig)
+
+
+# --------------------------------------------------------------------------- fused-linear loss benchmarks
+
+
+def loss_step(loss_fn: Callable, inputs: tuple) -> Callable[[], tuple]:
+    """Forward + backward of ``loss_fn(*inputs)``; gradients of ``inputs[0]`` (the weight) and
+    ``inputs[1]`` (the hidden states). Returns ``(loss, grad_weight, grad_hidden)`` so that the
+    measured peak includes the gradients."""
+
+    def fn():
+        loss = loss_fn(*inputs)
+        gw, gh = torch.autograd.grad(loss, (inputs[0], inputs[1]))
+        return loss, gw, gh
+
+    return fn
+
+
+def loss_rows(rows: list, bench: str, case: str, providers: dict, inputs: tuple, *, floor_ms: float,
+              floor_mib: float, extra: Optional[dict] = None, quick: bool = False) -> None:
+    """Append one ``full`` row per provider (name -> maker of ``loss_fn(*inputs)``) to ``rows``: a
+    maker that raises gives an ``unavailable`` row (a missing peer must not stop the table)."""
+    for name, make in providers.items():
+        try:
+            loss_fn = make()
+        except Exception as exc:  # noqa: BLE001
+            rows.append(Row(bench, case, "full", name, float("nan"), float("nan"), floor_ms, floor_mib,
+                            dict(extra or {}), f"unavailable: {type(exc).__name__}: {exc}"[:160]))
+            continue
+        m = measure(loss_step(loss_fn, inputs), warmup=5 if quick else 25, rep=20 if quick else 100)
+        rows.append(Row(bench, case, "full", name, m.ms, m.peak_mib, floor_ms, floor_mib, dict(extra or {}),
+                        m.error))
+        print(rows[-1].as_dict(), flush=True)
+
+
+def loss_accuracy_rows(bench: str, case: str, providers: dict, inputs: tuple, ref: tuple,
+                       extra: dict) -> list:
+    """Per provider, relative errors ``||out - ref|| / ||ref||`` of the loss, grad_hidden and
+    grad_weight against ``ref`` = ``(loss, grad_weight, grad_hidden)`` in float64."""
+    ref_loss, ref_gw, ref_gh = ref
+
+    def rel(a, b):
+        return float((a.double() - b).norm() / b.norm())
+
+    rows = []
+    for name, make in providers.items():
+        row_extra = dict(extra)
+        try:
+            loss, gw, gh = loss_step(make(), inputs)()
+            row_extra.update(err_loss=rel(loss.detach(), ref_loss.detach()), err_grad_hidden=rel(gh, ref_gh),
+                             err_grad_weight=rel(gw, ref_gw))
+            err = None
+        except Exception as exc:  # noqa: BLE001
+            err = f"{type(exc).__name__}: {str(exc)[:120]}"
+        rows.append(Row(bench + "_accuracy", case, "accuracy", name, float("nan"), float("nan"),
+                        extra=row_extra, error=err))
+        print(rows[-1].as_dict(), flush=True)
+    return rows
