@@ -165,8 +165,6 @@ def fused_linear_cpo_loss(
         beta=beta, loss_type=loss_type, label_smoothing=label_smoothing, cpo_alpha=cpo_alpha,
     )
     check_inputs(weight, hidden, labels, paired=True, bias=bias)
-
-
     objective = CPOObjective(
         beta=beta, loss_type=loss_type, label_smoothing=label_smoothing, cpo_alpha=cpo_alpha,
         simpo_gamma=simpo_gamma, alpha=alpha,
