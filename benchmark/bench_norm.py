@@ -10,7 +10,10 @@ grad hidden + grad weight [+ grad bias]), ``full`` (both). Providers:
   as liger-kernel's default);
 * ``hf``: ``LlamaRMSNorm`` (transformers) / ``torch.nn.LayerNorm``;
 * ``liger``: ``liger_kernel.transformers.rms_norm.LigerRMSNorm`` /
-  ``liger_kernel.transformers.layer_norm.LigerLayerNorm`` (skipped if not importable).
+  ``liger_kernel.transformers.layer_norm.LigerLayerNorm`` (skipped if not importable);
+* ``copy``: not a norm -- PyTorch copies moving the floor's bytes (forward ``x.clone()``, backward
+  ``x + dy``), the bandwidth a plain elementwise kernel reaches at that size (what the HBM floor
+  ignores: launch latency, ramp-up and tail).
 
 Floors: bytes moved / 4.3 TB/s with N tokens, H hidden, 2-byte elements: forward reads x, writes y
 (4NH); backward reads x, dy and writes dx (6NH); full = 10NH. Memory floor (peak above inputs):
@@ -113,6 +116,22 @@ def mode_fns(module, x, dy):
     return {"forward": forward, "backward": backward, "full": full}
 
 
+def copy_fns(x, dy):
+    """The ``copy`` reference: PyTorch elementwise kernels moving each mode's floor bytes."""
+    xd = x.detach()
+
+    def forward():
+        return xd.clone()
+
+    def backward():
+        return torch.add(xd, dy)
+
+    def full():
+        return forward(), backward()
+
+    return {"forward": forward, "backward": backward, "full": full}
+
+
 def floors(N: int, H: int) -> dict:
     e = torch.finfo(DTYPE).bits // 8
     nh = N * H * e
@@ -137,6 +156,7 @@ def bench(kind: str, cases, rep: int) -> list[Row]:
         x = randn(N, H, device=DEVICE, dtype=DTYPE).requires_grad_()
         dy = randn(N, H, device=DEVICE, dtype=DTYPE)
         mods = providers(kind, H)
+        mods["copy"] = None
         hf_out = mods["hf"](x).detach() if isinstance(mods["hf"], torch.nn.Module) else None
         fl = floors(N, H)
         for prov, mod in mods.items():
@@ -147,6 +167,12 @@ def bench(kind: str, cases, rep: int) -> list[Row]:
                 print(f"[{case}] {prov}: skipped ({mod})")
                 continue
             extra = {"tokens": N, "hidden": H}
+            if mod is None:
+                for mode, fn in copy_fns(x, dy).items():
+                    m = measure(fn, rep=rep, graph=True)
+                    rows.append(Row(name, case, mode, prov, m.ms, m.peak_mib, fl[mode][0], fl[mode][1],
+                                    extra=dict(extra), error=m.error))
+                continue
             if hf_out is not None:
                 with torch.no_grad():
                     extra["rel_err_vs_hf"] = round(rel_err(mod(x).float(), hf_out.float()), 6)
