@@ -20,8 +20,8 @@ Floors: bytes moved / 4.3 TB/s with N tokens, H hidden, 2-byte elements: forward
 the output (forward), grad hidden (backward), both (full).
 
 ``--sweep`` times our forward + backward for a few backward settings (programs per SM, tile size,
-next-tile prefetch, accumulator shape), so the defaults in
-liger_losses/kernels/{rms_norm,layer_norm}.py can be set from one GPU run.
+the partial-sum reduction's tile), so the defaults in
+liger_losses/kernels/{rms_norm,layer_norm,norm_common}.py can be set from one GPU run.
 
 Usage: python benchmark/bench_norm.py [--quick] [--sweep] [--which rms|layer|both]
 """
@@ -39,13 +39,14 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmark.common import MIB, Row, hbm_floor_ms, measure, print_table, randn, write_results  # noqa: E402
 from liger_losses.kernels import layer_norm as ln_mod  # noqa: E402
+from liger_losses.kernels import norm_common  # noqa: E402
 from liger_losses.kernels import rms_norm as rms_mod  # noqa: E402
 
 DTYPE = torch.bfloat16
 DEVICE = "cuda"
 CASES = [(4096, 4096), (8192, 4096), (16384, 4096), (32768, 4096), (8192, 896)]
 QUICK_CASES = [(4096, 4096), (16384, 4096), (8192, 896)]
-SWEEP_CASES = [(8192, 4096), (8192, 4096), (16384, 4096), (32768, 4096), (8192, 896)]  # first: warm-up (captures may fail)
+SWEEP_CASES = [(4096, 4096), (4096, 4096), (8192, 4096), (32768, 4096)]  # first: warm-up (captures may fail)
 
 
 def _copy_params(src: torch.nn.Module, dst: torch.nn.Module) -> None:
@@ -188,10 +189,13 @@ def bench(kind: str, cases, rep: int) -> list[Row]:
 
 
 def sweep(rep: int) -> None:
-    """Time our backward at a few knob settings: programs per SM x tile size x next-tile prefetch x
-    accumulator shape (``BWD_SMALL_H``: rows up to this size take tile-shaped accumulators)."""
+    """Time our forward + backward at a few knob settings: backward programs per SM x backward tile
+    size x the partial-sum reduction's tile (``norm_common.SUM_BLOCK_COLS``; 256 columns x 32 rows
+    was the session-3 setting)."""
     results = []
-    knobs = ("BWD_PROGRAMS_PER_SM", "BWD_TILE_ELEMS", "BWD_SMALL_H_TILE_ELEMS", "BWD_PREFETCH", "BWD_SMALL_H")
+    knobs = ("BWD_PROGRAMS_PER_SM", "BWD_TILE_ELEMS", "BWD_SMALL_H_TILE_ELEMS", "BWD_PREFETCH", "BWD_SMALL_H",
+             "BWD_MIN_ROWS_PER_PROGRAM")
+    sum_defaults = norm_common.SUM_BLOCK_COLS, norm_common.SUM_TILE_ELEMS
     for kind, mod in (("rms", rms_mod), ("layer", ln_mod)):
         defaults = {k: getattr(mod, k) for k in knobs}
         for N, H in SWEEP_CASES:
@@ -200,18 +204,20 @@ def sweep(rep: int) -> None:
             module = providers(kind, H)["ours"]
             fns = mode_fns(module, x, dy)
             fl = floors(N, H)
-            for pps, tile, prefetch, small_h in itertools.product((1, 2), (8192, 16384), (False, True), (1024, 4096)):
-                if small_h > 1024 and H <= 1024:
-                    continue
-                mod.BWD_PROGRAMS_PER_SM, mod.BWD_TILE_ELEMS, mod.BWD_SMALL_H_TILE_ELEMS = pps, tile, tile
-                mod.BWD_PREFETCH, mod.BWD_SMALL_H = prefetch, small_h
+            for pps, tile, sum_cfg in itertools.product((1, 2), (8192, 16384), ((256, 8192), (32, 8192), (64, 8192))):
+                mod.BWD_PROGRAMS_PER_SM, mod.BWD_TILE_ELEMS = pps, tile
+                mod.BWD_MIN_ROWS_PER_PROGRAM = 4
+                norm_common.SUM_BLOCK_COLS, norm_common.SUM_TILE_ELEMS = sum_cfg
+                if sum_cfg[0] == 256:
+                    norm_common.SUM_TILE_ELEMS = 256 * 32  # the former 32-row tiles
                 m = measure(fns["full"], rep=rep)
                 results.append(dict(kind=kind, N=N, H=H, mode="full", programs_per_sm=pps, tile=tile,
-                                    prefetch=int(prefetch), tile_acc_max_h=small_h, ms=round(m.ms, 4),
+                                    sum_cols=sum_cfg[0], ms=round(m.ms, 4),
                                     over_floor=round(m.ms / fl["full"][0], 3),
                                     peak_mib=round(m.peak_mib, 1), error=(m.error or "")[:60]))
             for k, v in defaults.items():
                 setattr(mod, k, v)
+            norm_common.SUM_BLOCK_COLS, norm_common.SUM_TILE_ELEMS = sum_defaults
     print_table(results, keys=list(results[0]))
 
 

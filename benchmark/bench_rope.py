@@ -6,9 +6,17 @@ Providers: ``ours`` (liger_losses ``apply_rotary_pos_emb``), ``ours-inplace`` (t
 ``apply_rotary_pos_emb``, or the same formula when transformers is missing) and ``liger``
 (liger-kernel 0.8.5 ``LigerRopeFunction``, which rotates q/k in place; skipped when not importable).
 
+Each timed call starts as a model's step does, from fresh projection outputs: ``q_lin =
+q_src.clone()`` (and k), viewed as HF does, with gradients taken w.r.t. ``q_src``/``k_src``. (Taking
+them w.r.t. a tensor that an in-place provider has just overwritten would return the upstream
+gradient untouched and skip the rotation's backward -- session 3's in-place numbers had that flaw.)
+The provider ``clone`` is that copy alone; ``net_ms`` is a row's time minus the clone's forward time
+for the same case, i.e. the rotation's own cost, and ``net_over_floor`` its ratio to the floor.
+
 Floors (HBM): forward and backward each read q, k (or their grads) and write as much, plus cos/sin:
 2 (q + k) + 2 T D x 2 B; full is twice that. Memory floor: q + k bytes (the outputs, or the
-gradients), for full the outputs plus the gradients; an in-place provider can go below it.
+gradients), for full the outputs plus the gradients; an in-place provider can go below it. Peaks
+include the clone of q and k (q + k bytes) for every provider.
 
 Usage (GPU): python benchmark/bench_rope.py [--quick]
 """
@@ -52,6 +60,7 @@ def _hf():
 
 def providers():
     provs = {
+        "clone": lambda q, k, c, s: (q, k),
         "ours": lambda q, k, c, s: apply_rotary_pos_emb(q, k, c, s, impl="triton"),
         "ours-inplace": lambda q, k, c, s: apply_rotary_pos_emb(q, k, c, s, inplace=True, impl="triton"),
         "hf-torch": _hf(),
@@ -90,14 +99,17 @@ def bench_case(shape_name, tokens, modes, rows, rep, only=None):
     mem_floor = {"forward": qk_bytes / MIB, "backward": qk_bytes / MIB, "full": 2 * qk_bytes / MIB}
     case = f"{shape_name} T={tokens}"
     cos, sin = cos_sin(seq, d, dev, dt)
+    clone_fwd = float("nan")
     for name, fn in providers().items():
-        if only is not None and name != only:
+        if only is not None and name not in (only, "clone"):
             continue
-        # Projection outputs [B, T, H*D] (non-leaf), viewed as HF does.
-        q_lin = randn(bsz, seq, n_qh * d, device=dev, dtype=dt, requires_grad=True).clone()
-        k_lin = randn(bsz, seq, n_kh * d, device=dev, dtype=dt, requires_grad=True).clone()
+        # Sources of the projection outputs [B, T, H*D]; every call clones them (a fresh non-leaf,
+        # as a linear layer's output is) and views the clone as HF does.
+        q_src = randn(bsz, seq, n_qh * d, device=dev, dtype=dt, requires_grad=True)
+        k_src = randn(bsz, seq, n_kh * d, device=dev, dtype=dt, requires_grad=True)
 
         def views():
+            q_lin, k_lin = q_src.clone(), k_src.clone()
             return (q_lin.view(bsz, seq, n_qh, d).transpose(1, 2),
                     k_lin.view(bsz, seq, n_kh, d).transpose(1, 2))
 
@@ -107,44 +119,51 @@ def bench_case(shape_name, tokens, modes, rows, rep, only=None):
         else:  # contiguous [B, H, T, D] upstream gradients
             gq = randn(bsz, n_qh, seq, d, device=dev, dtype=dt)
             gk = randn(bsz, n_kh, seq, d, device=dev, dtype=dt)
-        for mode in modes:
+        for mode in modes if name != "clone" else ("forward",):
             if mode == "forward":
                 def run():
                     with torch.no_grad():
                         return fn(*views(), cos, sin)
             elif mode == "backward":
-                q, k = views()
-                oq, ok = fn(q, k, cos, sin)
+                oq, ok = fn(*views(), cos, sin)
 
                 def run(oq=oq, ok=ok):
-                    return torch.autograd.grad((oq, ok), (q_lin, k_lin), (gq, gk), retain_graph=True)
+                    return torch.autograd.grad((oq, ok), (q_src, k_src), (gq, gk), retain_graph=True)
             else:
                 def run():
                     oq, ok = fn(*views(), cos, sin)
-                    return torch.autograd.grad((oq, ok), (q_lin, k_lin), (gq, gk))
+                    return torch.autograd.grad((oq, ok), (q_src, k_src), (gq, gk))
             m = measure(run, rep=rep, graph=mode != "backward")
-            rows.append(Row("rope", case, mode, name, m.ms, m.peak_mib,
-                            hbm_floor_ms(floors[mode]), mem_floor[mode],
-                            extra={"tokens": tokens}, error=m.error))
-        del q_lin, k_lin, gq, gk
+            if name == "clone":
+                clone_fwd = m.ms
+            net = m.ms - clone_fwd if mode != "backward" else m.ms
+            floor = hbm_floor_ms(floors[mode])
+            rows.append(Row("rope", case, mode, name, m.ms, m.peak_mib, floor, mem_floor[mode],
+                            extra={"tokens": tokens, "net_ms": round(net, 4),
+                                   "net_over_floor": round(net / floor, 3)},
+                            error=m.error))
+        del q_src, k_src, gq, gk
         torch.cuda.empty_cache()
 
 
 def sweep(rep: int) -> None:
-    """Our out-of-place forward + backward at a few (TILE_ELEMENTS, NUM_WARPS) settings."""
+    """Our forward + backward (out of place and in place) at a few (TILE_ELEMENTS, NUM_WARPS)
+    settings, net of the projection clone."""
     from liger_losses.kernels import rope as rope_mod
 
     defaults = rope_mod.TILE_ELEMENTS, rope_mod.NUM_WARPS
     results = []
     for tokens in (8192, 8192, 32768):  # the first case warms up the graph captures
-        for tile, warps in itertools.product((1024, 2048, 4096, 8192), (0, 4, 8, 16)):
+        for tile, warps in itertools.product((1024, 2048, 4096), (0, 4, 8)):
             rope_mod.TILE_ELEMENTS, rope_mod.NUM_WARPS = tile, warps
             rope_mod._config.cache_clear()
-            rows: list[Row] = []
-            bench_case("llama3-8b", tokens, ("full",), rows, rep, only="ours")
-            r = rows[0]
-            results.append(dict(tokens=tokens, tile=tile, warps=warps, ms=round(r.ms, 4),
-                                over_floor=round(r.ms / r.floor_ms, 3), error=(r.error or "")[:60]))
+            for prov in ("ours", "ours-inplace"):
+                rows: list[Row] = []
+                bench_case("llama3-8b", tokens, ("full",), rows, rep, only=prov)
+                r = rows[-1]
+                results.append(dict(tokens=tokens, provider=prov, tile=tile, warps=warps,
+                                    net_ms=r.extra["net_ms"], net_over_floor=r.extra["net_over_floor"],
+                                    error=(r.error or "")[:60]))
     rope_mod.TILE_ELEMENTS, rope_mod.NUM_WARPS = defaults
     rope_mod._config.cache_clear()
     print_table(results, keys=list(results[0]))

@@ -5,7 +5,9 @@ Why a row's second pass hits or misses L2 depends on how many rows run at once p
 kernel's register count decides; this prints it. Output of the session-3 runs:
 ``benchmark/results/session3/logs/ce_registers.log``.
 
-    python benchmark/diag_ce_registers.py [--configs 4096x8 32768x32 ...]
+    python benchmark/diag_ce_registers.py [--configs 4096x8 32768x32 4096x8x3x3 ...]
+
+A config is BLOCKxWARPS[xPASS1_STAGESxPASS2_STAGES] (logits_tile's module knobs; stages 0: default).
 """
 
 from __future__ import annotations
@@ -47,14 +49,17 @@ def main() -> None:
         return torch.autograd.grad(loss_fn(leaf, y), (leaf,))
 
     for cfg in args.configs:
-        block, warps = (int(v) for v in cfg.split("x"))
+        # BLOCKxWARPS[xSTAGES1[xSTAGES2]]: stages 0 = Triton's default loop (None)
+        block, warps, s1, s2 = ([int(v) for v in cfg.split("x")] + [0, 0])[:4]
         lt.BLOCK_CAP, lt.NUM_WARPS = block, warps
+        lt.PASS1_STAGES, lt.PASS2_STAGES = s1 or None, s2 or None
         before = {id(ck) for ck in compiled_kernels(lt._logits_tile_kernel)}
         step(cross_entropy)
         step(cross_entropy)
         for ck in compiled_kernels(lt._logits_tile_kernel):
             if id(ck) not in before:
-                print(f"ours {block}/{warps}: regs {ck.n_regs} spills {ck.n_spills}", flush=True)
+                print(f"ours {cfg}: regs {ck.n_regs} spills {ck.n_spills} "
+                      f"smem {ck.metadata.shared}", flush=True)
         print(f"  {triton.testing.do_bench(lambda: step(cross_entropy), warmup=5, rep=50):.3f} ms", flush=True)
     try:
         from liger_kernel.ops import cross_entropy as lce

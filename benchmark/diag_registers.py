@@ -97,7 +97,8 @@ def _logits_case(block: int, warps: int, vec_sums: bool, **flags) -> dict:
     pointers = {n: "*fp32" for n in ("SCALE", "CW", "LOSS", "LSE", "LOGP", "ENT", "LSUM")}
     pointers.update(X="*bf16", G="*bf16", LABELS="*i64", CORRECT="*i8")
     const = dict(MODE_CE=True, WRITE_GRAD=True, SCALE_PER_ROW=True, HAS_SOFTCAP=False, HAS_CW=False,
-                 NEED_ENT=False, NEED_LSUM=False, BLOCK=block, VEC_SUMS=vec_sums)
+                 NEED_ENT=False, NEED_LSUM=False, BLOCK=block, VEC_SUMS=vec_sums,
+                 STAGES1=logits_tile.PASS1_STAGES, STAGES2=logits_tile.PASS2_STAGES)
     const.update(flags)
     return compile_case(logits_tile._logits_tile_kernel, constexprs=const, num_warps=warps, pointers=pointers,
                         floats=("scale_value", "logit_scale", "inv_temp", "softcap", "eps", "z_w"))
@@ -135,7 +136,7 @@ def default_cases() -> dict:
                              floats=("offset",)))
     cases["sum_partials"] = lambda: compile_case(
         norm_common._sum_partials_kernel, num_warps=4, default_ptr="*fp32",
-        constexprs=dict(BLOCK_R=norm_common.SUM_BLOCK_ROWS, BLOCK_C=norm_common.SUM_BLOCK_COLS))
+        constexprs=dict(BLOCK_R=256, BLOCK_C=norm_common.SUM_BLOCK_COLS))  # 132 partial rows
 
     half, half_block, pass_dims, pass_block, bhq, bhk, w = rope._config(HEAD_DIM, HEAD_DIM, N_QH, N_KH, True)
     for backward in (False, True):
@@ -159,6 +160,8 @@ def alternative_cases() -> dict:
     return {
         "logits_tile ce 32768/32 (per-block sums)": lambda: _logits_case(32768, 32, False),
         "logits_tile ce 16384/32 (per-block sums)": lambda: _logits_case(16384, 32, False),
+        "logits_tile ce 4096/8, loops pipelined 3/3": lambda: _logits_case(4096, 8, True, STAGES1=3, STAGES2=3),
+        "logits_tile ce 8192/16, loops pipelined 3/3": lambda: _logits_case(8192, 16, False, STAGES1=3, STAGES2=3),
         f"_rms_norm_bwd H={H} {bm}x{bn}/{w}": lambda: compile_case(
             rms_norm._rms_norm_bwd_kernel, num_warps=w,
             constexprs=dict(CASTING=0, HAS_WEIGHT=True, COMPUTE_DX=True, COMPUTE_DW=True, BLOCK_M=bm, BLOCK_N=bn,

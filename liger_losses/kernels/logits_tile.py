@@ -80,6 +80,7 @@ if triton is not None:
         MODE_CE: tl.constexpr, WRITE_GRAD: tl.constexpr, SCALE_PER_ROW: tl.constexpr,
         HAS_SOFTCAP: tl.constexpr, HAS_CW: tl.constexpr, NEED_ENT: tl.constexpr,
         NEED_LSUM: tl.constexpr, BLOCK: tl.constexpr, VEC_SUMS: tl.constexpr,
+        STAGES1: tl.constexpr, STAGES2: tl.constexpr,
     ):
         row = tl.program_id(0).to(tl.int64)
         x_ptr = X + row * stride_x
@@ -108,7 +109,7 @@ if triton is not None:
             s = 0.0
             sw = 0.0
             w_sum_acc = 0.0
-        for b in range(0, n_iter):
+        for b in tl.range(0, n_iter, num_stages=STAGES1):  # STAGES1: loads in flight via smem
             cols = b * BLOCK + offs
             mask = cols < V
             x = tl.load(x_ptr + cols, mask=mask, other=0.0).to(tl.float32)
@@ -182,7 +183,7 @@ if triton is not None:
                 c0 = 0.0
                 c1 = -coef
             v_read = tl.where(valid, V, 0)  # ignored rows: nothing read, x = 0, a zero gradient row
-            for b in range(0, n_blocks):
+            for b in tl.range(0, n_blocks, num_stages=STAGES2):
                 cols = b * BLOCK + offs
                 mask = cols < V
                 x = tl.load(x_ptr + cols, mask=cols < v_read, other=0.0).to(tl.float32)
@@ -280,6 +281,11 @@ NUM_WARPS = 0
 # per-block sums 64 and no spills, like liger-kernel's kernel (one row per SM in flight, so the
 # second pass reads from L2) -- not yet timed on the GPU (benchmark/diag_ce_registers.py).
 VEC_SUMS_MAX_BLOCK = 4096
+# Software-pipelining depth of the pass-1 / pass-2 row loops (``tl.range(num_stages=...)``: the
+# loads of the next blocks are issued into shared memory while a block is reduced, so more bytes
+# are in flight per SM without more registers); None leaves the loops to Triton's default.
+PASS1_STAGES = None
+PASS2_STAGES = None
 
 
 def _block_settings(V: int) -> tuple[int, int]:
@@ -399,7 +405,8 @@ def logits_tile(
             float(softcap) if softcap is not None else 1.0, eps, z_w,
             MODE_CE=mode_ce, WRITE_GRAD=bool(grad), SCALE_PER_ROW=per_row,
             HAS_SOFTCAP=softcap is not None, HAS_CW=cw is not None, NEED_ENT=bool(need_entropy),
-            NEED_LSUM=need_lsum, BLOCK=block, VEC_SUMS=block <= VEC_SUMS_MAX_BLOCK, num_warps=warps,
+            NEED_LSUM=need_lsum, BLOCK=block, VEC_SUMS=block <= VEC_SUMS_MAX_BLOCK,
+            STAGES1=PASS1_STAGES, STAGES2=PASS2_STAGES, num_warps=warps,
         )
     return TileStats(loss, lse, logp, ent if need_entropy else None, correct.bool(),
                      lsum if need_logits_sum else None)

@@ -40,8 +40,12 @@ from liger_losses.kernels.utils import (
 triton, tl = import_triton()
 
 TRITON_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-SUM_BLOCK_COLS = 256
-SUM_BLOCK_ROWS = 32
+# Partial-sum reduction tiles: BLOCK_C columns per program and up to SUM_TILE_ELEMS elements per
+# tile, so the ~1 x #SMs partial rows of a norm backward are read in one or two loads per program
+# by H / BLOCK_C programs (the former 256 x 32 tiles gave 16 programs at H = 4096, each walking
+# its rows in 5 dependent steps: a fixed few microseconds that show at 4096 tokens).
+SUM_BLOCK_COLS = 32
+SUM_TILE_ELEMS = 8192
 
 if triton is not None:
 
@@ -113,9 +117,11 @@ def sum_partials(partial: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     p3 = partial.unsqueeze(0) if squeeze else partial
     groups, n_rows, n_cols = p3.shape
     out = torch.empty((groups, n_cols), dtype=dtype, device=partial.device)
+    block_c = min(SUM_BLOCK_COLS, next_power_of_2(n_cols))
+    block_r = max(1, min(next_power_of_2(n_rows), SUM_TILE_ELEMS // block_c))
     with device_ctx(partial):
-        _sum_partials_kernel[(-(-n_cols // SUM_BLOCK_COLS), groups)](
-            p3, out, n_rows, n_cols, BLOCK_R=SUM_BLOCK_ROWS, BLOCK_C=SUM_BLOCK_COLS, num_warps=4,
+        _sum_partials_kernel[(-(-n_cols // block_c), groups)](
+            p3, out, n_rows, n_cols, BLOCK_R=block_r, BLOCK_C=block_c, num_warps=4,
         )
     return out[0] if squeeze else out
 MAX_TRITON_HIDDEN = 65536

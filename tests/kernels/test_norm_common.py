@@ -10,6 +10,7 @@ next-tile prefetch on and off, against float64 autograd.
 import pytest
 import torch
 
+from liger_losses.kernels import norm_common
 from liger_losses.kernels.norm_common import sum_partials
 from liger_losses.kernels.utils import triton_runs_on
 from tests.helpers import TOL, assert_close_rel
@@ -33,9 +34,12 @@ def test_sum_partials_matches_float64(shape, dtype):
     assert_close_rel(out, ref, 1e-6 if dtype == torch.float32 else 1e-2, "column sums")
 
 
-def test_sum_partials_more_rows_than_a_block():
-    # 200 rows: several BLOCK_R steps of the row loop, and a ragged last one
-    partial = torch.randn(200, 50, dtype=torch.float32, device=DEVICE)
+@pytest.mark.parametrize("block_cols", [32, 256])
+def test_sum_partials_more_rows_than_a_block(block_cols, monkeypatch):
+    # 600 rows: with 32-column tiles of <= 8192 elements (256 rows) several BLOCK_R steps of the
+    # row loop and a ragged last one; 256 columns: 32-row steps. fp32 sums of 600 terms: 1e-6.
+    monkeypatch.setattr(norm_common, "SUM_BLOCK_COLS", block_cols)
+    partial = torch.randn(600, 70, dtype=torch.float32, device=DEVICE)
     assert_close_rel(sum_partials(partial, torch.float32), partial.double().sum(0), 1e-6, "column sums")
 
 
