@@ -35,6 +35,8 @@ def compiled_kernels(kernel) -> list:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--configs", nargs="+", default=["4096x8", "2048x4", "1024x4", "32768x32"])
+    ap.add_argument("--graph", action="store_true",
+                    help="time CUDA-graph replays (GPU time, no host overhead) instead of eager calls")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         print("diag_ce_registers: needs a CUDA GPU")
@@ -48,6 +50,14 @@ def main() -> None:
         leaf = x.detach().requires_grad_()
         return torch.autograd.grad(loss_fn(leaf, y), (leaf,))
 
+    def timed(fn):
+        if args.graph:
+            from benchmark.common import measure
+
+            os.environ["BENCH_GRAPH"] = "1"
+            return measure(fn, warmup=5, rep=50).ms
+        return triton.testing.do_bench(fn, warmup=5, rep=50)
+
     for cfg in args.configs:
         # BLOCKxWARPS[xSTAGES1[xSTAGES2]]: stages 0 = Triton's default loop (None)
         block, warps, s1, s2 = ([int(v) for v in cfg.split("x")] + [0, 0])[:4]
@@ -60,7 +70,7 @@ def main() -> None:
             if id(ck) not in before:
                 print(f"ours {cfg}: regs {ck.n_regs} spills {ck.n_spills} "
                       f"smem {ck.metadata.shared}", flush=True)
-        print(f"  {triton.testing.do_bench(lambda: step(cross_entropy), warmup=5, rep=50):.3f} ms", flush=True)
+        print(f"  {timed(lambda: step(cross_entropy)):.3f} ms", flush=True)
     try:
         from liger_kernel.ops import cross_entropy as lce
         from liger_kernel.transformers.cross_entropy import LigerCrossEntropyLoss
@@ -71,7 +81,7 @@ def main() -> None:
     step(mod)
     for ck in compiled_kernels(lce.liger_cross_entropy_kernel):
         print(f"liger: regs {ck.n_regs} spills {ck.n_spills} warps {ck.metadata.num_warps}")
-    print(f"  {triton.testing.do_bench(lambda: step(mod), warmup=5, rep=50):.3f} ms")
+    print(f"  {timed(lambda: step(mod)):.3f} ms")
 
 
 if __name__ == "__main__":

@@ -107,8 +107,7 @@ def _logits_case(block: int, warps: int, vec_sums: bool, **flags) -> dict:
 def default_cases() -> dict:
     """name -> thunk compiling one default launch configuration."""
     cases = {}
-    block_v = min(next_power_of_2(V), logits_tile.BLOCK_CAP)
-    warps_v = logits_tile.NUM_WARPS or (8 if block_v >= 2048 else 4)
+    block_v, warps_v = logits_tile._block_settings(V)
     vec = block_v <= logits_tile.VEC_SUMS_MAX_BLOCK
     for name, flags in (("ce", {}), ("ce+entropy", {"NEED_ENT": True}), ("logp+entropy", {"MODE_CE": False, "NEED_ENT": True}),
                         ("ce+softcap", {"HAS_SOFTCAP": True}), ("stats only", {"WRITE_GRAD": False})):
@@ -136,7 +135,8 @@ def default_cases() -> dict:
                              floats=("offset",)))
     cases["sum_partials"] = lambda: compile_case(
         norm_common._sum_partials_kernel, num_warps=4, default_ptr="*fp32",
-        constexprs=dict(BLOCK_R=256, BLOCK_C=norm_common.SUM_BLOCK_COLS))  # 132 partial rows
+        constexprs=dict(BLOCK_R=norm_common.SUM_TILE_ELEMS // norm_common.SUM_BLOCK_COLS,  # >= 132 rows: one tile
+                        BLOCK_C=norm_common.SUM_BLOCK_COLS))
 
     half, half_block, pass_dims, pass_block, bhq, bhk, w = rope._config(HEAD_DIM, HEAD_DIM, N_QH, N_KH, True)
     for backward in (False, True):
@@ -158,8 +158,9 @@ def alternative_cases() -> dict:
     backward with 2-row tiles (the 4-row default spills a little yet timed fastest on the H200)."""
     bm, bn, w = row_tile(H, N_TOKENS, 8192, rms_norm.MAX_ROWS_PER_TILE)
     return {
-        "logits_tile ce 32768/32 (per-block sums)": lambda: _logits_case(32768, 32, False),
-        "logits_tile ce 16384/32 (per-block sums)": lambda: _logits_case(16384, 32, False),
+        "logits_tile ce 32768/32 (per-block sums)": lambda: _logits_case(32768, 32, False, STAGES1=None, STAGES2=None),
+        "logits_tile ce 16384/32 (per-block sums)": lambda: _logits_case(16384, 32, False, STAGES1=None, STAGES2=None),
+        "logits_tile ce 4096/8 (not pipelined)": lambda: _logits_case(4096, 8, True, STAGES1=None, STAGES2=None),
         "logits_tile ce 4096/8, loops pipelined 3/3": lambda: _logits_case(4096, 8, True, STAGES1=3, STAGES2=3),
         "logits_tile ce 8192/16, loops pipelined 3/3": lambda: _logits_case(8192, 16, False, STAGES1=3, STAGES2=3),
         f"_rms_norm_bwd H={H} {bm}x{bn}/{w}": lambda: compile_case(

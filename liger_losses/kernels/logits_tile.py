@@ -268,30 +268,29 @@ def _logits_tile_torch(
     return stats
 
 
-# Columns per block of the row loops and warps per program on the GPU (module constants so that
-# ``benchmark/bench_kernels_ce.py --sweep`` can set them; NUM_WARPS 0: 8 for blocks >= 2048, else 4).
-# H200 sweeps (CE on 8192 x 128256 bf16 logits, forward + backward): 4096 / 8 warps 2.52-2.99 ms
-# across runs, 2048 / 4 within 2% of it, 16384-32768 with 16-32 warps 2.8-3.5 ms; a persistent grid
-# of 1-8 programs per SM (to keep a row in L2 between the passes) was slower (2.9-6.3 ms).
-BLOCK_CAP = 4096
+# Columns per block of the row loops, warps per program on the GPU (0: 8 for blocks >= 4096, else
+# 4) and the software-pipelining depth of the pass-1 / pass-2 loops (``tl.range(num_stages=...)``:
+# the next blocks' loads go to shared memory while a block is reduced, so more bytes are in flight
+# per SM without more registers; None: Triton's default loop). Module constants so that
+# ``benchmark/diag_ce_registers.py`` / ``bench_kernels_ce.py --sweep`` can set them.
+# H200, CE on 8192 x 128256 bf16 logits, forward + backward, one eager run (session 4,
+# results/session4/logs/ce_registers_call2.log): 4096 / 8 warps unpipelined 2.37 ms (the former
+# default), 4096 / 8 / 3 stages 2.24, 2048 / 4 / 3 stages 2.16, liger-kernel 2.11. Without
+# pipelining, larger blocks (16384-32768, 16-32 warps, one row per SM like liger-kernel's kernel)
+# were no faster (2.3-2.8 ms); a persistent grid was slower (2.9-6.3 ms, session 3).
+BLOCK_CAP = 2048
 NUM_WARPS = 0
-# Blocks up to this size keep the pass-1 sums per lane (see the kernel), larger ones per block.
-# Register counts (ptxas for sm_90, triton 3.9; the H200's triton 3.6 gave the same for the kernels
-# it ran): 4096 / 8 warps 52 (92 with entropy, 122 with class weights); 32768 / 32 warps with
-# per-block sums 64 and no spills, like liger-kernel's kernel (one row per SM in flight, so the
-# second pass reads from L2) -- not yet timed on the GPU (benchmark/diag_ce_registers.py).
+PASS1_STAGES = 3
+PASS2_STAGES = 3
+# Blocks up to this size keep the pass-1 sums per lane (see the kernel), larger ones per block
+# (fewer live registers: 32768 / 32 warps compiles to 60-64 registers).
 VEC_SUMS_MAX_BLOCK = 4096
-# Software-pipelining depth of the pass-1 / pass-2 row loops (``tl.range(num_stages=...)``: the
-# loads of the next blocks are issued into shared memory while a block is reduced, so more bytes
-# are in flight per SM without more registers); None leaves the loops to Triton's default.
-PASS1_STAGES = None
-PASS2_STAGES = None
 
 
 def _block_settings(V: int) -> tuple[int, int]:
     cap = 1024 if triton_interpret() else BLOCK_CAP
     block = min(next_power_of_2(V), cap)
-    warps = NUM_WARPS or (8 if block >= 2048 else 4)
+    warps = NUM_WARPS or (8 if block >= 4096 else 4)
     return block, warps
 
 
