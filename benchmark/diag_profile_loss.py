@@ -1,0 +1,72 @@
+"""Diagnostic (GPU): where a preference loss's forward + backward spends GPU time, kernel by kernel,
+for ours beside TRL's fused LM head (or any provider of ``bench_preference.providers_for``).
+
+Runs ``--steps`` full steps (loss + gradients of hidden and weight) under ``torch.profiler`` after a
+warm-up and prints, per provider, the kernels ranked by total GPU time (per step) and the step's
+total kernel time, so a gap between two providers can be traced to GEMMs, the logits-tile kernel
+or the glue around them.
+
+    python benchmark/diag_profile_loss.py [--loss dpo] [--shape small|big] [--providers ours trl_fused]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch  # noqa: E402
+
+from benchmark.bench_preference import BIG, SMALL, full_step, make_batch, providers_for  # noqa: E402
+
+
+def kernel_table(prof, steps: int, top: int) -> tuple[list, float]:
+    """[(name, calls per step, ms per step)] of the CUDA kernels, largest first, and their total."""
+    rows: dict = {}
+    for evt in prof.events():
+        if evt.device_type != torch.autograd.DeviceType.CUDA:
+            continue
+        name = evt.name[:90]
+        calls, us = rows.get(name, (0, 0.0))
+        rows[name] = (calls + 1, us + evt.time_range.elapsed_us())
+    ranked = sorted(rows.items(), key=lambda kv: -kv[1][1])
+    total = sum(us for _, us in rows.values()) / steps / 1000
+    return [(n, c / steps, us / steps / 1000) for n, (c, us) in ranked[:top]], total
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--loss", default="dpo", choices=("dpo", "simpo", "orpo"))
+    ap.add_argument("--shape", default="small", choices=("small", "big"))
+    ap.add_argument("--pairs", type=int, default=4)
+    ap.add_argument("--seq", type=int, default=1024)
+    ap.add_argument("--providers", nargs="+", default=["ours", "trl_fused"])
+    ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--top", type=int, default=14)
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        print("diag_profile_loss: needs a CUDA GPU")
+        return
+    shape = SMALL if args.shape == "small" else BIG
+    weight, hidden, ref_hidden, labels = make_batch(args.pairs, args.seq, **shape, ref=args.loss == "dpo")
+    provs = providers_for(args.loss, weight, hidden, ref_hidden, labels)
+    for name in args.providers:
+        step = full_step(provs[name], weight, hidden)
+        for _ in range(3):
+            step()
+        torch.cuda.synchronize()
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            for _ in range(args.steps):
+                step()
+            torch.cuda.synchronize()
+        table, total = kernel_table(prof, args.steps, args.top)
+        print(f"== {name}: {args.loss} {args.pairs}x{args.seq} {args.shape} "
+              f"(H={shape['H']}, V={shape['V']}): kernels {total:.2f} ms per step")
+        for kname, calls, ms in table:
+            print(f"  {ms:8.3f} ms {calls:6.1f}x  {kname}")
+
+
+if __name__ == "__main__":
+    main()
