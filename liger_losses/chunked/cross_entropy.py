@@ -219,7 +219,7 @@ def fused_linear_cross_entropy(
         else:
             if float(num_items_in_batch) <= 0:
                 raise ValueError(f"num_items_in_batch must be positive, got {num_items_in_batch!r}")
-            denom = torch.tensor(float(num_items_in_batch), device=hidden.device)
+            denom = torch.full((), float(num_items_in_batch), dtype=torch.float32, device=hidden.device)
     cfg = dict(
         ignore_index=ignore_index, compute_dtype=compute_dtype(weight), chunk_tokens=chunk_tokens,
         accum_dtype=accum_dtype, z_loss_weight=float(z_loss_weight),

@@ -263,7 +263,7 @@ def _run(weight, hidden, bias, teacher_hidden, labels, o, needs_h, needs_w, need
         "nll": sums[2] / n,
         "entropy": sums[3] / n,
         "token_accuracy": sums[4] / n,
-        "num_tokens": torch.tensor(float(N), device=dev),
+        "num_tokens": torch.full((), float(N), dtype=torch.float32, device=dev),
     }
     return loss, gh, gw, gb
 

@@ -561,7 +561,8 @@ def _run_sequence_objective(weight, hidden, bias, cfg, sink, needs_h, needs_w, n
     if g == 2:
         P = B // 2
         order_list = [i for p in range(P) for i in (p, p + P)]
-        order = torch.tensor(order_list, device=dev, dtype=torch.long)
+        # built on the device: a tensor copied from host memory would wait for the stream to drain
+        order = torch.arange(B, device=dev).view(2, P).t().reshape(-1)
     else:
         order_list, order = list(range(B)), None
     counts_host = counts.tolist()  # host sync (before the loop)
@@ -572,7 +573,7 @@ def _run_sequence_objective(weight, hidden, bias, cfg, sink, needs_h, needs_w, n
     identity = order is None and N == B * T
     h_rows = RowGather(h2, index, identity)
     pos_of_tok = torch.repeat_interleave(
-        torch.arange(B, device=dev), torch.tensor(ordered_counts, device=dev, dtype=torch.long),
+        torch.arange(B, device=dev), counts if order is None else counts.index_select(0, order),
         output_size=N,
     )
     order_t = order if order is not None else torch.arange(B, device=dev)
@@ -653,8 +654,9 @@ def _run_sequence_objective(weight, hidden, bias, cfg, sink, needs_h, needs_w, n
     def call_objective(p0, p1, want_grad):
         """Objective on positions [p0, p1); returns (loss sum/U_total, metrics, grad per position)."""
         size = p1 - p0
-        if g == 2:
-            perm = torch.cat([torch.arange(0, size, 2), torch.arange(1, size, 2)]).to(dev)
+        if g == 2:  # [0, 2, 4, ..., 1, 3, 5, ...], made on the device (no host-to-device copy,
+            # which would drain the stream once per chunk and leave the GPU idle meanwhile)
+            perm = torch.arange(size, device=dev).view(-1, 2).t().reshape(-1)
         else:
             perm = torch.arange(size, device=dev)
         with torch.enable_grad():

@@ -472,7 +472,7 @@ def _divergence_tile_torch(
         valid = lt > float("-inf")
         idx = torch.where(valid, topk_indices.long(), torch.zeros_like(topk_indices, dtype=torch.long))
         ls_full = ls.gather(1, idx)
-        neg_inf = torch.tensor(float("-inf"), dtype=acc, device=student.device)
+        neg_inf = float("-inf")
         ls_k = torch.where(valid, ls_full, neg_inf)
         lt_k = torch.where(valid, lt, neg_inf)
         if tail:
