@@ -22,3 +22,20 @@ def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
 def assert_close_rel(out, ref, tol, what=""):
     err = rel_err(out, ref)
     assert err <= tol, f"{what}: relative error {err:.3e} > {tol:.1e}"
+
+
+def count_host_syncs(fn) -> int:
+    """How many host-device synchronizations PyTorch reports (``torch.cuda.set_sync_debug_mode``)
+    while ``fn()`` runs on a CUDA device: ``.item()``/``.tolist()``, ``nonzero``, masked indexing,
+    copies from host memory (which drain the stream) and the like."""
+    import warnings
+
+    torch.cuda.synchronize()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            fn()
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+    return sum("synchroniz" in str(c.message) for c in caught)
