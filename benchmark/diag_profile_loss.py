@@ -1,5 +1,7 @@
-"""Diagnostic (GPU): where a preference loss's forward + backward spends GPU time, kernel by kernel,
-for ours beside TRL's fused LM head (or any provider of ``bench_preference.providers_for``).
+"""Diagnostic (GPU): where a fused-linear loss's forward + backward spends GPU time, kernel by kernel,
+for ours beside TRL's fused LM head (or any provider of ``bench_preference.providers_for``; for
+``--loss ce`` / ``distill`` only ``ours``: liger_losses' cross-entropy / generalized JSD with a
+teacher head of the same shape).
 
 Runs ``--steps`` full steps (loss + gradients of hidden and weight) under ``torch.profiler`` after a
 warm-up and prints, per provider, the kernels ranked by total GPU time (per step) and the step's
@@ -38,7 +40,7 @@ def kernel_table(prof, steps: int, top: int) -> tuple[list, float]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--loss", default="dpo", choices=("dpo", "simpo", "orpo"))
+    ap.add_argument("--loss", default="dpo", choices=("dpo", "simpo", "orpo", "ce", "distill"))
     ap.add_argument("--shape", default="small", choices=("small", "big"))
     ap.add_argument("--pairs", type=int, default=4)
     ap.add_argument("--seq", type=int, default=1024)
@@ -51,7 +53,19 @@ def main() -> None:
         return
     shape = SMALL if args.shape == "small" else BIG
     weight, hidden, ref_hidden, labels = make_batch(args.pairs, args.seq, **shape, ref=args.loss == "dpo")
-    provs = providers_for(args.loss, weight, hidden, ref_hidden, labels)
+    if args.loss in ("ce", "distill"):
+        from liger_losses.chunked.cross_entropy import fused_linear_cross_entropy
+        from liger_losses.chunked.distillation import fused_linear_distillation_loss
+
+        teacher_hidden = hidden.detach() + 0.1 * torch.randn_like(hidden)
+        teacher_weight = weight.detach() + 0.01 * torch.randn_like(weight)
+        provs = {
+            "ours": (lambda: fused_linear_cross_entropy(weight, hidden, labels)) if args.loss == "ce" else
+            (lambda: fused_linear_distillation_loss(weight, hidden, teacher_hidden, labels,
+                                                    teacher_weight=teacher_weight).loss),
+        }
+    else:
+        provs = providers_for(args.loss, weight, hidden, ref_hidden, labels)
     for name in args.providers:
         step = full_step(provs[name], weight, hidden)
         for _ in range(3):
@@ -62,8 +76,16 @@ def main() -> None:
                 step()
             torch.cuda.synchronize()
         table, total = kernel_table(prof, args.steps, args.top)
-        print(f"== {name}: {args.loss} {args.pairs}x{args.seq} {args.shape} "
-              f"(H={shape['H']}, V={shape['V']}): kernels {total:.2f} ms per step")
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(args.steps):
+            step()
+        end.record()
+        torch.cuda.synchronize()
+        wall = start.elapsed_time(end) / args.steps
+        print(f"== {name}: {args.loss} {2 * args.pairs}x{args.seq} {args.shape} "
+              f"(H={shape['H']}, V={shape['V']}): kernels {total:.2f} ms per step, "
+              f"stream time {wall:.2f} ms (the difference: GPU idle)")
         for kname, calls, ms in table:
             print(f"  {ms:8.3f} ms {calls:6.1f}x  {kname}")
 
