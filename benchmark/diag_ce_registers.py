@@ -8,6 +8,8 @@ kernel's register count decides; this prints it. Output of the session-3 runs:
     python benchmark/diag_ce_registers.py [--configs 4096x8 32768x32 4096x8x3x3 ...]
 
 A config is BLOCKxWARPS[xPASS1_STAGESxPASS2_STAGES] (logits_tile's module knobs; stages 0: default).
+``--kernel divergence``: the distillation tile kernel instead, configs BLOCKxWARPS[xSTAGES]
+(divergence_tile's BLOCK_CAP / NUM_WARPS / LOOP_STAGES), CUDA-graph timed.
 """
 
 from __future__ import annotations
@@ -32,14 +34,51 @@ def compiled_kernels(kernel) -> list:
     return [ck for caches in jit_fn.device_caches.values() for ck in caches[0].values()]
 
 
+def divergence(configs: list) -> None:
+    """The distillation tile kernel (JSD, beta 0.5, gradient written into the student tile) on
+    8192 x 128256 bf16 student / teacher logits per BLOCKxWARPS[xSTAGES] config, CUDA-graph timed
+    (GPU time) minus the copy that restores the student tile before each call."""
+    from benchmark.common import measure
+    from liger_losses.kernels import divergence_tile as dt
+
+    os.environ["BENCH_GRAPH"] = "1"
+    N, V = 8192, 128256
+    base = torch.randn(N, V, device="cuda", dtype=torch.bfloat16) * 2
+    teacher = torch.randn(N, V, device="cuda", dtype=torch.bfloat16) * 2
+    work = base.clone()
+    scale = torch.full((N,), 1.0 / N, device="cuda")
+    copy_ms = measure(lambda: work.copy_(base), warmup=5, rep=50).ms
+    print(f"student restore copy {copy_ms:.3f} ms (subtracted); memory floor of the kernel "
+          f"{N * V * 2 * 5 / 4.3e12 * 1e3:.3f} ms (read student and teacher twice, write the gradient)")
+
+    def step():
+        work.copy_(base)
+        return dt.divergence_tile(work, teacher, divergence="jsd", beta=0.5, grad_scale=scale, check_inputs=False)
+
+    defaults = dt.BLOCK_CAP, dt.NUM_WARPS, dt.LOOP_STAGES
+    for cfg in configs:
+        block, warps, stages = ([int(v) for v in cfg.split("x")] + [0])[:3]
+        dt.BLOCK_CAP, dt.NUM_WARPS, dt.LOOP_STAGES = block, warps, stages or None
+        before = {id(ck) for ck in compiled_kernels(dt._divergence_tile_kernel)}
+        ms = measure(step, warmup=5, rep=50).ms - copy_ms
+        for ck in compiled_kernels(dt._divergence_tile_kernel):
+            if id(ck) not in before:
+                print(f"divergence {cfg}: regs {ck.n_regs} spills {ck.n_spills} smem {ck.metadata.shared}")
+        print(f"  {ms:.3f} ms", flush=True)
+    dt.BLOCK_CAP, dt.NUM_WARPS, dt.LOOP_STAGES = defaults
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--configs", nargs="+", default=["4096x8", "2048x4", "1024x4", "32768x32"])
-    ap.add_argument("--graph", action="store_true",
-                    help="time CUDA-graph replays (GPU time, no host overhead) instead of eager calls")
+    ap.add_argument("--kernel", choices=("ce", "divergence"), default="ce",
+                    help="divergence: the distillation tile kernel (JSD, gradient written), CUDA-graph timed")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         print("diag_ce_registers: needs a CUDA GPU")
+        return
+    if args.kernel == "divergence":
+        divergence(args.configs)
         return
     N, V = 8192, 128256
     x = torch.randn(N, V, device="cuda", dtype=torch.bfloat16) * 2
@@ -50,12 +89,7 @@ def main() -> None:
         leaf = x.detach().requires_grad_()
         return torch.autograd.grad(loss_fn(leaf, y), (leaf,))
 
-    def timed(fn):
-        if args.graph:
-            from benchmark.common import measure
-
-            os.environ["BENCH_GRAPH"] = "1"
-            return measure(fn, warmup=5, rep=50).ms
+    def timed(fn):  # eager: the labels check of this path syncs, which a CUDA graph cannot hold
         return triton.testing.do_bench(fn, warmup=5, rep=50)
 
     for cfg in args.configs:

@@ -33,7 +33,7 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
 from liger_losses.kernels import (  # noqa: E402
-    geglu, layer_norm, logits_tile, norm_common, rms_norm, rope, swiglu,
+    divergence_tile, geglu, layer_norm, logits_tile, norm_common, rms_norm, rope, swiglu,
 )
 from liger_losses.kernels.utils import next_power_of_2, row_tile  # noqa: E402
 
@@ -104,9 +104,25 @@ def _logits_case(block: int, warps: int, vec_sums: bool, **flags) -> dict:
                         floats=("scale_value", "logit_scale", "inv_temp", "softcap", "eps", "z_w"))
 
 
+def _divergence_case(**flags) -> dict:
+    block, warps = divergence_tile._block_settings(V)
+    const = dict(MODE=divergence_tile.divergence_mode("jsd", 0.5), TOPK=False, TAIL=False, HAS_LABELS=False,
+                 SEP_RAW=False, WRITE_GRAD=True, ROW_SCALE=True, BLOCK=block, BLOCK_K=2,
+                 STAGES=divergence_tile.LOOP_STAGES)
+    const.update(flags)
+    return compile_case(divergence_tile._divergence_tile_kernel, constexprs=const, num_warps=warps,
+                        pointers={n: "*fp32" for n in ("scale_ptr", "loss_ptr", "div_ptr", "ce_ptr", "ent_ptr",
+                                                       "correct_ptr", "tk_lp_ptr")} | {"labels_ptr": "*i64",
+                                                                                      "tk_idx_ptr": "*i64"},
+                        floats=("scale_value", "inv_t", "beta", "log_1m_beta", "log_beta", "w_hard", "w_soft"))
+
+
 def default_cases() -> dict:
     """name -> thunk compiling one default launch configuration."""
     cases = {}
+    block_d, warps_d = divergence_tile._block_settings(V)
+    cases[f"divergence_tile jsd {block_d}/{warps_d}"] = _divergence_case
+    cases[f"divergence_tile jsd+labels {block_d}/{warps_d}"] = lambda: _divergence_case(HAS_LABELS=True)
     block_v, warps_v = logits_tile._block_settings(V)
     vec = block_v <= logits_tile.VEC_SUMS_MAX_BLOCK
     for name, flags in (("ce", {}), ("ce+entropy", {"NEED_ENT": True}), ("logp+entropy", {"MODE_CE": False, "NEED_ENT": True}),

@@ -70,6 +70,22 @@ DIVERGENCES = ("jsd", "forward_kl", "reverse_kl")
 TEACHER_VOCAB_MODES = ("renormalize", "full")
 _TAIL_CLAMP = -1e-7  # TRL's clamp of log(sum of top-k probs) before the tail bucket
 
+# Columns per block of the row loops on the GPU (capped at the row width), warps per program (0: 8
+# for blocks >= 2048, else 4) and the software-pipelining depth of the row loops (``tl.range(
+# num_stages=...)``; None: Triton's default loop). Module constants so that a benchmark can sweep
+# them (``benchmark/diag_ce_registers.py --kernel divergence``). H200 (session 4 profile, JSD,
+# 8192 x 128256, 25% ignored): this kernel took 7.6 ms of a 45 ms distillation step against a
+# ~1.8 ms memory floor -- pass 1 does six block-wide reductions per block (each a barrier).
+BLOCK_CAP = 4096
+NUM_WARPS = 0
+LOOP_STAGES = None
+
+
+def _block_settings(width: int, *, on_gpu: bool = True, block_size: Optional[int] = None) -> tuple[int, int]:
+    """(columns per block, warps) for rows of ``width`` columns (``block_size`` overrides the block)."""
+    block = block_size or min(next_power_of_2(width), BLOCK_CAP if on_gpu else 1024)
+    return block, NUM_WARPS or (8 if block >= 2048 else 4)
+
 
 class DivergenceTileStats(NamedTuple):
     """Per-row statistics of :func:`divergence_tile` (fp32 ``[n]`` each)."""
@@ -191,6 +207,7 @@ if triton is not None:
         ROW_SCALE: tl.constexpr,
         BLOCK: tl.constexpr,
         BLOCK_K: tl.constexpr,
+        STAGES: tl.constexpr,
     ):
         beta = tl.cast(beta, tl.float32)
         inv_t = tl.cast(inv_t, tl.float32)
@@ -215,7 +232,7 @@ if triton is not None:
         else:
             n_loop = n_t_cols
             t_row = t_ptr + row * t_stride
-        for start in range(0, n_loop, BLOCK):
+        for start in tl.range(0, n_loop, BLOCK, num_stages=STAGES):
             offs = start + cols
             mask = offs < n_cols
             raw = tl.load(s_row + offs, mask=mask, other=float("-inf")).to(tl.float32)
@@ -344,7 +361,7 @@ if triton is not None:
                 lt_c = tl.load(t_row + best_idx).to(tl.float32) * inv_t - lse_t
                 _dc, _gc, t_c = _div_terms(ls_c, lt_c, log_1m_beta, log_beta, beta, MODE)
                 # ---- pass 2: sum_i p_i (t_i - c) for the gradient (only t, no divergence term)
-                for start in range(0, n_cols, BLOCK):
+                for start in tl.range(0, n_cols, BLOCK, num_stages=STAGES):
                     offs = start + cols
                     mask = offs < n_cols
                     ls = tl.load(s_row + offs, mask=mask, other=0.0).to(tl.float32) * inv_t - lse_s
@@ -353,7 +370,7 @@ if triton is not None:
                     coef_dense += tl.sum(tl.where(mask, tl.exp(ls) * (tt - t_c), 0.0), axis=0)
             if not WRITE_GRAD:
                 # ---- no gradient wanted: pass 2 is the divergence itself (then there is no last pass)
-                for start in range(0, n_cols, BLOCK):
+                for start in tl.range(0, n_cols, BLOCK, num_stages=STAGES):
                     offs = start + cols
                     mask = offs < n_cols
                     ls = tl.load(s_row + offs, mask=mask, other=0.0).to(tl.float32) * inv_t - lse_s
@@ -364,7 +381,7 @@ if triton is not None:
         if WRITE_GRAD:
             # ---- last pass: gradient in place over the whole student row (+ the dense divergence, accumulated
             # here since both log-normalisers are known after pass 1)
-            for start in range(0, n_cols, BLOCK):
+            for start in tl.range(0, n_cols, BLOCK, num_stages=STAGES):
                 offs3 = start + cols
                 mask3 = offs3 < n_cols
                 raw3 = tl.load(s_row + offs3, mask=mask3, other=0.0).to(tl.float32)
@@ -635,8 +652,7 @@ def divergence_tile(
     if n == 0:
         return DivergenceTileStats(*outs)
     width = max(vs, n_t_cols)
-    block = block_size or min(next_power_of_2(width), 4096 if dev.type == "cuda" else 1024)
-    warps = 8 if block >= 2048 else 4
+    block, warps = _block_settings(width, on_gpu=dev.type == "cuda", block_size=block_size)
     dummy = outs[0]
     row_scale = isinstance(grad_scale, torch.Tensor)
     k = topk_logprobs.shape[1] if topk else 0
@@ -658,7 +674,7 @@ def divergence_tile(
             MODE=mode, TOPK=topk, TAIL=bool(topk_tail), HAS_LABELS=labels is not None,
             SEP_RAW=(labels is not None and float(temperature) != 1.0),
             WRITE_GRAD=grad_scale is not None, ROW_SCALE=row_scale,
-            BLOCK=block, BLOCK_K=max(2, next_power_of_2(k + 1)) if topk else 2,
+            BLOCK=block, BLOCK_K=max(2, next_power_of_2(k + 1)) if topk else 2, STAGES=LOOP_STAGES,
             num_warps=warps,
         )
     return DivergenceTileStats(*outs)
