@@ -35,12 +35,14 @@ import torch
 from torch import Tensor
 
 from liger_losses.kernels.logits_tile import logits_tile
+from liger_losses.kernels.scale import scale_unless_one_
 from liger_losses.kernels.utils import (
     check_labels,
     check_range,
     check_same_device,
     check_tensor,
     resolve_impl,
+    triton_runs_on,
 )
 
 # Default memory budget of one logits tile (bytes). 256 MiB -> ~1024 tokens at V=128256 in bf16,
@@ -51,6 +53,12 @@ DEFAULT_BUDGET_BYTES = 256 * 1024 * 1024
 UNIT_BUDGET_FACTOR = 2
 # Chunk sizes found from the budget are rounded to a multiple of this (GEMM efficiency).
 CHUNK_ALIGN = 128
+# Backward of the one-pass losses: scale the forward's gradients by the upstream scalar on the
+# device (kernels.scale: no host sync, no memory pass when it is 1) instead of reading it on the
+# host (one sync per backward). Off until timed on a GPU: in an isolated loss benchmark that sync
+# idles the GPU for the host time up to the next step's first kernel (session-4 profile: 2.6-3.3 ms
+# of idle per step, partly this); in a trainer the backward continues right after it.
+DEVICE_SCALE = False
 
 
 # --------------------------------------------------------------------------- sharded weights
@@ -508,27 +516,32 @@ def _scaled_grads(ctx, grad_scale, saved=None):
     gh, gw, gb = ctx.saved_tensors[:3] if saved is None else saved
     has_h, has_w, has_b = ctx.has
     # The usual upstream gradient of a loss is exactly 1: skip the in-place passes over the
-    # [V, H] weight gradient (one host sync here, outside any chunk loop, is cheaper than a
-    # 2 * V * H-element memory pass).
-    if grad_scale.numel() == 1 and bool(grad_scale == 1):
-        grad_scale = None
+    # [V, H] weight gradient. Default: one host sync here (outside any chunk loop) reads the value.
+    # DEVICE_SCALE: no sync -- a kernel whose programs read the value and return when it is 1.
+    if grad_scale.numel() == 1 and DEVICE_SCALE and grad_scale.is_floating_point() \
+            and triton_runs_on(grad_scale.device):
+        def scale(t):
+            return scale_unless_one_(t, grad_scale)
+    elif grad_scale.numel() == 1 and bool(grad_scale == 1):
+        scale = None
+    else:
+        def scale(t):
+            return t.mul_(grad_scale)
     out = []
     if has_h:
-        if grad_scale is not None:
-            gh.mul_(grad_scale)
-        out.append(gh)
+        out.append(gh if scale is None else scale(gh))
     else:
         out.append(None)
     if has_w:
-        if grad_scale is not None:
-            gw.mul_(grad_scale)
+        if scale is not None:
+            scale(gw)
         w = ctx.weight_ref
         g = gw if gw.dtype == w.dtype else gw.to(w.dtype)
         out.append(weight_grad_like(w, g))
     else:
         out.append(None)
     if has_b:
-        out.append(gb if grad_scale is None else gb.mul_(grad_scale))
+        out.append(gb if scale is None else scale(gb))
     else:
         out.append(None)
     return tuple(out)

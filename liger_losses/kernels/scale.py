@@ -1,0 +1,73 @@
+"""In-place multiply by a scalar that lives on the device, skipped on the device when it is 1.
+
+``scale_unless_one_(x, scale)``: ``x`` (any float dtype, contiguous) ``*= scale`` (a 1-element
+float tensor on ``x``'s device), computed in fp32 and rounded once to ``x``'s dtype -- what
+``x.mul_(scale)`` gives. Every program of the Triton kernel reads ``scale`` first and returns when
+it is exactly 1, so the usual upstream gradient of a loss (1) costs one launch instead of a read and
+a write of ``x``, and the host never reads the value (no device-to-host sync). Used by the chunked
+engine's backward to scale gradients computed in the forward (``engine.DEVICE_SCALE``).
+
+Without Triton on ``x``'s device (or for non-contiguous ``x``) it is ``x.mul_(scale)``.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from liger_losses.kernels.launch import fast_kernel
+from liger_losses.kernels.utils import device_ctx, import_triton, triton_runs_on
+
+triton, tl = import_triton()
+
+BLOCK = 8192
+NUM_WARPS = 8
+PROGRAMS_PER_SM = 4  # persistent grid: the early exit costs a few hundred programs, not one per block
+
+if triton is not None:
+
+    @triton.jit
+    def _scale_unless_one_kernel(x_ptr, scale_ptr, n, BLOCK: tl.constexpr):
+        """Programs stride over ``x`` in BLOCK-element tiles; all return at once when scale == 1."""
+        s = tl.load(scale_ptr).to(tl.float32)
+        if s != 1.0:
+            pid = tl.program_id(0).to(tl.int64)
+            step = tl.num_programs(0).to(tl.int64) * BLOCK
+            offs = tl.arange(0, BLOCK)
+            for start in range(pid * BLOCK, n, step):
+                idx = start + offs
+                mask = idx < n
+                x = tl.load(x_ptr + idx, mask=mask, other=0.0).to(tl.float32)
+                tl.store(x_ptr + idx, (x * s).to(x_ptr.dtype.element_ty), mask=mask)
+
+    _scale_unless_one_kernel = fast_kernel(_scale_unless_one_kernel)
+
+
+@functools.lru_cache(maxsize=16)
+def _programs(device_index: int) -> int:
+    return PROGRAMS_PER_SM * torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def scale_unless_one_(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """``x *= scale`` in place (see the module docstring); returns ``x``."""
+    if not isinstance(scale, torch.Tensor) or scale.numel() != 1:
+        raise ValueError(f"scale must be a 1-element tensor, got {scale!r}")
+    if scale.device != x.device:
+        raise ValueError(f"scale must be on x's device ({x.device}), got {scale.device}")
+    if not (x.is_floating_point() and scale.is_floating_point()):
+        raise TypeError(f"x and scale must be floating point, got {x.dtype} and {scale.dtype}")
+    if x.numel() == 0:
+        return x
+    if not x.is_contiguous() or not triton_runs_on(x.device):
+        return x.mul_(scale.reshape(()))
+    n = x.numel()
+    tiles = -(-n // BLOCK)
+    if x.device.type == "cuda":
+        index = x.device.index if x.device.index is not None else torch.cuda.current_device()
+        programs = min(tiles, _programs(index))
+    else:  # the interpreter on the CPU
+        programs = min(tiles, 4)
+    with device_ctx(x):
+        _scale_unless_one_kernel[(programs,)](x, scale.reshape(1), n, BLOCK=BLOCK, num_warps=NUM_WARPS)
+    return x
