@@ -147,25 +147,35 @@ def bench_case(shape_name, tokens, modes, rows, rep, only=None):
 
 
 def sweep(rep: int) -> None:
-    """Our forward + backward (out of place and in place) at a few (TILE_ELEMENTS, NUM_WARPS)
-    settings, net of the projection clone."""
+    """Our forward + backward (out of place and in place) at a few (TILE_ELEMENTS, NUM_WARPS,
+    LOADS_FIRST) settings, net of the projection clone, beside liger-kernel's, at the 8B and the
+    Qwen2-0.5B shapes."""
     from liger_losses.kernels import rope as rope_mod
 
-    defaults = rope_mod.TILE_ELEMENTS, rope_mod.NUM_WARPS
+    defaults = rope_mod.TILE_ELEMENTS, rope_mod.NUM_WARPS, rope_mod.LOADS_FIRST
+    settings = [(tile, warps, False) for tile, warps in itertools.product((512, 1024), (4,))]
+    settings += [(0, warps, True) for warps in (0, 4, 8)]
     results = []
-    for tokens in (8192, 8192, 32768):  # the first case warms up the graph captures
-        for tile, warps in itertools.product((512, 1024, 2048), (2, 4)):
-            rope_mod.TILE_ELEMENTS, rope_mod.NUM_WARPS = tile, warps
-            rope_mod._config.cache_clear()
+    cases = [("llama3-8b", 8192), ("llama3-8b", 8192), ("llama3-8b", 32768), ("qwen2-0.5b", 8192)]
+    for shape, tokens in cases:  # the first case warms up the graph captures
+        for tile, warps, loads_first in settings:
+            rope_mod.TILE_ELEMENTS, rope_mod.NUM_WARPS, rope_mod.LOADS_FIRST = tile or defaults[0], warps, loads_first
             for prov in ("ours", "ours-inplace"):
                 rows: list[Row] = []
-                bench_case("llama3-8b", tokens, ("full",), rows, rep, only=prov)
+                bench_case(shape, tokens, ("full",), rows, rep, only=prov)
                 r = rows[-1]
-                results.append(dict(tokens=tokens, provider=prov, tile=tile, warps=warps,
-                                    net_ms=r.extra["net_ms"], net_over_floor=r.extra["net_over_floor"],
-                                    error=(r.error or "")[:60]))
-    rope_mod.TILE_ELEMENTS, rope_mod.NUM_WARPS = defaults
-    rope_mod._config.cache_clear()
+                results.append(dict(shape=shape, tokens=tokens, provider=prov, tile=tile, warps=warps,
+                                    loads_first=int(loads_first), net_ms=r.extra["net_ms"],
+                                    net_over_floor=r.extra["net_over_floor"], error=(r.error or "")[:60]))
+        rope_mod.TILE_ELEMENTS, rope_mod.NUM_WARPS, rope_mod.LOADS_FIRST = defaults
+        rows = []
+        bench_case(shape, tokens, ("full",), rows, rep, only="liger")
+        if rows:
+            r = rows[-1]
+            results.append(dict(shape=shape, tokens=tokens, provider="liger", tile="", warps="", loads_first="",
+                                net_ms=r.extra["net_ms"], net_over_floor=r.extra["net_over_floor"],
+                                error=(r.error or "")[:60]))
+    rope_mod.TILE_ELEMENTS, rope_mod.NUM_WARPS, rope_mod.LOADS_FIRST = defaults
     print_table(results, keys=list(results[0]))
 
 

@@ -154,13 +154,13 @@ def default_cases() -> dict:
         constexprs=dict(BLOCK_R=norm_common.SUM_TILE_ELEMS // norm_common.SUM_BLOCK_COLS,  # >= 132 rows: one tile
                         BLOCK_C=norm_common.SUM_BLOCK_COLS))
 
-    half, half_block, pass_dims, pass_block, bhq, bhk, w = rope._config(HEAD_DIM, HEAD_DIM, N_QH, N_KH, True)
+    half, half_block, pass_dims, pass_block, bhq, bhk, w, lf = rope._config(HEAD_DIM, HEAD_DIM, N_QH, N_KH, True)
     for backward in (False, True):
-        cases[f"rope {'bwd' if backward else 'fwd'} heads {bhq}/{bhk}/{w}"] = (
+        cases[f"rope {'bwd' if backward else 'fwd'} heads {bhq}/{bhk}/{w}{' loads first' if lf else ''}"] = (
             lambda b=backward: compile_case(
                 rope._rope_kernel, num_warps=w,
                 constexprs=dict(HALF=half, HALF_BLOCK=half_block, PASS=pass_dims, PASS_BLOCK=pass_block,
-                                BLOCK_HQ=bhq, BLOCK_HK=bhk, BACKWARD=b)))
+                                BLOCK_HQ=bhq, BLOCK_HK=bhk, BACKWARD=b, LOADS_FIRST=lf)))
     for mod, name, extra in ((swiglu, "_swiglu", {}), (geglu, "_geglu", {"TANH": True})):
         for part in ("fwd", "bwd"):
             cases[f"{name}_{part} {mod.BLOCK_SIZE}/{mod.NUM_WARPS}"] = (
@@ -174,6 +174,10 @@ def alternative_cases() -> dict:
     backward with 2-row tiles (the 4-row default spills a little yet timed fastest on the H200)."""
     bm, bn, w = row_tile(H, N_TOKENS, 8192, rms_norm.MAX_ROWS_PER_TILE)
     return {
+        "rope fwd loads first 32/8/8": lambda: compile_case(
+            rope._rope_kernel, num_warps=8,
+            constexprs=dict(HALF=HEAD_DIM // 2, HALF_BLOCK=HEAD_DIM // 2, PASS=0, PASS_BLOCK=1,
+                            BLOCK_HQ=N_QH, BLOCK_HK=N_KH, BACKWARD=False, LOADS_FIRST=True)),
         "logits_tile ce 32768/32 (per-block sums)": lambda: _logits_case(32768, 32, False, STAGES1=None, STAGES2=None),
         "logits_tile ce 16384/32 (per-block sums)": lambda: _logits_case(16384, 32, False, STAGES1=None, STAGES2=None),
         "logits_tile ce 4096/8 (not pipelined)": lambda: _logits_case(4096, 8, True, STAGES1=None, STAGES2=None),

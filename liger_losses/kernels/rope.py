@@ -53,12 +53,18 @@ triton, tl = import_triton()
 
 # Elements of one [heads, R/2] tile the kernel holds per tensor (x1, x2, out1, out2 each), and the
 # warps per program (0: 8 for tiles of >= 2048 elements, else 4). Module constants so that
-# ``benchmark/bench_rope.py --sweep`` can set them (then call ``_config.cache_clear()``).
+# ``benchmark/bench_rope.py --sweep`` can set them.
 # H200 sweep (CUDA-graph GPU time, 8B shapes, out of place, forward + backward): 1024-element tiles
 # with 4 warps 0.099 ms at 8192 tokens (1.23x the HBM floor) and 0.362 at 32768 (1.13x); 2048 with
 # 8 warps (the former default) 0.114 / 0.421; 16 warps 1.6-1.9x.
 TILE_ELEMENTS = 1024
 NUM_WARPS = 0
+# LOADS_FIRST: one tile holds all heads of a token (TILE_ELEMENTS ignored) and the kernel issues
+# the loads of q's and k's halves before any store -- liger-kernel's order, which the compiler
+# cannot reach by itself (a store to q may alias k). H200, q-layout gradients (session 4): our
+# tiled order is 4-7% slower than liger-kernel's kernel at the 8B shapes, 1.6x at Qwen2-0.5B's.
+# Off until timed on a GPU (bench_rope.py --grad-layout q --sweep).
+LOADS_FIRST = False
 
 
 if triton is not None:
@@ -78,20 +84,32 @@ if triton is not None:
             op = o_ptr + o_base + h[:, None] * o_sh + d[None, :]
             x1 = tl.load(xp, mask=mask, other=0.0).to(tl.float32)
             x2 = tl.load(xp + HALF, mask=mask, other=0.0).to(tl.float32)
-            if BACKWARD:
-                y1 = x1 * c1 + x2 * s2
-                y2 = x2 * c2 - x1 * s1
-            else:
-                y1 = x1 * c1 - x2 * s1
-                y2 = x2 * c2 + x1 * s2
+            y1, y2 = _rotate_pair(x1, x2, c1, c2, s1, s2, BACKWARD)
             tl.store(op, y1.to(o_ptr.dtype.element_ty), mask=mask)
             tl.store(op + HALF, y2.to(o_ptr.dtype.element_ty), mask=mask)
-            if PASS > 0:  # partial rotary: copy dims [2*HALF, D) unchanged
-                p = tl.arange(0, PASS_BLOCK)
-                pmask = (h < n_heads)[:, None] & (p < PASS)[None, :]
-                xpp = x_ptr + x_base + h[:, None] * x_sh + 2 * HALF + p[None, :]
-                opp = o_ptr + o_base + h[:, None] * o_sh + 2 * HALF + p[None, :]
-                tl.store(opp, tl.load(xpp, mask=pmask, other=0.0).to(o_ptr.dtype.element_ty), mask=pmask)
+            _copy_pass(x_ptr, o_ptr, x_base, o_base, h, n_heads, x_sh, o_sh, HALF, PASS, PASS_BLOCK)
+
+    @triton.jit
+    def _copy_pass(x_ptr, o_ptr, x_base, o_base, h, n_heads, x_sh, o_sh,
+                   HALF: tl.constexpr, PASS: tl.constexpr, PASS_BLOCK: tl.constexpr):
+        """Partial rotary: copy dims [2*HALF, D) of heads ``h`` unchanged (nothing when PASS is 0)."""
+        if PASS > 0:
+            p = tl.arange(0, PASS_BLOCK)
+            pmask = (h < n_heads)[:, None] & (p < PASS)[None, :]
+            xpp = x_ptr + x_base + h[:, None] * x_sh + 2 * HALF + p[None, :]
+            opp = o_ptr + o_base + h[:, None] * o_sh + 2 * HALF + p[None, :]
+            tl.store(opp, tl.load(xpp, mask=pmask, other=0.0).to(o_ptr.dtype.element_ty), mask=pmask)
+
+    @triton.jit
+    def _rotate_pair(x1, x2, c1, c2, s1, s2, BACKWARD: tl.constexpr):
+        """(y1, y2): the two rotated halves (BACKWARD: the transposed rotation)."""
+        if BACKWARD:
+            y1 = x1 * c1 + x2 * s2
+            y2 = x2 * c2 - x1 * s1
+        else:
+            y1 = x1 * c1 - x2 * s1
+            y2 = x2 * c2 + x1 * s2
+        return y1, y2
 
     @triton.jit
     def _rope_kernel(
@@ -103,8 +121,10 @@ if triton is not None:
         HALF: tl.constexpr, HALF_BLOCK: tl.constexpr,
         PASS: tl.constexpr, PASS_BLOCK: tl.constexpr,
         BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr, BACKWARD: tl.constexpr,
+        LOADS_FIRST: tl.constexpr,
     ):
-        """One program per token: load its cos/sin once, rotate its q heads and its k heads."""
+        """One program per token: load its cos/sin once, rotate its q heads and its k heads
+        (LOADS_FIRST: all heads in one tile, q's and k's loads issued before any store)."""
         pid = tl.program_id(0).to(tl.int64)
         b = pid // T
         t = pid % T
@@ -116,14 +136,38 @@ if triton is not None:
         c2 = tl.load(cp + HALF, mask=d_mask, other=0.0).to(tl.float32)[None, :]
         s1 = tl.load(sp, mask=d_mask, other=0.0).to(tl.float32)[None, :]
         s2 = tl.load(sp + HALF, mask=d_mask, other=0.0).to(tl.float32)[None, :]
-        _rotate_heads(
-            q_ptr, qo_ptr, b * q_sb + t * q_st, b * qo_sb + t * qo_st, n_qh, q_sh, qo_sh,
-            c1, c2, s1, s2, d, d_mask, HALF, PASS, PASS_BLOCK, BLOCK_HQ, BACKWARD,
-        )
-        _rotate_heads(
-            k_ptr, ko_ptr, b * k_sb + t * k_st, b * ko_sb + t * ko_st, n_kh, k_sh, ko_sh,
-            c1, c2, s1, s2, d, d_mask, HALF, PASS, PASS_BLOCK, BLOCK_HK, BACKWARD,
-        )
+        if LOADS_FIRST:
+            hq = tl.arange(0, BLOCK_HQ).to(tl.int64)
+            hk = tl.arange(0, BLOCK_HK).to(tl.int64)
+            mq = (hq < n_qh)[:, None] & d_mask[None, :]
+            mk = (hk < n_kh)[:, None] & d_mask[None, :]
+            qp = q_ptr + b * q_sb + t * q_st + hq[:, None] * q_sh + d[None, :]
+            kp = k_ptr + b * k_sb + t * k_st + hk[:, None] * k_sh + d[None, :]
+            q1 = tl.load(qp, mask=mq, other=0.0).to(tl.float32)
+            q2 = tl.load(qp + HALF, mask=mq, other=0.0).to(tl.float32)
+            k1 = tl.load(kp, mask=mk, other=0.0).to(tl.float32)
+            k2 = tl.load(kp + HALF, mask=mk, other=0.0).to(tl.float32)
+            yq1, yq2 = _rotate_pair(q1, q2, c1, c2, s1, s2, BACKWARD)
+            yk1, yk2 = _rotate_pair(k1, k2, c1, c2, s1, s2, BACKWARD)
+            qop = qo_ptr + b * qo_sb + t * qo_st + hq[:, None] * qo_sh + d[None, :]
+            kop = ko_ptr + b * ko_sb + t * ko_st + hk[:, None] * ko_sh + d[None, :]
+            tl.store(qop, yq1.to(qo_ptr.dtype.element_ty), mask=mq)
+            tl.store(qop + HALF, yq2.to(qo_ptr.dtype.element_ty), mask=mq)
+            tl.store(kop, yk1.to(ko_ptr.dtype.element_ty), mask=mk)
+            tl.store(kop + HALF, yk2.to(ko_ptr.dtype.element_ty), mask=mk)
+            _copy_pass(q_ptr, qo_ptr, b * q_sb + t * q_st, b * qo_sb + t * qo_st, hq, n_qh, q_sh, qo_sh,
+                       HALF, PASS, PASS_BLOCK)
+            _copy_pass(k_ptr, ko_ptr, b * k_sb + t * k_st, b * ko_sb + t * ko_st, hk, n_kh, k_sh, ko_sh,
+                       HALF, PASS, PASS_BLOCK)
+        else:
+            _rotate_heads(
+                q_ptr, qo_ptr, b * q_sb + t * q_st, b * qo_sb + t * qo_st, n_qh, q_sh, qo_sh,
+                c1, c2, s1, s2, d, d_mask, HALF, PASS, PASS_BLOCK, BLOCK_HQ, BACKWARD,
+            )
+            _rotate_heads(
+                k_ptr, ko_ptr, b * k_sb + t * k_st, b * ko_sb + t * ko_st, n_kh, k_sh, ko_sh,
+                c1, c2, s1, s2, d, d_mask, HALF, PASS, PASS_BLOCK, BLOCK_HK, BACKWARD,
+            )
 
     # host launches go through launch.fast_kernel (the compiled launcher after a first launch)
     _rope_kernel = fast_kernel(_rope_kernel)
@@ -139,18 +183,28 @@ def _unit_last(x: torch.Tensor) -> torch.Tensor:
     return x if x.stride(-1) == 1 else x.contiguous()
 
 
-@functools.lru_cache(maxsize=256)
 def _config(rot: int, d: int, n_qh: int, n_kh: int, rotate_pass: bool):
-    """(HALF, HALF_BLOCK, PASS, PASS_BLOCK, BLOCK_HQ, BLOCK_HK, num_warps), cached per shape."""
+    """(HALF, HALF_BLOCK, PASS, PASS_BLOCK, BLOCK_HQ, BLOCK_HK, num_warps, LOADS_FIRST) for the
+    module knobs as they are now (cached per shape and knob values)."""
+    return _config_cached(rot, d, n_qh, n_kh, rotate_pass, TILE_ELEMENTS, NUM_WARPS, LOADS_FIRST)
+
+
+@functools.lru_cache(maxsize=256)
+def _config_cached(rot: int, d: int, n_qh: int, n_kh: int, rotate_pass: bool,
+                   tile_elements: int, num_warps: int, loads_first: bool):
     half = rot // 2
     half_block = next_power_of_2(half)
     pass_dims = d - rot if rotate_pass else 0
     pass_block = next_power_of_2(pass_dims) if pass_dims else 1
-    max_h = max(1, TILE_ELEMENTS // half_block)
+    if loads_first:  # one tile per tensor: all heads
+        block_hq, block_hk = next_power_of_2(max(n_qh, 1)), next_power_of_2(max(n_kh, 1))
+        warps = num_warps or (8 if block_hq * half_block >= 4096 else 4)
+        return half, half_block, pass_dims, pass_block, block_hq, block_hk, warps, True
+    max_h = max(1, tile_elements // half_block)
     block_hq = min(next_power_of_2(max(n_qh, 1)), max_h)
     block_hk = min(next_power_of_2(max(n_kh, 1)), max_h)
-    warps = NUM_WARPS or (8 if max(block_hq, block_hk) * half_block >= 2048 else 4)
-    return half, half_block, pass_dims, pass_block, block_hq, block_hk, warps
+    warps = num_warps or (8 if max(block_hq, block_hk) * half_block >= 2048 else 4)
+    return half, half_block, pass_dims, pass_block, block_hq, block_hk, warps, False
 
 
 def _launch_into(q, k, qo, ko, cos, sin, head_axis: int, backward: bool, copy_pass: bool = True):
@@ -163,7 +217,7 @@ def _launch_into(q, k, qo, ko, cos, sin, head_axis: int, backward: bool, copy_pa
     n_qh, n_kh = q.shape[head_axis], k.shape[head_axis]
     if bsz * seq == 0 or d == 0:
         return
-    half, half_block, pass_dims, pass_block, block_hq, block_hk, warps = _config(
+    half, half_block, pass_dims, pass_block, block_hq, block_hk, warps, loads_first = _config(
         cos.shape[-1], d, n_qh, n_kh, copy_pass
     )
     c_sb = 0 if cos.shape[0] == 1 else cos.stride(0)
@@ -176,7 +230,8 @@ def _launch_into(q, k, qo, ko, cos, sin, head_axis: int, backward: bool, copy_pa
             *_bth_strides(qo, head_axis), *_bth_strides(ko, head_axis),
             c_sb, cos.stride(1), s_sb, sin.stride(1),
             HALF=half, HALF_BLOCK=half_block, PASS=pass_dims, PASS_BLOCK=pass_block,
-            BLOCK_HQ=block_hq, BLOCK_HK=block_hk, BACKWARD=backward, num_warps=warps,
+            BLOCK_HQ=block_hq, BLOCK_HK=block_hk, BACKWARD=backward, LOADS_FIRST=loads_first,
+            num_warps=warps,
         )
 
 

@@ -240,10 +240,14 @@ def test_bad_inputs_raise_clear_errors():
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("loads_first", [False, True], ids=["tiled", "loads-first"])
 @pytest.mark.parametrize("seq", [4096, 8192])
-def test_rope_llama3_8b_shape_gpu(seq):
+def test_rope_llama3_8b_shape_gpu(seq, loads_first, monkeypatch):
     """Llama-3-8B attention (32 q / 8 kv heads of 128, bf16, HF transpose layout) on the GPU:
-    q_embed, k_embed and their grads within 1e-2 of float64."""
+    q_embed, k_embed and their grads within 1e-2 of float64 (both kernel variants)."""
+    from liger_losses.kernels import rope as rope_mod
+
+    monkeypatch.setattr(rope_mod, "LOADS_FIRST", loads_first)
     torch.manual_seed(0)
     q = torch.randn(1, seq, 32, 128, device="cuda", dtype=torch.bfloat16).transpose(1, 2)
     k = torch.randn(1, seq, 8, 128, device="cuda", dtype=torch.bfloat16).transpose(1, 2)
@@ -377,3 +381,48 @@ def test_rope_inplace_llama3_8b_shape_gpu():
     assert_close_rel(ok, rk, 1e-2, "k_embed")
     assert_close_rel(leaf_q.grad, dq.transpose(1, 2).reshape(leaf_q.shape), 1e-2, "d_q")
     assert_close_rel(leaf_k.grad, dk.transpose(1, 2).reshape(leaf_k.shape), 1e-2, "d_k")
+
+
+@pytest.fixture
+def loads_first(monkeypatch):
+    """rope.LOADS_FIRST on: one tile per tensor, q's and k's loads before any store."""
+    from liger_losses.kernels import rope as rope_mod
+
+    monkeypatch.setattr(rope_mod, "LOADS_FIRST", True)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("case", list(CASES))
+def test_loads_first_matches_float64(case, dtype, loads_first):
+    """The LOADS_FIRST variant of the Triton kernel (off by default until timed on a GPU): out of
+    place, every case above (partial rotary's pass-through copy, more heads than the tiled
+    variant's tile, the [B, T, H, D] layout), within fp32 1e-5 / bf16 1e-2 of float64."""
+    bsz, seq, n_qh, n_kh, head_dim, rot, cos_batch, ud = CASES[case]
+    q, k, cos, sin = _make(bsz, seq, n_qh, n_kh, head_dim, rot, cos_batch, ud, dtype)
+    _run_and_check(q, k, cos, sin, ud, "triton", dtype)
+
+
+@pytest.mark.parametrize("case", ["gqa", "partial_rotary", "many_heads"])
+def test_loads_first_in_place_equals_tiled(case, monkeypatch):
+    """In place, the LOADS_FIRST variant gives bitwise the tiled variant's outputs and gradients
+    (the same per-element fp32 math, only the order of loads and stores differs)."""
+    from liger_losses.kernels import rope as rope_mod
+
+    bsz, seq, n_qh, n_kh, head_dim, rot, cos_batch, ud = CASES[case]
+    _, _, cos, sin = _make(bsz, seq, n_qh, n_kh, head_dim, rot, cos_batch, ud, torch.float32)
+    leaf_q = torch.randn(bsz, seq, n_qh * head_dim).requires_grad_()
+    leaf_k = torch.randn(bsz, seq, n_kh * head_dim).requires_grad_()
+    gq = torch.randn(bsz, n_qh, seq, head_dim) if ud == 1 else torch.randn(bsz, seq, n_qh, head_dim)
+    gk = torch.randn(bsz, n_kh, seq, head_dim) if ud == 1 else torch.randn(bsz, seq, n_kh, head_dim)
+
+    def run():
+        q, k = _hf_views(leaf_q * 1, leaf_k * 1, n_qh, n_kh, head_dim, ud)
+        oq, ok = apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=ud, inplace=True, impl="triton")
+        grads = torch.autograd.grad((oq, ok), (leaf_q, leaf_k), (gq, gk))
+        return oq.detach().clone(), ok.detach().clone(), *grads
+
+    tiled = run()
+    monkeypatch.setattr(rope_mod, "LOADS_FIRST", True)
+    first = run()
+    for a, b in zip(first, tiled):
+        assert torch.equal(a, b)
