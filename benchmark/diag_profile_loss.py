@@ -8,7 +8,10 @@ warm-up and prints, per provider, the kernels ranked by total GPU time (per step
 total kernel time, so a gap between two providers can be traced to GEMMs, the logits-tile kernel
 or the glue around them.
 
-    python benchmark/diag_profile_loss.py [--loss dpo] [--shape small|big] [--providers ours trl_fused]
+``--gaps`` also records the host and prints the GPU's largest idle gaps between kernels with the
+host operations that overlapped them, and the CUDA runtime calls that synchronize or allocate.
+
+    python benchmark/diag_profile_loss.py [--loss dpo] [--shape small|big] [--providers ours trl_fused] [--gaps]
 """
 
 from __future__ import annotations
@@ -38,6 +41,56 @@ def kernel_table(prof, steps: int, top: int) -> tuple[list, float]:
     return [(n, c / steps, us / steps / 1000) for n, (c, us) in ranked[:top]], total
 
 
+def idle_gaps(kernels: list, host_ops: list, *, min_us: float, top: int) -> tuple[float, list]:
+    """Gaps of the GPU between kernels. ``kernels``: [(start_us, end_us, name)]; ``host_ops``:
+    [(start_us, end_us, name)] of the host (aten ops and CUDA runtime calls, same clock).
+    Returns (total idle us between the first kernel's start and the last one's end, the ``top``
+    largest gaps >= ``min_us`` as (gap_us, next kernel, host ops overlapping the gap, most overlap
+    first))."""
+    kernels = sorted(kernels)
+    gaps, idle, busy_until = [], 0.0, None
+    for start, end, name in kernels:
+        if busy_until is not None and start > busy_until:
+            gap = start - busy_until
+            idle += gap
+            if gap >= min_us:
+                gaps.append((gap, busy_until, start, name))
+        busy_until = end if busy_until is None else max(busy_until, end)
+    out = []
+    for gap, g0, g1, name in sorted(gaps, reverse=True)[:top]:
+        overlap: dict = {}
+        for h0, h1, hname in host_ops:
+            o = min(h1, g1) - max(h0, g0)
+            if o > 0:
+                overlap[hname] = overlap.get(hname, 0.0) + o
+        ops = sorted(overlap.items(), key=lambda kv: -kv[1])[:4]
+        out.append((gap, name, ops))
+    return idle, out
+
+
+def print_gaps(prof, steps: int) -> None:
+    """What the host did while the GPU waited: the largest idle gaps and the host-side calls that
+    synchronize or allocate (time per step)."""
+    kernels, host = [], []
+    api: dict = {}
+    for evt in prof.events():
+        t0, t1 = evt.time_range.start, evt.time_range.end
+        if evt.device_type == torch.autograd.DeviceType.CUDA:
+            kernels.append((t0, t1, evt.name[:60]))
+        elif evt.name.startswith(("aten::", "cuda", "liger", "autograd")) or "Backward" in evt.name:
+            host.append((t0, t1, evt.name[:50]))
+            if evt.name.startswith("cuda") and not evt.name.startswith("cudaLaunch"):
+                n, us = api.get(evt.name, (0, 0.0))
+                api[evt.name] = (n + 1, us + (t1 - t0))
+    idle, gaps = idle_gaps(kernels, host, min_us=50.0, top=8)
+    print(f"  GPU idle between kernels: {idle / steps / 1000:.2f} ms per step; largest gaps:")
+    for gap, name, ops in gaps:
+        where = ", ".join(f"{n} {us / 1000:.2f}" for n, us in ops)
+        print(f"    {gap / 1000:7.3f} ms before {name} | host: {where}")
+    print("  CUDA runtime calls other than launches (per step): " + ", ".join(
+        f"{n} {c / steps:.0f}x {us / steps / 1000:.2f} ms" for n, (c, us) in sorted(api.items(), key=lambda kv: -kv[1][1])[:6]))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--loss", default="dpo", choices=("dpo", "simpo", "orpo", "ce", "distill"))
@@ -47,6 +100,8 @@ def main() -> None:
     ap.add_argument("--providers", nargs="+", default=["ours", "trl_fused"])
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--top", type=int, default=14)
+    ap.add_argument("--gaps", action="store_true",
+                    help="also record the host (CPU activity) and print the GPU's idle gaps and what the host did then")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         print("diag_profile_loss: needs a CUDA GPU")
@@ -71,7 +126,10 @@ def main() -> None:
         for _ in range(3):
             step()
         torch.cuda.synchronize()
-        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        activities = [torch.profiler.ProfilerActivity.CUDA]
+        if args.gaps:
+            activities.append(torch.profiler.ProfilerActivity.CPU)
+        with torch.profiler.profile(activities=activities) as prof:
             for _ in range(args.steps):
                 step()
             torch.cuda.synchronize()
@@ -88,6 +146,8 @@ def main() -> None:
               f"stream time {wall:.2f} ms (the difference: GPU idle)")
         for kname, calls, ms in table:
             print(f"  {ms:8.3f} ms {calls:6.1f}x  {kname}")
+        if args.gaps:
+            print_gaps(prof, args.steps)
 
 
 if __name__ == "__main__":
