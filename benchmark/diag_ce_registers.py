@@ -8,8 +8,8 @@ kernel's register count decides; this prints it. Output of the session-3 runs:
     python benchmark/diag_ce_registers.py [--configs 4096x8 32768x32 4096x8x3x3 ...]
 
 A config is BLOCKxWARPS[xPASS1_STAGESxPASS2_STAGES] (logits_tile's module knobs; stages 0: default).
-``--kernel divergence``: the distillation tile kernel instead, configs BLOCKxWARPS[xSTAGES]
-(divergence_tile's BLOCK_CAP / NUM_WARPS / LOOP_STAGES), CUDA-graph timed.
+``--kernel divergence``: the distillation tile kernel instead, configs BLOCKxWARPS[xSTAGES[xLANE]]
+(divergence_tile's BLOCK_CAP / NUM_WARPS / LOOP_STAGES / LANE_SUMS 0|1), CUDA-graph timed.
 """
 
 from __future__ import annotations
@@ -36,8 +36,8 @@ def compiled_kernels(kernel) -> list:
 
 def divergence(configs: list) -> None:
     """The distillation tile kernel (JSD, beta 0.5, gradient written into the student tile) on
-    8192 x 128256 bf16 student / teacher logits per BLOCKxWARPS[xSTAGES] config, CUDA-graph timed
-    (GPU time) minus the copy that restores the student tile before each call."""
+    8192 x 128256 bf16 student / teacher logits per BLOCKxWARPS[xSTAGES[xLANE_SUMS]] config,
+    CUDA-graph timed (GPU time) minus the copy that restores the student tile before each call."""
     from benchmark.common import measure
     from liger_losses.kernels import divergence_tile as dt
 
@@ -55,17 +55,17 @@ def divergence(configs: list) -> None:
         work.copy_(base)
         return dt.divergence_tile(work, teacher, divergence="jsd", beta=0.5, grad_scale=scale, check_inputs=False)
 
-    defaults = dt.BLOCK_CAP, dt.NUM_WARPS, dt.LOOP_STAGES
+    defaults = dt.BLOCK_CAP, dt.NUM_WARPS, dt.LOOP_STAGES, dt.LANE_SUMS
     for cfg in configs:
-        block, warps, stages = ([int(v) for v in cfg.split("x")] + [0])[:3]
-        dt.BLOCK_CAP, dt.NUM_WARPS, dt.LOOP_STAGES = block, warps, stages or None
+        block, warps, stages, lane = ([int(v) for v in cfg.split("x")] + [0, 0])[:4]
+        dt.BLOCK_CAP, dt.NUM_WARPS, dt.LOOP_STAGES, dt.LANE_SUMS = block, warps, stages or None, bool(lane)
         before = {id(ck) for ck in compiled_kernels(dt._divergence_tile_kernel)}
         ms = measure(step, warmup=5, rep=50).ms - copy_ms
         for ck in compiled_kernels(dt._divergence_tile_kernel):
             if id(ck) not in before:
                 print(f"divergence {cfg}: regs {ck.n_regs} spills {ck.n_spills} smem {ck.metadata.shared}")
         print(f"  {ms:.3f} ms", flush=True)
-    dt.BLOCK_CAP, dt.NUM_WARPS, dt.LOOP_STAGES = defaults
+    dt.BLOCK_CAP, dt.NUM_WARPS, dt.LOOP_STAGES, dt.LANE_SUMS = defaults
 
 
 def main() -> None:

@@ -108,7 +108,8 @@ def _divergence_case(**flags) -> dict:
     block, warps = divergence_tile._block_settings(V)
     const = dict(MODE=divergence_tile.divergence_mode("jsd", 0.5), TOPK=False, TAIL=False, HAS_LABELS=False,
                  SEP_RAW=False, WRITE_GRAD=True, ROW_SCALE=True, BLOCK=block, BLOCK_K=2,
-                 STAGES=divergence_tile.LOOP_STAGES)
+                 STAGES=divergence_tile.LOOP_STAGES, LANE_SUMS=divergence_tile.LANE_SUMS)
+    warps = flags.pop("num_warps", warps)
     const.update(flags)
     return compile_case(divergence_tile._divergence_tile_kernel, constexprs=const, num_warps=warps,
                         pointers={n: "*fp32" for n in ("scale_ptr", "loss_ptr", "div_ptr", "ce_ptr", "ent_ptr",
@@ -174,6 +175,8 @@ def alternative_cases() -> dict:
     backward with 2-row tiles (the 4-row default spills a little yet timed fastest on the H200)."""
     bm, bn, w = row_tile(H, N_TOKENS, 8192, rms_norm.MAX_ROWS_PER_TILE)
     return {
+        "divergence_tile jsd 2048/8 lane sums": lambda: _divergence_case(BLOCK=2048, num_warps=8, LANE_SUMS=True),
+        "divergence_tile jsd 4096/8 lane sums": lambda: _divergence_case(BLOCK=4096, num_warps=8, LANE_SUMS=True),
         "rope fwd loads first 32/8/8": lambda: compile_case(
             rope._rope_kernel, num_warps=8,
             constexprs=dict(HALF=HEAD_DIM // 2, HALF_BLOCK=HEAD_DIM // 2, PASS=0, PASS_BLOCK=1,

@@ -79,6 +79,9 @@ _TAIL_CLAMP = -1e-7  # TRL's clamp of log(sum of top-k probs) before the tail bu
 BLOCK_CAP = 4096
 NUM_WARPS = 0
 LOOP_STAGES = None
+# Pass-1 sums per lane (see the kernel): off until timed on a GPU (with 2048-column blocks and 8
+# warps its five [BLOCK] accumulators take 40 registers per thread).
+LANE_SUMS = False
 
 
 def _block_settings(width: int, *, on_gpu: bool = True, block_size: Optional[int] = None) -> tuple[int, int]:
@@ -115,6 +118,7 @@ def divergence_mode(divergence: str, beta: float) -> int:
 triton, tl = import_triton()
 
 if triton is not None:
+    from liger_losses.kernels.utils import keep_or_sum, kept_total  # jit helpers
 
     @triton.jit
     def _expm1_neg(x):
@@ -208,6 +212,7 @@ if triton is not None:
         BLOCK: tl.constexpr,
         BLOCK_K: tl.constexpr,
         STAGES: tl.constexpr,
+        LANE_SUMS: tl.constexpr,
     ):
         beta = tl.cast(beta, tl.float32)
         inv_t = tl.cast(inv_t, tl.float32)
@@ -215,18 +220,28 @@ if triton is not None:
         s_row = s_ptr + row * s_stride
         cols = tl.arange(0, BLOCK)
 
-        # ---- pass 1: student (and, dense mode, teacher) statistics in one sweep; scalar online state per row:
-        # block max, m_new = max(m, bmax), d = d * exp(m - m_new) + sum(exp(z - m_new)) -- one exp per element
+        # ---- pass 1: student (and, dense mode, teacher) statistics in one sweep; scalar online max per row:
+        # block max, m_new = max(m, bmax), d = d * exp(m - m_new) + sum(exp(z - m_new)) -- one exp per element.
+        # The sums are scalars (a block-wide reduction each per block) or, LANE_SUMS, [BLOCK] vectors rescaled by
+        # the same scalar factors and reduced once after the loop (two block reductions per block instead of
+        # five to seven: the student's max with its index and the teacher's max).
         m_s = float("-inf")
-        d_s = 0.0
-        x_s = 0.0
         m_r = float("-inf")
-        d_r = 0.0
         best = float("-inf")
         best_idx = 0
         m_t = float("-inf")
-        d_t = 0.0
-        d_ts = 0.0  # teacher sum-exp over the shared first n_cols columns (forward KL's gradient coefficient)
+        if LANE_SUMS:
+            d_s = tl.zeros([BLOCK], dtype=tl.float32)
+            x_s = tl.zeros([BLOCK], dtype=tl.float32)
+            d_r = tl.zeros([BLOCK], dtype=tl.float32)
+            d_t = tl.zeros([BLOCK], dtype=tl.float32)
+            d_ts = tl.zeros([BLOCK], dtype=tl.float32)
+        else:
+            d_s = 0.0
+            x_s = 0.0
+            d_r = 0.0
+            d_t = 0.0
+            d_ts = 0.0  # teacher sum-exp over the shared first n_cols columns (forward KL's gradient coefficient)
         if TOPK:
             n_loop = n_cols
         else:
@@ -243,12 +258,12 @@ if triton is not None:
                 new_m = tl.maximum(m_s, bm)
                 resc = tl.exp(m_s - new_m)
                 e = tl.where(mask, tl.exp(zs - new_m), 0.0)
-                d_s = d_s * resc + tl.sum(e, axis=0)
-                x_s = x_s * resc + tl.sum(e * tl.where(mask, zs, 0.0), axis=0)
+                d_s = d_s * resc + keep_or_sum(e, LANE_SUMS)
+                x_s = x_s * resc + keep_or_sum(e * tl.where(mask, zs, 0.0), LANE_SUMS)
                 m_s = new_m
                 if SEP_RAW:
                     new_mr = tl.maximum(m_r, braw)
-                    d_r = d_r * tl.exp(m_r - new_mr) + tl.sum(tl.where(mask, tl.exp(raw - new_mr), 0.0), axis=0)
+                    d_r = d_r * tl.exp(m_r - new_mr) + keep_or_sum(tl.where(mask, tl.exp(raw - new_mr), 0.0), LANE_SUMS)
                     m_r = new_mr
                 best_idx = tl.where(braw > best, bidx + start, best_idx)
                 best = tl.maximum(best, braw)
@@ -258,10 +273,15 @@ if triton is not None:
                 new_mt = tl.maximum(m_t, tl.max(zt, axis=0))
                 rt = tl.exp(m_t - new_mt)
                 et = tl.where(tmask, tl.exp(zt - new_mt), 0.0)
-                d_t = d_t * rt + tl.sum(et, axis=0)
+                d_t = d_t * rt + keep_or_sum(et, LANE_SUMS)
                 if MODE == 0:
-                    d_ts = d_ts * rt + tl.sum(tl.where(mask, et, 0.0), axis=0)
+                    d_ts = d_ts * rt + keep_or_sum(tl.where(mask, et, 0.0), LANE_SUMS)
                 m_t = new_mt
+        d_s = kept_total(d_s, LANE_SUMS)
+        x_s = kept_total(x_s, LANE_SUMS)
+        d_r = kept_total(d_r, LANE_SUMS)
+        d_t = kept_total(d_t, LANE_SUMS)
+        d_ts = kept_total(d_ts, LANE_SUMS)
         lse_s = m_s + tl.log(d_s)
         entropy = lse_s - x_s / d_s
         if SEP_RAW:
@@ -675,6 +695,7 @@ def divergence_tile(
             SEP_RAW=(labels is not None and float(temperature) != 1.0),
             WRITE_GRAD=grad_scale is not None, ROW_SCALE=row_scale,
             BLOCK=block, BLOCK_K=max(2, next_power_of_2(k + 1)) if topk else 2, STAGES=LOOP_STAGES,
+            LANE_SUMS=LANE_SUMS,
             num_warps=warps,
         )
     return DivergenceTileStats(*outs)

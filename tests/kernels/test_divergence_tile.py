@@ -3,6 +3,8 @@ gradient, Triton (interpreter on CPU) and PyTorch paths, against float64 autogra
 against TRL's own functions (GKD ``generalized_jsd_loss``; server-distillation ``_jsd_divergence``).
 
 Tiny shapes (n <= 7, V <= 200) with ``block_size=64`` so that rows span several column blocks.
+Every Triton test runs twice: with the kernel's pass-1 sums reduced per block (the default) and kept
+per lane (``LANE_SUMS``, off by default until timed on a GPU).
 """
 
 import math
@@ -11,11 +13,21 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from liger_losses.kernels import divergence_tile as dt
 from liger_losses.kernels.divergence_tile import divergence_tile
 from tests.helpers import TOL, rel_err
 
 IMPLS = ["triton", "torch"]
 FP32 = TOL[torch.float32]
+
+
+@pytest.fixture(autouse=True, params=[False, True], ids=["block-sums", "lane-sums"])
+def lane_sums(request, monkeypatch):
+    """Both pass-1 sum layouts of the Triton kernel (the PyTorch path has one: run it once)."""
+    callspec = getattr(request.node, "callspec", None)
+    if request.param and callspec is not None and callspec.params.get("impl") == "torch":
+        pytest.skip("the PyTorch path has no lane sums")
+    monkeypatch.setattr(dt, "LANE_SUMS", request.param)
 
 
 # --------------------------------------------------------------------------- float64 references
