@@ -284,7 +284,7 @@ def run_one(task: str, provider: str, *, seq: int, warmup: int, timed: int, tiny
     steps = warmup + timed
     extra = dict(seq=seq, tokens_per_s=float("nan"), tokens_per_step=float("nan"), train_loss=float("nan"),
                  grad_ckpt=True, grad_ckpt_kwargs="", peak_warmup_mib=float("nan"), step_ms_all="", issue_ms_all="",
-                 note="")
+                 launches_fast=0, launches_slow=0, note="")
     row = Row(bench="trainer", case=case, mode="step", provider=provider, ms=float("nan"), peak_mib=float("nan"),
               extra=extra)
     model = ref_model = trainer = None
@@ -315,7 +315,16 @@ def run_one(task: str, provider: str, *, seq: int, warmup: int, timed: int, tiny
             batch = next(iter(trainer.get_train_dataloader()))
             extra["tokens_per_step"] = int(batch["input_ids"].numel())
             del batch
+            from liger_losses.kernels.launch import launch_stats
+
+            launch_stats(reset=True)
             out = trainer.train()
+            # Triton launches of our kernels over the whole run: compiled-launcher hits vs
+            # JITFunction.run (first launch per specialization, or a fallback; "off" says why)
+            stats = launch_stats(reset=True)
+            extra["launches_fast"], extra["launches_slow"] = stats["fast"], stats["slow"]
+            if stats["off"]:
+                extra["note"] = f"fast launch off: {stats['off']}"[:200]
             extra["train_loss"] = round(float(out.training_loss), 5)
             step_ms = timer.step_ms()
             if len(step_ms) != timed:
@@ -333,6 +342,8 @@ def run_one(task: str, provider: str, *, seq: int, warmup: int, timed: int, tiny
             notes = sorted({str(w.message).split(".")[0][:120] for w in caught if "liger" in str(w.message).lower()})
             if cprofile:
                 notes.insert(0, "timed under cProfile (slower than a plain run)")
+            if extra["note"]:
+                notes.insert(0, extra["note"])
             extra["note"] = " | ".join(notes)[:400]
             del trainer, model, ref_model
             free_memory(cuda)
@@ -360,6 +371,8 @@ def merge_rounds(rows: list[Row]) -> list[Row]:
             continue
         m.extra["step_ms_all"] = f"{m.extra['step_ms_all']} {r.extra['step_ms_all']}".strip()
         m.extra["issue_ms_all"] = f"{m.extra.get('issue_ms_all', '')} {r.extra.get('issue_ms_all', '')}".strip()
+        for k in ("launches_fast", "launches_slow"):
+            m.extra[k] = m.extra.get(k, 0) + r.extra.get(k, 0)
         m.peak_mib = max(m.peak_mib, r.peak_mib)
     for m in merged.values():
         steps = [float(t) for t in str(m.extra.get("step_ms_all", "")).split()]
@@ -465,8 +478,10 @@ def main(argv=None) -> int:
     print()
     print_table([{"case": r.case, "provider": r.provider, "ms": round(r.ms, 1), "tokens_per_step": r.extra["tokens_per_step"],
                   "tokens_per_s": r.extra["tokens_per_s"], "peak_mib": round(r.peak_mib, 1),
-                  "train_loss": r.extra["train_loss"], "note": r.extra["note"][:60]} for r in rows],
-                keys=["case", "provider", "ms", "tokens_per_step", "tokens_per_s", "peak_mib", "train_loss", "note"])
+                  "train_loss": r.extra["train_loss"], "launches fast/slow": f"{r.extra['launches_fast']}/{r.extra['launches_slow']}",
+                  "note": r.extra["note"][:60]} for r in rows],
+                keys=["case", "provider", "ms", "tokens_per_step", "tokens_per_s", "peak_mib", "train_loss",
+                      "launches fast/slow", "note"])
     print()
     ratios = ratio_table(rows)
     print_table(ratios, keys=list(ratios[0]) if ratios else [])
