@@ -2,7 +2,8 @@
 viewed as ``[B, H, T, D]`` by ``transpose(1, 2)``), bf16, forward / backward / full.
 
 Providers: ``ours`` (liger_losses ``apply_rotary_pos_emb``), ``ours-inplace`` (the same with
-``inplace=True``, as the patched llama-like models use), ``hf-torch`` (transformers' llama
+``inplace=True``), ``ours-inplace-bwd`` (``inplace=True, inplace_backward=True``: the gradients are
+rotated in their own buffers too, as liger-kernel does), ``hf-torch`` (transformers' llama
 ``apply_rotary_pos_emb``, or the same formula when transformers is missing) and ``liger``
 (liger-kernel 0.8.5 ``LigerRopeFunction``, which rotates q/k in place; skipped when not importable).
 
@@ -63,6 +64,8 @@ def providers():
         "clone": lambda q, k, c, s: (q, k),
         "ours": lambda q, k, c, s: apply_rotary_pos_emb(q, k, c, s, impl="triton"),
         "ours-inplace": lambda q, k, c, s: apply_rotary_pos_emb(q, k, c, s, inplace=True, impl="triton"),
+        "ours-inplace-bwd": lambda q, k, c, s: apply_rotary_pos_emb(q, k, c, s, inplace=True, inplace_backward=True,
+                                                                    impl="triton"),
         "hf-torch": _hf(),
     }
     try:

@@ -339,11 +339,14 @@ def _as_geom(t: torch.Tensor, geom) -> torch.Tensor:
 class RoPEInplaceFunction(torch.autograd.Function):
     """Rotates q and k IN PLACE (through their carriers, see ``_carrier``) and returns them, marked
     dirty, so autograd raises its usual error for a leaf that requires grad or for a tensor some
-    other node saved. Saves only cos and sin. Backward allocates the gradients (it never writes into
-    the incoming gradient buffers, which autograd may share with the caller)."""
+    other node saved. Saves only cos and sin. Backward rotates a gradient in its own buffer when that
+    buffer is a private copy made here (a gradient laid out unlike the carrier), or, with
+    ``inplace_backward``, whenever the buffer is dense; otherwise it allocates (the incoming buffer
+    may be shared: autograd hands the same tensor to both inputs of an addition, and a caller's
+    ``grad_outputs`` are the caller's)."""
 
     @staticmethod
-    def forward(ctx, qc, kc, cos, sin, q_geom, k_geom, head_axis):
+    def forward(ctx, qc, kc, cos, sin, q_geom, k_geom, head_axis, inplace_backward=False):
         q, k = _as_geom(qc, q_geom), _as_geom(kc, k_geom)
         _launch_into(q, k, q, k, cos, sin, head_axis, backward=False, copy_pass=False)
         ctx.mark_dirty(qc, kc)
@@ -351,24 +354,33 @@ class RoPEInplaceFunction(torch.autograd.Function):
         ctx.geoms = (q_geom, k_geom)
         ctx.head_axis = head_axis
         ctx.layouts = ((qc.shape, qc.stride()), (kc.shape, kc.stride()))
+        ctx.inplace_backward = inplace_backward
         return qc, kc
 
     @staticmethod
     def backward(ctx, dqc, dkc):
         cos, sin = ctx.saved_tensors
         q_geom, k_geom = ctx.geoms
+        given_q, given_k = dqc, dkc
         if q_geom is not None:
             dqc = dqc.contiguous()
         if k_geom is not None:
             dkc = dkc.contiguous()
         dqc, dkc = _unit_last(dqc), _unit_last(dkc)
-        outq = _empty_like_layout(*ctx.layouts[0], dqc)
-        outk = _empty_like_layout(*ctx.layouts[1], dkc)
+
+        def out_buffer(grad, given, layout):
+            # the gradient's own buffer when it is ours (a copy made above) or may be overwritten
+            if (grad is not given or ctx.inplace_backward) and not _overlaps(grad):
+                return grad
+            return _empty_like_layout(*layout, grad)
+
+        outq = out_buffer(dqc, given_q, ctx.layouts[0])
+        outk = out_buffer(dkc, given_k, ctx.layouts[1])
         _launch_into(
             _as_geom(dqc, q_geom), _as_geom(dkc, k_geom), _as_geom(outq, q_geom), _as_geom(outk, k_geom),
             cos, sin, ctx.head_axis, backward=True,
         )
-        return outq, outk, None, None, None, None, None
+        return outq, outk, None, None, None, None, None, None
 
 
 def _overlaps(x: torch.Tensor) -> bool:
@@ -378,7 +390,7 @@ def _overlaps(x: torch.Tensor) -> bool:
     return any(st == 0 and sz > 1 for sz, st in zip(x.shape, x.stride()))
 
 
-def _rope_inplace_triton(q, k, cos, sin, head_axis):
+def _rope_inplace_triton(q, k, cos, sin, head_axis, inplace_backward=False):
     """In-place Triton rotation of q and k; returns (q, k) (views rebuilt when lifted to a base)."""
     if _overlaps(q) or _overlaps(k):
         raise ValueError("q and k must not have overlapping elements (e.g. expanded) with inplace=True")
@@ -398,7 +410,7 @@ def _rope_inplace_triton(q, k, cos, sin, head_axis):
         # with two outputs; rotate out of place and copy back (an ordinary tracked in-place copy).
         oq, ok = _rope_triton(q, k, cos, sin, head_axis)
         return q.copy_(oq), k.copy_(ok)
-    oq, ok = RoPEInplaceFunction.apply(qc, kc, cos, sin, q_geom, k_geom, head_axis)
+    oq, ok = RoPEInplaceFunction.apply(qc, kc, cos, sin, q_geom, k_geom, head_axis, inplace_backward)
     if q_geom is not None:
         oq = _rebuild(oq, q_geom)
     if k_geom is not None:
@@ -502,6 +514,7 @@ def apply_rotary_pos_emb(
     unsqueeze_dim: int = 1,
     *,
     inplace: bool = False,
+    inplace_backward: bool = False,
     impl: str = "auto",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Rotary embedding of q and k, same signature and semantics as transformers' llama function.
@@ -516,6 +529,13 @@ def apply_rotary_pos_emb(
     with their shapes and strides); no output is allocated. Autograd's usual in-place checks apply
     (a leaf that requires grad, or a tensor saved by another op, raises). q and k must not share
     memory or overlap themselves (ValueError).
+
+    ``inplace_backward=True`` (with ``inplace=True``, the Triton path) also rotates the incoming
+    gradients of q_embed and k_embed in their own buffers, as liger-kernel does: the backward then
+    allocates nothing. Only for a caller that knows those buffers are not used elsewhere, e.g. an
+    attention whose q_embed/k_embed feed only the attention kernel (its backward returns fresh
+    dq/dk); a gradient autograd shares with another input (q_embed used in an addition) would be
+    corrupted. Without it the gradient is rotated in place only into a private copy.
     """
     if isinstance(position_ids, int) and not isinstance(position_ids, bool):
         unsqueeze_dim, position_ids = position_ids, None
@@ -529,11 +549,15 @@ def apply_rotary_pos_emb(
         ))
     if not isinstance(inplace, bool):
         raise TypeError(f"inplace must be a bool, got {inplace!r}")
+    if not isinstance(inplace_backward, bool):
+        raise TypeError(f"inplace_backward must be a bool, got {inplace_backward!r}")
+    if inplace_backward and not inplace:
+        raise ValueError("inplace_backward=True needs inplace=True")
     if which == "torch":
         oq, ok = _rope_torch(q, k, cos, sin, head_axis)
         return (q.copy_(oq), k.copy_(ok)) if inplace else (oq, ok)
     if inplace:
-        return _rope_inplace_triton(q, k, cos, sin, head_axis)
+        return _rope_inplace_triton(q, k, cos, sin, head_axis, inplace_backward)
     return _rope_triton(q, k, cos, sin, head_axis)
 
 

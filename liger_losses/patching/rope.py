@@ -16,12 +16,13 @@ fresh tensors used by nothing but the rotation, so this is
 safe and saves the outputs' allocation (Qwen3's q/k are views of its q_norm/k_norm outputs, which our
 RMSNorm returns as plain tensors so that autograd allows it). Phi-3 is excluded (q/k are slices of one
 qkv tensor).
-Set ``liger_losses.patching.rope.INPLACE = True`` to turn it on at call time. It is off because it
-does not pay in a training step: the rotated q/k replace the projection views, whose memory is freed
-right away, so out of place costs only a transient copy, while in place makes autograd route the
-gradient through the view's ``CopySlices`` (a clone of the whole projection gradient). Measured on an
-H200 (8B shapes, forward + backward, GPU time, session 3): 0.099 ms out of place vs 0.160 in place at
-8192 tokens, 0.361 vs 0.597 at 32768; host time per forward call 0.10 vs 0.22 ms (session 2).
+Set ``liger_losses.patching.rope.INPLACE = True`` to turn it on at call time; the gradients of
+q_embed/k_embed (fresh buffers from the attention's backward, used by nothing else) are then rotated
+in their own buffers too (``INPLACE_BACKWARD``). It is off: with the gradient layout SDPA returns,
+in place and out of place take the same GPU time (H200, 8B shapes, forward + backward, 8192
+tokens: 0.093 ms both, session 4 -- session 3's 0.160 for in place was a measurement error), the
+out-of-place transient never sits on a training step's peak, and in place costs more host time per
+call (0.22 vs 0.10 ms per forward, session 2), which decides short, host-bound steps.
 """
 
 from __future__ import annotations
@@ -30,8 +31,9 @@ import inspect
 from typing import Callable
 
 
-# Module-level switch read at every call of the in-place replacements (see the module docstring).
+# Module-level switches read at every call of the in-place replacements (see the module docstring).
 INPLACE = False
+INPLACE_BACKWARD = True  # with INPLACE: rotate the incoming gradients in their buffers as well
 
 # transformers model families whose attention passes q/k to apply_rotary_pos_emb as fresh views of
 # the projection (or q_norm/k_norm) outputs used by nothing else (checked in transformers 5.x).
@@ -42,7 +44,8 @@ def _rotate(q, k, cos, sin, unsqueeze_dim, inplace=False):
     from liger_losses.kernels.rope import apply_rotary_pos_emb
 
     # The kernel rotates the first R = cos.shape[-1] features itself (partial rotary).
-    return apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=unsqueeze_dim, inplace=inplace)
+    return apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=unsqueeze_dim, inplace=inplace,
+                                inplace_backward=inplace and INPLACE_BACKWARD)
 
 
 def liger_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1):

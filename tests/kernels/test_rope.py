@@ -426,3 +426,44 @@ def test_loads_first_in_place_equals_tiled(case, monkeypatch):
     first = run()
     for a, b in zip(first, tiled):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("grad_layout", ["q", "contiguous"])
+@pytest.mark.parametrize("inplace_backward", [False, True])
+def test_inplace_backward_buffers(inplace_backward, grad_layout):
+    """inplace=True, gradients given (``grad_outputs``) laid out like q (what SDPA's backward returns)
+    or contiguous [B, H, T, D]: the gradients w.r.t. the projections are within fp32 1e-5 of float64
+    either way. The caller's gradient buffers are left untouched unless ``inplace_backward=True``
+    and they are laid out like q (then they hold the rotated gradient: the backward allocated
+    nothing); a contiguous gradient is copied into the carrier's layout first and rotated in that
+    private copy, so it stays untouched even with ``inplace_backward``."""
+    bsz, seq, n_qh, n_kh, head_dim = 2, 5, 4, 2, 16
+    _, _, cos, sin = _make(bsz, seq, n_qh, n_kh, head_dim, head_dim, 2, 1, torch.float32)
+    leaf_q = torch.randn(bsz, seq, n_qh * head_dim, requires_grad=True)
+    leaf_k = torch.randn(bsz, seq, n_kh * head_dim, requires_grad=True)
+    q, k = _hf_views(leaf_q * 1, leaf_k * 1, n_qh, n_kh, head_dim, 1)
+    q_before, k_before = q.detach().clone(), k.detach().clone()
+    oq, ok = apply_rotary_pos_emb(q, k, cos, sin, inplace=True, inplace_backward=inplace_backward, impl="triton")
+    if grad_layout == "q":
+        gq = torch.randn(bsz, seq, n_qh, head_dim).transpose(1, 2)
+        gk = torch.randn(bsz, seq, n_kh, head_dim).transpose(1, 2)
+    else:
+        gq, gk = torch.randn(bsz, n_qh, seq, head_dim), torch.randn(bsz, n_kh, seq, head_dim)
+    gq_given, gk_given = gq.clone(), gk.clone()
+    dq_leaf, dk_leaf = torch.autograd.grad((oq, ok), (leaf_q, leaf_k), (gq, gk))
+    _, _, dq, dk = _reference(q_before, k_before, cos, sin, 1, gq_given, gk_given)
+    assert_close_rel(dq_leaf, dq.transpose(1, 2).reshape(dq_leaf.shape), TOL[torch.float32], "d_q")
+    assert_close_rel(dk_leaf, dk.transpose(1, 2).reshape(dk_leaf.shape), TOL[torch.float32], "d_k")
+    overwritten = inplace_backward and grad_layout == "q"
+    assert torch.equal(gq, gq_given) is not overwritten
+    assert torch.equal(gk, gk_given) is not overwritten
+    if overwritten:
+        assert_close_rel(gq, dq, TOL[torch.float32], "d_q in the given buffer")
+
+
+def test_inplace_backward_argument_errors():
+    q, k, cos, sin = _make(1, 3, 2, 1, 8, 8, 1, 1, torch.float32)
+    with pytest.raises(ValueError, match="inplace_backward"):
+        apply_rotary_pos_emb(q, k, cos, sin, inplace_backward=True)
+    with pytest.raises(TypeError, match="inplace_backward"):
+        apply_rotary_pos_emb(q.clone(), k.clone(), cos, sin, inplace=True, inplace_backward=1)

@@ -172,3 +172,23 @@ def test_unsupported_activation_leaves_mlp_with_warning():
         apply_liger_kernels(model)
     assert isinstance(model.model.layers[0].mlp, ml.LlamaMLP)
     assert not isinstance(model.model.norm, ml.LlamaRMSNorm)
+
+
+@pytest.mark.parametrize("model_type", ["llama", "qwen3", "gemma2"])
+def test_patched_family_matches_unpatched_with_inplace_rope(model_type, monkeypatch):
+    """With the in-place RoPE switched on (``patching.rope.INPLACE``, which also rotates the
+    attention's q/k gradients in their own buffers: ``INPLACE_BACKWARD``), the patched model's loss
+    and every parameter gradient still equal the unpatched model's within 1e-5 (fp32)."""
+    import liger_losses.patching.rope as prope
+
+    ref = tiny_model(model_type)
+    model = copy.deepcopy(ref)
+    batch = tiny_batch(ref.config)
+    _, ref_loss, ref_grads = _reference(ref, batch)
+    apply_liger_kernels(model)
+    monkeypatch.setattr(prope, "INPLACE", True)
+    monkeypatch.setattr(prope, "INPLACE_BACKWARD", True)
+    out, grads = loss_and_grads(model, batch)
+    assert_close_rel(out.loss, ref_loss, FP32, "loss")
+    for name, g in ref_grads.items():
+        assert_close_rel(grads[name], g, FP32, f"grad {name}")
