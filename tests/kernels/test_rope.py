@@ -363,9 +363,10 @@ def test_inplace_autograd_errors():
 
 
 @pytest.mark.gpu
-def test_rope_inplace_llama3_8b_shape_gpu():
+@pytest.mark.parametrize("inplace_backward", [False, True])
+def test_rope_inplace_llama3_8b_shape_gpu(inplace_backward):
     """Llama-3-8B shapes in place through the HF view/transpose layout (bf16): outputs and leaf grads
-    within 1e-2 of float64."""
+    within 1e-2 of float64 (also with the gradients rotated in their own buffers)."""
     torch.manual_seed(0)
     seq = 4096
     leaf_q = torch.randn(1, seq, 32 * 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)
@@ -373,7 +374,8 @@ def test_rope_inplace_llama3_8b_shape_gpu():
     q, k = _hf_views(leaf_q * 1, leaf_k * 1, 32, 8, 128, 1)
     q0, k0 = q.detach().clone(), k.detach().clone()
     cos, sin = _cos_sin(torch.arange(seq, device="cuda")[None], 128, torch.bfloat16)
-    oq, ok = apply_rotary_pos_emb(q, k, cos, sin, inplace=True, impl="triton")
+    oq, ok = apply_rotary_pos_emb(q, k, cos, sin, inplace=True, inplace_backward=inplace_backward,
+                                  impl="triton")
     gq, gk = torch.randn_like(oq), torch.randn_like(ok)
     ((oq * gq).sum() + (ok * gk).sum()).backward()
     rq, rk, dq, dk = _reference(q0, k0, cos, sin, 1, gq, gk)
