@@ -118,7 +118,7 @@ def divergence_mode(divergence: str, beta: float) -> int:
 triton, tl = import_triton()
 
 if triton is not None:
-    from liger_losses.kernels.utils import keep_or_sum, kept_total  # jit helpers
+    from liger_losses.kernels.utils import acc_zero, keep_or_sum, kept_total  # jit helpers
 
     @triton.jit
     def _expm1_neg(x):
@@ -230,18 +230,11 @@ if triton is not None:
         best = float("-inf")
         best_idx = 0
         m_t = float("-inf")
-        if LANE_SUMS:
-            d_s = tl.zeros([BLOCK], dtype=tl.float32)
-            x_s = tl.zeros([BLOCK], dtype=tl.float32)
-            d_r = tl.zeros([BLOCK], dtype=tl.float32)
-            d_t = tl.zeros([BLOCK], dtype=tl.float32)
-            d_ts = tl.zeros([BLOCK], dtype=tl.float32)
-        else:
-            d_s = 0.0
-            x_s = 0.0
-            d_r = 0.0
-            d_t = 0.0
-            d_ts = 0.0  # teacher sum-exp over the shared first n_cols columns (forward KL's gradient coefficient)
+        d_s = acc_zero(BLOCK, LANE_SUMS)
+        x_s = acc_zero(BLOCK, LANE_SUMS)
+        d_r = acc_zero(BLOCK, LANE_SUMS)
+        d_t = acc_zero(BLOCK, LANE_SUMS)
+        d_ts = acc_zero(BLOCK, LANE_SUMS)  # teacher sum-exp over the shared first n_cols columns (forward KL)
         if TOPK:
             n_loop = n_cols
         else:

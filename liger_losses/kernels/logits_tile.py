@@ -57,7 +57,7 @@ class TileStats(NamedTuple):
 triton, tl = import_triton()
 
 if triton is not None:
-    from liger_losses.kernels.utils import keep_or_sum, kept_total  # jit helpers
+    from liger_losses.kernels.utils import acc_zero, keep_or_sum, kept_total  # jit helpers
 
     @triton.jit
     def _transform(x, logit_scale, inv_temp, softcap, HAS_SOFTCAP: tl.constexpr):
@@ -97,18 +97,11 @@ if triton is not None:
         # (VEC_SUMS: one block-wide reduction per block, the max) or scalars reduced per block
         # (fewer live registers: what large blocks with many warps need to stay spill-free)
         m = -1e30
-        if VEC_SUMS:
-            d = tl.zeros([BLOCK], dtype=tl.float32)
-            e = tl.zeros([BLOCK], dtype=tl.float32)
-            s = tl.zeros([BLOCK], dtype=tl.float32)
-            sw = tl.zeros([BLOCK], dtype=tl.float32)
-            w_sum_acc = tl.zeros([BLOCK], dtype=tl.float32)
-        else:
-            d = 0.0
-            e = 0.0
-            s = 0.0
-            sw = 0.0
-            w_sum_acc = 0.0
+        d = acc_zero(BLOCK, VEC_SUMS)
+        e = acc_zero(BLOCK, VEC_SUMS)
+        s = acc_zero(BLOCK, VEC_SUMS)
+        sw = acc_zero(BLOCK, VEC_SUMS)
+        w_sum_acc = acc_zero(BLOCK, VEC_SUMS)
         for b in tl.range(0, n_iter, num_stages=STAGES1):  # STAGES1: loads in flight via smem
             cols = b * BLOCK + offs
             mask = cols < V

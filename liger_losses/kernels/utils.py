@@ -62,6 +62,16 @@ if _triton is not None:
         return out
 
     @_triton.jit
+    def acc_zero(BLOCK: _tl.constexpr, KEEP: _tl.constexpr):
+        """A zero accumulator for :func:`keep_or_sum`: ``[BLOCK]`` fp32 zeros when it keeps the
+        terms' shape, else a scalar 0."""
+        if KEEP:
+            out = _tl.zeros([BLOCK], dtype=_tl.float32)
+        else:
+            out = 0.0
+        return out
+
+    @_triton.jit
     def kept_total(acc, KEEP: _tl.constexpr):
         """The first-axis sum of an accumulator built with :func:`keep_or_sum`."""
         if KEEP:
