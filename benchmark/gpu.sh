@@ -3,10 +3,11 @@
 # ../shared/gpu/wheels.sh), runs the GPU tests and the benchmarks, and writes logs and results
 # under $OUT (default ./out).
 #
-#   bash benchmark/gpu.sh [tests] [bench:NAME ...] [quick]
+#   bash benchmark/gpu.sh [tests] [bench:NAME ...] [diag:NAME ...] [quick]
 #
-# With no arguments: the GPU tests and every benchmark. `bench:norm` runs benchmark/bench_norm.py;
-# `quick` passes --quick to the benchmarks.
+# With no arguments: the GPU tests and every benchmark. `bench:norm` runs benchmark/bench_norm.py
+# (with $BENCH_ARGS); `diag:profile_loss` runs benchmark/diag_profile_loss.py (with $DIAG_ARGS,
+# output appended to $OUT/diag.log); `quick` passes --quick to the benchmarks.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/out}
@@ -39,6 +40,9 @@ for a in "${args[@]}"; do
     bench:*)
       f=benchmark/bench_${a#bench:}.py
       echo "=== $f"; timeout ${BENCH_TIMEOUT:-300} python3 "$f" $quick ${BENCH_ARGS:-} 2>&1 | tee -a "$OUT/bench.log" ;;
+    diag:*)
+      f=benchmark/diag_${a#diag:}.py
+      echo "=== $f ${DIAG_ARGS:-}"; timeout ${BENCH_TIMEOUT:-300} python3 "$f" ${DIAG_ARGS:-} 2>&1 | grep -v "^WARNING: Target" | tee -a "$OUT/diag.log" ;;
     quick) ;;
     *) echo "unknown argument $a" ;;
   esac
