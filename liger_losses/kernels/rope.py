@@ -79,15 +79,26 @@ if triton is not None:
         """Rotate (or, for BACKWARD, rotate back) all heads of one token of one tensor."""
         for h0 in range(0, n_heads, BLOCK_H):
             h = (h0 + tl.arange(0, BLOCK_H)).to(tl.int64)
-            mask = (h < n_heads)[:, None] & d_mask[None, :]
-            xp = x_ptr + x_base + h[:, None] * x_sh + d[None, :]
-            op = o_ptr + o_base + h[:, None] * o_sh + d[None, :]
-            x1 = tl.load(xp, mask=mask, other=0.0).to(tl.float32)
-            x2 = tl.load(xp + HALF, mask=mask, other=0.0).to(tl.float32)
+            x1, x2, mask = _load_halves(x_ptr, x_base, h, n_heads, x_sh, d, d_mask, HALF)
             y1, y2 = _rotate_pair(x1, x2, c1, c2, s1, s2, BACKWARD)
-            tl.store(op, y1.to(o_ptr.dtype.element_ty), mask=mask)
-            tl.store(op + HALF, y2.to(o_ptr.dtype.element_ty), mask=mask)
+            _store_halves(o_ptr, o_base, h, o_sh, d, mask, y1, y2, HALF)
             _copy_pass(x_ptr, o_ptr, x_base, o_base, h, n_heads, x_sh, o_sh, HALF, PASS, PASS_BLOCK)
+
+    @triton.jit
+    def _load_halves(x_ptr, x_base, h, n_heads, x_sh, d, d_mask, HALF: tl.constexpr):
+        """(x1, x2, mask): the two rotated halves of heads ``h`` of one token, fp32 ``[heads, R/2]``."""
+        mask = (h < n_heads)[:, None] & d_mask[None, :]
+        xp = x_ptr + x_base + h[:, None] * x_sh + d[None, :]
+        x1 = tl.load(xp, mask=mask, other=0.0).to(tl.float32)
+        x2 = tl.load(xp + HALF, mask=mask, other=0.0).to(tl.float32)
+        return x1, x2, mask
+
+    @triton.jit
+    def _store_halves(o_ptr, o_base, h, o_sh, d, mask, y1, y2, HALF: tl.constexpr):
+        """Store the two halves of heads ``h`` of one token in ``o_ptr``'s dtype."""
+        op = o_ptr + o_base + h[:, None] * o_sh + d[None, :]
+        tl.store(op, y1.to(o_ptr.dtype.element_ty), mask=mask)
+        tl.store(op + HALF, y2.to(o_ptr.dtype.element_ty), mask=mask)
 
     @triton.jit
     def _copy_pass(x_ptr, o_ptr, x_base, o_base, h, n_heads, x_sh, o_sh,
@@ -136,38 +147,24 @@ if triton is not None:
         c2 = tl.load(cp + HALF, mask=d_mask, other=0.0).to(tl.float32)[None, :]
         s1 = tl.load(sp, mask=d_mask, other=0.0).to(tl.float32)[None, :]
         s2 = tl.load(sp + HALF, mask=d_mask, other=0.0).to(tl.float32)[None, :]
+        q_base, qo_base = b * q_sb + t * q_st, b * qo_sb + t * qo_st
+        k_base, ko_base = b * k_sb + t * k_st, b * ko_sb + t * ko_st
         if LOADS_FIRST:
             hq = tl.arange(0, BLOCK_HQ).to(tl.int64)
             hk = tl.arange(0, BLOCK_HK).to(tl.int64)
-            mq = (hq < n_qh)[:, None] & d_mask[None, :]
-            mk = (hk < n_kh)[:, None] & d_mask[None, :]
-            qp = q_ptr + b * q_sb + t * q_st + hq[:, None] * q_sh + d[None, :]
-            kp = k_ptr + b * k_sb + t * k_st + hk[:, None] * k_sh + d[None, :]
-            q1 = tl.load(qp, mask=mq, other=0.0).to(tl.float32)
-            q2 = tl.load(qp + HALF, mask=mq, other=0.0).to(tl.float32)
-            k1 = tl.load(kp, mask=mk, other=0.0).to(tl.float32)
-            k2 = tl.load(kp + HALF, mask=mk, other=0.0).to(tl.float32)
+            q1, q2, mq = _load_halves(q_ptr, q_base, hq, n_qh, q_sh, d, d_mask, HALF)
+            k1, k2, mk = _load_halves(k_ptr, k_base, hk, n_kh, k_sh, d, d_mask, HALF)
             yq1, yq2 = _rotate_pair(q1, q2, c1, c2, s1, s2, BACKWARD)
             yk1, yk2 = _rotate_pair(k1, k2, c1, c2, s1, s2, BACKWARD)
-            qop = qo_ptr + b * qo_sb + t * qo_st + hq[:, None] * qo_sh + d[None, :]
-            kop = ko_ptr + b * ko_sb + t * ko_st + hk[:, None] * ko_sh + d[None, :]
-            tl.store(qop, yq1.to(qo_ptr.dtype.element_ty), mask=mq)
-            tl.store(qop + HALF, yq2.to(qo_ptr.dtype.element_ty), mask=mq)
-            tl.store(kop, yk1.to(ko_ptr.dtype.element_ty), mask=mk)
-            tl.store(kop + HALF, yk2.to(ko_ptr.dtype.element_ty), mask=mk)
-            _copy_pass(q_ptr, qo_ptr, b * q_sb + t * q_st, b * qo_sb + t * qo_st, hq, n_qh, q_sh, qo_sh,
-                       HALF, PASS, PASS_BLOCK)
-            _copy_pass(k_ptr, ko_ptr, b * k_sb + t * k_st, b * ko_sb + t * ko_st, hk, n_kh, k_sh, ko_sh,
-                       HALF, PASS, PASS_BLOCK)
+            _store_halves(qo_ptr, qo_base, hq, qo_sh, d, mq, yq1, yq2, HALF)
+            _store_halves(ko_ptr, ko_base, hk, ko_sh, d, mk, yk1, yk2, HALF)
+            _copy_pass(q_ptr, qo_ptr, q_base, qo_base, hq, n_qh, q_sh, qo_sh, HALF, PASS, PASS_BLOCK)
+            _copy_pass(k_ptr, ko_ptr, k_base, ko_base, hk, n_kh, k_sh, ko_sh, HALF, PASS, PASS_BLOCK)
         else:
-            _rotate_heads(
-                q_ptr, qo_ptr, b * q_sb + t * q_st, b * qo_sb + t * qo_st, n_qh, q_sh, qo_sh,
-                c1, c2, s1, s2, d, d_mask, HALF, PASS, PASS_BLOCK, BLOCK_HQ, BACKWARD,
-            )
-            _rotate_heads(
-                k_ptr, ko_ptr, b * k_sb + t * k_st, b * ko_sb + t * ko_st, n_kh, k_sh, ko_sh,
-                c1, c2, s1, s2, d, d_mask, HALF, PASS, PASS_BLOCK, BLOCK_HK, BACKWARD,
-            )
+            _rotate_heads(q_ptr, qo_ptr, q_base, qo_base, n_qh, q_sh, qo_sh,
+                          c1, c2, s1, s2, d, d_mask, HALF, PASS, PASS_BLOCK, BLOCK_HQ, BACKWARD)
+            _rotate_heads(k_ptr, ko_ptr, k_base, ko_base, n_kh, k_sh, ko_sh,
+                          c1, c2, s1, s2, d, d_mask, HALF, PASS, PASS_BLOCK, BLOCK_HK, BACKWARD)
 
     # host launches go through launch.fast_kernel (the compiled launcher after a first launch)
     _rope_kernel = fast_kernel(_rope_kernel)

@@ -12,12 +12,10 @@ Without Triton on ``x``'s device (or for non-contiguous ``x``) it is ``x.mul_(sc
 
 from __future__ import annotations
 
-import functools
-
 import torch
 
 from liger_losses.kernels.launch import fast_kernel
-from liger_losses.kernels.utils import device_ctx, import_triton, triton_runs_on
+from liger_losses.kernels.utils import device_ctx, import_triton, num_sms, triton_runs_on
 
 triton, tl = import_triton()
 
@@ -44,11 +42,6 @@ if triton is not None:
     _scale_unless_one_kernel = fast_kernel(_scale_unless_one_kernel)
 
 
-@functools.lru_cache(maxsize=16)
-def _programs(device_index: int) -> int:
-    return PROGRAMS_PER_SM * torch.cuda.get_device_properties(device_index).multi_processor_count
-
-
 def scale_unless_one_(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """``x *= scale`` in place (see the module docstring); returns ``x``."""
     if not isinstance(scale, torch.Tensor) or scale.numel() != 1:
@@ -63,11 +56,8 @@ def scale_unless_one_(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
         return x.mul_(scale.reshape(()))
     n = x.numel()
     tiles = -(-n // BLOCK)
-    if x.device.type == "cuda":
-        index = x.device.index if x.device.index is not None else torch.cuda.current_device()
-        programs = min(tiles, _programs(index))
-    else:  # the interpreter on the CPU
-        programs = min(tiles, 4)
+    on_gpu = x.device.type == "cuda"  # else the interpreter on the CPU
+    programs = min(tiles, PROGRAMS_PER_SM * num_sms(x.device) if on_gpu else 4)
     with device_ctx(x):
         _scale_unless_one_kernel[(programs,)](x, scale.reshape(1), n, BLOCK=BLOCK, num_warps=NUM_WARPS)
     return x
