@@ -229,6 +229,17 @@ class HeadGrads:
             self.hidden.commit(ts, te, buf)
         self.started = True
 
+    def scale(self, ts: int, te: int, factor: Tensor) -> None:
+        """Multiply what has been added so far by the 0-d ``factor``: the hidden gradient of tokens
+        ``[ts, te)`` and, once a chunk was added, the weight and bias gradients."""
+        if self.hidden is not None:
+            self.hidden.scale(ts, te, factor.to(self.hidden.full.dtype))
+        if self.started:
+            if self.weight is not None:
+                self.weight.mul_(factor.to(self.weight.dtype))
+            if self.bias is not None:
+                self.bias.mul_(factor)
+
     def finish(self):
         if self.weight is not None and not self.started:
             self.weight.zero_()
@@ -758,14 +769,8 @@ def _run_sequence_objective(weight, hidden, bias, cfg, sink, needs_h, needs_w, n
         for k, m in mets.items():
             metric_parts.setdefault(k, []).append(m)
         if need_grad:
-            if star_bounds:
-                g_star = grad_pos[star]
-                if grads.hidden is not None:
-                    grads.hidden.scale(a, b, g_star.to(grads.hidden.full.dtype))
-                if grads.weight is not None and grads.started:
-                    grads.weight.mul_(g_star.to(grads.weight.dtype))
-                if grads.bias is not None and grads.started:
-                    grads.bias.mul_(g_star)
+            if star_bounds:  # only the star's tiles were added so far: scale them by its gradient
+                grads.scale(a, b, grad_pos[star])
             for ts, te in other_bounds:
                 tile = project(h_rows(ts, te), w_c, b_c)
                 # statistics were taken in phase 1: only the gradient is wanted here
