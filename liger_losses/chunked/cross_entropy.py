@@ -57,7 +57,7 @@ def _full_weight(weight, cfg):
 
 def _prepare(weight, hidden, labels, cfg):
     w_full, w_c = _full_weight(weight, cfg)
-    rows, l_valid, index = token_rows(hidden, labels, cfg["ignore_index"])
+    rows, l_valid, index = token_rows(hidden, labels, cfg["ignore_index"], num_classes=w_c.shape[0])
     return w_full, w_c, rows, l_valid, index
 
 

@@ -167,7 +167,7 @@ def _run(weight, hidden, bias, teacher_hidden, labels, o, needs_h, needs_w, need
     w_full = gather_weight(weight)
     cdt = o["compute_dtype"]
     w_c = w_full if w_full.dtype == cdt else w_full.to(cdt)
-    h_rows, l_valid, index = token_rows(hidden, labels, o["ignore_index"])  # one host sync
+    h_rows, l_valid, index = token_rows(hidden, labels, o["ignore_index"], num_classes=Vs)  # one host sync
     N = l_valid.shape[0]
 
     topk = o["topk"]

@@ -37,7 +37,6 @@ from torch import Tensor
 from liger_losses.kernels.logits_tile import logits_tile
 from liger_losses.kernels.scale import scale_unless_one_
 from liger_losses.kernels.utils import (
-    check_labels,
     check_range,
     check_same_device,
     check_tensor,
@@ -55,10 +54,10 @@ UNIT_BUDGET_FACTOR = 2
 CHUNK_ALIGN = 128
 # Backward of the one-pass losses: scale the forward's gradients by the upstream scalar on the
 # device (kernels.scale: no host sync, no memory pass when it is 1) instead of reading it on the
-# host (one sync per backward). Off until timed on a GPU: in an isolated loss benchmark that sync
-# idles the GPU for the host time up to the next step's first kernel (session-4 profile: 2.6-3.3 ms
-# of idle per step, partly this); in a trainer the backward continues right after it.
-DEVICE_SCALE = False
+# host (one sync per backward; False restores that). H200 (session 5 profile, CE 8192 tokens):
+# GPU idle per step 1.74 -> 1.42 ms. The scale is applied in fp32 (``x.mul_(s)`` rounds ``s`` to
+# a bf16 gradient's dtype first), so a non-unit upstream gradient can differ by one bf16 ulp.
+DEVICE_SCALE = True
 
 
 # --------------------------------------------------------------------------- sharded weights
@@ -120,39 +119,77 @@ def weight_grad_like(weight: Tensor, full_grad: Tensor) -> Tensor:
 # --------------------------------------------------------------------------- token compaction
 
 
-def _valid_index(labels: Tensor, ignore_index: int, order: Optional[Tensor] = None):
+def _scan_labels(labels: Tensor, ignore_index: int, num_classes: Optional[int],
+                 row_counts: bool = False) -> tuple[Tensor, int, Optional[list]]:
+    """``(valid [*labels.shape] bool, num_valid, counts_per_row | None)`` with ONE host sync: the
+    range check of the labels (when ``num_classes`` is given: every label in ``[0, num_classes)``
+    or ``ignore_index``, else ``ValueError``), the number of valid tokens and, with ``row_counts``,
+    each row's count (``labels [B, T]``) are read back together."""
+    valid = labels != ignore_index
+    parts = []
+    if num_classes is not None:
+        bad = valid & ((labels < 0) | (labels >= num_classes))
+        parts.append(bad.any().reshape(1).long())
+    parts.append(valid.sum().reshape(1))
+    if row_counts:
+        parts.append(valid.sum(1))
+    host = torch.cat(parts).tolist()  # the one host sync
+    if num_classes is not None:
+        if host[0]:
+            example = int(labels[bad][0])
+            raise ValueError(
+                f"labels must be in [0, {num_classes}) or equal ignore_index={ignore_index}, "
+                f"found {example}"
+            )
+        host = host[1:]
+    return valid, int(host[0]), (host[1:] if row_counts else None)
+
+
+def _nonzero(mask: Tensor, count: int) -> Tensor:
+    """Indices ``[count]`` of the True entries of the flat ``mask`` whose number is known
+    (``nonzero_static``: no second host sync)."""
+    try:
+        return torch.nonzero_static(mask, size=count).squeeze(1)
+    except (AttributeError, NotImplementedError, RuntimeError):  # older torch / backend
+        return mask.nonzero().squeeze(1)
+
+
+def _valid_index(labels: Tensor, ignore_index: int, order: Optional[Tensor] = None, *,
+                 num_classes: Optional[int] = None, scan=None):
     """``(labels_valid [N] long, index [N] long)``: the non-ignored positions of the flattened
     ``labels``, sequences taken in ``order`` (a permutation of dim 0 of ``labels [B, T]``) when
-    given. One host sync (``nonzero``)."""
+    given. With ``num_classes`` the labels' range is checked too. One host sync in all (none
+    when ``scan``, a result of :func:`_scan_labels`, is passed in)."""
     flat = labels.reshape(-1)
+    valid, n, _ = scan if scan is not None else _scan_labels(labels, ignore_index, num_classes)
     if order is None:
-        index = (flat != ignore_index).nonzero().squeeze(1)
+        if n == flat.numel():
+            return flat.long(), torch.arange(n, device=flat.device)
+        index = _nonzero(valid.reshape(-1), n)
     else:
         T = labels.shape[1]
-        mask = labels.index_select(0, order) != ignore_index
-        pos = mask.reshape(-1).nonzero().squeeze(1)
+        pos = _nonzero(valid.index_select(0, order).reshape(-1), n)
         index = order[pos // T] * T + pos % T
-    if order is None and index.numel() == flat.numel():
-        return flat.long(), index
     return flat.index_select(0, index).long(), index
 
 
-def compact_tokens(hidden: Tensor, labels: Tensor, ignore_index: int) -> tuple[Tensor, Tensor, Tensor]:
+def compact_tokens(hidden: Tensor, labels: Tensor, ignore_index: int, *,
+                   num_classes: Optional[int] = None) -> tuple[Tensor, Tensor, Tensor]:
     """Drop ignored tokens: ``hidden [..., H]``, ``labels [...]`` ->
     ``(hidden_valid [N, H], labels_valid [N] long, index [N] long)`` where ``index`` holds the
     positions in the flattened ``[...]`` layout. One host sync. When no token is ignored the
     returned hidden is a view (no copy); the engine's own passes use :func:`token_rows` instead,
     which never copies."""
-    rows, labels_valid, index = token_rows(hidden, labels, ignore_index)
+    rows, labels_valid, index = token_rows(hidden, labels, ignore_index, num_classes=num_classes)
     return rows(0, index.numel()), labels_valid, index
 
 
-def token_rows(hidden: Tensor, labels: Tensor, ignore_index: int):
+def token_rows(hidden: Tensor, labels: Tensor, ignore_index: int, *, num_classes: Optional[int] = None):
     """The non-ignored tokens without copying them: ``(rows, labels_valid [N] long, index [N])``
     where ``rows`` (:class:`RowGather`) gathers chunks of ``hidden [..., H]`` on demand. One host
-    sync. The engine's passes take these, so no ``[N, H]`` copy of the hidden states is held."""
+    sync, which also checks the labels' range when ``num_classes`` is given. The engine's passes take these, so no ``[N, H]`` copy of the hidden states is held."""
     flat = hidden.reshape(-1, hidden.shape[-1])
-    labels_valid, index = _valid_index(labels, ignore_index)
+    labels_valid, index = _valid_index(labels, ignore_index, num_classes=num_classes)
     return RowGather(flat, index, index.numel() == flat.shape[0]), labels_valid, index
 
 
@@ -198,11 +235,13 @@ class RowScatter:
             self.full.index_copy_(0, self.index[ts:te], buf)
 
     def scale(self, ts: int, te: int, factor: Tensor) -> None:
+        """Rows ``[ts, te)`` times the 0-d fp32 ``factor``, computed in fp32 and rounded once."""
+        scale = factor.reshape(1)
         if self.identity:
-            self.full[ts:te].mul_(factor)
+            scale_unless_one_(self.full[ts:te], scale)  # a contiguous row range: in place
         else:
             idx = self.index[ts:te]
-            self.full.index_copy_(0, idx, self.full.index_select(0, idx).mul_(factor))
+            self.full.index_copy_(0, idx, scale_unless_one_(self.full.index_select(0, idx), scale))
 
 
 class HeadGrads:
@@ -230,13 +269,15 @@ class HeadGrads:
         self.started = True
 
     def scale(self, ts: int, te: int, factor: Tensor) -> None:
-        """Multiply what has been added so far by the 0-d ``factor``: the hidden gradient of tokens
-        ``[ts, te)`` and, once a chunk was added, the weight and bias gradients."""
+        """Multiply what has been added so far by the 0-d fp32 ``factor`` (in fp32, rounded once:
+        ``mul_`` would round the factor to a bf16 buffer's dtype first): the hidden gradient of
+        tokens ``[ts, te)`` and, once a chunk was added, the weight and bias gradients."""
+        factor = factor.float()
         if self.hidden is not None:
-            self.hidden.scale(ts, te, factor.to(self.hidden.full.dtype))
+            self.hidden.scale(ts, te, factor)
         if self.started:
             if self.weight is not None:
-                self.weight.mul_(factor.to(self.weight.dtype))
+                scale_unless_one_(self.weight, factor.reshape(1))
             if self.bias is not None:
                 self.bias.mul_(factor)
 
@@ -476,7 +517,8 @@ def _check_common(weight, hidden, labels, bias, ignore_index, temperature, softc
     if accum_dtype not in _ACCUM_DTYPES:
         raise ValueError(f"accum_dtype must be one of {_ACCUM_DTYPES}, got {accum_dtype!r}")
     resolve_impl(impl, hidden)
-    check_labels("labels", labels, V, ignore_index)
+    # the labels' range is checked by the token compaction (token_rows / _valid_index with
+    # num_classes), in the same host sync that counts them
     return V
 
 
@@ -579,8 +621,7 @@ def _run_sequence_objective(weight, hidden, bias, cfg, sink, needs_h, needs_w, n
 
     # sequences in unit order: pairs interleaved (c0, r0, c1, r1, ...) so that a chunk of whole
     # units is one contiguous token range
-    mask = labels != ign
-    counts = mask.sum(1)
+    counts = (labels != ign).sum(1)
     batch_num_tokens = counts.float()
     if g == 2:
         P = B // 2
@@ -589,10 +630,12 @@ def _run_sequence_objective(weight, hidden, bias, cfg, sink, needs_h, needs_w, n
         order = torch.arange(B, device=dev).view(2, P).t().reshape(-1)
     else:
         order_list, order = list(range(B)), None
-    counts_host = counts.tolist()  # host sync (before the loop)
+    # the one host sync (before the loop): labels' range, valid tokens, per-sequence counts
+    scan = _scan_labels(labels, ign, V, row_counts=True)
+    counts_host = scan[2]
     ordered_counts = [counts_host[i] for i in order_list]
     h2 = hidden.reshape(-1, H)
-    l_valid, index = _valid_index(labels, ign, order)
+    l_valid, index = _valid_index(labels, ign, order, scan=scan)
     N = index.numel()
     identity = order is None and N == B * T
     h_rows = RowGather(h2, index, identity)
@@ -748,8 +791,20 @@ def _run_sequence_objective(weight, hidden, bias, cfg, sink, needs_h, needs_w, n
         starts = [0]
         for c in ordered_counts:
             starts.append(starts[-1] + c)
-        star = max(range(B), key=lambda p: ordered_counts[p]) if B > 0 else None
-        a, b = (starts[star], starts[star + 1]) if star is not None else (0, 0)
+        # A pair whose objective fixes d loss / d rejected = ratio * d loss / d chosen (DPO on the
+        # margin: ratio -1) is exempt as a whole: its chosen tiles are back-propagated with row
+        # scale 1, its rejected ones with ``ratio``, and both scaled by the chosen gradient later
+        # (a single long pair then costs 6NHV, no recompute).
+        star, star_ratio = (max(range(B), key=lambda p: ordered_counts[p]), None) if B > 0 else (None, None)
+        ratio_of = getattr(cfg["objective"], "pair_gradient_ratio", None)
+        if g == 2 and B > 0 and callable(ratio_of):
+            pair = max(range(B // 2), key=lambda u: ordered_counts[2 * u] + ordered_counts[2 * u + 1])
+            ratio = ratio_of(ordered_counts[2 * pair], ordered_counts[2 * pair + 1])
+            if ratio is not None:
+                star, star_ratio = 2 * pair, float(ratio)
+        a = starts[star] if star is not None else 0
+        b = starts[star + (1 if star_ratio is None else 2)] if star is not None else 0
+        mid = starts[star + 1] if star_ratio is not None else b  # chosen [a, mid), rejected [mid, b)
 
         def spans(lo, hi):
             return [(lo + s0, lo + s1) for s0, s1 in chunk_bounds(hi - lo, V, chunk_tokens=ck, itemsize=itemsize)]
@@ -762,7 +817,10 @@ def _run_sequence_objective(weight, hidden, bias, cfg, sink, needs_h, needs_w, n
         for ts, te in star_bounds:
             tile, _ = chunk_stats(ts, te, 0, B, need_grad)
             if need_grad:
-                backprop(tile, ts, te, None)
+                row_scale = None
+                if star_ratio is not None and te > mid:  # the tile reaches the rejected sequence
+                    row_scale = torch.where(torch.arange(ts, te, device=dev) < mid, 1.0, star_ratio)
+                backprop(tile, ts, te, row_scale)
             del tile
         total, mets, grad_pos = call_objective(0, B, need_grad)
         loss = loss + total

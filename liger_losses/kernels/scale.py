@@ -7,7 +7,8 @@ it is exactly 1, so the usual upstream gradient of a loss (1) costs one launch i
 a write of ``x``, and the host never reads the value (no device-to-host sync). Used by the chunked
 engine's backward to scale gradients computed in the forward (``engine.DEVICE_SCALE``).
 
-Without Triton on ``x``'s device (or for non-contiguous ``x``) it is ``x.mul_(scale)``.
+Without Triton on ``x``'s device (or for non-contiguous ``x``) the same product in PyTorch (in
+``scale``'s dtype when it is wider than ``x``'s, slab by slab).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ triton, tl = import_triton()
 BLOCK = 8192
 NUM_WARPS = 8
 PROGRAMS_PER_SM = 4  # persistent grid: the early exit costs a few hundred programs, not one per block
+_SLAB = 1 << 20  # elements per step of the PyTorch path's widened multiply
 
 if triton is not None:
 
@@ -53,7 +55,17 @@ def scale_unless_one_(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     if x.numel() == 0:
         return x
     if not x.is_contiguous() or not triton_runs_on(x.device):
-        return x.mul_(scale.reshape(()))
+        s = scale.reshape(())
+        if x.element_size() >= s.element_size():
+            return x.mul_(s)
+        # x.mul_(s) would round s to x's (narrower) dtype first: compute in s's dtype, a slab at a time
+        flat = x.view(-1) if x.is_contiguous() else None
+        if flat is None:
+            return x.copy_(x.to(s.dtype) * s)
+        for i in range(0, flat.numel(), _SLAB):
+            part = flat[i:i + _SLAB]
+            part.copy_(part.to(s.dtype) * s)
+        return x
     n = x.numel()
     tiles = -(-n // BLOCK)
     on_gpu = x.device.type == "cuda"  # else the interpreter on the CPU

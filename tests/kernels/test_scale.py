@@ -1,8 +1,8 @@
 """Tests of liger_losses/kernels/scale.py's ``scale_unless_one_`` and of the chunked engine's
 backward with ``engine.DEVICE_SCALE`` on.
 
-Held bitwise to ``x.mul_(scale)`` (both compute in fp32 and round once to x's dtype, so any
-difference is a bug, not rounding): scales 1 (the kernel's early exit: x untouched), 0.5, -3.25 and
+Held bitwise to ``x`` times ``scale`` in fp32, rounded once to x's dtype (so any difference is a
+bug, not rounding; ``x.mul_(scale)`` would first round an fp32 scale to a bf16 ``x``'s dtype): scales 1 (the kernel's early exit: x untouched), 0.5, -3.25 and
 a random one; fp32 and bf16; sizes from one element to several tiles per program of the
 persistent grid. Exception: Triton's CPU interpreter (3.9) rounds fp32 -> bf16 toward zero instead
 of to nearest, so there bf16 results are held to one bf16 ulp (2^-7 relative). Runs the Triton
@@ -34,7 +34,7 @@ def _needs_triton():
 def test_matches_mul_bitwise(value, dtype, n):
     x = torch.randn(n, device=DEVICE).to(dtype)
     s = torch.tensor(torch.rand(()).item() + 0.1 if value is None else value, device=DEVICE)
-    expected = x.clone().mul_(s)
+    expected = (x.float() * s).to(dtype)
     out = scale_unless_one_(x, s)
     assert out is x
     if dtype == torch.bfloat16 and triton_interpret() and value != 1.0:
@@ -101,13 +101,14 @@ def test_engine_backward_with_device_scale(loss, upstream, monkeypatch):
 @pytest.mark.gpu
 @pytest.mark.parametrize("value", [1.0, 0.37])
 def test_gpu_bitwise_and_no_host_sync(value):
-    """GPU: bf16 results bitwise equal to ``x.mul_(scale)`` (round to nearest, unlike the CPU
-    interpreter), over several tiles per program; and no host sync."""
+    """GPU: bf16 results bitwise equal to ``x * scale`` computed in fp32 and rounded to nearest
+    once (``x.mul_(scale)`` would round the fp32 scale to bf16 first: one ulp off for 0.37), over
+    several tiles per program; and no host sync."""
     from tests.helpers import count_host_syncs
 
     x = torch.randn((1 << 22) + 5, device="cuda", dtype=torch.bfloat16)
     s = torch.tensor(value, device="cuda")
-    expected = x.clone().mul_(s)
+    expected = (x.float() * s).to(torch.bfloat16)
     scale_unless_one_(x, s)
     assert torch.equal(x, expected)
     y = torch.randn(1 << 20, device="cuda", dtype=torch.bfloat16)

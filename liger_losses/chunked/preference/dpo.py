@@ -59,6 +59,11 @@ F_DIVERGENCE_LOSS_TYPES = frozenset(
 )
 # Loss types that sort over the batch: not separable over pairs (objective sees the whole batch).
 SORTING_LOSS_TYPES = frozenset({"aot", "aot_unpaired"})
+# Loss types that depend on a pair only through its margin (chosen - rejected scores; "aot" through
+# its rank among the batch's margins) or its length-normalised margin: for these the gradient
+# w.r.t. the rejected log-probs is a fixed multiple of the chosen one (DPOObjective.pair_gradient_ratio).
+MARGIN_LOSS_TYPES = frozenset({"sigmoid", "hinge", "exo_pair", "robust", "discopop", "aot"})
+LENGTH_NORMALISED_MARGIN_TYPES = frozenset({"ipo", "sigmoid_norm"})
 
 # our metric key -> the name TRL 1.16's DPOTrainer logs
 TRL_METRIC_NAMES = {**PAIR_TRL_METRIC_NAMES, "mean_token_accuracy": "mean_token_accuracy", "entropy": "entropy"}
@@ -293,6 +298,25 @@ class DPOObjective(StoredOptions):
     def separable(self) -> bool:
         """False when a loss type ranks over the whole batch (AOT)."""
         return not (set(self.loss_types) & SORTING_LOSS_TYPES)
+
+    def pair_gradient_ratio(self, chosen_tokens: int, rejected_tokens: int) -> Optional[float]:
+        """``r`` with ``d loss / d rejected_logps = r * d loss / d chosen_logps`` for every pair of
+        these lengths, or None. Lets the engine back-propagate a long pair in one pass before its
+        upstream gradient is known (engine's two-phase path). Types on the policy-minus-reference
+        margin (reverse-KL scores): ``-1``; the length-normalised ones (``ipo``, ``sigmoid_norm``):
+        ``-chosen_tokens / rejected_tokens``; a mix of the two kinds, other f-divergences and the
+        types with separate chosen/rejected terms (``sft``, ``nca_pair``, ``bco_pair``...): None."""
+        if self.f_divergence_type != "reverse_kl":
+            return None
+        ratios = set()
+        for name in self.loss_types:
+            if name in MARGIN_LOSS_TYPES:
+                ratios.add(-1.0)
+            elif name in LENGTH_NORMALISED_MARGIN_TYPES:
+                ratios.add(-max(chosen_tokens, 1) / max(rejected_tokens, 1))
+            else:
+                return None
+        return ratios.pop() if len(ratios) == 1 else None
 
     def __call__(self, stats):
         if stats.ref_logps is None:

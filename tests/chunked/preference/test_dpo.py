@@ -293,3 +293,46 @@ def test_gpu_bf16_close_to_fp64():
     assert rel_err(out.loss, loss64) <= TOL[torch.bfloat16]
     assert rel_err(gh, gh64) <= TOL[torch.bfloat16]
     assert rel_err(gw, gw64) <= TOL[torch.bfloat16]
+
+
+@pytest.mark.parametrize("loss_type", ["sigmoid", "ipo", "sigmoid_norm", "discopop", "aot", "nca_pair"])
+def test_long_pair_exemption_matches_trl(loss_type):
+    """chunk_tokens=5 cuts every pair (two phases). For loss types with a fixed rejected/chosen
+    gradient ratio the longest pair is back-propagated in phase 1 (rejected tiles scaled by the ratio,
+    the pair scaled by its chosen gradient afterwards); nca_pair has no such ratio (longest sequence
+    only). Loss, grads of hidden/weight/bias, metrics: within 1e-5 of TRL in float64, Triton tiles."""
+    run_vs_trl(dict(beta=0.2, loss_type=loss_type, **LOSS_OPTIONS.get(loss_type, {})), impl="auto",
+               chunk_tokens=5, bias=True, empty_rows=(1,))
+
+
+@pytest.mark.parametrize(
+    "loss_type,f_div,expect",
+    [("sigmoid", "reverse_kl", -1.0), (["hinge", "robust"], "reverse_kl", -1.0), ("ipo", "reverse_kl", -7 / 3),
+     ("sigmoid_norm", "reverse_kl", -7 / 3), (["sigmoid", "ipo"], "reverse_kl", None),
+     (["sigmoid", "sft"], "reverse_kl", None), ("bco_pair", "reverse_kl", None), ("apo_zero", "reverse_kl", None),
+     ("sigmoid", "js_divergence", None), ("aot_unpaired", "reverse_kl", None)],
+)
+def test_pair_gradient_ratio_is_the_objectives_own(loss_type, f_div, expect):
+    """DPOObjective.pair_gradient_ratio (what the engine's two-phase path trusts) against autograd of
+    the objective itself on random stats of pairs with 7 chosen / 3 rejected tokens: where a ratio is
+    declared, d loss/d rejected = ratio * d loss/d chosen for every pair (1e-12 in float64)."""
+    from liger_losses.chunked.engine import SequenceStats
+
+    types = [loss_type] if isinstance(loss_type, str) else loss_type
+    obj = DPOObjective(beta=0.3, loss_types=tuple(types), loss_weights=tuple(1.0 for _ in types), label_smoothing=0.1,
+                       f_divergence_type=f_div, f_alpha_divergence_coef=0.5, discopop_tau=0.05)
+    ratio = obj.pair_gradient_ratio(7, 3)
+    assert (ratio is None) == (expect is None)
+    if ratio is None:
+        return
+    assert ratio == pytest.approx(expect)
+    P = 4
+    torch.manual_seed(0)
+    logps = (-torch.rand(2 * P, dtype=torch.float64) * 20).requires_grad_()
+    counts = torch.tensor([7.0] * P + [3.0] * P, dtype=torch.float64)
+    stats = SequenceStats(logps=logps, num_tokens=counts, logits_sum=torch.zeros(2 * P), correct=torch.zeros(2 * P),
+                          entropy_sum=None, ref_logps=-torch.rand(2 * P, dtype=torch.float64) * 20,
+                          batch_num_tokens=counts, index=torch.arange(2 * P))
+    losses, _ = obj(stats)
+    (g,) = torch.autograd.grad(losses.sum(), logps)
+    assert torch.allclose(g[P:], ratio * g[:P], rtol=1e-12, atol=1e-15)
