@@ -61,10 +61,11 @@ TILE_ELEMENTS = 1024
 NUM_WARPS = 0
 # LOADS_FIRST: one tile holds all heads of a token (TILE_ELEMENTS ignored) and the kernel issues
 # the loads of q's and k's halves before any store -- liger-kernel's order, which the compiler
-# cannot reach by itself (a store to q may alias k). H200, q-layout gradients (session 4): our
-# tiled order is 4-7% slower than liger-kernel's kernel at the 8B shapes, 1.6x at Qwen2-0.5B's.
-# Off until timed on a GPU (bench_rope.py --grad-layout q --sweep).
-LOADS_FIRST = False
+# cannot reach by itself (a store to q may alias k). H200, q-layout gradients, CUDA graphs
+# (session 5 sweep): 8B shapes 0.0868 ms at 8192 tokens (liger-kernel 0.0868; tiled order 0.0929)
+# and 0.3359 at 32768 (liger 0.3379; tiled 0.3398); Qwen2-0.5B 8192 tokens 0.0239 (liger 0.0166,
+# tiled 0.0273). 8 warps: 10% slower. False: the tiled order.
+LOADS_FIRST = True
 
 
 if triton is not None:
