@@ -44,9 +44,14 @@ from liger_losses.kernels.utils import (
     triton_runs_on,
 )
 
-# Default memory budget of one logits tile (bytes). 256 MiB -> ~1024 tokens at V=128256 in bf16,
-# which keeps the peak above the inputs near 1.25x the gradient floor (see bench_fused_linear_ce).
+# Default memory budget of one logits tile (bytes): the larger of DEFAULT_BUDGET_BYTES and
+# WEIGHT_BUDGET_FRACTION of the head's [V, H] weight (tile_budget). The weight-gradient GEMM's
+# inner dimension is the chunk's token count: at 1024 tokens it ran at 1.18x its FLOP floor on the
+# H200 (logits GEMM 1.03x). Half the weight -> H/2 tokens per chunk (2048 at H=4096): cross-entropy
+# 8192 x 4096 x 128256 41.8 -> 40.3 ms, DPO 1 pair x 16384 172.3 -> 163.5 ms (session 5), while the
+# peak above the inputs stays below 1.5x the gradients (weight + half of it + hidden).
 DEFAULT_BUDGET_BYTES = 256 * 1024 * 1024
+WEIGHT_BUDGET_FRACTION = 0.5
 # One-pass preference losses need a whole unit (pair) in one tile: a unit may take up to this
 # many default budgets before the engine falls back to two phases (recompute).
 UNIT_BUDGET_FACTOR = 2
@@ -288,6 +293,12 @@ class HeadGrads:
 
 
 # --------------------------------------------------------------------------- chunk sizing
+
+
+def tile_budget(vocab: int, hidden_size: int, itemsize: int) -> int:
+    """The default tile budget in bytes for a ``[vocab, hidden_size]`` head of ``itemsize``-byte
+    elements (see :data:`WEIGHT_BUDGET_FRACTION`)."""
+    return max(DEFAULT_BUDGET_BYTES, int(WEIGHT_BUDGET_FRACTION * vocab * hidden_size * itemsize))
 
 
 def _max_chunk(vocab: int, chunk_tokens, budget_bytes, itemsize) -> tuple[int, bool]:
@@ -759,13 +770,15 @@ def _run_sequence_objective(weight, hidden, bias, cfg, sink, needs_h, needs_w, n
     groups = [sum(ordered_counts[u * g:(u + 1) * g]) for u in range(U_total)]
     plan = None
     if cfg["separable"]:
-        plan = group_chunk_bounds(groups, V, chunk_tokens=cfg["chunk_tokens"], itemsize=itemsize)
+        budget = tile_budget(V, H, itemsize)
+        plan = group_chunk_bounds(groups, V, chunk_tokens=cfg["chunk_tokens"], budget_bytes=budget,
+                                  itemsize=itemsize)
         if plan is None and cfg["chunk_tokens"] is None:
             # a unit (pair) larger than the default tile budget: one pass is still cheaper than
             # recomputing every tile (6NHV instead of 8NHV) as long as one unit's tile stays
             # within UNIT_BUDGET_FACTOR budgets; chunks then hold exactly the units that fit
             plan = group_chunk_bounds(
-                groups, V, budget_bytes=UNIT_BUDGET_FACTOR * DEFAULT_BUDGET_BYTES,
+                groups, V, budget_bytes=max(UNIT_BUDGET_FACTOR * DEFAULT_BUDGET_BYTES, budget),
                 itemsize=itemsize,
             )
     if plan is not None:
@@ -807,7 +820,8 @@ def _run_sequence_objective(weight, hidden, bias, cfg, sink, needs_h, needs_w, n
         mid = starts[star + 1] if star_ratio is not None else b  # chosen [a, mid), rejected [mid, b)
 
         def spans(lo, hi):
-            return [(lo + s0, lo + s1) for s0, s1 in chunk_bounds(hi - lo, V, chunk_tokens=ck, itemsize=itemsize)]
+            return [(lo + s0, lo + s1) for s0, s1 in chunk_bounds(
+                hi - lo, V, chunk_tokens=ck, budget_bytes=tile_budget(V, H, itemsize), itemsize=itemsize)]
 
         star_bounds = spans(a, b)
         other_bounds = spans(0, a) + spans(b, N)
@@ -1003,7 +1017,9 @@ def run_tiles(
                       hidden=grad and needs_hidden, weight=grad and needs_weight, bias=grad and needs_bias)
     per_row = isinstance(grad_scale, Tensor)
     parts: dict[str, list] = {}
-    for ts, te in chunk_bounds(N, V, chunk_tokens=chunk_tokens, itemsize=torch.finfo(cdt).bits // 8):
+    itemsize = torch.finfo(cdt).bits // 8
+    for ts, te in chunk_bounds(N, V, chunk_tokens=chunk_tokens, budget_bytes=tile_budget(V, H, itemsize),
+                               itemsize=itemsize):
         h = hidden_rows(ts, te)
         tile = project(h, weight, bias)
         st = logits_tile(

@@ -73,9 +73,15 @@ _TAIL_CLAMP = -1e-7  # TRL's clamp of log(sum of top-k probs) before the tail bu
 # Columns per block of the row loops on the GPU (capped at the row width), warps per program (0: 8
 # for blocks >= 2048, else 4) and the software-pipelining depth of the row loops (``tl.range(
 # num_stages=...)``; None: Triton's default loop). Module constants so that a benchmark can sweep
-# them (``benchmark/diag_ce_registers.py --kernel divergence``). H200 (session 4 profile, JSD,
-# 8192 x 128256, 25% ignored): this kernel took 7.6 ms of a 45 ms distillation step against a
-# ~1.8 ms memory floor -- pass 1 does six block-wide reductions per block (each a barrier).
+# them (``benchmark/diag_ce_registers.py --kernel divergence``).
+# Special-function (MUFU: ex2 / lg2 / rcp) ops per element, dense teacher, with the gradient (pass 1 +
+# pass 2 + last pass; +1 in pass 1 and +1 in the last pass with hard labels at temperature != 1):
+#   forward KL 2 + 0 + 2 = 4 (unchanged); reverse KL 2 + 1 + 1 = 4 (unchanged; p_t is never computed);
+#   JSD before 2 + 4 + 5 = 11 (softplus via Kahan's log1p: a log and an fp32 division each time),
+#   JSD now    2 + 3 + 3 = 8  (exp(-|x|), exp(max log-weight), one log; see _div_terms).
+# Before (H200, JSD beta=0.5, 8192 x 128256 bf16, forward + gradient): 7.35 ms against a 2.44 ms
+# memory floor, and no BLOCK_CAP / NUM_WARPS / LOOP_STAGES setting changed it (7.3-8.9 ms): bound by
+# per-element arithmetic, not by the launch configuration. Not yet timed after.
 BLOCK_CAP = 4096
 NUM_WARPS = 0
 LOOP_STAGES = None
@@ -130,49 +136,53 @@ if triton is not None:
         return tl.where(u == 1.0, x, tl.where(um1 == -1.0, -1.0, safe * x / logu))
 
     @triton.jit
-    def _log1p(x):
-        # log(1 + x) for x >= 0 from log only (Kahan's trick), accurate for tiny x
-        u = 1.0 + x
-        den = tl.where(u == 1.0, 1.0, u - 1.0)
-        return tl.where(u == 1.0, x, tl.log(u) * x / den)
+    def _log1p_unit(r):
+        # log(1 + r) for 0 <= r <= 1 from one log, with relative accuracy down to tiny r: u = fl(1 + r), and
+        # r - (u - 1) is exactly the rounding error of that sum (u - 1 is exact by Sterbenz; Fast2Sum, |r| <= 1);
+        # log(1 + r) = log(u) + (r - (u - 1)) / u + O(ulp^2), and dropping the / u costs < r * ulp(1) (no division)
+        u = 1.0 + r
+        return tl.log(u) + (r - (u - 1.0))
 
     @triton.jit
-    def _div_terms(ls, lt, log_1m_beta, log_beta, beta, MODE: tl.constexpr):
-        # For student / teacher log-probs (ls, lt): the divergence term d, g = d div / d ls, and t with
-        # g = p_s * t (modes 1, 2; t is what the gradient pass shifts to avoid cancellation; mode 0: t = 0).
-        ps = tl.exp(ls)
-        pt = tl.exp(lt)
+    def _div_terms(ls, lt, one_m_beta, log_1m_beta, log_beta, MODE: tl.constexpr):
+        # For student / teacher log-probs (ls, lt): the divergence term d, g = d div / d ls, t with g = p_s * t
+        # (modes 1, 2; t is what the gradient passes shift to avoid cancellation; mode 0: t = 0), and p_s.
+        # Outputs a caller leaves unused are dead code (Triton removes them; equal exps are CSE'd).
         if MODE == 0:
+            ps = tl.exp(ls)
+            pt = tl.exp(lt)
             d = pt * (lt - ls)
             g = -pt
             t = 0.0 * ls
         elif MODE == 1:
+            ps = tl.exp(ls)  # reverse KL needs no p_t
+            t = ls - lt + 1.0
             d = ps * (ls - lt)
-            t = ls - lt + 1.0
             g = ps * t
         else:
-            # ls - log m = -log(1-beta) - softplus(-x), lt - log m = -log(beta) - softplus(x),
-            # x = (ls + log(1-beta)) - (lt + log(beta)); softplus(x) = softplus(-x) + x
+            # Mixture m = a + c with a = (1-beta) p_s, c = beta p_t, from three MUFU ops (two ex2, one lg2):
+            # x = log a - log c, r = exp(-|x|) = min(a, c) / max(a, c), max(a, c) = exp(max(log a, log c)),
+            # log(m / max) = log1p(r); ls - log m = -log(1-beta) - softplus(-x), lt - log m = -log(beta) -
+            # softplus(x), each softplus as max(+-x, 0) + log1p(r) (so that the small one keeps its relative
+            # accuracy: beta near 0 or 1 makes the divergence a difference of such small terms). Never 0 * inf:
+            # every factor stays finite for finite ls, lt, and a = c = 0 where both probabilities underflow.
+            # (The plain log(m) form, same MUFU count, loses up to 1e-3 relative in the gradient at beta=1e-3
+            # or with a peaked teacher: its absolute error ~ulp(log m) is not small next to these differences.)
             x = (ls - lt) + (log_1m_beta - log_beta)
-            sp_neg = tl.maximum(-x, 0.0) + _log1p(tl.exp(-tl.abs(x)))
-            lsm = -log_1m_beta - sp_neg
-            ltm = -log_beta - (sp_neg + x)
-            d = beta * pt * ltm + (1.0 - beta) * ps * lsm
-            t = (1.0 - beta) * lsm
-            g = ps * t
-        return d, g, t
-
-    @triton.jit
-    def _t_only(ls, lt, log_1m_beta, log_beta, beta, MODE: tl.constexpr):
-        # t of _div_terms alone (modes 1, 2): what the gradient's normaliser sum needs, without the divergence
-        # term's exps
-        if MODE == 1:
-            t = ls - lt + 1.0
-        else:
-            x = (ls - lt) + (log_1m_beta - log_beta)
-            sp_neg = tl.maximum(-x, 0.0) + _log1p(tl.exp(-tl.abs(x)))
-            t = (1.0 - beta) * (-log_1m_beta - sp_neg)
-        return t
+            r = tl.exp(-tl.abs(x))
+            big = tl.exp(tl.maximum(ls + log_1m_beta, lt + log_beta))
+            small = big * r
+            s_big = x >= 0.0
+            a = tl.where(s_big, big, small)
+            c = tl.where(s_big, small, big)
+            l1p = _log1p_unit(r)
+            lsm = -log_1m_beta - (tl.maximum(-x, 0.0) + l1p)
+            ltm = -log_beta - (tl.maximum(x, 0.0) + l1p)
+            d = c * ltm + a * lsm
+            t = one_m_beta * lsm
+            g = a * lsm
+            ps = a * (1.0 / one_m_beta)
+        return d, g, t, ps
 
     @triton.jit
     def _divergence_tile_kernel(
@@ -196,7 +206,7 @@ if triton is not None:
         n_t_cols,
         K,
         inv_t,
-        beta,
+        one_m_beta,
         log_1m_beta,
         log_beta,
         w_hard,
@@ -214,7 +224,7 @@ if triton is not None:
         STAGES: tl.constexpr,
         LANE_SUMS: tl.constexpr,
     ):
-        beta = tl.cast(beta, tl.float32)
+        one_m_beta = tl.cast(one_m_beta, tl.float32)
         inv_t = tl.cast(inv_t, tl.float32)
         row = tl.program_id(0).to(tl.int64)
         s_row = s_ptr + row * s_stride
@@ -338,15 +348,15 @@ if triton is not None:
                 lse_sup_t = top_t_safe + tl.log(tl.sum(tl.where(valid, tl.exp(lt - top_t_safe), 0.0), axis=0))
                 ls_sp = tl.where(valid, ls - lse_sup_s, 0.0)
                 lt_sp = tl.where(valid, lt - lse_sup_t, 0.0)
-            dk, gk, _tk = _div_terms(
-                tl.where(valid, ls_sp, 0.0), tl.where(valid, lt_sp, 0.0), log_1m_beta, log_beta, beta, MODE
+            dk, gk, _tk, _pk = _div_terms(
+                tl.where(valid, ls_sp, 0.0), tl.where(valid, lt_sp, 0.0), one_m_beta, log_1m_beta, log_beta, MODE
             )
             dk = tl.where(valid, dk, 0.0)
             gk = tl.where(valid, gk, 0.0)
             div = tl.sum(dk, axis=0)
             sum_g = tl.sum(gk, axis=0)
             if TAIL:
-                d_tail, g_tail, _tt = _div_terms(tail_s, tail_t, log_1m_beta, log_beta, beta, MODE)
+                d_tail, g_tail, _tt, _pt = _div_terms(tail_s, tail_t, one_m_beta, log_1m_beta, log_beta, MODE)
                 div += d_tail
                 # d tail_s / d z_j = -(q_j [j in support] - S p_j) / (1 - S); w = g_tail / (1 - S), 0 if clamped
                 w = tl.where(clamped_s, 0.0, g_tail * tl.exp(-tail_s))
@@ -372,15 +382,15 @@ if triton is not None:
                 # cancellation on the peak entry
                 ls_c = tl.load(s_row + best_idx).to(tl.float32) * inv_t - lse_s
                 lt_c = tl.load(t_row + best_idx).to(tl.float32) * inv_t - lse_t
-                _dc, _gc, t_c = _div_terms(ls_c, lt_c, log_1m_beta, log_beta, beta, MODE)
+                _dc, _gc, t_c, _pc = _div_terms(ls_c, lt_c, one_m_beta, log_1m_beta, log_beta, MODE)
                 # ---- pass 2: sum_i p_i (t_i - c) for the gradient (only t, no divergence term)
                 for start in tl.range(0, n_cols, BLOCK, num_stages=STAGES):
                     offs = start + cols
                     mask = offs < n_cols
                     ls = tl.load(s_row + offs, mask=mask, other=0.0).to(tl.float32) * inv_t - lse_s
                     lt = tl.load(t_row + offs, mask=mask, other=0.0).to(tl.float32) * inv_t - lse_t
-                    tt = _t_only(ls, lt, log_1m_beta, log_beta, beta, MODE)
-                    coef_dense += tl.sum(tl.where(mask, tl.exp(ls) * (tt - t_c), 0.0), axis=0)
+                    _dd, _gg, tt, ps = _div_terms(ls, lt, one_m_beta, log_1m_beta, log_beta, MODE)
+                    coef_dense += tl.sum(tl.where(mask, ps * (tt - t_c), 0.0), axis=0)
             if not WRITE_GRAD:
                 # ---- no gradient wanted: pass 2 is the divergence itself (then there is no last pass)
                 for start in tl.range(0, n_cols, BLOCK, num_stages=STAGES):
@@ -388,7 +398,7 @@ if triton is not None:
                     mask = offs < n_cols
                     ls = tl.load(s_row + offs, mask=mask, other=0.0).to(tl.float32) * inv_t - lse_s
                     lt = tl.load(t_row + offs, mask=mask, other=0.0).to(tl.float32) * inv_t - lse_t
-                    dd, _gg, _tt = _div_terms(ls, lt, log_1m_beta, log_beta, beta, MODE)
+                    dd, _gg, _tt, _ps = _div_terms(ls, lt, one_m_beta, log_1m_beta, log_beta, MODE)
                     div += tl.sum(tl.where(mask, dd, 0.0), axis=0)
 
         if WRITE_GRAD:
@@ -399,12 +409,12 @@ if triton is not None:
                 mask3 = offs3 < n_cols
                 raw3 = tl.load(s_row + offs3, mask=mask3, other=0.0).to(tl.float32)
                 ls3 = raw3 * inv_t - lse_s
-                ps3 = tl.exp(ls3)
                 if TOPK:
+                    ps3 = tl.exp(ls3)
                     grad3 = -c_soft * ps3 * coef_dense
                 else:
                     lt3 = tl.load(t_row + offs3, mask=mask3, other=0.0).to(tl.float32) * inv_t - lse_t
-                    dd3, gg3, tt3 = _div_terms(ls3, lt3, log_1m_beta, log_beta, beta, MODE)
+                    dd3, gg3, tt3, ps3 = _div_terms(ls3, lt3, one_m_beta, log_1m_beta, log_beta, MODE)
                     div += tl.sum(tl.where(mask3, dd3, 0.0), axis=0)
                     if MODE == 0:
                         grad3 = c_soft * (gg3 - ps3 * coef_dense)
@@ -446,7 +456,8 @@ if triton is not None:
 
 
 def _terms_torch(ls, lt, beta, mode):
-    """(d, g, t) as in the kernel's ``_div_terms``: divergence term, d div / d ls, and g = p_s * t (modes 1, 2)."""
+    """(d, g, t) as the kernel's ``_div_terms`` (softplus form; same values): divergence term, d div / d ls, and
+    g = p_s * t (modes 1, 2)."""
     ps, pt = ls.exp(), lt.exp()
     if mode == 0:
         return pt * (lt - ls), -pt, torch.zeros_like(ls)
@@ -454,9 +465,10 @@ def _terms_torch(ls, lt, beta, mode):
         t = ls - lt + 1.0
         return ps * (ls - lt), ps * t, t
     x = (ls - lt) + (math.log1p(-beta) - math.log(beta))
-    sp_neg = F.softplus(-x)
-    lsm = -math.log1p(-beta) - sp_neg
-    ltm = -math.log(beta) - (sp_neg + x)
+    # both softpluses evaluated directly (not softplus(x) = softplus(-x) + x, which loses the small one's
+    # relative accuracy when beta is near 1)
+    lsm = -math.log1p(-beta) - F.softplus(-x)
+    ltm = -math.log(beta) - F.softplus(x)
     t = (1.0 - beta) * lsm
     return beta * pt * ltm + (1.0 - beta) * ps * lsm, ps * t, t
 
@@ -681,7 +693,7 @@ def divergence_tile(
             float(grad_scale) if (grad_scale is not None and not row_scale) else 1.0,
             *outs,
             vs, n_t_cols, k,
-            inv_t, b,
+            inv_t, 1.0 - b,  # 1 - beta rounded once (fp32 1 - fp32(0.999) is off by 1.3e-5 relative)
             math.log1p(-b) if b < 1.0 else 0.0, math.log(b) if b > 0.0 else 0.0,
             float(hard_weight), float(soft_weight), int(ignore_index),
             MODE=mode, TOPK=topk, TAIL=bool(topk_tail), HAS_LABELS=labels is not None,

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from liger_losses.kernels import divergence_tile as dt
-from liger_losses.kernels.divergence_tile import divergence_tile
+from liger_losses.kernels.divergence_tile import DivergenceTileStats as DivStats, divergence_tile
 from tests.helpers import TOL, rel_err
 
 IMPLS = ["triton", "torch"]
@@ -40,7 +40,9 @@ def _div_terms(ls, lt, mode, beta):
         return pt * (lt - ls)
     if mode == 1:
         return ps * (ls - lt)
-    log_m = torch.log((1 - beta) * ps + beta * pt)
+    m = (1 - beta) * ps + beta * pt
+    # where both probabilities underflow (m == 0) every term is 0 (a guarded log keeps autograd free of 0 * inf)
+    log_m = torch.log(torch.where(m > 0, m, torch.ones_like(m)))
     return beta * pt * (lt - log_m) + (1 - beta) * ps * (ls - log_m)
 
 
@@ -183,6 +185,96 @@ def test_bf16_tiles(impl):
     stats = divergence_tile(tile, teacher, beta=0.5, temperature=2.0, grad_scale=1.0, impl=impl, block_size=64)
     assert tile.dtype == torch.bfloat16
     _check(stats, ref, tile, TOL[torch.bfloat16], f"{impl} bf16")
+
+
+def _adversarial_rows(vs=160):
+    """fp32 rows that stress the divergence terms (row names in ``ADVERSARIAL``), temperature 1."""
+    g = torch.Generator().manual_seed(7)
+
+    def rn(*shape):
+        return torch.randn(*shape, generator=g)
+
+    s, t = rn(8, vs) * 3, rn(8, vs) * 3
+    s[1, 3] = 30.0  # very peaked student (ls >> lt on its peak)
+    t[2, 7] = 30.0  # very peaked teacher (ls << lt there)
+    s[3, 3], t[3, 7] = 25.0, 25.0  # both peaked, on different entries
+    s[4], t[4, 11] = rn(vs) * 0.3, 25.0  # near-uniform student, near-one-hot teacher
+    s[5], t[5] = -1e4 + rn(vs), -1e4 + rn(vs)  # everything underflows (both p = 0, m = 0) except one entry each
+    s[5, 5], t[5, 9] = 0.0, 0.0
+    s[6], t[6] = -1e4 + rn(vs), -1e4 + rn(vs)  # ... the same surviving entry (+ one teacher runner-up)
+    s[6, 5], t[6, 5], t[6, 9] = 0.0, 0.0, -2.0
+    t[7] = s[7] + rn(vs) * 0.3  # close distributions (small divergence)
+    return s, t
+
+
+ADVERSARIAL = ["random", "peaked student", "peaked teacher", "both peaked", "flat student / peaked teacher",
+               "one survivor each", "one shared survivor", "close"]
+
+
+def _check_rows(stats, tile, ref, tol, what, names, loose=None):
+    """Per-row relative errors (a row with a tiny value cannot hide behind a large one), finite everywhere;
+    ``loose`` maps (row name, "loss" / "divergence" / "grad") to that entry's own bar."""
+    assert torch.isfinite(tile).all() and all(torch.isfinite(x).all() for x in stats), f"{what}: NaN/inf"
+    for r, name in enumerate(names):
+        for label, out, exp in (("loss", stats.loss[r], ref[0][r]), ("divergence", stats.divergence[r], ref[1][r]),
+                                ("grad", tile[r], ref[4][r])):
+            bar = (loose or {}).get((name, label), tol)
+            err = rel_err(out.reshape(-1), exp.reshape(-1))
+            assert err <= bar, f"{what} row {r} ({name}) {label}: relative error {err:.2e} > {bar:.0e}"
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize(
+    "divergence,beta",
+    [("jsd", 1e-3), ("jsd", 0.5), ("jsd", 0.999), ("forward_kl", 0.5), ("reverse_kl", 0.5)],
+)
+def test_adversarial_rows_fp32(impl, divergence, beta):
+    """Adversarial fp32 rows (very peaked student or teacher, ls >> lt and ls << lt, rows where all but one
+    entry underflow so the mixture is 0 there, close distributions; plus +-1e4 logits at temperature 1000),
+    beta near 0 and 1: per row, loss, divergence and gradient within fp32's 1e-5 of float64 and never NaN/inf.
+    (JSD at beta=0.999 failed this before the kernel's mixture rewrite: 1 - beta rounded in fp32, and
+    softplus(x) taken as softplus(-x) + x.) One exception, 2e-4: the peaked-teacher row's gradient at
+    beta=0.999 is saturated (norm ~1e-7, a difference of nearly equal terms), so the fp32 rounding of the
+    log-probs themselves (ulp of |ls| ~ 10) shows at ~1e-4 in both implementations, with any formula; and
+    5e-5 for forward / reverse KL on the close row (value ~0.05): KL is first-order sensitive to that same
+    rounding of ls and lt (~5e-7 absolute each), unlike the JSD, whose sensitivity is p * (log-ratio)."""
+    s, t = _adversarial_rows()
+    ref = reference(s, t, divergence=divergence, beta=beta, scale=1.0)
+    tile = s.clone()
+    stats = divergence_tile(tile, t, divergence=divergence, beta=beta, grad_scale=1.0, impl=impl, block_size=64)
+    loose = {("peaked teacher", "grad"): 2e-4} if beta == 0.999 else {}
+    if divergence != "jsd":
+        loose = {("close", "loss"): 5e-5, ("close", "divergence"): 5e-5}
+    _check_rows(stats, tile, ref, FP32, f"{impl} {divergence} beta={beta}", ADVERSARIAL, loose)
+
+    g = torch.Generator().manual_seed(8)
+    s, t = ((torch.rand(2, 2, 160, generator=g) * 2 - 1) * 1e4).unbind(0)
+    ref = reference(s, t, divergence=divergence, beta=beta, temperature=1000.0, scale=1.0)
+    tile = s.clone()
+    stats = divergence_tile(tile, t, divergence=divergence, beta=beta, temperature=1000.0, grad_scale=1.0,
+                            impl=impl, block_size=64)
+    _check_rows(stats, tile, ref, FP32, f"{impl} {divergence} beta={beta} +-1e4 T=1000", ["wide"] * 2)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("temperature", [1.0, 100.0])
+@pytest.mark.parametrize(
+    "divergence,beta",
+    [("jsd", 1e-3), ("jsd", 0.5), ("jsd", 0.999), ("forward_kl", 0.5), ("reverse_kl", 0.5)],
+)
+def test_huge_logit_range_finite(impl, temperature, divergence, beta):
+    """+-1e4 logits at temperature 1 and 100 (most probabilities underflow to 0): no NaN/inf anywhere, and the
+    divergence within 1e-4 of float64. Looser than 1e-5 on purpose: log-probs z - lse with |z| ~ 1e4 carry fp32
+    rounding ~5e-4 absolute (both implementations, any divergence formula), and the gradient there is either
+    subnormal (T=1) or a saturated difference of nearly equal terms (T=100), so only its finiteness is held."""
+    g = torch.Generator().manual_seed(9)
+    s, t = ((torch.rand(2, 3, 160, generator=g) * 2 - 1) * 1e4).unbind(0)
+    ref = reference(s, t, divergence=divergence, beta=beta, temperature=temperature, scale=1.0)
+    tile = s.clone()
+    stats = divergence_tile(tile, t, divergence=divergence, beta=beta, temperature=temperature, grad_scale=1.0,
+                            impl=impl, block_size=64)
+    assert torch.isfinite(tile).all() and all(torch.isfinite(x).all() for x in stats)
+    assert rel_err(stats.divergence, ref[1]) <= 1e-4
 
 
 # --------------------------------------------------------------------------- top-k mode
@@ -342,3 +434,16 @@ def test_gpu_topk_fp32():
     tile = student.clone()
     stats = divergence_tile(tile, None, topk_logprobs=lp, topk_indices=idx, beta=0.5, grad_scale=1.0)
     _check(stats, ref, tile, FP32, "gpu topk")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("beta", [1e-3, 0.5, 0.999])
+def test_gpu_adversarial_rows_fp32(beta):
+    """On the GPU (hardware ex2 / lg2 approximations, which the CPU interpreter does not model), the adversarial
+    fp32 rows of ``test_adversarial_rows_fp32`` (JSD) meet the same per-row bars."""
+    s, t = _adversarial_rows()
+    ref = reference(s, t, beta=beta, scale=1.0)
+    tile = s.cuda()
+    stats = divergence_tile(tile, t.cuda(), beta=beta, grad_scale=1.0)
+    loose = {("peaked teacher", "grad"): 2e-4} if beta == 0.999 else {}
+    _check_rows(DivStats(*(x.cpu() for x in stats)), tile.cpu(), ref, FP32, f"gpu beta={beta}", ADVERSARIAL, loose)
