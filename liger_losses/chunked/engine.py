@@ -53,8 +53,12 @@ from liger_losses.kernels.utils import (
 DEFAULT_BUDGET_BYTES = 256 * 1024 * 1024
 WEIGHT_BUDGET_FRACTION = 0.5
 # One-pass preference losses need a whole unit (pair) in one tile: a unit may take up to this
-# many default budgets before the engine falls back to two phases (recompute).
-UNIT_BUDGET_FACTOR = 2
+# many DEFAULT_BUDGET_BYTES (or one tile_budget, if larger) before the engine falls back to two
+# phases, which recompute every tile but the longest pair's (8NHV instead of 6NHV for the policy).
+# 4 -> 1 GiB: 4184 tokens at V=128256 in bf16, so a batch of TRL DPO pairs at max_length 2048
+# (prompt 512 + 2 x 1536 completion tokens) stays one-pass; the tile is freed before the model's
+# backward, whose activations set a trainer's peak.
+UNIT_BUDGET_FACTOR = 4
 # Chunk sizes found from the budget are rounded to a multiple of this (GEMM efficiency).
 CHUNK_ALIGN = 128
 # Backward of the one-pass losses: scale the forward's gradients by the upstream scalar on the
