@@ -171,7 +171,7 @@ def write_profile(prof, path: str, wall_s: float) -> None:
         f"2 steps: wall {wall_s * 1e3:.1f} ms, GPU kernels {gpu_us / 1e3:.1f} ms ({n_kernels} launches), "
         f"GPU busy {gpu_us / 1e6 / wall_s:.0%}",
         events.table(sort_by="self_cpu_time_total", row_limit=25, max_name_column_width=70),
-        events.table(sort_by=attr, row_limit=15, max_name_column_width=70),
+        events.table(sort_by=attr, row_limit=40, max_name_column_width=70),
     ]
     with open(path, "w") as f:
         f.write("\n".join(lines))
@@ -258,6 +258,9 @@ def make_config(task: str, provider: str, *, seq: int, steps: int, out_dir: str,
     return (trl.DPOConfig if task == "dpo" else trl.SFTConfig)(**kwargs)
 
 
+OURS_CHUNK_TOKENS = None  # --ours-chunk-tokens: liger_chunk_tokens of our trainers (None: the engine's budget)
+
+
 def make_trainer(task: str, provider: str, model, ref_model, args, dataset, tokenizer, callback):
     common = dict(args=args, train_dataset=dataset, processing_class=tokenizer, callbacks=[callback])
     if provider == "ours":
@@ -265,8 +268,8 @@ def make_trainer(task: str, provider: str, model, ref_model, args, dataset, toke
         from liger_losses.trl_integration.sft import SFTTrainer as OursSFT
 
         if task == "dpo":
-            return OursDPO(model, ref_model, use_liger=True, **common)
-        return OursSFT(model, use_liger=True, **common)
+            return OursDPO(model, ref_model, use_liger=True, liger_chunk_tokens=OURS_CHUNK_TOKENS, **common)
+        return OursSFT(model, use_liger=True, liger_chunk_tokens=OURS_CHUNK_TOKENS, **common)
     import trl
 
     if task == "dpo":
@@ -421,9 +424,13 @@ def main(argv=None) -> int:
     ap.add_argument("--batch", type=int, default=1,
                     help="per_device_train_batch_size (default 1; 8 is the TrainingArguments default); cases "
                          "with batch > 1 are named <task>_seq<S>_b<batch>")
+    ap.add_argument("--ours-chunk-tokens", type=int, default=None,
+                    help="liger_chunk_tokens for our trainers (default: the engine's tile budget)")
     ap.add_argument("--cprofile", action="store_true",
                     help="cProfile of the timed steps per configuration (cprofile_<case>_<provider>.txt)")
     a = ap.parse_args(argv)
+    global OURS_CHUNK_TOKENS
+    OURS_CHUNK_TOKENS = a.ours_chunk_tokens
 
     if a.tiny:
         seqs, warmup, timed = [64], 1, 1
