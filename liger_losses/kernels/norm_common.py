@@ -183,8 +183,11 @@ def bwd_tiling(x2: torch.Tensor, knobs) -> tuple[int, int, int, int, int, int, b
     n_rows, n_cols = x2.shape
     short = n_cols <= knobs.BWD_SMALL_H
     tile_elems = knobs.BWD_SMALL_H_TILE_ELEMS if short else knobs.BWD_TILE_ELEMS
+    per_sm = knobs.BWD_PROGRAMS_PER_SM
+    if not short and n_cols <= getattr(knobs, "BWD_MID_H", 0):  # optional mid-width settings
+        tile_elems, per_sm = knobs.BWD_MID_H_TILE_ELEMS, knobs.BWD_MID_H_PROGRAMS_PER_SM
     return _bwd_tiling(
-        n_rows, n_cols, x2.device, tile_elems, knobs.MAX_ROWS_PER_TILE, knobs.BWD_PROGRAMS_PER_SM,
+        n_rows, n_cols, x2.device, tile_elems, knobs.MAX_ROWS_PER_TILE, per_sm,
         knobs.BWD_MIN_ROWS_PER_PROGRAM, knobs.CPU_BWD_PROGRAMS,
     ) + (short,)
 

@@ -82,6 +82,15 @@ MAX_ROWS_PER_TILE = 16
 # written then summed by norm_common.sum_partials) at 132 x H x 4 bytes: 2.1 MiB at H=4096.
 BWD_PROGRAMS_PER_SM = 1
 BWD_MIN_ROWS_PER_PROGRAM = 16
+# Rows of BWD_SMALL_H < H <= BWD_MID_H: smaller tiles, two programs per SM. H200, session 5
+# (benchmark/diag_norm_backward.py: backward = graph time of forward + backward minus forward, L2
+# cleared before each replay), 16384 x 2048 bf16 (Llama-3.2-1B at 8 x 2048 tokens): 0.0602 ms,
+# 1.29x the HBM floor, against 0.157 ms (3.35x) with the H=4096 settings above (our trainer
+# profile: 0.168 per call) and liger-kernel's 0.137; gradients bitwise equal. At 4096 x 4096 the
+# same settings are 6% slower than the defaults (0.0347 vs 0.0327 ms), hence the width bound.
+BWD_MID_H = 2048
+BWD_MID_H_TILE_ELEMS = 4096
+BWD_MID_H_PROGRAMS_PER_SM = 2
 # Backward: load the next tile while computing this one (see the kernel). H200 sweep (graph time,
 # forward + backward, bf16, H=4096, one program per SM, 4-row tiles): 0.101 / 0.185 / 0.356 ms at
 # 8k / 16k / 32k tokens (1.30x / 1.19x / 1.14x the HBM floor) vs 0.107 / 0.190 / 0.359 without;

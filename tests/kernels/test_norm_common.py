@@ -43,22 +43,29 @@ def test_sum_partials_more_rows_than_a_block(block_cols, monkeypatch):
     assert_close_rel(sum_partials(partial, torch.float32), partial.double().sum(0), 1e-6, "column sums")
 
 
-@pytest.mark.parametrize("small_h", [1024, 16], ids=["tile-acc", "row-acc"])
+@pytest.mark.parametrize("small_h", [1024, 16, "mid"], ids=["tile-acc", "row-acc", "mid-width"])
 @pytest.mark.parametrize("prefetch", [False, True])
 @pytest.mark.parametrize("module", ["rms_norm", "layer_norm"])
 def test_backward_with_and_without_prefetch(module, prefetch, small_h, monkeypatch):
     """The norm backward kernels with the next-tile prefetch on and off (``BWD_PREFETCH``), with
-    tile-shaped (short rows) and row-shaped (long rows: ``BWD_SMALL_H`` below H) accumulators, over
-    programs that walk several tiles (37 rows, 4 programs, tiles of 4 rows: full, partial and
-    empty last tiles): input, weight (and LayerNorm bias) gradients within 1e-5 of float64
-    autograd (fp32)."""
+    tile-shaped (short rows) and row-shaped (long rows: ``BWD_SMALL_H`` below H) accumulators, and
+    the mid-width settings (``BWD_MID_H``: 2-row tiles here), over programs that walk several tiles
+    (37 rows, 4 programs, tiles of 4 rows: full, partial and empty last tiles): input, weight (and
+    LayerNorm bias) gradients within 1e-5 of float64 autograd (fp32)."""
     import importlib
 
     mod = importlib.import_module(f"liger_losses.kernels.{module}")
     monkeypatch.setattr(mod, "BWD_PREFETCH", prefetch)
-    monkeypatch.setattr(mod, "BWD_SMALL_H", small_h)
     monkeypatch.setattr(mod, "BWD_SMALL_H_TILE_ELEMS", 4 * 64)
     monkeypatch.setattr(mod, "BWD_TILE_ELEMS", 4 * 64)
+    if small_h == "mid":
+        monkeypatch.setattr(mod, "BWD_SMALL_H", 16)
+        monkeypatch.setattr(mod, "BWD_MID_H", 64, raising=False)
+        monkeypatch.setattr(mod, "BWD_MID_H_TILE_ELEMS", 2 * 64, raising=False)
+        monkeypatch.setattr(mod, "BWD_MID_H_PROGRAMS_PER_SM", 2, raising=False)
+    else:
+        monkeypatch.setattr(mod, "BWD_SMALL_H", small_h)
+        monkeypatch.setattr(mod, "BWD_MID_H", 0, raising=False)
     x = torch.randn(37, 50, device=DEVICE, requires_grad=True)
     w = (torch.rand(50, device=DEVICE) + 0.5).requires_grad_()
     b = torch.randn(50, device=DEVICE, requires_grad=True)
