@@ -109,6 +109,18 @@ class CPOObjective(StoredOptions):
 
     separable = True
 
+    def pair_gradient_ratio(self, chosen_tokens: int, rejected_tokens: int) -> Optional[float]:
+        """``r`` with ``d loss / d rejected_logps = r * d loss / d chosen_logps`` (see
+        ``DPOObjective.pair_gradient_ratio``): every CPO type is a function of the chosen-minus-
+        rejected (mean) log-prob, so ``-1``, or ``-chosen_tokens / rejected_tokens`` for the
+        length-averaged ``ipo``/``simpo``; None with the NLL term (``cpo_alpha``) or AlphaPO's
+        nonlinear reward (``alpha``)."""
+        if self.cpo_alpha != 0.0 or self.alpha != 0.0:
+            return None
+        if self.loss_type in AVERAGED_LOSS_TYPES:
+            return -max(chosen_tokens, 1) / max(rejected_tokens, 1)
+        return -1.0
+
     def __call__(self, stats):
         logps = stats.logps
         if self.loss_type in AVERAGED_LOSS_TYPES:
