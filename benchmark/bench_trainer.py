@@ -41,6 +41,8 @@ steps) is a sanity check that providers train the same thing.
     python benchmark/bench_trainer.py            # full: dpo/sft x seq 2048, 8192 x 3 providers (< 5 min on an H200)
     python benchmark/bench_trainer.py --quick    # seq 2048 only, 3 timed steps
     python benchmark/bench_trainer.py --tiny     # CPU smoke run: tiny Llama, seq 64, 1 warm-up + 1 timed step
+    python benchmark/bench_trainer.py --quick --memory-peak   # + memory_peak_<case>_<provider>.txt: where
+                                                              #   the timed steps' peak allocated memory is
 
 Results: ``trainer.csv`` (+ ``trainer.png``) via ``benchmark.common.write_results`` (in $BENCH_OUT or
 $OUT when set, else benchmark/results/; ``--tiny`` writes ``trainer_tiny.csv`` to a temporary folder unless
@@ -79,7 +81,8 @@ TASKS = ("dpo", "sft")
 # --------------------------------------------------------------------------- timing
 
 
-def _make_timer_callback(warmup: int, cuda: bool, profile_path: str = "", cprofile_path: str = ""):
+def _make_timer_callback(warmup: int, cuda: bool, profile_path: str = "", cprofile_path: str = "",
+                         memory_peak_path: str = ""):
     from transformers import TrainerCallback
 
     class StepTimer(TrainerCallback):
@@ -90,6 +93,8 @@ def _make_timer_callback(warmup: int, cuda: bool, profile_path: str = "", cprofi
             self.issued: list[float] = []  # host time when the step's work was issued (before the sync)
             self.peak_warmup_mib = float("nan")
             self.peak_timed_mib = float("nan")
+            self.ref_model = None  # --memory-peak: labels the reference model's parameters
+            self.mem_recording = False
 
         def _now(self) -> float:
             self.issued.append(time.perf_counter())
@@ -115,6 +120,12 @@ def _make_timer_callback(warmup: int, cuda: bool, profile_path: str = "", cprofi
                 acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
                 self.prof = torch.profiler.profile(activities=acts)
                 self.prof.__enter__()
+            # --memory-peak: allocator history (Python stacks) over all timed steps
+            if memory_peak_path and cuda and len(self.ends) == warmup and not self.mem_recording:
+                from benchmark.memory_peak import start_recording
+
+                start_recording()
+                self.mem_recording = True
 
         def on_step_end(self, args, state, control, **kwargs):
             self.ends.append(self._now())
@@ -129,6 +140,9 @@ def _make_timer_callback(warmup: int, cuda: bool, profile_path: str = "", cprofi
                 torch.cuda.reset_peak_memory_stats()
             elif len(self.ends) > warmup:
                 self.peak_timed_mib = torch.cuda.max_memory_allocated() / MIB
+            if self.mem_recording and state.global_step >= state.max_steps:
+                write_memory_peak(memory_peak_path, kwargs.get("model"), self.ref_model, kwargs.get("optimizer"))
+                self.mem_recording = False
             if self.prof is not None and len(self.ends) == warmup + 2:
                 self.prof.__exit__(None, None, None)
                 write_profile(self.prof, profile_path, self.ends[-1] - self.ends[-3])
@@ -176,6 +190,26 @@ def write_profile(prof, path: str, wall_s: float) -> None:
     with open(path, "w") as f:
         f.write("\n".join(lines))
     print(lines[0], flush=True)
+
+
+def write_memory_peak(path: str, model, ref_model, optimizer) -> None:
+    """Allocator snapshot at the end of the timed steps -> where their peak allocated memory is."""
+    from benchmark.memory_peak import peak_breakdown, stop_recording, tensor_labels
+
+    try:
+        snapshot = torch.cuda.memory._snapshot()
+    finally:
+        stop_recording()
+    try:  # a failed analysis must not cost the configuration its timing row
+        labels = tensor_labels({"policy model": model, "reference model": ref_model},
+                               getattr(optimizer, "optimizer", optimizer))
+        text = peak_breakdown(snapshot, labels=labels, max_allocated=torch.cuda.max_memory_allocated())
+    except Exception:  # noqa: BLE001
+        text = "memory peak analysis failed:\n" + traceback.format_exc()
+    del snapshot
+    with open(path, "w") as f:
+        f.write(text)
+    print("\n".join(text.splitlines()[:14]) + f"\n... (memory peak breakdown in {path})", flush=True)
 
 
 # --------------------------------------------------------------------------- isolation between configurations
@@ -278,7 +312,7 @@ def make_trainer(task: str, provider: str, model, ref_model, args, dataset, toke
 
 
 def run_one(task: str, provider: str, *, seq: int, warmup: int, timed: int, tiny: bool, profile: bool = False,
-            cprofile: bool = False, batch: int = 1) -> Row:
+            cprofile: bool = False, batch: int = 1, memory_peak: bool = False) -> Row:
     case = f"{task}_seq{seq}" + (f"_b{batch}" if batch > 1 else "")
     cuda = not tiny
     device = "cpu" if tiny else "cuda"
@@ -313,7 +347,13 @@ def run_one(task: str, provider: str, *, seq: int, warmup: int, timed: int, tiny
                 from benchmark.common import results_dir
 
                 cprofile_path = os.path.join(results_dir(), f"cprofile_{case}_{provider.replace('+', '_')}.txt")
-            timer = _make_timer_callback(warmup, cuda, profile_path, cprofile_path)
+            memory_peak_path = ""
+            if memory_peak and cuda:
+                from benchmark.common import results_dir
+
+                memory_peak_path = os.path.join(results_dir(), f"memory_peak_{case}_{provider.replace('+', '_')}.txt")
+            timer = _make_timer_callback(warmup, cuda, profile_path, cprofile_path, memory_peak_path)
+            timer.ref_model = ref_model
             trainer = make_trainer(task, provider, model, ref_model, args, dataset, tokenizer, timer)
             batch = next(iter(trainer.get_train_dataloader()))
             extra["tokens_per_step"] = int(batch["input_ids"].numel())
@@ -345,6 +385,12 @@ def run_one(task: str, provider: str, *, seq: int, warmup: int, timed: int, tiny
             notes = sorted({str(w.message).split(".")[0][:120] for w in caught if "liger" in str(w.message).lower()})
             if cprofile:
                 notes.insert(0, "timed under cProfile (slower than a plain run)")
+            if memory_peak and cuda:
+                notes.insert(0, "timed under memory-history recording (slower than a plain run)")
+                with contextlib.suppress(Exception):  # never leave the recording on after an error
+                    from benchmark.memory_peak import stop_recording
+
+                    stop_recording()
             if extra["note"]:
                 notes.insert(0, extra["note"])
             extra["note"] = " | ".join(notes)[:400]
@@ -428,6 +474,9 @@ def main(argv=None) -> int:
                     help="liger_chunk_tokens for our trainers (default: the engine's tile budget)")
     ap.add_argument("--cprofile", action="store_true",
                     help="cProfile of the timed steps per configuration (cprofile_<case>_<provider>.txt)")
+    ap.add_argument("--memory-peak", action="store_true",
+                    help="record the CUDA allocator history over the timed steps and write where their peak "
+                         "allocated memory is, by source line (memory_peak_<case>_<provider>.txt); slows the steps")
     a = ap.parse_args(argv)
     global OURS_CHUNK_TOKENS
     OURS_CHUNK_TOKENS = a.ours_chunk_tokens
@@ -446,6 +495,8 @@ def main(argv=None) -> int:
     timed = a.steps if a.steps is not None else timed
     if warmup < 1 or timed < 1:
         raise ValueError(f"--warmup and --steps must be >= 1, got {warmup} and {timed}")
+    if a.memory_peak and (a.tiny or not torch.cuda.is_available()):
+        print("bench_trainer: --memory-peak needs CUDA (allocator history); ignored on this CPU run", flush=True)
 
     import datasets
     import transformers
@@ -476,7 +527,8 @@ def main(argv=None) -> int:
                                 error=f"skipped: time budget {a.budget_s:.0f} s used ({elapsed:.0f} s)"))
                 continue
             rows.append(run_one(task, provider, seq=seq, warmup=warmup, timed=timed, tiny=a.tiny,
-                                profile=a.profile, cprofile=a.cprofile, batch=a.batch))
+                                profile=a.profile, cprofile=a.cprofile, batch=a.batch,
+                                memory_peak=a.memory_peak))
     print(f"bench_trainer: all configurations in {time.perf_counter() - t0:.0f} s", flush=True)
     rows = merge_rounds(rows)
 
