@@ -196,7 +196,8 @@ def compact_tokens(hidden: Tensor, labels: Tensor, ignore_index: int, *,
 def token_rows(hidden: Tensor, labels: Tensor, ignore_index: int, *, num_classes: Optional[int] = None):
     """The non-ignored tokens without copying them: ``(rows, labels_valid [N] long, index [N])``
     where ``rows`` (:class:`RowGather`) gathers chunks of ``hidden [..., H]`` on demand. One host
-    sync, which also checks the labels' range when ``num_classes`` is given. The engine's passes take these, so no ``[N, H]`` copy of the hidden states is held."""
+    sync, which also checks the labels' range when ``num_classes`` is given. The engine's passes
+    take these, so no ``[N, H]`` copy of the hidden states is held."""
     flat = hidden.reshape(-1, hidden.shape[-1])
     labels_valid, index = _valid_index(labels, ignore_index, num_classes=num_classes)
     return RowGather(flat, index, index.numel() == flat.shape[0]), labels_valid, index
