@@ -1,23 +1,27 @@
-"""Diagnostic (GPU): RMSNorm backward at a trainer's shape, ours across the backward knobs beside
-liger-kernel 0.8.5, as CUDA-graph GPU time with the L2 cleared before each replay.
+"""Diagnostic (GPU): RMSNorm / LayerNorm forward and backward at given shapes, ours across the
+tiling knobs beside liger-kernel 0.8.5, as CUDA-graph GPU time with the L2 cleared before each replay.
 
 Why: in the session-5 trainer profile (Llama-3.2-1B shape, SFT, batch 8 x 2048: 16384 x 2048 bf16)
-our backward kernel took 0.168 ms per call against liger-kernel's 0.139, ~3.5x the HBM floor for
-both. Backward time = (forward + backward) - forward, each captured in a CUDA graph and timed by
-``triton.testing.do_bench`` (which clears the L2 between replays: cold inputs, as in a trainer).
-The session-5 run of this script timed eager ``autograd.grad`` calls instead: 0.13-0.5 ms for
-kernels of ~0.05 ms, i.e. host-bound and void (logged in benchmark/NOTES.md).
+our RMSNorm backward took 0.168 ms per call against liger-kernel's 0.139, ~3.5x the HBM floor for
+both; this script found 4096-element tiles with two programs per SM at 0.060 ms (now the default
+for 1024 < H <= 2048, ``BWD_MID_H``). Forward = the forward's graph; backward = (forward +
+backward) - forward, each captured in a CUDA graph and timed by ``triton.testing.do_bench``
+(which clears the L2 between replays: cold inputs, as in a trainer). Eager timing of these
+~50 us autograd calls measures the host instead (session 5's first run, void).
 
-    python benchmark/diag_norm_backward.py [--shape 16384x2048 4096x4096]
+    python benchmark/diag_norm_backward.py [--kind rms|layer] [--shape 16384x2048 4096x4096]
 
-Prints, per shape: backward ms and its ratio to the HBM floor (read x and dy, write dx: 6NH bytes)
-for liger and ours at each (programs per SM, tile elements, prefetch) setting, with the relative
-difference of our gradients to the default setting's.
+Prints, per shape: forward and backward ms with their ratios to the HBM floor (forward reads x and
+writes y: 4NH bytes; backward reads x and dy and writes dx: 6NH), for liger-kernel, ours with the
+defaults, then ours over (programs per SM, backward tile elements, prefetch) -- the generic
+backward knobs, with the mid-width rule switched off so that they apply -- and over the forward's
+tile elements; each with the relative difference of its gradients to the defaults'.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import itertools
 import os
 import sys
@@ -27,12 +31,11 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 
 from benchmark.common import hbm_floor_ms, time_ms  # noqa: E402
-from liger_losses.kernels import rms_norm as rms_mod  # noqa: E402
 
 
-def backward_ms(module, x, dy, ref=None):
-    """(backward ms, grads, error vs ``ref``): error = max relative difference of dx and dw to
-    ``ref``'s. GPU time of graph replays, L2 cleared before each: full minus forward."""
+def fwd_bwd_ms(module, x, dy, ref=None):
+    """(forward ms, backward ms, grads, error vs ``ref``): error = the largest relative difference of
+    the gradients (x, then the parameters) to ``ref``'s."""
     params = [p for p in module.parameters() if p.requires_grad]
 
     def forward():
@@ -46,46 +49,78 @@ def backward_ms(module, x, dy, ref=None):
     if ref is not None:
         err = max(float((a.float() - b.float()).norm() / b.float().norm()) for a, b in zip(grads, ref))
     os.environ["BENCH_GRAPH"] = "1"
-    ms = time_ms(full, warmup=10, rep=50) - time_ms(forward, warmup=10, rep=50)
-    return ms, grads, err
+    fwd = time_ms(forward, warmup=10, rep=50)
+    return fwd, time_ms(full, warmup=10, rep=50) - fwd, grads, err
+
+
+def make_modules(kind: str, H: int):
+    """(ours, liger-kernel's or an error string) in bf16 on CUDA."""
+    mod = importlib.import_module(f"liger_losses.kernels.{'rms_norm' if kind == 'rms' else 'layer_norm'}")
+    if kind == "rms":
+        ours = mod.LigerRMSNorm(H, eps=1e-6)
+    else:
+        ours = mod.LigerLayerNorm(H, eps=1e-6)
+    ours = ours.cuda().to(torch.bfloat16)
+    try:
+        if kind == "rms":
+            from liger_kernel.transformers.rms_norm import LigerRMSNorm as Theirs
+        else:
+            from liger_kernel.transformers.layer_norm import LigerLayerNorm as Theirs
+        theirs = Theirs(H, eps=1e-6).cuda().to(torch.bfloat16)
+    except Exception as exc:  # noqa: BLE001
+        theirs = f"{type(exc).__name__}: {exc}"
+    return mod, ours, theirs
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--kind", choices=("rms", "layer"), default="rms")
     ap.add_argument("--shape", nargs="+", default=["16384x2048", "4096x4096"])
     args = ap.parse_args()
     if not torch.cuda.is_available():
         print("diag_norm_backward: needs a CUDA GPU")
         return
-    knobs = ("BWD_PROGRAMS_PER_SM", "BWD_TILE_ELEMS", "BWD_PREFETCH", "BWD_MIN_ROWS_PER_PROGRAM")
-    defaults = {k: getattr(rms_mod, k) for k in knobs}
-    print("defaults:", defaults)
+    knobs = ("BWD_PROGRAMS_PER_SM", "BWD_TILE_ELEMS", "BWD_PREFETCH", "BWD_MIN_ROWS_PER_PROGRAM", "BWD_MID_H",
+             "FWD_TILE_ELEMS")
     for shape in args.shape:
         N, H = (int(v) for v in shape.split("x"))
+        mod, ours, theirs = make_modules(args.kind, H)
+        defaults = {k: getattr(mod, k) for k in knobs if hasattr(mod, k)}
+        print(f"{args.kind} defaults: {defaults}")
         x = torch.randn(N, H, device="cuda", dtype=torch.bfloat16).requires_grad_()
         dy = torch.randn(N, H, device="cuda", dtype=torch.bfloat16)
-        floor = hbm_floor_ms(6 * N * H)
-        try:
-            from liger_kernel.transformers.rms_norm import LigerRMSNorm as TheirRMSNorm
+        f_floor, b_floor = hbm_floor_ms(4 * N * H), hbm_floor_ms(6 * N * H)
 
-            ms = backward_ms(TheirRMSNorm(H, eps=1e-6).cuda().to(torch.bfloat16), x, dy)[0]
-            print(f"{shape} liger-kernel: {ms:.4f} ms ({ms / floor:.2f}x floor {floor:.4f})", flush=True)
-        except Exception as exc:  # noqa: BLE001
-            print(f"{shape} liger-kernel: {type(exc).__name__}: {exc}")
-        ours = rms_mod.LigerRMSNorm(H, eps=1e-6).cuda().to(torch.bfloat16)
-        ms, ref, _ = backward_ms(ours, x, dy)
-        print(f"{shape} ours (defaults): {ms:.4f} ms ({ms / floor:.2f}x)", flush=True)
-        for pps, tile, prefetch in itertools.product((1, 2, 4), (4096, 8192, 16384), (True, False)):
-            rms_mod.BWD_PROGRAMS_PER_SM, rms_mod.BWD_TILE_ELEMS, rms_mod.BWD_PREFETCH = pps, tile, prefetch
+        def show(label, fwd, bwd, err=None):
+            tail = "" if err is None else f" grads vs defaults {err:.1e}"
+            print(f"{shape} {label}: forward {fwd:.4f} ms ({fwd / f_floor:.2f}x), backward {bwd:.4f} ms "
+                  f"({bwd / b_floor:.2f}x){tail}", flush=True)
+
+        if isinstance(theirs, str):
+            print(f"{shape} liger-kernel: {theirs}")
+        else:
+            fwd, bwd, _, _ = fwd_bwd_ms(theirs, x, dy)
+            show("liger-kernel", fwd, bwd)
+        fwd, bwd, ref, _ = fwd_bwd_ms(ours, x, dy)
+        show("ours (defaults)", fwd, bwd)
+        settings = [dict(BWD_MID_H=0, BWD_PROGRAMS_PER_SM=pps, BWD_TILE_ELEMS=tile, BWD_PREFETCH=prefetch)
+                    for pps, tile, prefetch in itertools.product((1, 2, 4), (4096, 8192, 16384), (True, False))]
+        settings += [dict(FWD_TILE_ELEMS=tile) for tile in (2048, 8192, 16384) if tile != defaults["FWD_TILE_ELEMS"]]
+        for setting in settings:
+            label = "ours " + " ".join(f"{k.lower()}={int(v)}" for k, v in setting.items())
             try:
-                ms, _, err = backward_ms(ours, x, dy, ref)
-                print(f"{shape} ours pps={pps} tile={tile} prefetch={int(prefetch)}: {ms:.4f} ms "
-                      f"({ms / floor:.2f}x) grads vs defaults {err:.1e}", flush=True)
+                for k, v in setting.items():
+                    setattr(mod, k, v)
+                fwd, bwd, _, err = fwd_bwd_ms(ours, x, dy, ref)
+                show(label, fwd, bwd, err)
             except Exception as exc:  # noqa: BLE001
-                print(f"{shape} ours pps={pps} tile={tile} prefetch={int(prefetch)}: {type(exc).__name__}: {exc}")
+                print(f"{shape} {label}: {type(exc).__name__}: {exc}")
             finally:
-                for k, v in defaults.items():
-                    setattr(rms_mod, k, v)
+                for k in setting:
+                    if k in defaults:
+                        setattr(mod, k, defaults[k])
+                    elif hasattr(mod, k):
+                        delattr(mod, k)
 
 
 if __name__ == "__main__":
