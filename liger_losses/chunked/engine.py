@@ -919,7 +919,11 @@ def fused_linear_sequence_objective(
 
     ``separable=True`` and whole units fit the chunk budget -> one pass (gradients computed while
     each tile exists, objective called per chunk of units); otherwise two phases (statistics of the
-    whole batch, objective once, then tiles recomputed for the gradient).
+    whole batch, objective once, then tiles recomputed for the gradient). In two phases the longest
+    sequence is back-propagated in phase 1 and rescaled once its gradient is known; for pairs, the
+    longest pair instead when the objective has a method ``pair_gradient_ratio(chosen_tokens,
+    rejected_tokens) -> float | None`` returning ``r`` with d loss/d rejected = r * d loss/d chosen
+    for every pair of those lengths (e.g. -1 for a loss of the chosen-minus-rejected margin).
 
     Returns ``(loss, unit_metrics, stats)``: ``loss`` 0-d, differentiable w.r.t. ``hidden``,
     ``weight``, ``bias``; ``unit_metrics`` ``{name: [U]}`` detached, in unit order; ``stats`` the
