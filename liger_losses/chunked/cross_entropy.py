@@ -24,11 +24,11 @@ import torch
 from torch import Tensor, nn
 
 from liger_losses.chunked.engine import (
-    RowGather,
     _check_common,
     _needs_input_grads,
     _scaled_grads,
     grad_like,
+    hidden_rows_at,
     compute_dtype,
     gather_weight,
     run_tiles,
@@ -152,8 +152,7 @@ def _recompute_backward(ctx, weight, hidden, bias, l_valid, index, grad_out, cfg
     needs_w, needs_h, needs_b = ctx.needs_input_grad[:3]
     needs_b = needs_b and bias is not None
     w_full, w_c = _full_weight(weight, cfg)
-    flat = hidden.reshape(-1, hidden.shape[-1])
-    rows = RowGather(flat, index, index.numel() == flat.shape[0])  # as token_rows
+    rows = hidden_rows_at(hidden, index)
     scale = grad_out.reshape(-1).float()
     scale = scale.index_select(0, index) if scale.shape[0] != index.shape[0] else scale
     _, gh, gw, gb = run_tiles(

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Callable, NamedTuple, Optional
 
 import torch
 from torch import Tensor
@@ -128,20 +128,30 @@ def weight_grad_like(weight: Tensor, full_grad: Tensor) -> Tensor:
 # --------------------------------------------------------------------------- token compaction
 
 
+class LabelScan(NamedTuple):
+    """What :func:`_scan_labels` reads with its one host sync."""
+
+    valid: Tensor  # [*labels.shape] bool: label != ignore_index
+    num_valid: int
+    row_counts: Optional[Tensor]  # [B] long on the device (labels [B, T]), when asked for
+    row_counts_host: Optional[list]  # the same as Python ints
+
+
 def _scan_labels(labels: Tensor, ignore_index: int, num_classes: Optional[int],
-                 row_counts: bool = False) -> tuple[Tensor, int, Optional[list]]:
-    """``(valid [*labels.shape] bool, num_valid, counts_per_row | None)`` with ONE host sync: the
-    range check of the labels (when ``num_classes`` is given: every label in ``[0, num_classes)``
-    or ``ignore_index``, else ``ValueError``), the number of valid tokens and, with ``row_counts``,
-    each row's count (``labels [B, T]``) are read back together."""
+                 row_counts: bool = False) -> LabelScan:
+    """The valid-token mask and counts of ``labels`` with ONE host sync: the range check of the
+    labels (when ``num_classes`` is given: every label in ``[0, num_classes)`` or ``ignore_index``,
+    else ``ValueError``), the number of valid tokens and, with ``row_counts``, each row's count
+    (``labels [B, T]``) are read back together."""
     valid = labels != ignore_index
+    counts = valid.sum(1) if row_counts else None
     parts = []
     if num_classes is not None:
         bad = valid & ((labels < 0) | (labels >= num_classes))
         parts.append(bad.any().reshape(1).long())
-    parts.append(valid.sum().reshape(1))
-    if row_counts:
-        parts.append(valid.sum(1))
+    parts.append(valid.sum().reshape(1) if counts is None else counts.sum().reshape(1))
+    if counts is not None:
+        parts.append(counts)
     host = torch.cat(parts).tolist()  # the one host sync
     if num_classes is not None:
         if host[0]:
@@ -151,7 +161,7 @@ def _scan_labels(labels: Tensor, ignore_index: int, num_classes: Optional[int],
                 f"found {example}"
             )
         host = host[1:]
-    return valid, int(host[0]), (host[1:] if row_counts else None)
+    return LabelScan(valid, int(host[0]), counts, host[1:] if row_counts else None)
 
 
 def _nonzero(mask: Tensor, count: int) -> Tensor:
@@ -170,7 +180,7 @@ def _valid_index(labels: Tensor, ignore_index: int, order: Optional[Tensor] = No
     given. With ``num_classes`` the labels' range is checked too. One host sync in all (none
     when ``scan``, a result of :func:`_scan_labels`, is passed in)."""
     flat = labels.reshape(-1)
-    valid, n, _ = scan if scan is not None else _scan_labels(labels, ignore_index, num_classes)
+    valid, n, _, _ = scan if scan is not None else _scan_labels(labels, ignore_index, num_classes)
     if order is None:
         if n == flat.numel():
             return flat.long(), torch.arange(n, device=flat.device)
@@ -198,9 +208,15 @@ def token_rows(hidden: Tensor, labels: Tensor, ignore_index: int, *, num_classes
     where ``rows`` (:class:`RowGather`) gathers chunks of ``hidden [..., H]`` on demand. One host
     sync, which also checks the labels' range when ``num_classes`` is given. The engine's passes
     take these, so no ``[N, H]`` copy of the hidden states is held."""
-    flat = hidden.reshape(-1, hidden.shape[-1])
     labels_valid, index = _valid_index(labels, ignore_index, num_classes=num_classes)
-    return RowGather(flat, index, index.numel() == flat.shape[0]), labels_valid, index
+    return hidden_rows_at(hidden, index), labels_valid, index
+
+
+def hidden_rows_at(hidden: Tensor, index: Tensor) -> "RowGather":
+    """:class:`RowGather` of the rows ``index`` (flat positions) of ``hidden [..., H]``; the identity
+    when ``index`` covers every row in order (what :func:`_valid_index` returns then)."""
+    flat = hidden.reshape(-1, hidden.shape[-1])
+    return RowGather(flat, index, index.numel() == flat.shape[0])
 
 
 def grad_like(full: Tensor, like: Tensor) -> Tensor:
@@ -637,7 +653,9 @@ def _run_sequence_objective(weight, hidden, bias, cfg, sink, needs_h, needs_w, n
 
     # sequences in unit order: pairs interleaved (c0, r0, c1, r1, ...) so that a chunk of whole
     # units is one contiguous token range
-    counts = (labels != ign).sum(1)
+    # the one host sync (before the loop): labels' range, valid tokens, per-sequence counts
+    scan = _scan_labels(labels, ign, V, row_counts=True)
+    counts = scan.row_counts
     batch_num_tokens = counts.float()
     if g == 2:
         P = B // 2
@@ -646,10 +664,7 @@ def _run_sequence_objective(weight, hidden, bias, cfg, sink, needs_h, needs_w, n
         order = torch.arange(B, device=dev).view(2, P).t().reshape(-1)
     else:
         order_list, order = list(range(B)), None
-    # the one host sync (before the loop): labels' range, valid tokens, per-sequence counts
-    scan = _scan_labels(labels, ign, V, row_counts=True)
-    counts_host = scan[2]
-    ordered_counts = [counts_host[i] for i in order_list]
+    ordered_counts = [scan.row_counts_host[i] for i in order_list]
     h2 = hidden.reshape(-1, H)
     l_valid, index = _valid_index(labels, ign, order, scan=scan)
     N = index.numel()
@@ -774,8 +789,8 @@ def _run_sequence_objective(weight, hidden, bias, cfg, sink, needs_h, needs_w, n
     metric_parts: dict[str, list] = {}
     groups = [sum(ordered_counts[u * g:(u + 1) * g]) for u in range(U_total)]
     plan = None
+    budget = tile_budget(V, H, itemsize)
     if cfg["separable"]:
-        budget = tile_budget(V, H, itemsize)
         plan = group_chunk_bounds(groups, V, chunk_tokens=cfg["chunk_tokens"], budget_bytes=budget,
                                   itemsize=itemsize)
         if plan is None and cfg["chunk_tokens"] is None:
@@ -826,7 +841,7 @@ def _run_sequence_objective(weight, hidden, bias, cfg, sink, needs_h, needs_w, n
 
         def spans(lo, hi):
             return [(lo + s0, lo + s1) for s0, s1 in chunk_bounds(
-                hi - lo, V, chunk_tokens=ck, budget_bytes=tile_budget(V, H, itemsize), itemsize=itemsize)]
+                hi - lo, V, chunk_tokens=ck, budget_bytes=budget, itemsize=itemsize)]
 
         star_bounds = spans(a, b)
         other_bounds = spans(0, a) + spans(b, N)

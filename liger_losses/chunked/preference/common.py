@@ -123,6 +123,13 @@ def safe_mean(x: torch.Tensor) -> torch.Tensor:
     return x.mean() if x.numel() > 0 else x.new_zeros(())
 
 
+def mean_margin_gradient_ratio(chosen_tokens: int, rejected_tokens: int) -> float:
+    """d loss / d rejected_logps over d loss / d chosen_logps for a loss of the per-token means'
+    margin ``chosen / len_c - rejected / len_r`` (lengths clamped to 1 as :func:`average_logps`
+    does): ``-len_c / len_r``. The ``pair_gradient_ratio`` of the length-normalised types."""
+    return -max(chosen_tokens, 1) / max(rejected_tokens, 1)
+
+
 def average_logps(logps: torch.Tensor, num_tokens: torch.Tensor) -> torch.Tensor:
     """Per-sequence mean log-prob ``logps / num_tokens``; 0 for a sequence with no valid token.
 

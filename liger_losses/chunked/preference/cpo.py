@@ -42,6 +42,7 @@ from .common import (
     chosen_nll_per_unit,
     detached,
     entropy_metric,
+    mean_margin_gradient_ratio,
     pair_reward_metrics,
     split_pairs,
 )
@@ -118,7 +119,7 @@ class CPOObjective(StoredOptions):
         if self.cpo_alpha != 0.0 or self.alpha != 0.0:
             return None
         if self.loss_type in AVERAGED_LOSS_TYPES:
-            return -max(chosen_tokens, 1) / max(rejected_tokens, 1)
+            return mean_margin_gradient_ratio(chosen_tokens, rejected_tokens)
         return -1.0
 
     def __call__(self, stats):

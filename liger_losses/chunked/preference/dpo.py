@@ -43,6 +43,7 @@ from .common import (
     chosen_nll_per_unit,
     detached,
     entropy_metric,
+    mean_margin_gradient_ratio,
     pair_reward_metrics,
     split_pairs,
     token_mean,
@@ -313,7 +314,7 @@ class DPOObjective(StoredOptions):
             if name in MARGIN_LOSS_TYPES:
                 ratios.add(-1.0)
             elif name in LENGTH_NORMALISED_MARGIN_TYPES:
-                ratios.add(-max(chosen_tokens, 1) / max(rejected_tokens, 1))
+                ratios.add(mean_margin_gradient_ratio(chosen_tokens, rejected_tokens))
             else:
                 return None
         return ratios.pop() if len(ratios) == 1 else None
