@@ -150,35 +150,43 @@ def bench_case(shape_name, tokens, modes, rows, rep, only=None):
 
 
 def sweep(rep: int) -> None:
-    """Our forward + backward (out of place and in place) at a few (TILE_ELEMENTS, NUM_WARPS,
-    LOADS_FIRST) settings, net of the projection clone, beside liger-kernel's, at the 8B and the
-    Qwen2-0.5B shapes."""
+    """Our forward + backward (out of place, and in place with the gradients rotated in their
+    buffers) over the kernel's knobs (``LOADS_FIRST``, ``NUM_WARPS``, ``TOKENS_PER_PROGRAM``, and
+    ``TILE_ELEMENTS`` of the tiled order), net of the projection clone, beside liger-kernel's, at
+    the 8B and the Qwen2-0.5B shapes."""
     from liger_losses.kernels import rope as rope_mod
 
-    defaults = rope_mod.TILE_ELEMENTS, rope_mod.NUM_WARPS, rope_mod.LOADS_FIRST
-    settings = [(tile, warps, False) for tile, warps in itertools.product((512, 1024), (4,))]
-    settings += [(0, warps, True) for warps in (0, 4, 8)]
+    knobs = ("TILE_ELEMENTS", "NUM_WARPS", "LOADS_FIRST", "TOKENS_PER_PROGRAM")
+    defaults = {k: getattr(rope_mod, k) for k in knobs}
+    settings = [dict(LOADS_FIRST=False, TILE_ELEMENTS=1024, NUM_WARPS=4)]
+    settings += [dict(LOADS_FIRST=True, NUM_WARPS=warps, TOKENS_PER_PROGRAM=tokens)
+                 for tokens, warps in itertools.product((1, 2, 4, 8), (0, 2, 4))]
     results = []
     cases = [("llama3-8b", 8192), ("llama3-8b", 8192), ("llama3-8b", 32768), ("qwen2-0.5b", 8192)]
     for shape, tokens in cases:  # the first case warms up the graph captures
-        for tile, warps, loads_first in settings:
-            rope_mod.TILE_ELEMENTS, rope_mod.NUM_WARPS, rope_mod.LOADS_FIRST = tile or defaults[0], warps, loads_first
-            for prov in ("ours", "ours-inplace"):
+        for setting in settings:
+            for k, v in {**defaults, **setting}.items():
+                setattr(rope_mod, k, v)
+            for prov in ("ours", "ours-inplace-bwd"):
                 rows: list[Row] = []
                 bench_case(shape, tokens, ("full",), rows, rep, only=prov)
                 r = rows[-1]
-                results.append(dict(shape=shape, tokens=tokens, provider=prov, tile=tile, warps=warps,
-                                    loads_first=int(loads_first), net_ms=r.extra["net_ms"],
-                                    net_over_floor=r.extra["net_over_floor"], error=(r.error or "")[:60]))
-        rope_mod.TILE_ELEMENTS, rope_mod.NUM_WARPS, rope_mod.LOADS_FIRST = defaults
-        rows = []
-        bench_case(shape, tokens, ("full",), rows, rep, only="liger")
-        if rows:
-            r = rows[-1]
-            results.append(dict(shape=shape, tokens=tokens, provider="liger", tile="", warps="", loads_first="",
-                                net_ms=r.extra["net_ms"], net_over_floor=r.extra["net_over_floor"],
-                                error=(r.error or "")[:60]))
-    rope_mod.TILE_ELEMENTS, rope_mod.NUM_WARPS, rope_mod.LOADS_FIRST = defaults
+                results.append(dict(shape=shape, tokens=tokens, provider=prov,
+                                    setting=" ".join(f"{k.lower()}={int(v)}" for k, v in setting.items()),
+                                    net_ms=r.extra["net_ms"], net_over_floor=r.extra["net_over_floor"],
+                                    error=(r.error or "")[:60]))
+        for k, v in defaults.items():
+            setattr(rope_mod, k, v)
+        for prov in ("ours", "ours-inplace-bwd", "liger"):
+            rows = []
+            bench_case(shape, tokens, ("full",), rows, rep, only=prov)
+            if rows:
+                r = rows[-1]
+                results.append(dict(shape=shape, tokens=tokens, provider=prov, setting="defaults",
+                                    net_ms=r.extra["net_ms"], net_over_floor=r.extra["net_over_floor"],
+                                    error=(r.error or "")[:60]))
+    for k, v in defaults.items():
+        setattr(rope_mod, k, v)
     print_table(results, keys=list(results[0]))
 
 

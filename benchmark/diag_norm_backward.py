@@ -76,12 +76,14 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--kind", choices=("rms", "layer"), default="rms")
     ap.add_argument("--shape", nargs="+", default=["16384x2048", "4096x4096"])
+    ap.add_argument("--sets", nargs="+", default=["bwd", "fwd", "warps"], choices=("bwd", "fwd", "warps"),
+                    help="which sweeps: the backward tiling, the forward tile, the warps of either")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         print("diag_norm_backward: needs a CUDA GPU")
         return
     knobs = ("BWD_PROGRAMS_PER_SM", "BWD_TILE_ELEMS", "BWD_PREFETCH", "BWD_MIN_ROWS_PER_PROGRAM", "BWD_MID_H",
-             "FWD_TILE_ELEMS")
+             "FWD_TILE_ELEMS", "FWD_NUM_WARPS", "BWD_NUM_WARPS")
     for shape in args.shape:
         N, H = (int(v) for v in shape.split("x"))
         mod, ours, theirs = make_modules(args.kind, H)
@@ -103,9 +105,16 @@ def main() -> None:
             show("liger-kernel", fwd, bwd)
         fwd, bwd, ref, _ = fwd_bwd_ms(ours, x, dy)
         show("ours (defaults)", fwd, bwd)
-        settings = [dict(BWD_MID_H=0, BWD_PROGRAMS_PER_SM=pps, BWD_TILE_ELEMS=tile, BWD_PREFETCH=prefetch)
-                    for pps, tile, prefetch in itertools.product((1, 2, 4), (4096, 8192, 16384), (True, False))]
-        settings += [dict(FWD_TILE_ELEMS=tile) for tile in (2048, 8192, 16384) if tile != defaults["FWD_TILE_ELEMS"]]
+        settings = []
+        if "bwd" in args.sets:
+            settings += [dict(BWD_MID_H=0, BWD_PROGRAMS_PER_SM=pps, BWD_TILE_ELEMS=tile, BWD_PREFETCH=prefetch)
+                         for pps, tile, prefetch in itertools.product((1, 2, 4), (4096, 8192, 16384), (True, False))]
+        if "fwd" in args.sets:
+            settings += [dict(FWD_TILE_ELEMS=tile) for tile in (2048, 8192, 16384) if tile != defaults["FWD_TILE_ELEMS"]]
+        if "warps" in args.sets:
+            settings += [dict(FWD_NUM_WARPS=warps) for warps in (2, 4, 8, 16)]
+            settings += [dict(FWD_TILE_ELEMS=8192, FWD_NUM_WARPS=warps) for warps in (4, 8, 16)]
+            settings += [dict(BWD_NUM_WARPS=warps) for warps in (4, 8, 16, 32)]
         for setting in settings:
             label = "ours " + " ".join(f"{k.lower()}={int(v)}" for k, v in setting.items())
             try:

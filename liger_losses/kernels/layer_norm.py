@@ -65,6 +65,13 @@ MAX_ROWS_PER_TILE = 16
 BWD_PROGRAMS_PER_SM = 1
 BWD_MIN_ROWS_PER_PROGRAM = 16
 CPU_BWD_PROGRAMS = 4
+# Rows of BWD_SMALL_H < H <= BWD_MID_H: 4096-element tiles, two programs per SM (as rms_norm).
+# H200, session 6 (benchmark/diag_norm_backward.py --kind layer, graph time, L2 cleared), bf16
+# 16384 x 2048: backward 0.0625 ms (1.34x the HBM floor) against 0.2016 ms (4.31x) with the
+# H=4096 settings (2-row 8192-element tiles spill with the prefetch) and liger-kernel's 0.1596.
+BWD_MID_H = 2048
+BWD_MID_H_TILE_ELEMS = 4096
+BWD_MID_H_PROGRAMS_PER_SM = 2
 # Load the next tile while computing this one: H200 sweep (graph time, forward + backward, bf16,
 # H=4096, one program per SM, 2-row tiles): 0.107 / 0.195 / 0.364 ms at 8k / 16k / 32k tokens
 # (1.37x / 1.25x / 1.17x the HBM floor) vs 0.124 / 0.224 / 0.423 without (same tiles).

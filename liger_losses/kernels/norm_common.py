@@ -11,7 +11,9 @@ dtype, with no reduction workspace).
 Tiling reads the tuning knobs from the kernel module passed as ``knobs`` at call time (so that the
 benchmark can sweep them by setting the module's attributes): ``FWD_TILE_ELEMS``,
 ``BWD_TILE_ELEMS``, ``BWD_SMALL_H``, ``BWD_SMALL_H_TILE_ELEMS``, ``MAX_ROWS_PER_TILE``,
-``BWD_PROGRAMS_PER_SM``, ``BWD_MIN_ROWS_PER_PROGRAM``, ``CPU_BWD_PROGRAMS``.
+``BWD_PROGRAMS_PER_SM``, ``BWD_MIN_ROWS_PER_PROGRAM``, ``CPU_BWD_PROGRAMS``, and optionally
+``BWD_MID_H`` (with ``BWD_MID_H_TILE_ELEMS``, ``BWD_MID_H_PROGRAMS_PER_SM``), ``FWD_NUM_WARPS`` and
+``BWD_NUM_WARPS`` (0 or absent: the warps follow the tile size).
 """
 
 from __future__ import annotations
@@ -165,14 +167,17 @@ def norm_impl(impl: str, hidden: torch.Tensor, **params: Optional[torch.Tensor])
 
 
 def fwd_tiling(n_rows: int, n_cols: int, knobs) -> tuple[int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, num_warps, programs) of the forward launch: one program per tile."""
-    return _fwd_tiling(n_rows, n_cols, knobs.FWD_TILE_ELEMS, knobs.MAX_ROWS_PER_TILE)
+    """(BLOCK_M, BLOCK_N, num_warps, programs) of the forward launch: one program per tile
+    (``FWD_NUM_WARPS``, when the knob module sets it non-zero, overrides the warps)."""
+    return _fwd_tiling(n_rows, n_cols, knobs.FWD_TILE_ELEMS, knobs.MAX_ROWS_PER_TILE,
+                       getattr(knobs, "FWD_NUM_WARPS", 0))
 
 
 @functools.lru_cache(maxsize=1024)
-def _fwd_tiling(n_rows: int, n_cols: int, tile_elems: int, max_rows: int) -> tuple[int, int, int, int]:
+def _fwd_tiling(n_rows: int, n_cols: int, tile_elems: int, max_rows: int,
+                num_warps: int = 0) -> tuple[int, int, int, int]:
     block_m, block_n, warps = row_tile(n_cols, n_rows, tile_elems, max_rows)
-    return block_m, block_n, warps, -(-n_rows // block_m)
+    return block_m, block_n, num_warps or warps, -(-n_rows // block_m)
 
 
 def bwd_tiling(x2: torch.Tensor, knobs) -> tuple[int, int, int, int, int, int, bool]:
@@ -188,13 +193,14 @@ def bwd_tiling(x2: torch.Tensor, knobs) -> tuple[int, int, int, int, int, int, b
         tile_elems, per_sm = knobs.BWD_MID_H_TILE_ELEMS, knobs.BWD_MID_H_PROGRAMS_PER_SM
     return _bwd_tiling(
         n_rows, n_cols, x2.device, tile_elems, knobs.MAX_ROWS_PER_TILE, per_sm,
-        knobs.BWD_MIN_ROWS_PER_PROGRAM, knobs.CPU_BWD_PROGRAMS,
+        knobs.BWD_MIN_ROWS_PER_PROGRAM, knobs.CPU_BWD_PROGRAMS, getattr(knobs, "BWD_NUM_WARPS", 0),
     ) + (short,)
 
 
 @functools.lru_cache(maxsize=1024)
-def _bwd_tiling(n_rows, n_cols, device, tile_elems, max_rows, per_sm, min_rows, cpu_programs):
+def _bwd_tiling(n_rows, n_cols, device, tile_elems, max_rows, per_sm, min_rows, cpu_programs, num_warps=0):
     block_m, block_n, warps = row_tile(n_cols, n_rows, tile_elems, max_rows)
+    warps = num_warps or warps
     n_blocks = -(-n_rows // block_m)
     programs = num_row_programs(
         device, n_blocks, n_rows, per_sm=per_sm, min_rows=min_rows, cpu_programs=cpu_programs,

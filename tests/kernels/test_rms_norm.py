@@ -305,8 +305,9 @@ def test_gpu_large_bf16_matches_reference(mode):
 
 @pytest.mark.gpu
 def test_gpu_fp32_and_small_hidden():
-    """fp32 on CUDA at 1e-5, at H=4096 (one row per tile) and H=896 (several rows per tile)."""
-    for rows, H in ((1000, 4096), (3001, 896)):
+    """fp32 on CUDA at 1e-5, at H=4096 (one row per tile), H=2048 and 1536 (the mid-width backward
+    settings: two programs per SM, 2-row tiles) and H=896 (several rows per tile)."""
+    for rows, H in ((1000, 4096), (3001, 2048), (2999, 1536), (3001, 896)):
         hidden = torch.randn(rows, H, device="cuda")
         weight = torch.randn(H, device="cuda")
         check_all(run_both(hidden, weight, impl="triton"), 1e-5)
