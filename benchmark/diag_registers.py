@@ -155,7 +155,7 @@ def default_cases() -> dict:
         constexprs=dict(BLOCK_R=norm_common.SUM_TILE_ELEMS // norm_common.SUM_BLOCK_COLS,  # >= 132 rows: one tile
                         BLOCK_C=norm_common.SUM_BLOCK_COLS))
 
-    half, half_block, pass_dims, pass_block, bhq, bhk, w, lf, _bt = rope._config(HEAD_DIM, HEAD_DIM, N_QH, N_KH, True)
+    half, half_block, pass_dims, pass_block, bhq, bhk, w, lf = rope._config(HEAD_DIM, HEAD_DIM, N_QH, N_KH, True)
     for backward in (False, True):
         cases[f"rope {'bwd' if backward else 'fwd'} heads {bhq}/{bhk}/{w}{' loads first' if lf else ''}"] = (
             lambda b=backward: compile_case(

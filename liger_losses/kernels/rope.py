@@ -66,13 +66,13 @@ NUM_WARPS = 0
 # and 0.3359 at 32768 (liger 0.3379; tiled 0.3398); Qwen2-0.5B 8192 tokens 0.0239 (liger 0.0166,
 # tiled 0.0273). 8 warps: 10% slower. False: the tiled order.
 LOADS_FIRST = True
-# With LOADS_FIRST: tokens per program, so that a program of a model with few, short heads still
-# moves a useful tile (one Qwen2-0.5B token is 14 q heads x 64 + 2 k heads x 64 elements). 0: as
-# many tokens as keep the q tile within TOKEN_TILE_ELEMS elements (at least one token; 1 at the 8B
-# shapes, whose tile holds 32 heads x 64), capped at MAX_TOKENS_PER_PROGRAM; else that number.
-TOKENS_PER_PROGRAM = 0
-TOKEN_TILE_ELEMS = 2048
-MAX_TOKENS_PER_PROGRAM = 8
+# Warps of the LOADS_FIRST tile (NUM_WARPS = 0): 2 below SMALL_TILE_ELEMS q elements per half
+# (a Qwen2-0.5B token: 14 -> 16 heads x 32), else 4, and 8 from 4096. Session 6 sweep (same
+# timing): Qwen2-0.5B 8192 tokens 0.0192 ms with 2 warps against 0.0244 with 4 (liger-kernel
+# 0.0170; in place with the gradient rotated in its buffer 0.0179); 8B shapes: 2 warps 17% slower
+# than 4. Several tokens per program (2-8, as [tokens, heads, R/2] tiles) were slower at every
+# shape and warp count (Qwen2-0.5B best 0.0219, 8B 0.092-0.123 vs 0.088) and were dropped.
+SMALL_TILE_ELEMS = 1024
 
 
 if triton is not None:
@@ -120,70 +120,6 @@ if triton is not None:
             tl.store(opp, tl.load(xpp, mask=pmask, other=0.0).to(o_ptr.dtype.element_ty), mask=pmask)
 
     @triton.jit
-    def _token_tile_ptrs(base, h, n_heads, sh, d, d_mask, t_mask):
-        """(offsets, mask) ``[tokens, heads, R/2]`` of the first halves of heads ``h`` of the
-        tokens at element offsets ``base`` ``[tokens]`` (masked where ``t_mask`` is False)."""
-        offs = base[:, None, None] + h[None, :, None] * sh + d[None, None, :]
-        mask = t_mask[:, None, None] & (h < n_heads)[None, :, None] & d_mask[None, None, :]
-        return offs, mask
-
-    @triton.jit
-    def _copy_pass_tokens(x_ptr, o_ptr, x_base, o_base, h, n_heads, x_sh, o_sh, t_mask,
-                          HALF: tl.constexpr, PASS: tl.constexpr, PASS_BLOCK: tl.constexpr):
-        """Partial rotary over a token tile: copy dims [2*HALF, D) unchanged (nothing when PASS is 0)."""
-        if PASS > 0:
-            p = tl.arange(0, PASS_BLOCK)
-            pmask = t_mask[:, None, None] & (h < n_heads)[None, :, None] & (p < PASS)[None, None, :]
-            hp = h[None, :, None]
-            xpp = x_ptr + x_base[:, None, None] + hp * x_sh + 2 * HALF + p[None, None, :]
-            opp = o_ptr + o_base[:, None, None] + hp * o_sh + 2 * HALF + p[None, None, :]
-            tl.store(opp, tl.load(xpp, mask=pmask, other=0.0).to(o_ptr.dtype.element_ty), mask=pmask)
-
-    @triton.jit
-    def _rope_tokens(
-        q_ptr, k_ptr, qo_ptr, ko_ptr, cos_ptr, sin_ptr, pid, n_tokens, T, n_qh, n_kh,
-        q_sb, q_st, q_sh, k_sb, k_st, k_sh, qo_sb, qo_st, qo_sh, ko_sb, ko_st, ko_sh,
-        c_sb, c_st, s_sb, s_st,
-        HALF: tl.constexpr, HALF_BLOCK: tl.constexpr, PASS: tl.constexpr, PASS_BLOCK: tl.constexpr,
-        BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr, BLOCK_T: tl.constexpr, BACKWARD: tl.constexpr,
-    ):
-        """Tokens ``pid * BLOCK_T + [0, BLOCK_T)`` (flat over batch x sequence) in ``[tokens,
-        heads, R/2]`` tiles, all loads before any store."""
-        g = pid * BLOCK_T + tl.arange(0, BLOCK_T).to(tl.int64)
-        t_mask = g < n_tokens
-        b = g // T
-        t = g % T
-        d = tl.arange(0, HALF_BLOCK)
-        d_mask = d < HALF
-        cs_mask = t_mask[:, None] & d_mask[None, :]
-        cp = cos_ptr + (b * c_sb + t * c_st)[:, None] + d[None, :]
-        sp = sin_ptr + (b * s_sb + t * s_st)[:, None] + d[None, :]
-        c1 = tl.load(cp, mask=cs_mask, other=0.0).to(tl.float32)[:, None, :]
-        c2 = tl.load(cp + HALF, mask=cs_mask, other=0.0).to(tl.float32)[:, None, :]
-        s1 = tl.load(sp, mask=cs_mask, other=0.0).to(tl.float32)[:, None, :]
-        s2 = tl.load(sp + HALF, mask=cs_mask, other=0.0).to(tl.float32)[:, None, :]
-        q_base, qo_base = b * q_sb + t * q_st, b * qo_sb + t * qo_st
-        k_base, ko_base = b * k_sb + t * k_st, b * ko_sb + t * ko_st
-        hq = tl.arange(0, BLOCK_HQ).to(tl.int64)
-        hk = tl.arange(0, BLOCK_HK).to(tl.int64)
-        qoff, mq = _token_tile_ptrs(q_base, hq, n_qh, q_sh, d, d_mask, t_mask)
-        koff, mk = _token_tile_ptrs(k_base, hk, n_kh, k_sh, d, d_mask, t_mask)
-        q1 = tl.load(q_ptr + qoff, mask=mq, other=0.0).to(tl.float32)
-        q2 = tl.load(q_ptr + qoff + HALF, mask=mq, other=0.0).to(tl.float32)
-        k1 = tl.load(k_ptr + koff, mask=mk, other=0.0).to(tl.float32)
-        k2 = tl.load(k_ptr + koff + HALF, mask=mk, other=0.0).to(tl.float32)
-        yq1, yq2 = _rotate_pair(q1, q2, c1, c2, s1, s2, BACKWARD)
-        yk1, yk2 = _rotate_pair(k1, k2, c1, c2, s1, s2, BACKWARD)
-        qooff, _ = _token_tile_ptrs(qo_base, hq, n_qh, qo_sh, d, d_mask, t_mask)
-        kooff, _ = _token_tile_ptrs(ko_base, hk, n_kh, ko_sh, d, d_mask, t_mask)
-        tl.store(qo_ptr + qooff, yq1.to(qo_ptr.dtype.element_ty), mask=mq)
-        tl.store(qo_ptr + qooff + HALF, yq2.to(qo_ptr.dtype.element_ty), mask=mq)
-        tl.store(ko_ptr + kooff, yk1.to(ko_ptr.dtype.element_ty), mask=mk)
-        tl.store(ko_ptr + kooff + HALF, yk2.to(ko_ptr.dtype.element_ty), mask=mk)
-        _copy_pass_tokens(q_ptr, qo_ptr, q_base, qo_base, hq, n_qh, q_sh, qo_sh, t_mask, HALF, PASS, PASS_BLOCK)
-        _copy_pass_tokens(k_ptr, ko_ptr, k_base, ko_base, hk, n_kh, k_sh, ko_sh, t_mask, HALF, PASS, PASS_BLOCK)
-
-    @triton.jit
     def _rotate_pair(x1, x2, c1, c2, s1, s2, BACKWARD: tl.constexpr):
         """(y1, y2): the two rotated halves (BACKWARD: the transposed rotation)."""
         if BACKWARD:
@@ -197,25 +133,18 @@ if triton is not None:
     @triton.jit
     def _rope_kernel(
         q_ptr, k_ptr, qo_ptr, ko_ptr, cos_ptr, sin_ptr,
-        n_tokens, T, n_qh, n_kh,
+        T, n_qh, n_kh,
         q_sb, q_st, q_sh, k_sb, k_st, k_sh,
         qo_sb, qo_st, qo_sh, ko_sb, ko_st, ko_sh,
         c_sb, c_st, s_sb, s_st,
         HALF: tl.constexpr, HALF_BLOCK: tl.constexpr,
         PASS: tl.constexpr, PASS_BLOCK: tl.constexpr,
         BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr, BACKWARD: tl.constexpr,
-        LOADS_FIRST: tl.constexpr, BLOCK_T: tl.constexpr,
+        LOADS_FIRST: tl.constexpr,
     ):
         """One program per token: load its cos/sin once, rotate its q heads and its k heads
-        (LOADS_FIRST: all heads in one tile, q's and k's loads issued before any store; with
-        BLOCK_T > 1, BLOCK_T tokens per program in ``[tokens, heads, R/2]`` tiles)."""
+        (LOADS_FIRST: all heads in one tile, q's and k's loads issued before any store)."""
         pid = tl.program_id(0).to(tl.int64)
-        if BLOCK_T > 1:
-            _rope_tokens(q_ptr, k_ptr, qo_ptr, ko_ptr, cos_ptr, sin_ptr, pid, n_tokens, T, n_qh, n_kh,
-                         q_sb, q_st, q_sh, k_sb, k_st, k_sh, qo_sb, qo_st, qo_sh, ko_sb, ko_st, ko_sh,
-                         c_sb, c_st, s_sb, s_st, HALF, HALF_BLOCK, PASS, PASS_BLOCK,
-                         BLOCK_HQ, BLOCK_HK, BLOCK_T, BACKWARD)
-            return
         b = pid // T
         t = pid % T
         d = tl.arange(0, HALF_BLOCK)
@@ -260,31 +189,29 @@ def _unit_last(x: torch.Tensor) -> torch.Tensor:
 
 
 def _config(rot: int, d: int, n_qh: int, n_kh: int, rotate_pass: bool):
-    """(HALF, HALF_BLOCK, PASS, PASS_BLOCK, BLOCK_HQ, BLOCK_HK, num_warps, LOADS_FIRST, BLOCK_T) for
-    the module knobs as they are now (cached per shape and knob values)."""
+    """(HALF, HALF_BLOCK, PASS, PASS_BLOCK, BLOCK_HQ, BLOCK_HK, num_warps, LOADS_FIRST) for the
+    module knobs as they are now (cached per shape and knob values)."""
     return _config_cached(rot, d, n_qh, n_kh, rotate_pass, TILE_ELEMENTS, NUM_WARPS, LOADS_FIRST,
-                          TOKENS_PER_PROGRAM, TOKEN_TILE_ELEMS, MAX_TOKENS_PER_PROGRAM)
+                          SMALL_TILE_ELEMS)
 
 
 @functools.lru_cache(maxsize=256)
 def _config_cached(rot: int, d: int, n_qh: int, n_kh: int, rotate_pass: bool,
-                   tile_elements: int, num_warps: int, loads_first: bool,
-                   tokens_per_program: int, token_tile_elems: int, max_tokens: int):
+                   tile_elements: int, num_warps: int, loads_first: bool, small_tile: int):
     half = rot // 2
     half_block = next_power_of_2(half)
     pass_dims = d - rot if rotate_pass else 0
     pass_block = next_power_of_2(pass_dims) if pass_dims else 1
-    if loads_first:  # one tile per tensor: all heads (of BLOCK_T tokens)
+    if loads_first:  # one tile per tensor: all heads
         block_hq, block_hk = next_power_of_2(max(n_qh, 1)), next_power_of_2(max(n_kh, 1))
-        block_t = tokens_per_program or max(1, min(max_tokens, token_tile_elems // (block_hq * half_block)))
-        block_t = next_power_of_2(block_t)
-        warps = num_warps or (8 if block_t * block_hq * half_block >= 4096 else 4)
-        return half, half_block, pass_dims, pass_block, block_hq, block_hk, warps, True, block_t
+        tile = block_hq * half_block
+        warps = num_warps or (8 if tile >= 4096 else 4 if tile >= small_tile else 2)
+        return half, half_block, pass_dims, pass_block, block_hq, block_hk, warps, True
     max_h = max(1, tile_elements // half_block)
     block_hq = min(next_power_of_2(max(n_qh, 1)), max_h)
     block_hk = min(next_power_of_2(max(n_kh, 1)), max_h)
     warps = num_warps or (8 if max(block_hq, block_hk) * half_block >= 2048 else 4)
-    return half, half_block, pass_dims, pass_block, block_hq, block_hk, warps, False, 1
+    return half, half_block, pass_dims, pass_block, block_hq, block_hk, warps, False
 
 
 def _launch_into(q, k, qo, ko, cos, sin, head_axis: int, backward: bool, copy_pass: bool = True):
@@ -297,22 +224,21 @@ def _launch_into(q, k, qo, ko, cos, sin, head_axis: int, backward: bool, copy_pa
     n_qh, n_kh = q.shape[head_axis], k.shape[head_axis]
     if bsz * seq == 0 or d == 0:
         return
-    half, half_block, pass_dims, pass_block, block_hq, block_hk, warps, loads_first, block_t = _config(
+    half, half_block, pass_dims, pass_block, block_hq, block_hk, warps, loads_first = _config(
         cos.shape[-1], d, n_qh, n_kh, copy_pass
     )
     c_sb = 0 if cos.shape[0] == 1 else cos.stride(0)
     s_sb = 0 if sin.shape[0] == 1 else sin.stride(0)
-    n_tokens = bsz * seq
     with device_ctx(q):  # Triton launches on the current GPU
-        _rope_kernel[(-(-n_tokens // block_t),)](
+        _rope_kernel[(bsz * seq,)](
             q, k, qo, ko, cos, sin,
-            n_tokens, seq, n_qh, n_kh,
+            seq, n_qh, n_kh,
             *_bth_strides(q, head_axis), *_bth_strides(k, head_axis),
             *_bth_strides(qo, head_axis), *_bth_strides(ko, head_axis),
             c_sb, cos.stride(1), s_sb, sin.stride(1),
             HALF=half, HALF_BLOCK=half_block, PASS=pass_dims, PASS_BLOCK=pass_block,
             BLOCK_HQ=block_hq, BLOCK_HK=block_hk, BACKWARD=backward, LOADS_FIRST=loads_first,
-            BLOCK_T=block_t, num_warps=warps,
+            num_warps=warps,
         )
 
 

@@ -1,7 +1,7 @@
 """Drop-in replacements for a Hugging Face modeling module's ``apply_rotary_pos_emb``.
 
-``make_rotary_replacement(original)`` returns a function (out of place; in place for
-``INPLACE_FAMILIES`` only when ``INPLACE`` is set) with the same call signature as ``original`` (either ``(q, k, cos, sin, unsqueeze_dim=1)`` as in transformers 5.x, or the older
+``make_rotary_replacement(original)`` returns a function (in place for ``INPLACE_FAMILIES`` while
+``INPLACE`` is set, else out of place) with the same call signature as ``original`` (either ``(q, k, cos, sin, unsqueeze_dim=1)`` as in transformers 5.x, or the older
 ``(q, k, cos, sin, position_ids=None, unsqueeze_dim=1)``) that rotates with
 ``liger_losses.kernels.rope.apply_rotary_pos_emb``.
 
@@ -10,19 +10,19 @@ Shapes as in Hugging Face: ``q`` ``[B, n_q_heads, T, D]``, ``k`` ``[B, n_kv_head
 e.g. Phi-3 with ``partial_rotary_factor < 1``) only the first ``R`` features are rotated and the
 rest pass through, exactly as the Hugging Face function does (the kernel handles it). Any float dtype; outputs keep it.
 
-In-place rotation (off by default): for the families listed in ``INPLACE_FAMILIES`` the
-replacement can rotate q and k in place (``inplace=True``): their attention builds q/k as ``proj(h).view(B, T, H, D).transpose(1, 2)``
-fresh tensors used by nothing but the rotation, so this is
-safe and saves the outputs' allocation (Qwen3's q/k are views of its q_norm/k_norm outputs, which our
-RMSNorm returns as plain tensors so that autograd allows it). Phi-3 is excluded (q/k are slices of one
-qkv tensor).
-Set ``liger_losses.patching.rope.INPLACE = True`` to turn it on at call time; the gradients of
-q_embed/k_embed (fresh buffers from the attention's backward, used by nothing else) are then rotated
-in their own buffers too (``INPLACE_BACKWARD``). It is off: with the gradient layout SDPA returns,
-in place and out of place take the same GPU time (H200, 8B shapes, forward + backward, 8192
-tokens: 0.093 ms both, session 4 -- session 3's 0.160 for in place was a measurement error), the
-out-of-place transient never sits on a training step's peak, and in place costs more host time per
-call (0.22 vs 0.10 ms per forward, session 2), which decides short, host-bound steps.
+In-place rotation (on by default): for the families listed in ``INPLACE_FAMILIES`` the
+replacement rotates q and k in place (``inplace=True``): their attention builds q/k as
+``proj(h).view(B, T, H, D).transpose(1, 2)``, fresh tensors used by nothing but the rotation, so
+this is safe and saves the outputs' allocation (Qwen3's q/k are views of its q_norm/k_norm outputs,
+which our RMSNorm returns as plain tensors so that autograd allows it). Phi-3 is excluded (q/k are
+slices of one qkv tensor). The gradients of q_embed/k_embed (fresh buffers from the attention's
+backward, used by nothing else) are rotated in their own buffers too (``INPLACE_BACKWARD``), as
+liger-kernel does: the rotation then allocates nothing, forward or backward. H200, session 6
+(``bench_rope.py --sweep``, CUDA graphs, q-layout gradients): Llama-3-8B shapes 0.0889 ms at 8192
+tokens (out of place 0.0875, liger-kernel 0.0869) and 0.3464 at 32768 (0.3386, 0.3406), Qwen2-0.5B
+0.0179 (0.0192, 0.0170); host time per call (``bench_host.py``) 108 us forward and 828 us forward
++ backward, against 126 / 958 out of place. Set ``liger_losses.patching.rope.INPLACE = False`` for
+the out-of-place rotation (read at every call).
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ from typing import Callable
 
 
 # Module-level switches read at every call of the in-place replacements (see the module docstring).
-INPLACE = False
+INPLACE = True
 INPLACE_BACKWARD = True  # with INPLACE: rotate the incoming gradients in their buffers as well
 
 # transformers model families whose attention passes q/k to apply_rotary_pos_emb as fresh views of

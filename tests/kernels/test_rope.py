@@ -385,39 +385,31 @@ def test_rope_inplace_llama3_8b_shape_gpu(inplace_backward):
     assert_close_rel(leaf_k.grad, dk.transpose(1, 2).reshape(leaf_k.shape), 1e-2, "d_k")
 
 
-@pytest.fixture(params=[1, 2, 0], ids=["1-token", "2-tokens", "auto-tokens"])
-def loads_first(request, monkeypatch):
-    """rope.LOADS_FIRST on (one tile per tensor, q's and k's loads before any store) with one, two
-    or the automatic number of tokens per program (``TOKENS_PER_PROGRAM``: 8 at these head sizes,
-    so programs straddle batch rows and the last one is partly masked)."""
+@pytest.fixture
+def loads_first(monkeypatch):
+    """rope.LOADS_FIRST on: one tile per tensor, q's and k's loads before any store."""
     from liger_losses.kernels import rope as rope_mod
 
     monkeypatch.setattr(rope_mod, "LOADS_FIRST", True)
-    monkeypatch.setattr(rope_mod, "TOKENS_PER_PROGRAM", request.param)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("case", list(CASES))
 def test_loads_first_matches_float64(case, dtype, loads_first):
-    """The LOADS_FIRST variant of the Triton kernel (the default): out of place, every case above
-    (partial rotary's pass-through copy, more heads than the tiled variant's tile, the
-    [B, T, H, D] layout, token counts not divisible by the tokens per program), within fp32 1e-5 /
-    bf16 1e-2 of float64."""
+    """The LOADS_FIRST variant of the Triton kernel (the default): out of place, every case above (partial rotary's pass-through copy, more heads than the tiled
+    variant's tile, the [B, T, H, D] layout), within fp32 1e-5 / bf16 1e-2 of float64."""
     bsz, seq, n_qh, n_kh, head_dim, rot, cos_batch, ud = CASES[case]
     q, k, cos, sin = _make(bsz, seq, n_qh, n_kh, head_dim, rot, cos_batch, ud, dtype)
     _run_and_check(q, k, cos, sin, ud, "triton", dtype)
 
 
-@pytest.mark.parametrize("tokens", [1, 4])
 @pytest.mark.parametrize("case", ["gqa", "partial_rotary", "many_heads"])
-def test_loads_first_in_place_equals_tiled(case, tokens, monkeypatch):
-    """In place, the LOADS_FIRST variant (one or four tokens per program) gives bitwise the tiled
-    variant's outputs and gradients (the same per-element fp32 math, only the order of loads and
-    stores differs)."""
+def test_loads_first_in_place_equals_tiled(case, monkeypatch):
+    """In place, the LOADS_FIRST variant gives bitwise the tiled variant's outputs and gradients
+    (the same per-element fp32 math, only the order of loads and stores differs)."""
     from liger_losses.kernels import rope as rope_mod
 
     monkeypatch.setattr(rope_mod, "LOADS_FIRST", False)
-
     bsz, seq, n_qh, n_kh, head_dim, rot, cos_batch, ud = CASES[case]
     _, _, cos, sin = _make(bsz, seq, n_qh, n_kh, head_dim, rot, cos_batch, ud, torch.float32)
     leaf_q = torch.randn(bsz, seq, n_qh * head_dim).requires_grad_()
@@ -433,7 +425,6 @@ def test_loads_first_in_place_equals_tiled(case, tokens, monkeypatch):
 
     tiled = run()
     monkeypatch.setattr(rope_mod, "LOADS_FIRST", True)
-    monkeypatch.setattr(rope_mod, "TOKENS_PER_PROGRAM", tokens)
     first = run()
     for a, b in zip(first, tiled):
         assert torch.equal(a, b)
@@ -480,12 +471,10 @@ def test_inplace_backward_argument_errors():
         apply_rotary_pos_emb(q.clone(), k.clone(), cos, sin, inplace=True, inplace_backward=1)
 
 
-def test_tokens_per_program_rule():
-    """The automatic tokens per program: one at Llama-3-8B's heads (32 x 128: the tile is already
-    2048 elements), four at Qwen2-0.5B's (14 -> 16 heads x 64: 512 per token), capped at
-    MAX_TOKENS_PER_PROGRAM for tiny heads; the tiled variant always one."""
+def test_loads_first_warps_rule():
+    """Warps of the LOADS_FIRST tile: 2 for a Qwen2-0.5B token (16 x 32 q elements per half), 4 for
+    Llama-3.2-1B's (32 x 32) and Llama-3-8B's (32 x 64), 8 from 4096 elements; NUM_WARPS overrides."""
     from liger_losses.kernels import rope as rope_mod
 
-    assert rope_mod._config(128, 128, 32, 8, True)[-1] == 1
-    assert rope_mod._config(64, 64, 14, 2, True)[-1] == 4
-    assert rope_mod._config(16, 16, 2, 1, True)[-1] == rope_mod.MAX_TOKENS_PER_PROGRAM
+    warps = lambda rot, n_qh, n_kh: rope_mod._config(rot, rot, n_qh, n_kh, True)[6]  # noqa: E731
+    assert (warps(64, 14, 2), warps(64, 32, 8), warps(128, 32, 8), warps(128, 64, 8)) == (2, 4, 4, 8)

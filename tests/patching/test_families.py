@@ -174,11 +174,13 @@ def test_unsupported_activation_leaves_mlp_with_warning():
     assert not isinstance(model.model.norm, ml.LlamaRMSNorm)
 
 
+@pytest.mark.parametrize("inplace", [True, False], ids=["inplace-rope", "out-of-place-rope"])
 @pytest.mark.parametrize("model_type", ["llama", "qwen3", "gemma2"])
-def test_patched_family_matches_unpatched_with_inplace_rope(model_type, monkeypatch):
-    """With the in-place RoPE switched on (``patching.rope.INPLACE``, which also rotates the
-    attention's q/k gradients in their own buffers: ``INPLACE_BACKWARD``), the patched model's loss
-    and every parameter gradient still equal the unpatched model's within 1e-5 (fp32)."""
+def test_patched_family_matches_unpatched_with_inplace_rope(model_type, inplace, monkeypatch):
+    """With the in-place RoPE (``patching.rope.INPLACE``, the default, which also rotates the
+    attention's q/k gradients in their own buffers: ``INPLACE_BACKWARD``) and with it switched off,
+    the patched model's loss and every parameter gradient equal the unpatched model's within 1e-5
+    (fp32)."""
     import liger_losses.patching.rope as prope
 
     ref = tiny_model(model_type)
@@ -186,7 +188,7 @@ def test_patched_family_matches_unpatched_with_inplace_rope(model_type, monkeypa
     batch = tiny_batch(ref.config)
     _, ref_loss, ref_grads = _reference(ref, batch)
     apply_liger_kernels(model)
-    monkeypatch.setattr(prope, "INPLACE", True)
+    monkeypatch.setattr(prope, "INPLACE", inplace)
     monkeypatch.setattr(prope, "INPLACE_BACKWARD", True)
     out, grads = loss_and_grads(model, batch)
     assert_close_rel(out.loss, ref_loss, FP32, "loss")
