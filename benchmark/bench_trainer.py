@@ -33,7 +33,11 @@ backward, optimizer step and TRL's per-step metric bookkeeping). ``ms`` is the m
 steps after ``--warmup`` warm-up steps (default 2 warm-up + 5 timed; ``--quick``: seq 2048 only, 3
 timed). ``peak_mib`` is ``torch.cuda.max_memory_allocated()`` over the timed steps (stats reset at the
 end of the last warm-up step): absolute, i.e. weights + reference model + gradients + AdamW state +
-activations. ``tokens_per_step`` is ``input_ids.numel()`` of the collated batch -- prompt + completion
+activations. ``resident_mib`` is the least ``torch.cuda.memory_allocated()`` at the start of a timed
+step (what stays allocated between steps: weights, reference model, AdamW state -- the step's
+inputs; HF's ``zero_grad`` frees the gradients) and ``step_peak_mib = peak_mib - resident_mib`` the
+peak of the step above its inputs (gradients + activations + the loss), the measure of the guide's
+"max_memory_allocated above the inputs". ``tokens_per_step`` is ``input_ids.numel()`` of the collated batch -- prompt + completion
 tokens including any padding; for DPO chosen + rejected (here no padding: 2 x S for DPO, S for SFT);
 ``tokens_per_s = tokens_per_step / (ms / 1000)``. ``train_loss`` (TRL's mean training loss over all
 steps) is a sanity check that providers train the same thing.
@@ -93,6 +97,7 @@ def _make_timer_callback(warmup: int, cuda: bool, profile_path: str = "", cprofi
             self.issued: list[float] = []  # host time when the step's work was issued (before the sync)
             self.peak_warmup_mib = float("nan")
             self.peak_timed_mib = float("nan")
+            self.resident_mib = float("nan")  # least memory allocated at the start of a timed step
             self.ref_model = None  # --memory-peak: labels the reference model's parameters
             self.mem_recording = False
 
@@ -109,6 +114,11 @@ def _make_timer_callback(warmup: int, cuda: bool, profile_path: str = "", cprofi
             self.cprof = None
 
         def on_step_begin(self, args, state, control, **kwargs):
+            # what stays allocated between steps (weights, reference model, optimizer state; the
+            # gradients are freed by zero_grad): the "inputs" of a step, under its peak
+            if cuda and len(self.ends) >= warmup:
+                now = torch.cuda.memory_allocated() / MIB
+                self.resident_mib = now if self.resident_mib != self.resident_mib else min(self.resident_mib, now)
             # --cprofile: Python-level profile of all timed steps (where the host time goes)
             if cprofile_path and len(self.ends) == warmup and self.cprof is None:
                 import cProfile
@@ -320,7 +330,8 @@ def run_one(task: str, provider: str, *, seq: int, warmup: int, timed: int, tiny
     vocab = shape["vocab_size"]
     steps = warmup + timed
     extra = dict(seq=seq, tokens_per_s=float("nan"), tokens_per_step=float("nan"), train_loss=float("nan"),
-                 grad_ckpt=True, grad_ckpt_kwargs="", peak_warmup_mib=float("nan"), step_ms_all="", issue_ms_all="",
+                 grad_ckpt=True, grad_ckpt_kwargs="", peak_warmup_mib=float("nan"), resident_mib=float("nan"),
+                 step_peak_mib=float("nan"), step_ms_all="", issue_ms_all="",
                  launches_fast=0, launches_slow=0, note="")
     row = Row(bench="trainer", case=case, mode="step", provider=provider, ms=float("nan"), peak_mib=float("nan"),
               extra=extra)
@@ -375,6 +386,8 @@ def run_one(task: str, provider: str, *, seq: int, warmup: int, timed: int, tiny
             row.ms = statistics.median(step_ms)
             row.peak_mib = timer.peak_timed_mib
             extra["peak_warmup_mib"] = round(timer.peak_warmup_mib, 1)
+            extra["resident_mib"] = round(timer.resident_mib, 1)
+            extra["step_peak_mib"] = round(timer.peak_timed_mib - timer.resident_mib, 1)
             extra["step_ms_all"] = " ".join(f"{t:.1f}" for t in step_ms)
             extra["issue_ms_all"] = " ".join(f"{t:.1f}" for t in timer.issue_ms())
             extra["tokens_per_s"] = round(extra["tokens_per_step"] / (row.ms / 1e3), 1)
@@ -423,6 +436,7 @@ def merge_rounds(rows: list[Row]) -> list[Row]:
         for k in ("launches_fast", "launches_slow"):
             m.extra[k] = m.extra.get(k, 0) + r.extra.get(k, 0)
         m.peak_mib = max(m.peak_mib, r.peak_mib)
+        m.extra["step_peak_mib"] = max(m.extra.get("step_peak_mib", float("nan")), r.extra.get("step_peak_mib", float("nan")))
     for m in merged.values():
         steps = [float(t) for t in str(m.extra.get("step_ms_all", "")).split()]
         if steps and not m.error:
@@ -446,6 +460,10 @@ def ratio_table(rows: list[Row]) -> list[dict]:
             ok = ours is not None and b is not None and not ours.error and not b.error
             d[f"speed ours/{base}"] = round(ours.extra["tokens_per_s"] / b.extra["tokens_per_s"], 3) if ok else ""
             d[f"mem ours/{base}"] = round(ours.peak_mib / b.peak_mib, 3) if ok and b.peak_mib == b.peak_mib and b.peak_mib > 0 else ""
+            step_peaks = (ours.extra.get("step_peak_mib"), b.extra.get("step_peak_mib")) if ok else (None, None)
+            d[f"step mem ours/{base}"] = (round(step_peaks[0] / step_peaks[1], 3)
+                                          if all(isinstance(v, float) and v == v for v in step_peaks) and step_peaks[1] > 0
+                                          else "")
         out.append(d)
     return out
 
@@ -537,9 +555,11 @@ def main(argv=None) -> int:
     print()
     print_table([{"case": r.case, "provider": r.provider, "ms": round(r.ms, 1), "tokens_per_step": r.extra["tokens_per_step"],
                   "tokens_per_s": r.extra["tokens_per_s"], "peak_mib": round(r.peak_mib, 1),
+                  "resident_mib": r.extra.get("resident_mib"), "step_peak_mib": r.extra.get("step_peak_mib"),
                   "train_loss": r.extra["train_loss"], "launches fast/slow": f"{r.extra['launches_fast']}/{r.extra['launches_slow']}",
                   "note": r.extra["note"][:60]} for r in rows],
-                keys=["case", "provider", "ms", "tokens_per_step", "tokens_per_s", "peak_mib", "train_loss",
+                keys=["case", "provider", "ms", "tokens_per_step", "tokens_per_s", "peak_mib", "resident_mib",
+                      "step_peak_mib", "train_loss",
                       "launches fast/slow", "note"])
     print()
     ratios = ratio_table(rows)
