@@ -32,6 +32,7 @@ from liger_losses.chunked.engine import (
     compute_dtype,
     gather_weight,
     run_tiles,
+    run_token_tiles,
     scatter_rows,
     token_rows,
     weight_grad_like,
@@ -77,14 +78,15 @@ class _FusedLinearCEFunction(torch.autograd.Function):
     def forward(ctx, weight, hidden, bias, labels, denom, cfg, sink):
         needs_w, needs_h, needs_b = _needs_input_grads(ctx, cfg["grad_enabled"])
         needs_b = needs_b and bias is not None
-        w_full, w_c, rows, l_valid, index = _prepare(weight, hidden, labels, cfg)
+        w_full, w_c = _full_weight(weight, cfg)
         grad = needs_h or needs_w or needs_b
         scale = 1.0
         if denom is not None:  # 1/denom applied in the kernel (fp32), not to bf16 gradients later
-            scale = (1.0 / denom).reshape(1).expand(l_valid.shape[0]).contiguous()
-        stats, gh, gw, gb = run_tiles(
-            w_c, rows, l_valid, bias, mode="ce", grad=grad, grad_scale=scale,
-            kernel_opts=cfg["kernel_opts"], need_entropy=cfg["need_entropy"],
+            scale = (1.0 / denom).reshape(1).expand(labels.numel()).contiguous()
+        # the first chunk is issued before the host sync (engine.SPECULATIVE_FIRST_CHUNK)
+        stats, gh, gw, gb, l_valid, _ = run_token_tiles(
+            w_c, hidden, labels, bias, ignore_index=cfg["ignore_index"], mode="ce", grad=grad,
+            grad_scale=scale, kernel_opts=cfg["kernel_opts"], need_entropy=cfg["need_entropy"],
             chunk_tokens=cfg["chunk_tokens"], accum_dtype=cfg["accum_dtype"] or w_full.dtype,
             needs_hidden=needs_h, needs_weight=needs_w, needs_bias=needs_b,
         )

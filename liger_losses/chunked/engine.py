@@ -67,6 +67,15 @@ CHUNK_ALIGN = 128
 # GPU idle per step 1.74 -> 1.42 ms. The scale is applied in fp32 (``x.mul_(s)`` rounds ``s`` to
 # a bf16 gradient's dtype first), so a non-unit upstream gradient can differ by one bf16 ulp.
 DEVICE_SCALE = True
+# Per-token losses (cross-entropy): issue the first chunk before the one host sync. The label scan's
+# counts go to pinned host memory through a non-blocking copy; the first chunk's rows are taken from
+# ``nonzero_static`` of a known size (ignored rows padded out: label ignore_index, zero loss and
+# gradient), its GEMMs and tile are enqueued, and only then does the host wait -- for the copy, not
+# for the chunk. The GPU runs the chunk while the host plans the rest, instead of idling from the
+# sync until the host has issued the first GEMM. Only when the rows fill at least two chunks; the
+# cost is the ignored rows among the first chunk's (all of them valid unless more than half the
+# rows are ignored).
+SPECULATIVE_FIRST_CHUNK = True
 
 
 # --------------------------------------------------------------------------- sharded weights
@@ -162,6 +171,45 @@ def _scan_labels(labels: Tensor, ignore_index: int, num_classes: Optional[int],
             )
         host = host[1:]
     return LabelScan(valid, int(host[0]), counts, host[1:] if row_counts else None)
+
+
+class PendingScan:
+    """:func:`_scan_labels` in two halves: the constructor enqueues the scan and a non-blocking copy
+    of its counts to pinned host memory; :meth:`result` waits for that copy alone (CUDA event), not
+    for the work enqueued after it, and returns the :class:`LabelScan` (raising on labels out of
+    ``[0, num_classes)``, like :func:`_scan_labels`). ``valid`` and ``in_range`` (valid and within
+    the classes: what may be fed to a kernel before the check) are available at once."""
+
+    def __init__(self, labels: Tensor, ignore_index: int, num_classes: Optional[int]):
+        self.labels, self.ignore_index, self.num_classes = labels, ignore_index, num_classes
+        self.valid = labels != ignore_index
+        parts = [self.valid.sum().reshape(1)]
+        self.in_range = self.valid
+        if num_classes is not None:
+            self.in_range = self.valid & (labels >= 0) & (labels < num_classes)
+            parts.append(self.in_range.sum().reshape(1))
+        counts = torch.cat(parts)
+        self.event = None
+        if counts.is_cuda:
+            self.host = torch.empty(counts.shape, dtype=counts.dtype, pin_memory=True)
+            self.host.copy_(counts, non_blocking=True)
+            self.event = torch.cuda.Event()
+            self.event.record()
+        else:
+            self.host = counts
+
+    def result(self) -> LabelScan:
+        if self.event is not None:
+            self.event.synchronize()  # the one host sync: waits for the counts' copy only
+        host = self.host.tolist()
+        if self.num_classes is not None and host[1] != host[0]:
+            bad = self.valid & ~self.in_range
+            example = int(self.labels[bad][0])
+            raise ValueError(
+                f"labels must be in [0, {self.num_classes}) or equal ignore_index={self.ignore_index}, "
+                f"found {example}"
+            )
+        return LabelScan(self.valid, int(host[0]), None, None)
 
 
 def _nonzero(mask: Tensor, count: int) -> Tensor:
@@ -277,12 +325,44 @@ class HeadGrads:
     gradients, later ones accumulate (``started``); :meth:`finish` returns ``(grad_hidden [M, H],
     grad_weight, grad_bias)`` (Nones kept), the weight gradient zeroed when no chunk was added."""
 
-    def __init__(self, rows: RowGather, V: int, H: int, *, dtype, weight_dtype, device,
+    def __init__(self, rows: Optional[RowGather], V: int, H: int, *, dtype, weight_dtype, device,
                  hidden: bool, weight: bool, bias: bool):
-        self.hidden = RowScatter(rows.flat.shape[0], H, dtype, device, rows.index, rows.identity) if hidden else None
+        self.dtype, self.device, self.H, self.wants_hidden = dtype, device, H, hidden
+        self.hidden = None
+        if rows is not None:
+            self.attach(rows)
         self.weight = torch.empty(V, H, dtype=weight_dtype, device=device) if weight else None
         self.bias = torch.zeros(V, dtype=torch.float32, device=device) if bias else None
         self.started = False
+
+    def attach(self, rows: RowGather) -> None:
+        """The tokens whose hidden gradient is wanted (given late when they are known only after
+        :meth:`add_detached`)."""
+        if self.wants_hidden:
+            self.hidden = RowScatter(rows.flat.shape[0], self.H, self.dtype, self.device, rows.index,
+                                     rows.identity)
+
+    def add_detached(self, grad_logits: Tensor, hidden: Tensor, weight: Tensor) -> Optional[Tensor]:
+        """As :meth:`add` for tokens whose positions are not known yet: the weight and bias
+        gradients are accumulated, the hidden gradient rows are returned (``[n, H]``, or None when
+        not wanted) for :meth:`commit_detached` once :meth:`attach` has been called."""
+        buf = None
+        if self.wants_hidden:
+            buf = torch.empty(grad_logits.shape[0], self.H, dtype=self.dtype, device=self.device)
+        backprop_tile(grad_logits, hidden, weight, grad_hidden=buf, grad_weight=self.weight,
+                      grad_bias=self.bias, accumulate=self.started)
+        self.started = True
+        return buf
+
+    def commit_detached(self, buf: Optional[Tensor], ts: int, te: int) -> None:
+        """Rows ``[0, te - ts)`` of ``buf`` (from :meth:`add_detached`) as tokens ``[ts, te)``."""
+        if buf is None or self.hidden is None or te <= ts:
+            return
+        rows = buf[: te - ts]
+        if self.hidden.identity:
+            self.hidden.full[ts:te].copy_(rows)
+        else:
+            self.hidden.commit(ts, te, rows)
 
     def add(self, grad_logits: Tensor, hidden: Tensor, weight: Tensor, ts: int, te: int,
             row_scale: Optional[Tensor] = None) -> None:
@@ -1031,39 +1111,122 @@ def run_tiles(
     dtype) | None, grad_bias [V] fp32 | None)`` where ``stats`` maps
     loss/lse/logp/correct(/entropy) to ``[N]`` tensors.
     """
-    kernel_opts = dict(kernel_opts or {})
-    N = labels_valid.shape[0]
-    M, H = hidden_rows.flat.shape
-    V = weight.shape[0]
-    dev = labels_valid.device
-    cdt = weight.dtype
-    grads = HeadGrads(hidden_rows, V, H, dtype=cdt, weight_dtype=accum_dtype or cdt, device=dev,
-                      hidden=grad and needs_hidden, weight=grad and needs_weight, bias=grad and needs_bias)
-    per_row = isinstance(grad_scale, Tensor)
+    V, H = weight.shape
+    grads = HeadGrads(hidden_rows, V, H, dtype=weight.dtype, weight_dtype=accum_dtype or weight.dtype,
+                      device=labels_valid.device, hidden=grad and needs_hidden, weight=grad and needs_weight,
+                      bias=grad and needs_bias)
+    bounds = chunk_bounds(labels_valid.shape[0], V, chunk_tokens=chunk_tokens,
+                          budget_bytes=_budget(weight), itemsize=_itemsize(weight))
+    tile_opts = dict(mode=mode, grad=grad, need_entropy=need_entropy, **dict(kernel_opts or {}))
     parts: dict[str, list] = {}
-    itemsize = torch.finfo(cdt).bits // 8
-    for ts, te in chunk_bounds(N, V, chunk_tokens=chunk_tokens, budget_bytes=tile_budget(V, H, itemsize),
-                               itemsize=itemsize):
-        h = hidden_rows(ts, te)
+    _run_chunks(weight, hidden_rows, labels_valid, bias, bounds, grads, parts, grad_scale, tile_opts)
+    return (_stats_of(parts, need_entropy, labels_valid.device), *grads.finish())
+
+
+def run_token_tiles(
+    weight: Tensor,
+    hidden: Tensor,
+    labels: Tensor,
+    bias: Optional[Tensor],
+    *,
+    ignore_index: int,
+    mode: str,
+    grad: bool,
+    grad_scale=1.0,
+    need_entropy: bool = False,
+    kernel_opts: Optional[dict] = None,
+    chunk_tokens: Optional[int] = None,
+    accum_dtype: Optional[torch.dtype] = None,
+    needs_hidden: bool = True,
+    needs_weight: bool = True,
+    needs_bias: bool = False,
+):
+    """:func:`token_rows` (labels range-checked against ``V``) then :func:`run_tiles` over
+    ``hidden [..., H]`` / ``labels [...]``, with the first chunk issued before the host sync (see
+    :data:`SPECULATIVE_FIRST_CHUNK`). ``grad_scale``: float or a tensor of at least one entry per
+    token of ``labels`` (sliced in the valid tokens' order). Returns ``(stats, grad_hidden,
+    grad_weight, grad_bias, labels_valid, index)``, the first four as :func:`run_tiles`'."""
+    V, H = weight.shape
+    flat_labels = labels.reshape(-1)
+    total = flat_labels.shape[0]
+    bounds = chunk_bounds(total, V, chunk_tokens=chunk_tokens, budget_bytes=_budget(weight),
+                          itemsize=_itemsize(weight))
+    first = bounds[0][1] if bounds else 0
+    per_row = isinstance(grad_scale, Tensor)
+    speculate = (SPECULATIVE_FIRST_CHUNK and first > 0 and total >= 2 * first
+                 and hasattr(torch, "nonzero_static") and not (per_row and grad_scale.shape[0] < first))
+    opts = dict(kernel_opts=kernel_opts, chunk_tokens=chunk_tokens, accum_dtype=accum_dtype,
+                needs_hidden=needs_hidden, needs_weight=needs_weight, needs_bias=needs_bias)
+    if not speculate:
+        rows, labels_valid, index = token_rows(hidden, labels, ignore_index, num_classes=V)
+        return (*run_tiles(weight, rows, labels_valid, bias, mode=mode, grad=grad, grad_scale=grad_scale,
+                           need_entropy=need_entropy, **opts), labels_valid, index)
+    dev = labels.device
+    pending = PendingScan(labels, ignore_index, V)
+    # the first chunk: the first `first` valid positions, padded with -1 (then label ignore_index);
+    # labels out of range count as ignored here, so the kernel never reads past the vocabulary
+    pos = torch.nonzero_static(pending.valid.reshape(-1), size=first, fill_value=-1).squeeze(1)
+    at = pos.clamp_min(0)
+    keep = (pos >= 0) & pending.in_range.reshape(-1).index_select(0, at)
+    first_labels = torch.where(keep, flat_labels.index_select(0, at).long(),
+                               torch.full_like(at, ignore_index))
+    flat_hidden = hidden.reshape(-1, H)
+    first_rows = flat_hidden.index_select(0, at)
+    grads = HeadGrads(None, V, H, dtype=weight.dtype, weight_dtype=accum_dtype or weight.dtype, device=dev,
+                      hidden=grad and needs_hidden, weight=grad and needs_weight, bias=grad and needs_bias)
+    tile_opts = dict(mode=mode, grad=grad, need_entropy=need_entropy, **dict(kernel_opts or {}))
+    tile = project(first_rows, weight, bias)
+    first_stats = logits_tile(tile, first_labels, grad_scale=grad_scale[:first] if per_row else grad_scale,
+                              need_logits_sum=False, **tile_opts)
+    first_grad = grads.add_detached(tile, first_rows, weight) if grad else None
+    del tile
+    scan = pending.result()  # the one host sync (raises on labels out of range)
+    labels_valid, index = _valid_index(labels, ignore_index, scan=scan)
+    rows = hidden_rows_at(hidden, index)
+    grads.attach(rows)
+    n = scan.num_valid
+    done = min(first, n)
+    grads.commit_detached(first_grad, 0, done)
+    parts: dict[str, list] = {k: [v[:done]] for k, v in first_stats._asdict().items() if v is not None}
+    rest = [(done + a, done + b) for a, b in chunk_bounds(n - done, V, chunk_tokens=chunk_tokens,
+                                                           budget_bytes=_budget(weight), itemsize=_itemsize(weight))]
+    _run_chunks(weight, rows, labels_valid, bias, rest, grads, parts, grad_scale, tile_opts)
+    return (_stats_of(parts, need_entropy, dev), *grads.finish(), labels_valid, index)
+
+
+def _itemsize(weight: Tensor) -> int:
+    return torch.finfo(weight.dtype).bits // 8
+
+
+def _budget(weight: Tensor) -> int:
+    return tile_budget(weight.shape[0], weight.shape[1], _itemsize(weight))
+
+
+def _run_chunks(weight, rows, labels_valid, bias, bounds, grads, parts, grad_scale, tile_opts) -> None:
+    """The chunk loop of :func:`run_tiles`: tokens ``[ts, te)`` of ``rows`` for each bound, their
+    statistics appended to ``parts`` and their gradients added to ``grads``."""
+    per_row = isinstance(grad_scale, Tensor)
+    for ts, te in bounds:
+        h = rows(ts, te)
         tile = project(h, weight, bias)
-        st = logits_tile(
-            tile, labels_valid[ts:te], mode=mode, grad=grad,
-            grad_scale=grad_scale[ts:te] if per_row else grad_scale,
-            need_entropy=need_entropy, need_logits_sum=False, **kernel_opts,
-        )
+        st = logits_tile(tile, labels_valid[ts:te], grad_scale=grad_scale[ts:te] if per_row else grad_scale,
+                         need_logits_sum=False, **tile_opts)
         for k, v in st._asdict().items():
             if v is not None:
                 parts.setdefault(k, []).append(v)
-        if grad:
+        if tile_opts["grad"]:
             grads.add(tile, h, weight, ts, te)
         del tile
+
+
+def _stats_of(parts: dict, need_entropy: bool, device) -> dict:
     stats = {}
     for k in ("loss", "lse", "logp", "correct", "entropy"):
         if k in parts:
             stats[k] = torch.cat(parts[k])
         elif k != "entropy" or need_entropy:
-            stats[k] = torch.zeros(0, dtype=torch.bool if k == "correct" else torch.float32, device=dev)
-    return (stats, *grads.finish())
+            stats[k] = torch.zeros(0, dtype=torch.bool if k == "correct" else torch.float32, device=device)
+    return stats
 
 
 def scatter_rows(rows: Tensor, index: Tensor, shape, *, dtype: Optional[torch.dtype] = None) -> Tensor:

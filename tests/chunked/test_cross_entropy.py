@@ -228,3 +228,62 @@ def test_gpu_bf16_accuracy_vs_plain():
     ours = run(lambda wx, hx: fused_linear_cross_entropy(wx, hx, labels), torch.bfloat16)
     for o, p, r in zip(ours, pl, ref):
         assert rel_err(o, r) <= 2 * max(rel_err(p, r), 1e-3)
+
+
+# --------------------------------------------------------------------------- first chunk before the sync
+
+
+def _labels_with(valid_count, total=64, seed=3):
+    """[4, 16] labels with ``valid_count`` non-ignored tokens at random positions."""
+    g = torch.Generator().manual_seed(seed)
+    labels = torch.full((total,), -100, dtype=torch.long)
+    pos = torch.randperm(total, generator=g)[:valid_count]
+    labels[pos] = torch.randint(0, V, (valid_count,), generator=g)
+    return labels.view(4, total // 4)
+
+
+@pytest.mark.parametrize("valid_count", [64, 40, 16, 7, 0],
+                         ids=["none-ignored", "chunk1-full", "exactly-chunk1", "chunk1-padded", "all-ignored"])
+@pytest.mark.parametrize("options", ["plain", "smoothing-zloss-items-bias"])
+def test_speculative_first_chunk_equals_plain_path(valid_count, options, monkeypatch):
+    """engine.SPECULATIVE_FIRST_CHUNK (the first 16-token chunk issued before the labels' host sync,
+    padded with ignored rows when fewer tokens are valid) gives bitwise the loss, the gradients of
+    hidden, weight and bias, and the metrics of the plain path (same fixed chunks, fp32), with every
+    token valid, more or fewer valid tokens than one chunk, and none; within 1e-6 when the first
+    chunk is padded (its GEMMs' inner dimension differs); the loss within 1e-5 of float64."""
+    import liger_losses.chunked.engine as engine
+
+    w, h, b, _ = _inputs(seed=4)
+    h = torch.randn(4, 16, H).requires_grad_()
+    labels = _labels_with(valid_count)
+    kw = dict(chunk_tokens=16, return_token_accuracy=True, return_z_loss=True, return_entropy=True)
+    if options != "plain":
+        kw.update(bias=b, label_smoothing=0.1, z_loss_weight=1e-3, num_items_in_batch=50)
+    results = []
+    for speculate in (True, False):
+        monkeypatch.setattr(engine, "SPECULATIVE_FIRST_CHUNK", speculate)
+        out = fused_linear_cross_entropy(w, h, labels, **kw)
+        leaves = (w, h, b) if options != "plain" else (w, h)
+        grads = torch.autograd.grad(out.loss, leaves)
+        results.append((out.loss.detach(), *grads, *(out.metrics[k] for k in sorted(out.metrics))))
+    for got, want in zip(*results):
+        if 0 < valid_count < 16:  # the padded first chunk's GEMMs sum over 16 rows, not 7: rounding
+            assert_close_rel(got, want, 1e-6, "speculative vs plain")
+        else:
+            assert torch.equal(got, want)
+    ref_loss, leaves = reference(w, h, kw.get("bias"), labels, label_smoothing=kw.get("label_smoothing", 0.0),
+                                 z_loss_weight=kw.get("z_loss_weight", 0.0),
+                                 num_items_in_batch=kw.get("num_items_in_batch"))
+    assert_close_rel(results[0][0], ref_loss, FP32, "loss vs float64")
+
+
+def test_speculative_first_chunk_rejects_labels_out_of_range():
+    """A label >= V among the first chunk's tokens (issued before the range check): ValueError
+    naming the labels, no out-of-range read in the kernel."""
+    w, h, _, _ = _inputs()
+    h = torch.randn(4, 16, H).requires_grad_()
+    labels = _labels_with(40)
+    flat = labels.view(-1)
+    flat[(flat != -100).nonzero()[0]] = V + 3
+    with pytest.raises(ValueError, match="labels must be in"):
+        fused_linear_cross_entropy(w, h, labels, chunk_tokens=16)
