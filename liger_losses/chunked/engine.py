@@ -1123,44 +1123,29 @@ def run_tiles(
     return (_stats_of(parts, need_entropy, labels_valid.device), *grads.finish())
 
 
-def run_token_tiles(
-    weight: Tensor,
-    hidden: Tensor,
-    labels: Tensor,
-    bias: Optional[Tensor],
-    *,
-    ignore_index: int,
-    mode: str,
-    grad: bool,
-    grad_scale=1.0,
-    need_entropy: bool = False,
-    kernel_opts: Optional[dict] = None,
-    chunk_tokens: Optional[int] = None,
-    accum_dtype: Optional[torch.dtype] = None,
-    needs_hidden: bool = True,
-    needs_weight: bool = True,
-    needs_bias: bool = False,
-):
-    """:func:`token_rows` (labels range-checked against ``V``) then :func:`run_tiles` over
-    ``hidden [..., H]`` / ``labels [...]``, with the first chunk issued before the host sync (see
-    :data:`SPECULATIVE_FIRST_CHUNK`). ``grad_scale``: float or a tensor of at least one entry per
-    token of ``labels`` (sliced in the valid tokens' order). Returns ``(stats, grad_hidden,
-    grad_weight, grad_bias, labels_valid, index)``, the first four as :func:`run_tiles`'."""
+def run_token_tiles(weight: Tensor, hidden: Tensor, labels: Tensor, bias: Optional[Tensor], *,
+                    ignore_index: int, **run_opts):
+    """:func:`token_rows` (labels range-checked against ``V``) then :func:`run_tiles` (whose keyword
+    options ``run_opts`` are) over ``hidden [..., H]`` / ``labels [...]``, with the first chunk issued
+    before the host sync (see :data:`SPECULATIVE_FIRST_CHUNK`). A tensor ``grad_scale`` needs at
+    least one entry per token of ``labels`` (sliced in the valid tokens' order). Returns ``(stats,
+    grad_hidden, grad_weight, grad_bias, labels_valid, index)``, the first four as :func:`run_tiles`'."""
     V, H = weight.shape
     flat_labels = labels.reshape(-1)
     total = flat_labels.shape[0]
+    chunk_tokens = run_opts.get("chunk_tokens")
     bounds = chunk_bounds(total, V, chunk_tokens=chunk_tokens, budget_bytes=_budget(weight),
                           itemsize=_itemsize(weight))
     first = bounds[0][1] if bounds else 0
+    grad_scale = run_opts.get("grad_scale", 1.0)
     per_row = isinstance(grad_scale, Tensor)
     speculate = (SPECULATIVE_FIRST_CHUNK and first > 0 and total >= 2 * first
                  and hasattr(torch, "nonzero_static") and not (per_row and grad_scale.shape[0] < first))
-    opts = dict(kernel_opts=kernel_opts, chunk_tokens=chunk_tokens, accum_dtype=accum_dtype,
-                needs_hidden=needs_hidden, needs_weight=needs_weight, needs_bias=needs_bias)
     if not speculate:
         rows, labels_valid, index = token_rows(hidden, labels, ignore_index, num_classes=V)
-        return (*run_tiles(weight, rows, labels_valid, bias, mode=mode, grad=grad, grad_scale=grad_scale,
-                           need_entropy=need_entropy, **opts), labels_valid, index)
+        return (*run_tiles(weight, rows, labels_valid, bias, **run_opts), labels_valid, index)
+    grad, need_entropy = run_opts["grad"], run_opts.get("need_entropy", False)
+    accum_dtype = run_opts.get("accum_dtype") or weight.dtype
     dev = labels.device
     pending = PendingScan(labels, ignore_index, V)
     # the first chunk: the first `first` valid positions, padded with -1 (then label ignore_index);
@@ -1170,11 +1155,13 @@ def run_token_tiles(
     keep = (pos >= 0) & pending.in_range.reshape(-1).index_select(0, at)
     first_labels = torch.where(keep, flat_labels.index_select(0, at).long(),
                                torch.full_like(at, ignore_index))
-    flat_hidden = hidden.reshape(-1, H)
-    first_rows = flat_hidden.index_select(0, at)
-    grads = HeadGrads(None, V, H, dtype=weight.dtype, weight_dtype=accum_dtype or weight.dtype, device=dev,
-                      hidden=grad and needs_hidden, weight=grad and needs_weight, bias=grad and needs_bias)
-    tile_opts = dict(mode=mode, grad=grad, need_entropy=need_entropy, **dict(kernel_opts or {}))
+    first_rows = hidden.reshape(-1, H).index_select(0, at)
+    grads = HeadGrads(None, V, H, dtype=weight.dtype, weight_dtype=accum_dtype, device=dev,
+                      hidden=grad and run_opts.get("needs_hidden", True),
+                      weight=grad and run_opts.get("needs_weight", True),
+                      bias=grad and run_opts.get("needs_bias", False))
+    tile_opts = dict(mode=run_opts["mode"], grad=grad, need_entropy=need_entropy,
+                     **dict(run_opts.get("kernel_opts") or {}))
     tile = project(first_rows, weight, bias)
     first_stats = logits_tile(tile, first_labels, grad_scale=grad_scale[:first] if per_row else grad_scale,
                               need_logits_sum=False, **tile_opts)
