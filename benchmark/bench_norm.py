@@ -101,20 +101,25 @@ def providers(kind: str, H: int) -> dict:
 
 
 def mode_fns(module, x, dy):
-    """The three timed callables for one module; each returns what it allocates."""
+    """The three timed callables for one module; each returns what it allocates. ``full`` comes
+    before ``backward``, whose kept forward output is made at its first call: a graph built outside
+    a capture and still alive (holding the leaves' AccumulateGrad nodes, made on the default
+    stream) broke the first ``full`` capture of a process (cudaErrorStreamCaptureInvalidated)."""
     params = [p for p in module.parameters() if p.requires_grad]
-    kept = module(x)
+    kept = []
 
     def forward():
         return module(x)
 
     def backward():
-        return torch.autograd.grad(kept, [x, *params], dy, retain_graph=True)
+        if not kept:
+            kept.append(module(x))
+        return torch.autograd.grad(kept[0], [x, *params], dy, retain_graph=True)
 
     def full():
         return torch.autograd.grad(module(x), [x, *params], dy)
 
-    return {"forward": forward, "backward": backward, "full": full}
+    return {"forward": forward, "full": full, "backward": backward}
 
 
 def copy_fns(x, dy):

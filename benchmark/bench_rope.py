@@ -202,7 +202,7 @@ def main():
     if args.sweep:
         sweep(30)
         return
-    modes = ("forward", "backward", "full")
+    modes = ("forward", "full", "backward")  # full first: see bench_norm.mode_fns
     rep = 30 if args.quick else 100
     sizes = [8192] if args.quick else [4096, 8192, 16384, 32768]
     rows: list[Row] = []
