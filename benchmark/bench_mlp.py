@@ -151,7 +151,7 @@ def main():
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("bench_mlp needs a CUDA GPU")
-    modes = ("forward", "backward", "full")
+    modes = ("forward", "full", "backward")  # full first: see bench_norm.mode_fns
     rep = 30 if args.quick else 100
     sizes = [8192] if args.quick else [4096, 8192, 16384, 32768]
     if args.sweep:
