@@ -194,7 +194,7 @@ class PendingScan:
             self.host = torch.empty(counts.shape, dtype=counts.dtype, pin_memory=True)
             self.host.copy_(counts, non_blocking=True)
             self.event = torch.cuda.Event()
-            self.event.record()
+            self.event.record(torch.cuda.current_stream(counts.device))  # the copy's stream
         else:
             self.host = counts
 
@@ -1141,21 +1141,30 @@ def run_token_tiles(weight: Tensor, hidden: Tensor, labels: Tensor, bias: Option
     per_row = isinstance(grad_scale, Tensor)
     speculate = (SPECULATIVE_FIRST_CHUNK and first > 0 and total >= 2 * first
                  and hasattr(torch, "nonzero_static") and not (per_row and grad_scale.shape[0] < first))
-    if not speculate:
-        rows, labels_valid, index = token_rows(hidden, labels, ignore_index, num_classes=V)
+    pending = PendingScan(labels, ignore_index, V) if speculate else None
+    pos = None
+    if speculate:
+        try:  # the first `first` valid positions, padded with -1
+            pos = torch.nonzero_static(pending.valid.reshape(-1), size=first, fill_value=-1).squeeze(1)
+        except (NotImplementedError, RuntimeError):  # a backend without it: the plain path
+            pos = None
+    if pos is None:
+        scan = pending.result() if pending is not None else None
+        labels_valid, index = _valid_index(labels, ignore_index, num_classes=V, scan=scan)
+        rows = hidden_rows_at(hidden, index)
         return (*run_tiles(weight, rows, labels_valid, bias, **run_opts), labels_valid, index)
     grad, need_entropy = run_opts["grad"], run_opts.get("need_entropy", False)
     accum_dtype = run_opts.get("accum_dtype") or weight.dtype
     dev = labels.device
-    pending = PendingScan(labels, ignore_index, V)
-    # the first chunk: the first `first` valid positions, padded with -1 (then label ignore_index);
-    # labels out of range count as ignored here, so the kernel never reads past the vocabulary
-    pos = torch.nonzero_static(pending.valid.reshape(-1), size=first, fill_value=-1).squeeze(1)
+    # the first chunk: padding and labels out of range count as ignored here (label ignore_index),
+    # so the kernel never reads past the vocabulary; rows not known valid are zeroed, as the plain
+    # path never reads ignored rows, whose hidden states may be non-finite (fully masked padding),
+    # and 0 * NaN in the weight-gradient GEMM is NaN
     at = pos.clamp_min(0)
     keep = (pos >= 0) & pending.in_range.reshape(-1).index_select(0, at)
     first_labels = torch.where(keep, flat_labels.index_select(0, at).long(),
                                torch.full_like(at, ignore_index))
-    first_rows = hidden.reshape(-1, H).index_select(0, at)
+    first_rows = hidden.reshape(-1, H).index_select(0, at).masked_fill_(~keep.unsqueeze(1), 0)
     grads = HeadGrads(None, V, H, dtype=weight.dtype, weight_dtype=accum_dtype, device=dev,
                       hidden=grad and run_opts.get("needs_hidden", True),
                       weight=grad and run_opts.get("needs_weight", True),

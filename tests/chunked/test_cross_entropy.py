@@ -287,3 +287,140 @@ def test_speculative_first_chunk_rejects_labels_out_of_range():
     flat[(flat != -100).nonzero()[0]] = V + 3
     with pytest.raises(ValueError, match="labels must be in"):
         fused_linear_cross_entropy(w, h, labels, chunk_tokens=16)
+
+
+def _speculated(monkeypatch):
+    """A list that grows by one each time a call takes the speculative path (engine.PendingScan)."""
+    import liger_losses.chunked.engine as engine
+
+    calls = []
+
+    class Counted(engine.PendingScan):
+        def __init__(self, *args, **kwargs):
+            calls.append(1)
+            super().__init__(*args, **kwargs)
+
+    monkeypatch.setattr(engine, "PendingScan", Counted)
+    return calls
+
+
+def _both_paths(monkeypatch, fn):
+    """``[fn() with SPECULATIVE_FIRST_CHUNK on, fn() with it off]``."""
+    import liger_losses.chunked.engine as engine
+
+    out = []
+    for speculate in (True, False):
+        monkeypatch.setattr(engine, "SPECULATIVE_FIRST_CHUNK", speculate)
+        out.append(fn())
+    return out
+
+
+def test_speculative_first_chunk_never_reads_ignored_rows(monkeypatch):
+    """Hidden states at ignored positions are never used, as on the plain path: NaN there (fully
+    masked padding rows can be NaN) leaves the loss and every gradient finite and within 1e-6 of the
+    plain path when the first chunk is padded (3 valid tokens of 64, 16-token chunks)."""
+    calls = _speculated(monkeypatch)
+    w, _, b, _ = _inputs(seed=4)
+    labels = _labels_with(3)
+    labels.view(-1)[0] = -100  # the padded rows of the first chunk point at flat row 0
+    h = torch.randn(4, 16, H)
+    h.view(-1, H)[labels.view(-1) == -100] = float("nan")
+    h.requires_grad_()
+
+    def run():
+        loss = fused_linear_cross_entropy(w, h, labels, bias=b, chunk_tokens=16)
+        return (loss.detach(), *torch.autograd.grad(loss, (w, h, b)))
+
+    fast, plain = _both_paths(monkeypatch, run)
+    assert calls, "the speculative path was not taken"
+    for name, f, p in zip(("loss", "grad_weight", "grad_hidden", "grad_bias"), fast, plain):
+        assert torch.isfinite(f).all(), f"{name} not finite"
+        assert_close_rel(f, p, 1e-6, name)
+
+
+@pytest.mark.parametrize("ignore_index", [0, V - 1, V + 3])
+@pytest.mark.parametrize("valid_count", [40, 3])
+def test_speculative_first_chunk_other_ignore_index(ignore_index, valid_count, monkeypatch):
+    """An ignore_index other than -100 (inside [0, V) too: the padded rows get it as their label)
+    gives the plain path's loss and gradients within 1e-6, and the loss within 1e-5 of float64."""
+    calls = _speculated(monkeypatch)
+    w, _, _, _ = _inputs(seed=5)
+    h = torch.randn(4, 16, H).requires_grad_()
+    labels = _labels_with(valid_count, seed=valid_count)
+    valid = labels != -100
+    labels[valid & (labels == ignore_index)] = (ignore_index + 1) % V
+    labels[~valid] = ignore_index
+
+    def run():
+        loss = fused_linear_cross_entropy(w, h, labels, ignore_index=ignore_index, chunk_tokens=16)
+        return (loss.detach(), *torch.autograd.grad(loss, (w, h)))
+
+    fast, plain = _both_paths(monkeypatch, run)
+    assert calls
+    for f, p in zip(fast, plain):
+        assert_close_rel(f, p, 1e-6, "speculative vs plain")
+    ref, _ = reference(w, h, None, torch.where(labels == ignore_index, -100, labels))
+    assert_close_rel(fast[0], ref, FP32, "loss vs float64")
+
+
+@pytest.mark.parametrize("where", ["first", "later"])
+@pytest.mark.parametrize("bad", [V, -1])
+def test_speculative_first_chunk_rejects_out_of_range_with_ignore_index_0(where, bad, monkeypatch):
+    """ignore_index=0 and a label out of [0, V) in or after the first chunk: ValueError naming the
+    labels (the first chunk was already issued with that row as ignored: no out-of-range read)."""
+    calls = _speculated(monkeypatch)
+    w, _, _, _ = _inputs()
+    h = torch.randn(4, 16, H)
+    labels = _labels_with(40)
+    labels[labels == 0] = 1
+    labels[labels == -100] = 0
+    pos = (labels.view(-1) != 0).nonzero().squeeze(1)
+    labels.view(-1)[pos[1] if where == "first" else pos[-1]] = bad
+    with pytest.raises(ValueError, match="labels must be in"):
+        fused_linear_cross_entropy(w, h, labels, ignore_index=0, chunk_tokens=16)
+    assert calls
+
+
+@pytest.mark.parametrize("case", ["frozen-weight", "hidden-no-grad", "int32-1d", "shifted-views",
+                                  "accum-fp64", "budget-chunks"])
+@pytest.mark.parametrize("valid_count", [64, 3])
+def test_speculative_first_chunk_variants(case, valid_count, monkeypatch):
+    """Frozen weight, hidden without grad, int32 1-D labels, non-contiguous shifted views
+    (hidden[:, :-1], labels[:, 1:]), an fp64 accumulator, budget-derived chunks: the speculative
+    path (taken: asserted) equals the plain path within 1e-6 in the loss and each gradient asked for."""
+    import liger_losses.chunked.engine as engine
+
+    calls = _speculated(monkeypatch)
+    w, _, _, _ = _inputs(seed=6)
+    kw = dict(chunk_tokens=16)
+    hfull = torch.randn(4, 17, H)
+    lab = torch.cat([torch.full((4, 1), -100), _labels_with(valid_count, seed=1)], 1)
+    h, labels = hfull[:, 1:], lab[:, 1:]
+    if case == "frozen-weight":
+        w, h = w.detach(), h.clone().requires_grad_()
+        leaves = (h,)
+    elif case == "hidden-no-grad":
+        h, leaves = h.clone(), (w,)
+    elif case == "int32-1d":
+        h = h.reshape(64, H).clone().requires_grad_()
+        labels, leaves = labels.reshape(64).to(torch.int32), (w, h)
+    elif case == "shifted-views":
+        hfull.requires_grad_()
+        h, labels, leaves = hfull[:, :-1], lab[:, 1:], (w, hfull)
+    elif case == "accum-fp64":
+        h = h.clone().requires_grad_()
+        kw["accum_dtype"], leaves = torch.float64, (w, h)
+    else:  # budget-derived chunks of 16 rows
+        monkeypatch.setattr(engine, "DEFAULT_BUDGET_BYTES", 16 * V * 4)
+        monkeypatch.setattr(engine, "WEIGHT_BUDGET_FRACTION", 0.0)
+        kw, h = {}, h.clone().requires_grad_()
+        leaves = (w, h)
+
+    def run():
+        loss = fused_linear_cross_entropy(w, h, labels, **kw)
+        return (loss.detach(), *torch.autograd.grad(loss, leaves))
+
+    fast, plain = _both_paths(monkeypatch, run)
+    assert calls
+    for f, p in zip(fast, plain):
+        assert_close_rel(f, p, 1e-6, case)

@@ -108,3 +108,31 @@ def test_speculative_first_chunk_on_the_gpu(monkeypatch):
     plain = run()
     for a, b in zip(fast, plain):
         assert torch.equal(a, b)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+def test_speculative_first_chunk_on_a_non_current_gpu(monkeypatch):
+    """Inputs on cuda:1 while cuda:0 is current (device_map model parallelism): the wait on the
+    counts' copy covers the copy (the event is recorded on the labels' device's stream); loss and
+    gradients equal the plain path's bitwise, 20 times, so that a stale pinned read would show."""
+    import liger_losses.chunked.engine as engine
+
+    dev = torch.device("cuda", 1)
+    torch.cuda.set_device(0)
+    torch.manual_seed(1)
+    w = (torch.randn(V, H, device=dev) * 0.1).requires_grad_()
+    h = torch.randn(8, 512, H, device=dev).requires_grad_()
+    labels = torch.randint(0, V, (8, 512), device=dev)
+    labels[:, :100] = -100
+
+    def run():
+        loss = fused_linear_cross_entropy(w, h, labels, chunk_tokens=256)
+        return (loss.detach(), *torch.autograd.grad(loss, (w, h)))
+
+    for _ in range(20):
+        out = []
+        for speculate in (True, False):
+            monkeypatch.setattr(engine, "SPECULATIVE_FIRST_CHUNK", speculate)
+            out.append(run())
+        for a, b in zip(*out):
+            assert torch.equal(a, b)

@@ -1,0 +1,169 @@
+"""GPU runs of the seven TRL trainer subclasses (DPO, SFT, CPO + SimPO, ORPO, KTO, Distillation, GKD).
+
+Each trainer (parametrized, ids below) gets two tests on CUDA:
+
+* ``test_step0_parity_cuda_fp32``: TRL's trainer (``use_liger=False``) and ours (``use_liger=True``,
+  ``liger_patch_model=True``: the model's RMSNorm/RoPE/SwiGLU run our compiled Triton kernels) on deep copies of
+  the same tiny fp32 model(s) and TRL's first batch: loss, every metric TRL logs and every parameter gradient
+  agree to a relative error <= 1e-4 (TF32 off: fp32 matmuls in full precision; both sides compute the same
+  fp32 math in another summation order, ~1e-6). Each case reuses the CPU parity test's pair builder and check
+  (``tests/trl_integration/test_<trainer>.py``, ``utils.py``).
+* ``test_short_run_cuda_bf16``: 3 optimizer steps of ``trainer.train()`` in bf16 mixed precision (fp32
+  weights, ``bf16=True``: the Trainer's autocast), ours with the layers patched, and TRL's from the same weights
+  and config: all 3 steps are logged, every logged loss is finite, and our logged metric names equal TRL's at
+  every step.
+
+The models are built on the CPU and moved by the trainer (``use_cpu=False``); batches go through the trainer's
+``_prepare_inputs``. Layer patching patches RoPE module-wide, so every test reverts it in a ``finally``.
+
+``LIGER_TEST_GPU_ON_CPU=1`` runs the same tests on the CPU instead (``use_cpu=True``, fp32, Triton kernels in the
+interpreter, no ``gpu`` mark), to check the tests themselves on a machine without a GPU; there the short runs are
+fp32 and unpatched (interpreted kernels over 3 training steps are too slow). ``LIGER_TEST_GPU_BF16=0|1``
+overrides the short runs' bf16 choice (default: bf16 on CUDA only).
+"""
+
+import math
+import os
+
+import pytest
+import torch
+
+from liger_losses.kernels.rms_norm import LigerRMSNorm
+from liger_losses.patching import revert_liger_kernels
+
+from . import test_cpo as cpo_tests
+from . import test_distillation as distillation_tests
+from . import test_dpo as dpo_tests
+from . import test_gkd as gkd_tests
+from . import test_kto as kto_tests
+from . import test_orpo as orpo_tests
+from . import test_sft as sft_tests
+from .utils import build_tokenizer, check_batch_loss_metrics, check_compute_loss, sft_dataset, train_logs
+
+ON_CPU = os.environ.get("LIGER_TEST_GPU_ON_CPU") == "1"
+USE_CPU = ON_CPU  # TrainingArguments.use_cpu: the trainer places the models
+BF16 = os.environ.get("LIGER_TEST_GPU_BF16", "0" if ON_CPU else "1") == "1"
+PATCH_IN_RUN = not ON_CPU  # short runs: patched layers on CUDA; unpatched in the (slow) CPU interpreter
+if not ON_CPU:
+    pytestmark = pytest.mark.gpu
+
+TOL = 1e-4
+STEPS = 3
+
+
+@pytest.fixture(autouse=True)
+def _full_fp32_matmuls():
+    """fp32 matmuls in full precision (no TF32) for the duration of a test, restored afterwards."""
+    old = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision("highest")
+    try:
+        yield
+    finally:
+        torch.set_float32_matmul_precision(old)
+
+
+# --------------------------------------------------------------------------- the cases
+
+def _tokenizer(name):
+    """The bundled character tokenizer; left padding for the on-policy distillation (as its CPU tests)."""
+    tok = build_tokenizer()
+    if name == "distillation":
+        tok.padding_side = "left"
+    return tok
+
+
+def _kw_pair(module):
+    """``module._pair`` (keyword ``liger_kwargs``) as ``pair(tok, tmp_path, liger_kwargs, **cfg)``."""
+    return lambda tok, tmp_path, liger_kwargs, **cfg: module._pair(tok, tmp_path, liger_kwargs=liger_kwargs, **cfg)
+
+
+def _sft_pair(tok, tmp_path, liger_kwargs, **cfg):
+    """SFT on prompt/completion pairs (completion-only loss), as test_sft's parity tests."""
+    return sft_tests._pair(tok, tmp_path, sft_dataset(), liger_kwargs=liger_kwargs, **cfg)
+
+
+# name -> (pair(tok, tmp_path, liger_kwargs, **cfg) -> (TRL's trainer, ours), the case's own config)
+CASES = {
+    "dpo": (_kw_pair(dpo_tests), {}),
+    "sft": (_sft_pair, {}),
+    "cpo": (_kw_pair(cpo_tests), dict(loss_type="sigmoid")),
+    "simpo": (_kw_pair(cpo_tests), dict(loss_type="simpo", cpo_alpha=0.0, beta=2.0, simpo_gamma=0.5)),
+    "orpo": (_kw_pair(orpo_tests), {}),
+    "kto": (_kw_pair(kto_tests), {}),
+    "distillation": (_kw_pair(distillation_tests), {}),
+    "gkd": (_kw_pair(gkd_tests), {}),
+}
+
+
+def _pair(name, tmp_path, *, patch, **cfg):
+    """(TRL's trainer, ours) of case ``name`` on ``USE_CPU``'s device, ours patched when ``patch``."""
+    build, case_cfg = CASES[name]
+    return build(_tokenizer(name), tmp_path, {"liger_patch_model": patch}, use_cpu=USE_CPU, **case_cfg, **cfg)
+
+
+def _check_placed(theirs, ours, patched):
+    """Both trainers' models (and reference/teacher) live on the run's device; ours is patched iff ``patched``."""
+    for trainer in (theirs, ours):
+        for attr in ("model", "ref_model", "teacher_model"):
+            model = getattr(trainer, attr, None)
+            if isinstance(model, torch.nn.Module):
+                assert next(model.parameters()).is_cuda == (not ON_CPU), (attr, next(model.parameters()).device)
+    assert isinstance(ours.model.model.norm, LigerRMSNorm) == patched
+    assert not isinstance(theirs.model.model.norm, LigerRMSNorm)
+
+
+def _step0_check(name, theirs, ours):
+    """The case's CPU step-0 check (loss, every metric TRL logs, every gradient; rel <= TOL); TRL's metrics."""
+    if name == "sft":  # SFT's compute_loss consumes its inputs: test_sft's check hands each trainer a copy
+        sft_tests._check(theirs, ours)
+        return None
+    if name in ("cpo", "simpo", "orpo"):  # TRL logs get_batch_loss_metrics' metrics
+        return check_batch_loss_metrics(theirs, ours, TOL)
+    if name == "distillation":  # on-policy: one batch generated by TRL's trainer, handed to both
+        batch = distillation_tests._generated_batch(theirs)
+        assert batch["completion_mask"].sum() > 0
+        m_t, _ = check_compute_loss(theirs, ours, TOL, batch)
+        assert "entropy" in m_t
+        return m_t
+    m_t, _ = check_compute_loss(theirs, ours, TOL)
+    return m_t
+
+
+# --------------------------------------------------------------------------- the tests
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_step0_parity_cuda_fp32(name, tmp_path):
+    """Step 0 in fp32 with TF32 off, ours with patched layers (compiled kernels on CUDA): loss, every metric TRL
+    logs and every gradient equal TRL's to a relative error <= 1e-4 (metrics that are 0 compare absolutely)."""
+    try:
+        theirs, ours = _pair(name, tmp_path, patch=True)
+        _check_placed(theirs, ours, patched=True)
+        m_t = _step0_check(name, theirs, ours)
+        if name in ("dpo", "kto"):
+            assert abs(m_t["rewards/margins"]) > 0  # a real test: policy != reference
+    finally:
+        revert_liger_kernels()  # RoPE is patched module-wide: leave later tests unpatched
+
+
+def _names(logs):
+    return [sorted(h) for h in logs]
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_short_run_cuda_bf16(name, tmp_path):
+    """3 optimizer steps of trainer.train() (bf16 mixed precision on CUDA, ours with patched layers) for ours and
+    TRL's from the same weights: both log 3 steps, every logged loss is finite, and our logged metric names equal
+    TRL's at every step (no tolerance: a set equality)."""
+    try:
+        theirs, ours = _pair(name, tmp_path, patch=PATCH_IN_RUN, max_steps=STEPS, bf16=BF16)
+        _check_placed(theirs, ours, patched=PATCH_IN_RUN)
+        for trainer in (theirs, ours):
+            assert trainer.accelerator.mixed_precision == ("bf16" if BF16 else "no")
+        lo, lt = train_logs(theirs, ours, STEPS, same_names=False)
+        assert ours.state.global_step == theirs.state.global_step == STEPS
+        for logs in (lo, lt):
+            assert all(math.isfinite(h["loss"]) for h in logs), [h["loss"] for h in logs]
+        assert _names(lo) == _names(lt), (_names(lo), _names(lt))
+    finally:
+        revert_liger_kernels()
