@@ -101,20 +101,25 @@ def _pair(name, tmp_path, *, patch, **cfg):
     return build(_tokenizer(name), tmp_path, {"liger_patch_model": patch}, use_cpu=USE_CPU, **case_cfg, **cfg)
 
 
-def _check_placed(theirs, ours, patched):
-    """Both trainers' models (and reference/teacher) live on the run's device; ours is patched iff ``patched``."""
+# the trainers' second model: a reference (DPO, KTO) or a teacher (GKD, distillation)
+COMPANION = {"dpo": "ref_model", "kto": "ref_model", "gkd": "teacher_model", "distillation": "teacher_model"}
+
+
+def _check_placed(name, theirs, ours, patched):
+    """Both trainers' models (policy/student and reference/teacher) live on the run's device (the trainer moved
+    them); ours is patched iff ``patched``, TRL's never."""
+    attrs = ["model"] + ([COMPANION[name]] if name in COMPANION else [])
     for trainer in (theirs, ours):
-        for attr in ("model", "ref_model", "teacher_model"):
-            model = getattr(trainer, attr, None)
-            if isinstance(model, torch.nn.Module):
-                assert next(model.parameters()).is_cuda == (not ON_CPU), (attr, next(model.parameters()).device)
+        for attr in attrs:
+            device = next(getattr(trainer, attr).parameters()).device
+            assert (device.type == "cuda") == (not ON_CPU), (attr, device)
     assert isinstance(ours.model.model.norm, LigerRMSNorm) == patched
     assert not isinstance(theirs.model.model.norm, LigerRMSNorm)
 
 
 def _step0_check(name, theirs, ours):
     """The case's CPU step-0 check (loss, every metric TRL logs, every gradient; rel <= TOL); TRL's metrics."""
-    if name == "sft":  # SFT's compute_loss consumes its inputs: test_sft's check hands each trainer a copy
+    if name == "sft":  # TRL's SFT compute_loss writes into its inputs: test_sft's check hands each a copy
         sft_tests._check(theirs, ours)
         return None
     if name in ("cpo", "simpo", "orpo"):  # TRL logs get_batch_loss_metrics' metrics
@@ -138,7 +143,7 @@ def test_step0_parity_cuda_fp32(name, tmp_path):
     logs and every gradient equal TRL's to a relative error <= 1e-4 (metrics that are 0 compare absolutely)."""
     try:
         theirs, ours = _pair(name, tmp_path, patch=True)
-        _check_placed(theirs, ours, patched=True)
+        _check_placed(name, theirs, ours, patched=True)
         m_t = _step0_check(name, theirs, ours)
         if name in ("dpo", "kto"):
             assert abs(m_t["rewards/margins"]) > 0  # a real test: policy != reference
@@ -157,7 +162,7 @@ def test_short_run_cuda_bf16(name, tmp_path):
     TRL's at every step (no tolerance: a set equality)."""
     try:
         theirs, ours = _pair(name, tmp_path, patch=PATCH_IN_RUN, max_steps=STEPS, bf16=BF16)
-        _check_placed(theirs, ours, patched=PATCH_IN_RUN)
+        _check_placed(name, theirs, ours, patched=PATCH_IN_RUN)
         for trainer in (theirs, ours):
             assert trainer.accelerator.mixed_precision == ("bf16" if BF16 else "no")
         lo, lt = train_logs(theirs, ours, STEPS, same_names=False)
