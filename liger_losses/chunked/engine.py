@@ -12,6 +12,11 @@ memory budget (:func:`chunk_bounds`, :func:`group_chunk_bounds`), each tile is f
 ``grad_hidden`` (``G @ W``, written into the caller's buffer) and ``grad_weight`` (``G^T @ hidden``,
 accumulated across chunks in the weight dtype or ``accum_dtype``).
 
+Host syncs: one per loss, reading back the valid-token count (and per-sequence counts) with the
+labels' range check (:func:`_scan_labels`). Per-token losses (:func:`run_token_tiles`, used by
+cross-entropy) issue their first chunk before that wait (:class:`PendingScan`,
+:data:`SPECULATIVE_FIRST_CHUNK`), so the GPU is not idle while the host plans the chunks.
+
 Shapes and dtypes: ``weight [V, H]``, ``hidden [..., H]``, ``labels [...]`` integer, ``bias [V]``.
 The compute dtype of the tiles and GEMMs is the autocast dtype when autocast is on for the
 device, else the weight's dtype. Row statistics are float32.
