@@ -53,7 +53,11 @@ STEPS = 3
 
 @pytest.fixture(autouse=True)
 def _full_fp32_matmuls():
-    """fp32 matmuls in full precision (no TF32) for the duration of a test, restored afterwards."""
+    """fp32 matmuls in full precision (no TF32) for the duration of a test, restored afterwards.
+    On a machine with several visible GPUs and no launcher the HF Trainer would wrap the model in
+    DataParallel: skipped there (run with ``CUDA_VISIBLE_DEVICES=0``)."""
+    if not ON_CPU and torch.cuda.is_available() and torch.cuda.device_count() > 1:
+        pytest.skip("several GPUs visible: the Trainer would use DataParallel; set CUDA_VISIBLE_DEVICES=0")
     old = torch.get_float32_matmul_precision()
     torch.set_float32_matmul_precision("highest")
     try:
