@@ -34,7 +34,6 @@ from liger_losses.chunked.engine import (
     run_tiles,
     run_token_tiles,
     scatter_rows,
-    token_rows,
     weight_grad_like,
 )
 from liger_losses.chunked.output import LossOutput
@@ -54,12 +53,6 @@ def _full_weight(weight, cfg):
     w_full = gather_weight(weight)
     cdt = cfg["compute_dtype"]
     return w_full, (w_full if w_full.dtype == cdt else w_full.to(cdt))
-
-
-def _prepare(weight, hidden, labels, cfg):
-    w_full, w_c = _full_weight(weight, cfg)
-    rows, l_valid, index = token_rows(hidden, labels, cfg["ignore_index"], num_classes=w_c.shape[0])
-    return w_full, w_c, rows, l_valid, index
 
 
 def _sink_stats(sink, stats, num_tokens, cfg):
@@ -127,10 +120,10 @@ def _stats_forward(ctx, weight, hidden, bias, labels, cfg, mode, **run_opts):
     (so backward needs no second ``nonzero`` host sync) and ``cfg`` for
     :func:`_recompute_saved_backward`."""
     with torch.no_grad():
-        _, w_c, rows, l_valid, index = _prepare(weight, hidden, labels, cfg)
-        stats, _, _, _ = run_tiles(
-            w_c, rows, l_valid, bias, mode=mode, grad=False, kernel_opts=cfg["kernel_opts"],
-            chunk_tokens=cfg["chunk_tokens"], **run_opts,
+        _, w_c = _full_weight(weight, cfg)
+        stats, _, _, _, l_valid, index = run_token_tiles(  # first chunk before the host sync
+            w_c, hidden, labels, bias, ignore_index=cfg["ignore_index"], mode=mode, grad=False,
+            kernel_opts=cfg["kernel_opts"], chunk_tokens=cfg["chunk_tokens"], **run_opts,
         )
     ctx.save_for_backward(weight, hidden, bias, l_valid, index)
     ctx.cfg = cfg

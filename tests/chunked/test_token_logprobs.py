@@ -86,3 +86,29 @@ def test_bad_inputs():
         fused_linear_token_logprobs(w, h, labels + V)
     with pytest.raises(ValueError, match="hidden"):
         fused_linear_token_logprobs(w, h[..., :4], labels)
+
+
+@pytest.mark.parametrize("valid_count", [64, 40, 5, 0], ids=["none-ignored", "chunk1-full", "chunk1-padded", "all-ignored"])
+def test_speculative_first_chunk_equals_plain_path(valid_count, monkeypatch):
+    """The forward's first chunk issued before the labels' host sync (engine.SPECULATIVE_FIRST_CHUNK,
+    16-token chunks over 64 tokens) gives the plain path's log-probs, entropy and recomputed
+    gradients bitwise (within 1e-6 when the first chunk is padded: its GEMM's row count differs)."""
+    import liger_losses.chunked.engine as engine
+
+    g = torch.Generator().manual_seed(7)
+    w = torch.randn(V, H, generator=g).requires_grad_()
+    h = torch.randn(4, 16, H, generator=g).requires_grad_()
+    labels = torch.full((64,), -100, dtype=torch.long)
+    labels[torch.randperm(64, generator=g)[:valid_count]] = torch.randint(0, V, (valid_count,), generator=g)
+    labels = labels.view(4, 16)
+    up = torch.randn(4, 16, generator=g)
+    results = []
+    for speculate in (True, False):
+        monkeypatch.setattr(engine, "SPECULATIVE_FIRST_CHUNK", speculate)
+        logps, entropy = fused_linear_token_logprobs(w, h, labels, chunk_tokens=16, return_entropy=True)
+        results.append((logps.detach(), entropy, *torch.autograd.grad((logps * up).sum(), (w, h))))
+    for got, want in zip(*results):
+        if 0 < valid_count < 16:
+            assert_close_rel(got, want, 1e-6, "speculative vs plain")
+        else:
+            assert torch.equal(got, want)
