@@ -22,7 +22,11 @@ liger-kernel does: the rotation then allocates nothing, forward or backward. H20
 tokens (out of place 0.0875, liger-kernel 0.0869) and 0.3464 at 32768 (0.3386, 0.3406), Qwen2-0.5B
 0.0179 (0.0192, 0.0170); host time per call (``bench_host.py``) 108 us forward and 828 us forward
 + backward, against 126 / 958 out of place. Set ``liger_losses.patching.rope.INPLACE = False`` for
-the out-of-place rotation (read at every call).
+the out-of-place rotation (read at every call) -- e.g. with a forward hook that keeps ``q_proj``'s or
+``k_proj``'s output (activation capture): in place, the tensor it kept is rotated afterwards. The
+model's outputs and gradients are the same either way (``tests/patching/test_inplace_rope_paths.py``:
+eager and SDPA attention, gradient checkpointing, LoRA with dropout, KV-cache generation, an input
+used twice).
 """
 
 from __future__ import annotations
