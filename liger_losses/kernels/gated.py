@@ -76,9 +76,25 @@ def gated_forward(ctx, gate, up, inplace_backward, kernel, knobs, **constexprs) 
     return out
 
 
+def guard_second_backward(ctx) -> None:
+    """Raise a RuntimeError that names the cause when an in-place backward (``ctx.inplace``) runs a
+    second time through the same graph (``retain_graph=True``): the first one overwrote the saved
+    inputs with the gradients (autograd's own error would only name a version counter)."""
+    if ctx.inplace and getattr(ctx, "backward_done", False):
+        raise RuntimeError(
+            "a second backward through this gated MLP (retain_graph=True) is not supported with "
+            "inplace_backward=True: the first backward wrote the gradients into the saved gate/up "
+            "buffers; use inplace_backward=False (apply_liger_kernels(..., swiglu=False/geglu=False) "
+            "for patched models)"
+        )
+    ctx.backward_done = True
+
+
 def gated_backward(ctx, grad_out, kernel, knobs, **constexprs) -> tuple[torch.Tensor, torch.Tensor]:
     """Autograd backward: ``kernel(dc, a, b, da, db)`` over the 2-D views; returns
-    (grad_gate, grad_up)."""
+    (grad_gate, grad_up). With the in-place backward a second backward through the same graph
+    (``retain_graph=True``) raises a RuntimeError saying so (the first one overwrote gate and up)."""
+    guard_second_backward(ctx)
     gate, up = ctx.saved_tensors
     a2, b2 = pair_rows(gate, up)
     dc2 = grad_out.contiguous().view(a2.shape)

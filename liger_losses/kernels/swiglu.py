@@ -36,6 +36,7 @@ from liger_losses.kernels.gated import (
     check_inplace_backward,
     gated_backward,
     gated_forward,
+    guard_second_backward,
     launch_rows,
 )
 from liger_losses.kernels.launch import fast_kernel
@@ -126,6 +127,7 @@ class SwiGLUPackedFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out):
+        guard_second_backward(ctx)
         (saved,) = ctx.saved_tensors
         inter = ctx.shape[-1] // 2
         gu2 = saved.view(-1, 2 * inter)
