@@ -348,22 +348,13 @@ def run_one(task: str, provider: str, *, seq: int, warmup: int, timed: int, tiny
                 ref_model.requires_grad_(False)
             args = make_config(task, provider, seq=seq, steps=steps, out_dir=out_dir, tiny=tiny, batch=batch)
             extra["grad_ckpt_kwargs"] = str(args.gradient_checkpointing_kwargs)
-            profile_path = ""
-            if profile:
+            def out_path(kind: str, wanted: bool) -> str:  # "" when not wanted
                 from benchmark.common import results_dir
 
-                profile_path = os.path.join(results_dir(), f"profile_{case}_{provider.replace('+', '_')}.txt")
-            cprofile_path = ""
-            if cprofile:
-                from benchmark.common import results_dir
+                return os.path.join(results_dir(), f"{kind}_{case}_{provider.replace('+', '_')}.txt") if wanted else ""
 
-                cprofile_path = os.path.join(results_dir(), f"cprofile_{case}_{provider.replace('+', '_')}.txt")
-            memory_peak_path = ""
-            if memory_peak and cuda:
-                from benchmark.common import results_dir
-
-                memory_peak_path = os.path.join(results_dir(), f"memory_peak_{case}_{provider.replace('+', '_')}.txt")
-            timer = _make_timer_callback(warmup, cuda, profile_path, cprofile_path, memory_peak_path)
+            timer = _make_timer_callback(warmup, cuda, out_path("profile", profile), out_path("cprofile", cprofile),
+                                         out_path("memory_peak", memory_peak and cuda))
             timer.ref_model = ref_model
             trainer = make_trainer(task, provider, model, ref_model, args, dataset, tokenizer, timer)
             batch = next(iter(trainer.get_train_dataloader()))
@@ -445,6 +436,12 @@ def merge_rounds(rows: list[Row]) -> list[Row]:
     return list(merged.values())
 
 
+def _ratio(a, b):
+    """a / b rounded to 3 digits, or "" unless both are numbers (not NaN) and b > 0."""
+    numbers = all(isinstance(v, (int, float)) and v == v for v in (a, b))
+    return round(a / b, 3) if numbers and b > 0 else ""
+
+
 def ratio_table(rows: list[Row]) -> list[dict]:
     out = []
     for case in dict.fromkeys(r.case for r in rows):
@@ -459,11 +456,8 @@ def ratio_table(rows: list[Row]) -> list[dict]:
             b = by.get(base)
             ok = ours is not None and b is not None and not ours.error and not b.error
             d[f"speed ours/{base}"] = round(ours.extra["tokens_per_s"] / b.extra["tokens_per_s"], 3) if ok else ""
-            d[f"mem ours/{base}"] = round(ours.peak_mib / b.peak_mib, 3) if ok and b.peak_mib == b.peak_mib and b.peak_mib > 0 else ""
-            step_peaks = (ours.extra.get("step_peak_mib"), b.extra.get("step_peak_mib")) if ok else (None, None)
-            d[f"step mem ours/{base}"] = (round(step_peaks[0] / step_peaks[1], 3)
-                                          if all(isinstance(v, float) and v == v for v in step_peaks) and step_peaks[1] > 0
-                                          else "")
+            d[f"mem ours/{base}"] = _ratio(ours.peak_mib, b.peak_mib) if ok else ""
+            d[f"step mem ours/{base}"] = _ratio(ours.extra.get("step_peak_mib"), b.extra.get("step_peak_mib")) if ok else ""
         out.append(d)
     return out
 

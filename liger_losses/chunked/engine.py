@@ -151,31 +151,47 @@ class LabelScan(NamedTuple):
     row_counts_host: Optional[list]  # the same as Python ints
 
 
+def _label_counts(labels: Tensor, ignore_index: int, num_classes: Optional[int], row_counts: bool):
+    """Device side of a label scan: ``(valid, in_range, counts, parts)`` with ``valid`` = label !=
+    ignore_index, ``in_range`` = valid and within ``[0, num_classes)`` (``valid`` when no
+    ``num_classes``), ``counts`` the per-row counts ``[B]`` (``labels [B, T]``, when asked) and
+    ``parts`` the long vector to read back: ``[valid tokens, (in-range tokens,) (counts...)]``."""
+    valid = labels != ignore_index
+    counts = valid.sum(1) if row_counts else None
+    parts = [valid.sum().reshape(1) if counts is None else counts.sum().reshape(1)]
+    in_range = valid
+    if num_classes is not None:
+        in_range = valid & (labels >= 0) & (labels < num_classes)
+        parts.append(in_range.sum().reshape(1))
+    if counts is not None:
+        parts.append(counts)
+    return valid, in_range, counts, torch.cat(parts)
+
+
+def _label_scan(labels: Tensor, ignore_index: int, num_classes: Optional[int], valid: Tensor,
+                in_range: Tensor, counts: Optional[Tensor], host: list) -> LabelScan:
+    """The :class:`LabelScan` of :func:`_label_counts`' results, ``host`` being its ``parts`` read
+    back; ``ValueError`` when a valid label is outside ``[0, num_classes)``."""
+    if num_classes is not None:
+        if host[1] != host[0]:
+            example = int(labels[valid & ~in_range][0])
+            raise ValueError(
+                f"labels must be in [0, {num_classes}) or equal ignore_index={ignore_index}, "
+                f"found {example}"
+            )
+        host = host[:1] + host[2:]
+    return LabelScan(valid, int(host[0]), counts, host[1:] if counts is not None else None)
+
+
 def _scan_labels(labels: Tensor, ignore_index: int, num_classes: Optional[int],
                  row_counts: bool = False) -> LabelScan:
     """The valid-token mask and counts of ``labels`` with ONE host sync: the range check of the
     labels (when ``num_classes`` is given: every label in ``[0, num_classes)`` or ``ignore_index``,
     else ``ValueError``), the number of valid tokens and, with ``row_counts``, each row's count
     (``labels [B, T]``) are read back together."""
-    valid = labels != ignore_index
-    counts = valid.sum(1) if row_counts else None
-    parts = []
-    if num_classes is not None:
-        bad = valid & ((labels < 0) | (labels >= num_classes))
-        parts.append(bad.any().reshape(1).long())
-    parts.append(valid.sum().reshape(1) if counts is None else counts.sum().reshape(1))
-    if counts is not None:
-        parts.append(counts)
-    host = torch.cat(parts).tolist()  # the one host sync
-    if num_classes is not None:
-        if host[0]:
-            example = int(labels[bad][0])
-            raise ValueError(
-                f"labels must be in [0, {num_classes}) or equal ignore_index={ignore_index}, "
-                f"found {example}"
-            )
-        host = host[1:]
-    return LabelScan(valid, int(host[0]), counts, host[1:] if row_counts else None)
+    valid, in_range, counts, parts = _label_counts(labels, ignore_index, num_classes, row_counts)
+    host = parts.tolist()  # the one host sync
+    return _label_scan(labels, ignore_index, num_classes, valid, in_range, counts, host)
 
 
 class PendingScan:
@@ -187,13 +203,7 @@ class PendingScan:
 
     def __init__(self, labels: Tensor, ignore_index: int, num_classes: Optional[int]):
         self.labels, self.ignore_index, self.num_classes = labels, ignore_index, num_classes
-        self.valid = labels != ignore_index
-        parts = [self.valid.sum().reshape(1)]
-        self.in_range = self.valid
-        if num_classes is not None:
-            self.in_range = self.valid & (labels >= 0) & (labels < num_classes)
-            parts.append(self.in_range.sum().reshape(1))
-        counts = torch.cat(parts)
+        self.valid, self.in_range, _, counts = _label_counts(labels, ignore_index, num_classes, False)
         self.event = None
         if counts.is_cuda:
             self.host = torch.empty(counts.shape, dtype=counts.dtype, pin_memory=True)
@@ -206,15 +216,8 @@ class PendingScan:
     def result(self) -> LabelScan:
         if self.event is not None:
             self.event.synchronize()  # the one host sync: waits for the counts' copy only
-        host = self.host.tolist()
-        if self.num_classes is not None and host[1] != host[0]:
-            bad = self.valid & ~self.in_range
-            example = int(self.labels[bad][0])
-            raise ValueError(
-                f"labels must be in [0, {self.num_classes}) or equal ignore_index={self.ignore_index}, "
-                f"found {example}"
-            )
-        return LabelScan(self.valid, int(host[0]), None, None)
+        return _label_scan(self.labels, self.ignore_index, self.num_classes, self.valid, self.in_range,
+                           None, self.host.tolist())
 
 
 def _nonzero(mask: Tensor, count: int) -> Tensor:
@@ -310,8 +313,16 @@ class RowScatter:
         return torch.empty(te - ts, self.H, dtype=self.full.dtype, device=self.full.device)
 
     def commit(self, ts: int, te: int, buf: Tensor) -> None:
+        """Rows ``[ts, te)`` from ``buf``, the :meth:`target` of those rows."""
         if not self.identity:
             self.full.index_copy_(0, self.index[ts:te], buf)
+
+    def write(self, ts: int, te: int, rows: Tensor) -> None:
+        """Rows ``[ts, te)`` from ``rows`` computed elsewhere (not in their :meth:`target`)."""
+        if self.identity:
+            self.full[ts:te].copy_(rows)
+        else:
+            self.full.index_copy_(0, self.index[ts:te], rows)
 
     def scale(self, ts: int, te: int, factor: Tensor) -> None:
         """Rows ``[ts, te)`` times the 0-d fp32 ``factor``, computed in fp32 and rounded once."""
@@ -361,13 +372,8 @@ class HeadGrads:
 
     def commit_detached(self, buf: Optional[Tensor], ts: int, te: int) -> None:
         """Rows ``[0, te - ts)`` of ``buf`` (from :meth:`add_detached`) as tokens ``[ts, te)``."""
-        if buf is None or self.hidden is None or te <= ts:
-            return
-        rows = buf[: te - ts]
-        if self.hidden.identity:
-            self.hidden.full[ts:te].copy_(rows)
-        else:
-            self.hidden.commit(ts, te, rows)
+        if buf is not None and self.hidden is not None and te > ts:
+            self.hidden.write(ts, te, buf[: te - ts])
 
     def add(self, grad_logits: Tensor, hidden: Tensor, weight: Tensor, ts: int, te: int,
             row_scale: Optional[Tensor] = None) -> None:
@@ -1116,16 +1122,34 @@ def run_tiles(
     dtype) | None, grad_bias [V] fp32 | None)`` where ``stats`` maps
     loss/lse/logp/correct(/entropy) to ``[N]`` tensors.
     """
-    V, H = weight.shape
-    grads = HeadGrads(hidden_rows, V, H, dtype=weight.dtype, weight_dtype=accum_dtype or weight.dtype,
-                      device=labels_valid.device, hidden=grad and needs_hidden, weight=grad and needs_weight,
-                      bias=grad and needs_bias)
-    bounds = chunk_bounds(labels_valid.shape[0], V, chunk_tokens=chunk_tokens,
-                          budget_bytes=_budget(weight), itemsize=_itemsize(weight))
-    tile_opts = dict(mode=mode, grad=grad, need_entropy=need_entropy, **dict(kernel_opts or {}))
+    grads, tile_opts = _pass_setup(
+        weight, hidden_rows, labels_valid.device, mode=mode, grad=grad, need_entropy=need_entropy,
+        kernel_opts=kernel_opts, accum_dtype=accum_dtype, needs_hidden=needs_hidden,
+        needs_weight=needs_weight, needs_bias=needs_bias,
+    )
     parts: dict[str, list] = {}
-    _run_chunks(weight, hidden_rows, labels_valid, bias, bounds, grads, parts, grad_scale, tile_opts)
+    _run_chunks(weight, hidden_rows, labels_valid, bias, _token_chunks(weight, labels_valid.shape[0], chunk_tokens),
+                grads, parts, grad_scale, tile_opts)
     return (_stats_of(parts, need_entropy, labels_valid.device), *grads.finish())
+
+
+def _pass_setup(weight: Tensor, rows: Optional[RowGather], device, *, mode: str, grad: bool,
+                need_entropy: bool = False, kernel_opts: Optional[dict] = None,
+                accum_dtype: Optional[torch.dtype] = None, needs_hidden: bool = True,
+                needs_weight: bool = True, needs_bias: bool = False, **_):
+    """``(grads, tile_opts)`` of one :func:`run_tiles` pass (its keyword options; others ignored):
+    the :class:`HeadGrads` to fill and the logits-tile keywords of every chunk."""
+    V, H = weight.shape
+    grads = HeadGrads(rows, V, H, dtype=weight.dtype, weight_dtype=accum_dtype or weight.dtype, device=device,
+                      hidden=grad and needs_hidden, weight=grad and needs_weight, bias=grad and needs_bias)
+    return grads, dict(mode=mode, grad=grad, need_entropy=need_entropy, **dict(kernel_opts or {}))
+
+
+def _token_chunks(weight: Tensor, num_tokens: int, chunk_tokens: Optional[int]) -> list[tuple[int, int]]:
+    """:func:`chunk_bounds` of ``num_tokens`` rows for ``weight``'s head (default tile budget)."""
+    itemsize = torch.finfo(weight.dtype).bits // 8
+    return chunk_bounds(num_tokens, weight.shape[0], chunk_tokens=chunk_tokens,
+                        budget_bytes=tile_budget(weight.shape[0], weight.shape[1], itemsize), itemsize=itemsize)
 
 
 def run_token_tiles(weight: Tensor, hidden: Tensor, labels: Tensor, bias: Optional[Tensor], *,
@@ -1139,28 +1163,22 @@ def run_token_tiles(weight: Tensor, hidden: Tensor, labels: Tensor, bias: Option
     flat_labels = labels.reshape(-1)
     total = flat_labels.shape[0]
     chunk_tokens = run_opts.get("chunk_tokens")
-    bounds = chunk_bounds(total, V, chunk_tokens=chunk_tokens, budget_bytes=_budget(weight),
-                          itemsize=_itemsize(weight))
+    bounds = _token_chunks(weight, total, chunk_tokens)
     first = bounds[0][1] if bounds else 0
     grad_scale = run_opts.get("grad_scale", 1.0)
     per_row = isinstance(grad_scale, Tensor)
-    speculate = (SPECULATIVE_FIRST_CHUNK and first > 0 and total >= 2 * first
-                 and hasattr(torch, "nonzero_static") and not (per_row and grad_scale.shape[0] < first))
-    pending = PendingScan(labels, ignore_index, V) if speculate else None
-    pos = None
-    if speculate:
+    pending = pos = None
+    if SPECULATIVE_FIRST_CHUNK and first > 0 and total >= 2 * first and not (per_row and grad_scale.shape[0] < first):
+        pending = PendingScan(labels, ignore_index, V)
         try:  # the first `first` valid positions, padded with -1
             pos = torch.nonzero_static(pending.valid.reshape(-1), size=first, fill_value=-1).squeeze(1)
-        except (NotImplementedError, RuntimeError):  # a backend without it: the plain path
+        except (AttributeError, NotImplementedError, RuntimeError):  # older torch / backend: plain path
             pos = None
     if pos is None:
         scan = pending.result() if pending is not None else None
         labels_valid, index = _valid_index(labels, ignore_index, num_classes=V, scan=scan)
-        rows = hidden_rows_at(hidden, index)
-        return (*run_tiles(weight, rows, labels_valid, bias, **run_opts), labels_valid, index)
-    grad, need_entropy = run_opts["grad"], run_opts.get("need_entropy", False)
-    accum_dtype = run_opts.get("accum_dtype") or weight.dtype
-    dev = labels.device
+        return (*run_tiles(weight, hidden_rows_at(hidden, index), labels_valid, bias, **run_opts),
+                labels_valid, index)
     # the first chunk: padding and labels out of range count as ignored here (label ignore_index),
     # so the kernel never reads past the vocabulary; rows not known valid are zeroed, as the plain
     # path never reads ignored rows, whose hidden states may be non-finite (fully masked padding),
@@ -1170,37 +1188,22 @@ def run_token_tiles(weight: Tensor, hidden: Tensor, labels: Tensor, bias: Option
     first_labels = torch.where(keep, flat_labels.index_select(0, at).long(),
                                torch.full_like(at, ignore_index))
     first_rows = hidden.reshape(-1, H).index_select(0, at).masked_fill_(~keep.unsqueeze(1), 0)
-    grads = HeadGrads(None, V, H, dtype=weight.dtype, weight_dtype=accum_dtype, device=dev,
-                      hidden=grad and run_opts.get("needs_hidden", True),
-                      weight=grad and run_opts.get("needs_weight", True),
-                      bias=grad and run_opts.get("needs_bias", False))
-    tile_opts = dict(mode=run_opts["mode"], grad=grad, need_entropy=need_entropy,
-                     **dict(run_opts.get("kernel_opts") or {}))
+    grads, tile_opts = _pass_setup(weight, None, labels.device, **run_opts)
     tile = project(first_rows, weight, bias)
     first_stats = logits_tile(tile, first_labels, grad_scale=grad_scale[:first] if per_row else grad_scale,
                               need_logits_sum=False, **tile_opts)
-    first_grad = grads.add_detached(tile, first_rows, weight) if grad else None
+    first_grad = grads.add_detached(tile, first_rows, weight) if tile_opts["grad"] else None
     del tile
     scan = pending.result()  # the one host sync (raises on labels out of range)
     labels_valid, index = _valid_index(labels, ignore_index, scan=scan)
     rows = hidden_rows_at(hidden, index)
     grads.attach(rows)
-    n = scan.num_valid
-    done = min(first, n)
+    done = min(first, scan.num_valid)
     grads.commit_detached(first_grad, 0, done)
     parts: dict[str, list] = {k: [v[:done]] for k, v in first_stats._asdict().items() if v is not None}
-    rest = [(done + a, done + b) for a, b in chunk_bounds(n - done, V, chunk_tokens=chunk_tokens,
-                                                           budget_bytes=_budget(weight), itemsize=_itemsize(weight))]
+    rest = [(done + a, done + b) for a, b in _token_chunks(weight, scan.num_valid - done, chunk_tokens)]
     _run_chunks(weight, rows, labels_valid, bias, rest, grads, parts, grad_scale, tile_opts)
-    return (_stats_of(parts, need_entropy, dev), *grads.finish(), labels_valid, index)
-
-
-def _itemsize(weight: Tensor) -> int:
-    return torch.finfo(weight.dtype).bits // 8
-
-
-def _budget(weight: Tensor) -> int:
-    return tile_budget(weight.shape[0], weight.shape[1], _itemsize(weight))
+    return (_stats_of(parts, tile_opts["need_entropy"], labels.device), *grads.finish(), labels_valid, index)
 
 
 def _run_chunks(weight, rows, labels_valid, bias, bounds, grads, parts, grad_scale, tile_opts) -> None:

@@ -251,21 +251,20 @@ def test_speculative_first_chunk_equals_plain_path(valid_count, options, monkeyp
     hidden, weight and bias, and the metrics of the plain path (same fixed chunks, fp32), with every
     token valid, more or fewer valid tokens than one chunk, and none; within 1e-6 when the first
     chunk is padded (its GEMMs' inner dimension differs); the loss within 1e-5 of float64."""
-    import liger_losses.chunked.engine as engine
-
     w, h, b, _ = _inputs(seed=4)
     h = torch.randn(4, 16, H).requires_grad_()
     labels = _labels_with(valid_count)
     kw = dict(chunk_tokens=16, return_token_accuracy=True, return_z_loss=True, return_entropy=True)
     if options != "plain":
         kw.update(bias=b, label_smoothing=0.1, z_loss_weight=1e-3, num_items_in_batch=50)
-    results = []
-    for speculate in (True, False):
-        monkeypatch.setattr(engine, "SPECULATIVE_FIRST_CHUNK", speculate)
+    leaves = (w, h, b) if options != "plain" else (w, h)
+
+    def run():
         out = fused_linear_cross_entropy(w, h, labels, **kw)
-        leaves = (w, h, b) if options != "plain" else (w, h)
         grads = torch.autograd.grad(out.loss, leaves)
-        results.append((out.loss.detach(), *grads, *(out.metrics[k] for k in sorted(out.metrics))))
+        return (out.loss.detach(), *grads, *(out.metrics[k] for k in sorted(out.metrics)))
+
+    results = _both_paths(monkeypatch, run)
     for got, want in zip(*results):
         if 0 < valid_count < 16:  # the padded first chunk's GEMMs sum over 16 rows, not 7: rounding
             assert_close_rel(got, want, 1e-6, "speculative vs plain")
