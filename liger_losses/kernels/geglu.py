@@ -33,6 +33,7 @@ from liger_losses.kernels.gated import (
     gated_backward,
     gated_forward,
 )
+from liger_losses.kernels.gated_down import mlp_tail
 from liger_losses.kernels.launch import fast_kernel
 from liger_losses.kernels.utils import check_choice, import_triton, resolve_impl
 
@@ -152,7 +153,9 @@ class LigerGEGLUMLP(nn.Module):
     """Drop-in for ``GemmaMLP``: gate_proj, up_proj, down_proj without bias, same forward.
 
     ``forward(x) = down_proj(geglu(gate_proj(x), up_proj(x)))`` with the GELU variant named by
-    ``config.hidden_act`` (or the older ``config.hidden_activation``), ``gelu_pytorch_tanh`` by default.
+    ``config.hidden_act`` (or the older ``config.hidden_activation``), ``gelu_pytorch_tanh`` by default;
+    the product is never stored whole when down_proj is a plain ``nn.Linear``
+    (:func:`~liger_losses.kernels.gated_down.mlp_tail`).
     """
 
     def __init__(self, config, *, impl: str = "auto"):
@@ -173,12 +176,8 @@ class LigerGEGLUMLP(nn.Module):
         self.impl = impl
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(
-            geglu(
-                self.gate_proj(x), self.up_proj(x),
-                approximate=self.approximate, inplace_backward=True, impl=self.impl,
-            )
-        )
+        activation = "gelu_tanh" if self.approximate == "tanh" else "gelu"
+        return mlp_tail(self.down_proj, self.gate_proj(x), self.up_proj(x), activation=activation, impl=self.impl)
 
 
 liger_geglu = geglu

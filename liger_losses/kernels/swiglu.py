@@ -39,6 +39,7 @@ from liger_losses.kernels.gated import (
     guard_second_backward,
     launch_rows,
 )
+from liger_losses.kernels.gated_down import mlp_tail
 from liger_losses.kernels.launch import fast_kernel
 from liger_losses.kernels.utils import check_tensor, import_triton, resolve_impl
 
@@ -203,8 +204,10 @@ def _check_silu(config) -> None:
 class LigerSwiGLUMLP(nn.Module):
     """Drop-in for ``LlamaMLP`` / ``Qwen2MLP`` / ``MistralMLP``: same parameters and forward.
 
-    ``forward(x) = down_proj(swiglu(gate_proj(x), up_proj(x)))``, ``x: [..., hidden_size]``.
-    The gradients of the (private) gate/up projections' outputs are written in place.
+    ``forward(x) = down_proj(swiglu(gate_proj(x), up_proj(x)))``, ``x: [..., hidden_size]``, with
+    the product never stored whole (:func:`~liger_losses.kernels.gated_down.mlp_tail`) when
+    down_proj is a plain ``nn.Linear``. The gradients of the (private) gate/up projections'
+    outputs are written in place.
     """
 
     def __init__(self, config, *, impl: str = "auto"):
@@ -220,9 +223,7 @@ class LigerSwiGLUMLP(nn.Module):
         self.impl = impl
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(
-            swiglu(self.gate_proj(x), self.up_proj(x), inplace_backward=True, impl=self.impl)
-        )
+        return mlp_tail(self.down_proj, self.gate_proj(x), self.up_proj(x), activation="silu", impl=self.impl)
 
 
 class LigerPhi3SwiGLUMLP(nn.Module):
@@ -237,9 +238,7 @@ class LigerPhi3SwiGLUMLP(nn.Module):
         self.impl = impl
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(
-            swiglu_packed(self.gate_up_proj(hidden_states), inplace_backward=True, impl=self.impl)
-        )
+        return mlp_tail(self.down_proj, self.gate_up_proj(hidden_states), None, activation="silu", impl=self.impl)
 
 
 liger_swiglu = swiglu

@@ -1,0 +1,459 @@
+"""``down_proj(act(gate) * up)`` without the product ``act(gate) * up`` ever existing whole.
+
+The tail of a gated MLP (Llama/Qwen/Mistral SwiGLU, Gemma GeGLU, Phi-3's packed ``gate_up``):
+
+    prod = act(gate) * up                [N, I]
+    out  = prod @ weight.T (+ bias)      [N, H]
+
+The forward runs in token chunks (one ``[rows, I]`` buffer of about ``CHUNK_ELEMS`` elements,
+reused), the backward in blocks of intermediate columns ``[i0, i1)`` (one ``[N, i1 - i0]``
+buffer of about ``CHUNK_ELEMS`` elements, reused):
+
+    d_prod = d_out @ weight[:, i0:i1]                   GEMM into the block buffer
+    d_gate, d_up, prod = kernel(d_prod, gate, up)       prod written over d_prod in the buffer
+    grad_weight[:, i0:i1] = d_out.T @ prod              GEMM: a complete block, rounded once
+
+What the backward needs is gate and up, which the unfused MLP saves too (for the activation's
+backward); the product is never saved. Per MLP that is one ``[N, I]`` tensor less from forward
+to backward, and at the start of the backward one block buffer instead of the product and its
+gradient (two ``[N, I]`` tensors): under gradient checkpointing, the layer's peak.
+The price: the backward kernel writes the product once more (``N * I`` elements) and the GEMMs
+run in blocks (``benchmark/bench_mlp_tail.py`` measures both).
+
+Shapes: ``gate``, ``up`` ``[..., I]`` (or ``gate_up [..., 2I]``, gate first), ``weight [H, I]``
+(``down_proj.weight``), ``bias [H]`` or None; ``out [..., H]``.
+Dtypes: the GEMMs run in the autocast dtype when autocast is on for the inputs' device (weight
+and bias cast as ``F.linear`` does under autocast), else gate/up/weight/bias must share one float
+dtype. The activation runs in fp32 inside the kernels; ``prod`` is rounded to the GEMM dtype,
+exactly as the unfused MLP stores it. ``activation``: ``"silu"`` (SwiGLU), ``"gelu_tanh"`` (Hugging
+Face's ``gelu_pytorch_tanh``) or ``"gelu"`` (erf).
+
+``inplace_backward=True`` writes ``d_gate``/``d_up`` into gate's and up's buffers when the caller
+owns them (autograd intermediates seen by nobody else, as in the MLP modules); a second backward
+through the same graph then raises a RuntimeError.
+
+Public API:
+    gated_down_proj(gate, up, weight, bias=None, *, activation="silu", inplace_backward=False, impl="auto")
+    gated_down_proj_packed(gate_up, weight, bias=None, *, activation="silu", inplace_backward=False, impl="auto")
+    mlp_tail(down_proj, gate, up, *, activation, impl)   what the MLP modules call: fused when
+        ``FUSE_DOWN_PROJ`` and ``down_proj`` is a plain ``nn.Linear`` (see :func:`fusable_linear`),
+        else ``down_proj(swiglu/geglu(gate, up))``.
+"""
+
+from __future__ import annotations
+
+import types
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from liger_losses.kernels.gated import guard_second_backward, launch_rows
+from liger_losses.kernels.launch import fast_kernel
+from liger_losses.kernels.utils import (
+    check_choice,
+    check_same_device,
+    check_tensor,
+    import_triton,
+    owns_buffer,
+    resolve_impl,
+    rows_view,
+)
+
+triton, tl = import_triton()
+
+ACTIVATIONS = {"silu": 0, "gelu_tanh": 1, "gelu": 2}
+
+# Elements of the forward's chunk buffer and of the backward's block buffer (each; 64 MiB in
+# bf16). Read at call time (the benchmark sweeps it).
+CHUNK_ELEMS = 1 << 25
+# Column blocks are multiples of this (GEMM operand alignment, whole vectors per kernel row).
+COL_ALIGN = 256
+ROW_ALIGN = 64
+# The MLP modules fuse the down projection when True (module switch, read per call).
+FUSE_DOWN_PROJ = True
+
+
+if triton is not None:
+
+    @triton.jit
+    def _act_value(a, ACT: tl.constexpr):
+        """act(a) in fp32: 0 silu, 1 tanh GELU, 2 erf GELU."""
+        if ACT == 0:
+            f = a * tl.sigmoid(a)
+        elif ACT == 1:
+            u = 0.7978845608028654 * a * (1.0 + 0.044715 * a * a)
+            f = a * tl.sigmoid(2.0 * u)  # 0.5 (1 + tanh(u)) == sigmoid(2u)
+        else:
+            f = 0.5 * a * (1.0 + tl.math.erf(a * 0.7071067811865476))
+        return f
+
+    @triton.jit
+    def _act_grad(a, ACT: tl.constexpr):
+        """act'(a) in fp32."""
+        if ACT == 0:
+            sig = tl.sigmoid(a)
+            d = sig + a * sig * (1.0 - sig)
+        elif ACT == 1:
+            a2 = a * a
+            u = 0.7978845608028654 * a * (1.0 + 0.044715 * a2)
+            s = tl.sigmoid(2.0 * u)  # 0.5 (1 + tanh(u)); 1 - tanh(u)^2 = 4 s (1 - s)
+            d = s + 2.0 * a * s * (1.0 - s) * 0.7978845608028654 * (1.0 + 0.134145 * a2)
+        else:
+            cdf = 0.5 * (1.0 + tl.math.erf(a * 0.7071067811865476))
+            d = cdf + a * 0.3989422804014327 * tl.exp(-0.5 * a * a)
+        return d
+
+    @triton.jit
+    def _prod_kernel(
+        a_ptr, b_ptr, c_ptr,
+        n_cols, stride_a, stride_b, stride_c,
+        ACT: tl.constexpr, BLOCK: tl.constexpr,
+    ):
+        """c = act(a) * b over one block of one row."""
+        row = tl.program_id(1).to(tl.int64)
+        cols = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        mask = cols < n_cols
+        a = tl.load(a_ptr + row * stride_a + cols, mask=mask, other=0.0).to(tl.float32)
+        b = tl.load(b_ptr + row * stride_b + cols, mask=mask, other=0.0).to(tl.float32)
+        c = _act_value(a, ACT) * b
+        tl.store(c_ptr + row * stride_c + cols, c.to(c_ptr.dtype.element_ty), mask=mask)
+
+    @triton.jit
+    def _prod_bwd_kernel(
+        dc_ptr, a_ptr, b_ptr, da_ptr, db_ptr,
+        n_cols, stride_dc, stride_a, stride_b, stride_da, stride_db,
+        ACT: tl.constexpr, WRITE_PROD: tl.constexpr, BLOCK: tl.constexpr,
+    ):
+        """da = dc * b * act'(a), db = dc * act(a); with WRITE_PROD the product act(a) * b is
+        stored over dc (each element read before it is written, by the same thread). da/db may
+        alias a/b."""
+        row = tl.program_id(1).to(tl.int64)
+        cols = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        mask = cols < n_cols
+        dc = tl.load(dc_ptr + row * stride_dc + cols, mask=mask, other=0.0).to(tl.float32)
+        a = tl.load(a_ptr + row * stride_a + cols, mask=mask, other=0.0).to(tl.float32)
+        b = tl.load(b_ptr + row * stride_b + cols, mask=mask, other=0.0).to(tl.float32)
+        f = _act_value(a, ACT)
+        tl.store(da_ptr + row * stride_da + cols, (dc * b * _act_grad(a, ACT)).to(da_ptr.dtype.element_ty), mask=mask)
+        tl.store(db_ptr + row * stride_db + cols, (dc * f).to(db_ptr.dtype.element_ty), mask=mask)
+        if WRITE_PROD:
+            tl.store(dc_ptr + row * stride_dc + cols, (f * b).to(dc_ptr.dtype.element_ty), mask=mask)
+
+    _prod_kernel = fast_kernel(_prod_kernel)
+    _prod_bwd_kernel = fast_kernel(_prod_bwd_kernel)
+
+
+def _knobs(n_cols: int):
+    """BLOCK / warps for rows of ``n_cols``: up to 4096 elements per program, 8 per thread."""
+    block = min(4096, max(256, triton.next_power_of_2(n_cols)))
+    return types.SimpleNamespace(BLOCK_SIZE=block, NUM_WARPS=max(1, min(8, block // 256)))
+
+
+def _rows_per_chunk(n_rows: int, n_cols: int) -> int:
+    rows = max(ROW_ALIGN, (CHUNK_ELEMS // max(n_cols, 1)) // ROW_ALIGN * ROW_ALIGN)
+    return max(1, min(rows, n_rows))
+
+
+def _cols_per_block(n_rows: int, n_cols: int) -> int:
+    cols = max(COL_ALIGN, (CHUNK_ELEMS // max(n_rows, 1)) // COL_ALIGN * COL_ALIGN)
+    return max(1, min(cols, n_cols))
+
+
+def _buffer(numel: int, like: torch.Tensor) -> torch.Tensor:
+    return torch.empty(numel, dtype=like.dtype, device=like.device)
+
+
+def _split(x2: torch.Tensor, packed: bool):
+    """(gate rows, up rows): the halves of ``gate_up`` when packed, else ``x2`` is a pair."""
+    if packed:
+        inter = x2.shape[1] // 2
+        return x2[:, :inter], x2[:, inter:]
+    return x2
+
+
+class GatedDownFunction(torch.autograd.Function):
+    """``(act(gate) * up) @ weight.T + bias`` in chunks; saves gate/up (or gate_up) and weight.
+
+    ``forward(ctx, gate, up, weight, bias, act, inplace_backward)``: ``up=None`` means ``gate``
+    is the packed ``gate_up``. All tensors already in the GEMM dtype, on one device.
+    """
+
+    @staticmethod
+    def forward(ctx, gate, up, weight, bias, act, inplace_backward):
+        packed = up is None
+        if packed:
+            g2 = rows_view(gate)
+            a2, b2 = _split(g2, True)
+            ctx.inplace = bool(inplace_backward and gate.is_contiguous() and gate.grad_fn is not None)
+            saved = (g2 if g2.untyped_storage().data_ptr() != gate.untyped_storage().data_ptr() else gate,)
+        else:
+            a2, b2 = rows_view(gate), rows_view(up)
+            ctx.inplace = bool(
+                inplace_backward
+                and owns_buffer(gate, a2) and owns_buffer(up, b2)
+                and gate.untyped_storage().data_ptr() != up.untyped_storage().data_ptr()
+            )
+            saved = (gate, up)
+        n_rows, inter = a2.shape
+        out = torch.empty((n_rows, weight.shape[0]), dtype=weight.dtype, device=weight.device)
+        rows = _rows_per_chunk(n_rows, inter)
+        if n_rows and inter:
+            buf = _buffer(min(rows, n_rows) * inter, a2)
+            knobs = _knobs(inter)
+            for r0 in range(0, n_rows, rows):
+                r1 = min(n_rows, r0 + rows)
+                prod = buf[: (r1 - r0) * inter].view(r1 - r0, inter)
+                launch_rows(_prod_kernel, (a2[r0:r1], b2[r0:r1], prod), knobs, ACT=act)
+                if bias is None:
+                    torch.mm(prod, weight.t(), out=out[r0:r1])
+                else:
+                    torch.addmm(bias, prod, weight.t(), out=out[r0:r1])
+        elif bias is not None:
+            out.copy_(bias.expand_as(out))
+        else:
+            out.zero_()
+        ctx.packed, ctx.act, ctx.has_bias = packed, act, bias is not None
+        ctx.lead = gate.shape[:-1]
+        ctx.save_for_backward(*saved, weight)
+        return out.view(*ctx.lead, weight.shape[0])
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        guard_second_backward(ctx)
+        *saved, weight = ctx.saved_tensors
+        packed = ctx.packed
+        need_gate = ctx.needs_input_grad[0] or (not packed and ctx.needs_input_grad[1])
+        need_weight = ctx.needs_input_grad[2]
+        need_bias = ctx.has_bias and ctx.needs_input_grad[3]
+        if packed:
+            g2 = rows_view(saved[0])
+            a2, b2 = _split(g2, True)
+        else:
+            a2, b2 = rows_view(saved[0]), rows_view(saved[1])
+        n_rows, inter = a2.shape
+        hidden = weight.shape[0]
+        d_out = grad_out.reshape(n_rows, hidden)
+        if d_out.dtype != weight.dtype:
+            d_out = d_out.to(weight.dtype)
+        d_out = d_out.contiguous()
+
+        grads_g = None
+        if need_gate:
+            if ctx.inplace:
+                da2, db2 = a2, b2
+            elif packed:
+                d_packed = torch.empty((n_rows, 2 * inter), dtype=a2.dtype, device=a2.device)
+                da2, db2 = _split(d_packed, True)
+            else:
+                da2, db2 = torch.empty_like(a2), torch.empty_like(b2)
+        grad_weight_t = (
+            torch.empty((inter, hidden), dtype=weight.dtype, device=weight.device) if need_weight else None
+        )
+        if n_rows and inter and (need_gate or need_weight):
+            cols = _cols_per_block(n_rows, inter)
+            buf = _buffer(n_rows * cols, a2)
+            for i0 in range(0, inter, cols):
+                i1 = min(inter, i0 + cols)
+                blk = buf[: n_rows * (i1 - i0)].view(n_rows, i1 - i0)
+                knobs = _knobs(i1 - i0)
+                if need_gate:
+                    torch.mm(d_out, weight[:, i0:i1], out=blk)
+                    launch_rows(
+                        _prod_bwd_kernel,
+                        (blk, a2[:, i0:i1], b2[:, i0:i1], da2[:, i0:i1], db2[:, i0:i1]),
+                        knobs, ACT=ctx.act, WRITE_PROD=need_weight,
+                    )
+                else:
+                    launch_rows(_prod_kernel, (a2[:, i0:i1], b2[:, i0:i1], blk), knobs, ACT=ctx.act)
+                if need_weight:
+                    torch.mm(blk.t(), d_out, out=grad_weight_t[i0:i1])
+        elif need_gate:
+            da2.zero_()
+            db2.zero_()
+        if need_weight and not (n_rows and inter):
+            grad_weight_t.zero_()
+
+        if need_gate:
+            if ctx.inplace:
+                for t in saved:  # anyone else who saved them now fails loudly, not silently
+                    torch.autograd.graph.increment_version(t)
+                grads_g = (saved[0], None) if packed else (saved[0], saved[1])
+            elif packed:
+                grads_g = (d_packed.view(*ctx.lead, 2 * inter), None)
+            else:
+                grads_g = (da2.view(*ctx.lead, inter), db2.view(*ctx.lead, inter))
+        else:
+            grads_g = (None, None)
+        grad_weight = grad_weight_t.t() if need_weight else None
+        grad_bias = d_out.sum(0, dtype=torch.float32).to(weight.dtype) if need_bias else None
+        return (*grads_g, grad_weight, grad_bias, None, None)
+
+
+# --------------------------------------------------------------------------- public functions
+
+
+def _act_torch(gate: torch.Tensor, up: torch.Tensor, activation: str) -> torch.Tensor:
+    g = gate.float()
+    if activation == "silu":
+        f = F.silu(g)
+    else:
+        f = F.gelu(g, approximate="tanh" if activation == "gelu_tanh" else "none")
+    return (f * up.float()).to(gate.dtype)
+
+
+def _gemm_dtype(gate: torch.Tensor, weight: torch.Tensor) -> torch.dtype:
+    dev = gate.device.type
+    try:
+        if torch.is_autocast_enabled(dev):
+            return torch.get_autocast_dtype(dev)
+    except (TypeError, RuntimeError):  # pragma: no cover - older torch signatures
+        if dev == "cuda" and torch.is_autocast_enabled():
+            return torch.get_autocast_gpu_dtype()
+    return weight.dtype
+
+
+def _check(gate, up, weight, bias, activation, inplace_backward, inter_name="gate"):
+    check_choice("activation", activation, tuple(ACTIVATIONS))
+    if not isinstance(inplace_backward, bool):
+        raise TypeError(f"inplace_backward must be a bool, got {type(inplace_backward).__name__}")
+    check_tensor("weight", weight, ndim=2, floating=True)
+    if bias is not None:
+        check_tensor("bias", bias, ndim=1, floating=True)
+        if bias.shape[0] != weight.shape[0]:
+            raise ValueError(
+                f"bias must have shape [H] = [{weight.shape[0]}] (weight's first dim), got {tuple(bias.shape)}"
+            )
+    inter = gate.shape[-1] if up is not None else gate.shape[-1] // 2
+    if weight.shape[1] != inter:
+        raise ValueError(
+            f"weight must have shape [H, I] with I = {inter} ({inter_name}'s intermediate size), "
+            f"got {tuple(weight.shape)}"
+        )
+    check_same_device(gate=gate, up=up, weight=weight, bias=bias)
+    dtype = _gemm_dtype(gate, weight)
+    if not torch.is_autocast_enabled(gate.device.type):
+        for name, t in (("up", up), ("weight", weight), ("bias", bias)):
+            if t is not None and t.dtype != gate.dtype:
+                raise TypeError(
+                    f"{name} must have gate's dtype {gate.dtype} (or run under autocast), got {t.dtype}"
+                )
+    return dtype
+
+
+def _apply(gate, up, weight, bias, activation, inplace_backward):
+    dtype = _gemm_dtype(gate, weight)
+    cast = [t if t is None or t.dtype == dtype else t.to(dtype) for t in (gate, up, weight, bias)]
+    with torch.autocast(device_type=gate.device.type, enabled=False):
+        return GatedDownFunction.apply(*cast, ACTIVATIONS[activation], inplace_backward)
+
+
+def gated_down_proj(
+    gate: torch.Tensor,
+    up: torch.Tensor,
+    weight: torch.Tensor,
+    bias: Optional[torch.Tensor] = None,
+    *,
+    activation: str = "silu",
+    inplace_backward: bool = False,
+    impl: str = "auto",
+) -> torch.Tensor:
+    """``F.linear(act(gate) * up, weight, bias)`` without storing ``act(gate) * up`` whole.
+
+    gate, up: ``[..., I]`` (one shape and dtype); weight ``[H, I]``; bias ``[H]`` or None.
+    Returns ``[..., H]`` in the GEMM dtype (see the module docstring).
+    """
+    check_tensor("gate", gate, min_ndim=1, floating=True)
+    check_tensor("up", up, min_ndim=1, floating=True)
+    if up.shape != gate.shape:
+        raise ValueError(f"up must have the same shape as gate {tuple(gate.shape)}, got {tuple(up.shape)}")
+    _check(gate, up, weight, bias, activation, inplace_backward)
+    if resolve_impl(impl, gate, up, weight) == "torch":
+        return F.linear(_act_torch(gate, up, activation), weight, bias)
+    return _apply(gate, up, weight, bias, activation, inplace_backward)
+
+
+def gated_down_proj_packed(
+    gate_up: torch.Tensor,
+    weight: torch.Tensor,
+    bias: Optional[torch.Tensor] = None,
+    *,
+    activation: str = "silu",
+    inplace_backward: bool = False,
+    impl: str = "auto",
+) -> torch.Tensor:
+    """:func:`gated_down_proj` with ``gate, up = gate_up.chunk(2, dim=-1)`` (Phi-3):
+    ``gate_up [..., 2I]``, weight ``[H, I]`` -> ``[..., H]``."""
+    check_tensor("gate_up", gate_up, min_ndim=1, floating=True)
+    if gate_up.shape[-1] % 2:
+        raise ValueError(
+            f"gate_up must have an even last dimension (2 * intermediate_size), got shape {tuple(gate_up.shape)}"
+        )
+    _check(gate_up, None, weight, bias, activation, inplace_backward, inter_name="gate_up")
+    if resolve_impl(impl, gate_up, weight) == "torch":
+        gate, up = gate_up.chunk(2, dim=-1)
+        return F.linear(_act_torch(gate, up, activation), weight, bias)
+    return _apply(gate_up, None, weight, bias, activation, inplace_backward)
+
+
+# --------------------------------------------------------------------------- the MLP modules' entry
+
+
+def _global_hooks() -> bool:
+    from torch.nn.modules import module as nn_module
+
+    return any(
+        getattr(nn_module, name, None)
+        for name in ("_global_forward_hooks", "_global_forward_pre_hooks")
+    )
+
+
+def fusable_linear(module: nn.Module) -> bool:
+    """True when an MLP may read ``module``'s weight and bias directly instead of calling it: a
+    plain ``nn.Linear`` (not a LoRA or quantized subclass) with no forward hooks (ZeRO-3 gathers
+    parameters in one, accelerate moves them in one) and plain tensor parameters (not DTensor)."""
+    if type(module) is not nn.Linear or module._forward_hooks or module._forward_pre_hooks:
+        return False
+    if _global_hooks():
+        return False
+    params = [p for p in (module.weight, module.bias) if p is not None]
+    return all(type(p) in (nn.Parameter, torch.Tensor) and p.device.type != "meta" for p in params)
+
+
+def mlp_tail(
+    down_proj: nn.Module,
+    gate: torch.Tensor,
+    up: Optional[torch.Tensor],
+    *,
+    activation: str,
+    impl: str = "auto",
+) -> torch.Tensor:
+    """``down_proj(act(gate) * up)`` for the MLP modules, which own ``gate``/``up`` (gradients are
+    written into them). ``up=None``: ``gate`` is Phi-3's packed ``gate_up``. Fused
+    (:func:`gated_down_proj`) when ``FUSE_DOWN_PROJ``, ``down_proj`` is :func:`fusable_linear`
+    and Triton runs on the inputs' device; else the activation kernel, then ``down_proj``."""
+    if FUSE_DOWN_PROJ and fusable_linear(down_proj) and resolve_impl(impl, gate) == "triton":
+        if up is None:
+            return gated_down_proj_packed(
+                gate, down_proj.weight, down_proj.bias, activation=activation,
+                inplace_backward=True, impl=impl,
+            )
+        return gated_down_proj(
+            gate, up, down_proj.weight, down_proj.bias, activation=activation,
+            inplace_backward=True, impl=impl,
+        )
+    if activation == "silu":
+        from liger_losses.kernels.swiglu import swiglu, swiglu_packed
+
+        prod = swiglu_packed(gate, inplace_backward=True, impl=impl) if up is None else swiglu(
+            gate, up, inplace_backward=True, impl=impl
+        )
+    else:
+        from liger_losses.kernels.geglu import geglu
+
+        if up is None:
+            gate, up = gate.chunk(2, dim=-1)
+        approximate = "tanh" if activation == "gelu_tanh" else "none"
+        prod = geglu(gate, up, approximate=approximate, inplace_backward=True, impl=impl)
+    return down_proj(prod)
