@@ -147,7 +147,7 @@ def providers(act: str, chunk_elems: tuple) -> dict:
 
     def fused(v):
         def tail(g, u, w):
-            gd.CHUNK_ELEMS = v
+            gd.CHUNK_ELEMS = gd.FORWARD_CHUNK_ELEMS = v
             return gd.gated_down_proj(g, u, w, activation=act, inplace_backward=True, impl="triton")
 
         return tail
@@ -155,6 +155,16 @@ def providers(act: str, chunk_elems: tuple) -> dict:
     provs = {"unfused": unfused}
     for v in chunk_elems:
         provs[f"fused-{chunk_label(v)}"] = fused(v)
+
+    def fused_whole_forward(g, u, w):  # backward blocks at the default, forward in one chunk
+        fwd = gd.FORWARD_CHUNK_ELEMS
+        gd.CHUNK_ELEMS, gd.FORWARD_CHUNK_ELEMS = 1 << 25, 1 << 62
+        try:
+            return gd.gated_down_proj(g, u, w, activation=act, inplace_backward=True, impl="triton")
+        finally:
+            gd.FORWARD_CHUNK_ELEMS = fwd
+
+    provs["fused-fwd-whole"] = fused_whole_forward
     lig = _liger(act)
     if lig is not None:
         provs["liger"] = lambda g, u, w: F.linear(lig(g, u), w)
@@ -182,18 +192,41 @@ def make_inputs(N, H, I, *, device, dtype):
     return x, wg, wu, wd, d_out
 
 
-def make_step(tail, x, wg, wu, wd, d_out):
-    """Forward + backward of the whole MLP; returns ``(out, (d_x, d_Wg, d_Wu, d_Wd))`` so that the
-    measured peak includes the output and the gradients."""
+MODES = ("full", "forward", "nograd", "ckpt")
+
+
+def make_step(tail, x, wg, wu, wd, d_out, mode="full"):
+    """One timed call of the whole MLP. ``full``: forward + backward, returns
+    ``(out, (d_x, d_Wg, d_Wu, d_Wd))`` so that the measured peak includes the output and the
+    gradients; ``forward``: the forward with autograd recording (what a training step's forward
+    costs); ``nograd``: the forward under ``torch.no_grad`` (gradient checkpointing's first pass);
+    ``ckpt``: ``nograd`` then ``full`` (one checkpointed layer's MLP in a training step)."""
+
+    def mlp():
+        return tail(F.linear(x, wg), F.linear(x, wu), wd)
 
     def step():
-        gate = F.linear(x, wg)
-        up = F.linear(x, wu)
-        out = tail(gate, up, wd)
+        out = mlp()
         grads = torch.autograd.grad(out, (x, wg, wu, wd), d_out)
         return out.detach(), grads
 
-    return step
+    if mode == "full":
+        return step
+    if mode == "forward":
+        return mlp
+
+    def nograd():
+        with torch.no_grad():
+            return mlp()
+
+    if mode == "nograd":
+        return nograd
+
+    def ckpt():
+        nograd()
+        return step()
+
+    return ckpt
 
 
 def floors(N, H, I):
@@ -205,10 +238,10 @@ def add_ratios(rows: list) -> None:
     """``time_vs_<p>`` / ``peak_vs_<p>`` for p in (unfused, liger), per case, into each row's extra."""
     by_case: dict = {}
     for r in rows:
-        by_case.setdefault(r.case, {})[r.provider] = r
+        by_case.setdefault((r.case, r.mode), {})[r.provider] = r
     for r in rows:
         for base in ("unfused", "liger"):
-            b = by_case[r.case].get(base)
+            b = by_case[(r.case, r.mode)].get(base)
             for key, attr in (("time", "ms"), ("peak", "peak_mib")):
                 num = getattr(r, attr)
                 den = getattr(b, attr) if b is not None else float("nan")
@@ -216,19 +249,19 @@ def add_ratios(rows: list) -> None:
                 r.extra[f"{key}_vs_{base}"] = round(num / den, 3) if ok else ""
 
 
-SUMMARY_KEYS = ["case", "provider", "ms", "time_over_floor", "time_vs_unfused", "time_vs_liger", "peak_mib",
+SUMMARY_KEYS = ["case", "mode", "provider", "ms", "time_over_floor", "time_vs_unfused", "time_vs_liger", "peak_mib",
                 "peak_over_floor", "peak_vs_unfused", "peak_vs_liger", "error"]
 ACCURACY_KEYS = ["case", "provider", "err_out", "err_dx", "err_dWg", "err_dWu", "err_dWd", "error"]
 
 
-def bench_case(rows, shape_name, shape, provs, act, *, rep, tiny=False):
+def bench_case(rows, shape_name, shape, provs, act, *, rep, tiny=False, modes=("full",)):
     N, H, I = shape
     device, dtype = ("cpu", torch.float32) if tiny else ("cuda", torch.bfloat16)
     floor_ms, floor_mib = floors(N, H, I)
     case = f"{act} {shape_name} N={N} H={H} I={I}"
     inputs = make_inputs(N, H, I, device=device, dtype=dtype)
-    for name, tail in provs.items():
-        step = make_step(tail, *inputs)
+    for mode, (name, tail) in ((m, p) for m in modes for p in provs.items()):
+        step = make_step(tail, *inputs, mode=mode)
         if tiny:
             try:
                 step()  # warm-up (interpreter set-up)
@@ -241,8 +274,8 @@ def bench_case(rows, shape_name, shape, provs, act, *, rep, tiny=False):
             m = measure(step, warmup=25, rep=rep)
             ms, mib, err = m.ms, m.peak_mib, m.error
         extra = {"act": act, "tokens": N, "hidden": H, "intermediate": I}
-        rows.append(Row(BENCH, case, "full", name, ms, mib, floor_ms, floor_mib, extra, err))
-        print(f"{case} | {name}: {ms:.3f} ms, {mib:.0f} MiB peak" + (f" [{err}]" if err else ""), flush=True)
+        rows.append(Row(BENCH, case, mode, name, ms, mib, floor_ms, floor_mib, extra, err))
+        print(f"{case} | {mode} | {name}: {ms:.3f} ms, {mib:.0f} MiB peak" + (f" [{err}]" if err else ""), flush=True)
     del inputs
     if not tiny:
         torch.cuda.empty_cache()
@@ -301,6 +334,8 @@ def main():
     ap.add_argument("--providers", default=None,
                     help="comma-separated subset of unfused, fused-2^k, liger, torch")
     ap.add_argument("--no-accuracy", action="store_true", help="skip the float64 accuracy table")
+    ap.add_argument("--modes", default="full",
+                    help=f"comma-separated subset of {', '.join(MODES)} (default full; the floors are full's)")
     ap.add_argument("--tiny", action="store_true",
                     help="CPU smoke test: N=192 H=32 I=600 fp32, Triton interpreter without CUDA, one timed call")
     args = ap.parse_args()
@@ -329,11 +364,11 @@ def main():
 
     import liger_losses.kernels.gated_down as gd
 
-    default_chunk = gd.CHUNK_ELEMS
+    default_chunk, default_forward = gd.CHUNK_ELEMS, gd.FORWARD_CHUNK_ELEMS
     rows: list[Row] = []
     try:
         for shape_name, shape in shapes:
-            bench_case(rows, shape_name, shape, provs, args.act, rep=rep, tiny=tiny)
+            bench_case(rows, shape_name, shape, provs, args.act, rep=rep, tiny=tiny, modes=args.modes.split(","))
         add_ratios(rows)
         if tiny:
             print_table([r.as_dict() for r in rows], keys=SUMMARY_KEYS)
@@ -349,7 +384,7 @@ def main():
                 write_results(BENCH + "_accuracy", acc)
             print_table([r.as_dict() for r in acc], keys=ACCURACY_KEYS)
     finally:
-        gd.CHUNK_ELEMS = default_chunk
+        gd.CHUNK_ELEMS, gd.FORWARD_CHUNK_ELEMS = default_chunk, default_forward
 
 
 if __name__ == "__main__":

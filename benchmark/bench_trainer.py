@@ -79,6 +79,8 @@ from benchmark.common import MIB, Row, print_table, write_results  # noqa: E402
 from benchmark.trainer_data import LLAMA_3_2_1B, TINY, build_model, build_tokenizer, dpo_dataset, sft_dataset  # noqa: E402
 
 PROVIDERS = ("trl", "trl+liger", "ours")
+# Not run by default: ours with the MLP's down projection unfused (gated_down.FUSE_DOWN_PROJ = False).
+EXTRA_PROVIDERS = ("ours-unfused-mlp",)
 TASKS = ("dpo", "sft")
 
 
@@ -307,7 +309,7 @@ OURS_CHUNK_TOKENS = None  # --ours-chunk-tokens: liger_chunk_tokens of our train
 
 def make_trainer(task: str, provider: str, model, ref_model, args, dataset, tokenizer, callback):
     common = dict(args=args, train_dataset=dataset, processing_class=tokenizer, callbacks=[callback])
-    if provider == "ours":
+    if provider.startswith("ours"):
         from liger_losses.trl_integration.dpo import DPOTrainer as OursDPO
         from liger_losses.trl_integration.sft import SFTTrainer as OursSFT
 
@@ -363,7 +365,14 @@ def run_one(task: str, provider: str, *, seq: int, warmup: int, timed: int, tiny
             from liger_losses.kernels.launch import launch_stats
 
             launch_stats(reset=True)
-            out = trainer.train()
+            import liger_losses.kernels.gated_down as gated_down
+
+            fuse = gated_down.FUSE_DOWN_PROJ
+            gated_down.FUSE_DOWN_PROJ = provider != "ours-unfused-mlp"
+            try:
+                out = trainer.train()
+            finally:
+                gated_down.FUSE_DOWN_PROJ = fuse
             # Triton launches of our kernels over the whole run: compiled-launcher hits vs
             # JITFunction.run (first launch per specialization, or a fallback; "off" says why)
             stats = launch_stats(reset=True)
@@ -468,7 +477,7 @@ def main(argv=None) -> int:
     ap.add_argument("--tiny", action="store_true", help="CPU smoke run: tiny Llama, seq 64, 1 warm-up + 1 timed step")
     ap.add_argument("--seqs", type=int, nargs="+", default=None, help="sequence lengths (default 2048 8192)")
     ap.add_argument("--tasks", nargs="+", choices=TASKS, default=list(TASKS))
-    ap.add_argument("--providers", nargs="+", choices=PROVIDERS, default=list(PROVIDERS))
+    ap.add_argument("--providers", nargs="+", choices=PROVIDERS + EXTRA_PROVIDERS, default=list(PROVIDERS))
     ap.add_argument("--warmup", type=int, default=None, help="warm-up steps (default 2; --tiny 1)")
     ap.add_argument("--steps", type=int, default=None, help="timed steps (default 5; --quick 3; --tiny 1)")
     ap.add_argument("--budget-s", type=float, default=270.0,

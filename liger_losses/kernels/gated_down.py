@@ -5,8 +5,8 @@ The tail of a gated MLP (Llama/Qwen/Mistral SwiGLU, Gemma GeGLU, Phi-3's packed 
     prod = act(gate) * up                [N, I]
     out  = prod @ weight.T (+ bias)      [N, H]
 
-The forward runs in token chunks (one ``[rows, I]`` buffer of about ``CHUNK_ELEMS`` elements,
-reused), the backward in blocks of intermediate columns ``[i0, i1)`` (one ``[N, i1 - i0]``
+The forward runs in token chunks (one ``[rows, I]`` buffer of about ``FORWARD_CHUNK_ELEMS``
+elements, reused), the backward in blocks of intermediate columns ``[i0, i1)`` (one ``[N, i1 - i0]``
 buffer of about ``CHUNK_ELEMS`` elements, reused):
 
     d_prod = d_out @ weight[:, i0:i1]                   GEMM into the block buffer
@@ -65,9 +65,11 @@ triton, tl = import_triton()
 
 ACTIVATIONS = {"silu": 0, "gelu_tanh": 1, "gelu": 2}
 
-# Elements of the forward's chunk buffer and of the backward's block buffer (each; 64 MiB in
-# bf16). Read at call time (the benchmark sweeps it).
+# Elements of the backward's block buffer (64 MiB in bf16) and of the forward's chunk buffer
+# (whose product is freed before the backward: it bounds a transient, not what is saved). Read at
+# call time (the benchmark sweeps them).
 CHUNK_ELEMS = 1 << 25
+FORWARD_CHUNK_ELEMS = 1 << 25
 # Column blocks are multiples of this (GEMM operand alignment, whole vectors per kernel row).
 COL_ALIGN = 256
 ROW_ALIGN = 64
@@ -152,7 +154,7 @@ def _knobs(n_cols: int):
 
 
 def _rows_per_chunk(n_rows: int, n_cols: int) -> int:
-    rows = max(ROW_ALIGN, (CHUNK_ELEMS // max(n_cols, 1)) // ROW_ALIGN * ROW_ALIGN)
+    rows = max(ROW_ALIGN, (FORWARD_CHUNK_ELEMS // max(n_cols, 1)) // ROW_ALIGN * ROW_ALIGN)
     return max(1, min(rows, n_rows))
 
 
