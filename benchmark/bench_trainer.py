@@ -491,6 +491,8 @@ def main(argv=None) -> int:
     ap.add_argument("--batch", type=int, default=1,
                     help="per_device_train_batch_size (default 1; 8 is the TrainingArguments default); cases "
                          "with batch > 1 are named <task>_seq<S>_b<batch>")
+    ap.add_argument("--ours-mlp-chunk-elems", type=int, default=None,
+                    help="gated_down.CHUNK_ELEMS and FORWARD_CHUNK_ELEMS for ours (the fused MLP tail's buffers)")
     ap.add_argument("--ours-chunk-tokens", type=int, default=None,
                     help="liger_chunk_tokens for our trainers (default: the engine's tile budget)")
     ap.add_argument("--cprofile", action="store_true",
@@ -501,6 +503,10 @@ def main(argv=None) -> int:
     a = ap.parse_args(argv)
     global OURS_CHUNK_TOKENS
     OURS_CHUNK_TOKENS = a.ours_chunk_tokens
+    if a.ours_mlp_chunk_elems:
+        import liger_losses.kernels.gated_down as gated_down
+
+        gated_down.CHUNK_ELEMS = gated_down.FORWARD_CHUNK_ELEMS = a.ours_mlp_chunk_elems
 
     if a.tiny:
         seqs, warmup, timed = [64], 1, 1

@@ -11,7 +11,7 @@ buffer of about ``CHUNK_ELEMS`` elements, reused):
 
     d_prod = d_out @ weight[:, i0:i1]                   GEMM into the block buffer
     d_gate, d_up, prod = kernel(d_prod, gate, up)       prod written over d_prod in the buffer
-    grad_weight[:, i0:i1] = d_out.T @ prod              GEMM: a complete block, rounded once
+    grad_weight[:, i0:i1] = d_out.T @ prod              GEMM into the block's columns: complete, rounded once
 
 What the backward needs is gate and up, which the unfused MLP saves too (for the activation's
 backward); the product is never saved. Per MLP that is one ``[N, I]`` tensor less from forward
@@ -250,9 +250,9 @@ class GatedDownFunction(torch.autograd.Function):
                 da2, db2 = _split(d_packed, True)
             else:
                 da2, db2 = torch.empty_like(a2), torch.empty_like(b2)
-        grad_weight_t = (
-            torch.empty((inter, hidden), dtype=weight.dtype, device=weight.device) if need_weight else None
-        )
+        # written block by block: grad_weight[:, i0:i1] is a strided [H, w] view (row stride I)
+        # that cuBLAS writes in place, so the gradient leaves in the weight's own layout
+        grad_weight = torch.empty_like(weight, memory_format=torch.contiguous_format) if need_weight else None
         if n_rows and inter and (need_gate or need_weight):
             cols = _cols_per_block(n_rows, inter)
             buf = _buffer(n_rows * cols, a2)
@@ -270,12 +270,12 @@ class GatedDownFunction(torch.autograd.Function):
                 else:
                     launch_rows(_prod_kernel, (a2[:, i0:i1], b2[:, i0:i1], blk), knobs, ACT=ctx.act)
                 if need_weight:
-                    torch.mm(blk.t(), d_out, out=grad_weight_t[i0:i1])
+                    torch.mm(d_out.t(), blk, out=grad_weight[:, i0:i1])
         elif need_gate:
             da2.zero_()
             db2.zero_()
         if need_weight and not (n_rows and inter):
-            grad_weight_t.zero_()
+            grad_weight.zero_()
 
         if need_gate:
             if ctx.inplace:
@@ -288,7 +288,6 @@ class GatedDownFunction(torch.autograd.Function):
                 grads_g = (da2.view(*ctx.lead, inter), db2.view(*ctx.lead, inter))
         else:
             grads_g = (None, None)
-        grad_weight = grad_weight_t.t() if need_weight else None
         grad_bias = d_out.sum(0, dtype=torch.float32).to(weight.dtype) if need_bias else None
         return (*grads_g, grad_weight, grad_bias, None, None)
 
