@@ -1,12 +1,13 @@
-"""``down_proj(act(gate) * up)`` without the product ``act(gate) * up`` ever existing whole.
+"""``down_proj(act(gate) * up)`` that never saves the product ``act(gate) * up`` for the backward.
 
 The tail of a gated MLP (Llama/Qwen/Mistral SwiGLU, Gemma GeGLU, Phi-3's packed ``gate_up``):
 
     prod = act(gate) * up                [N, I]
     out  = prod @ weight.T (+ bias)      [N, H]
 
-The forward runs in token chunks (one ``[rows, I]`` buffer of about ``FORWARD_CHUNK_ELEMS``
-elements, reused), the backward in blocks of intermediate columns ``[i0, i1)`` (one ``[N, i1 - i0]``
+The forward runs in token chunks when it records a graph (one ``[rows, I]`` buffer of about
+``FORWARD_CHUNK_ELEMS`` elements, reused; without a graph, as in gradient checkpointing's first
+pass, in one chunk), the backward in blocks of intermediate columns ``[i0, i1)`` (one ``[N, i1 - i0]``
 buffer of about ``CHUNK_ELEMS`` elements, reused):
 
     d_prod = d_out @ weight[:, i0:i1]                   GEMM into the block buffer
@@ -42,6 +43,7 @@ Public API:
 
 from __future__ import annotations
 
+import functools
 import types
 from typing import Optional
 
@@ -147,6 +149,7 @@ if triton is not None:
     _prod_bwd_kernel = fast_kernel(_prod_bwd_kernel)
 
 
+@functools.lru_cache(maxsize=None)
 def _knobs(n_cols: int):
     """BLOCK / warps for rows of ``n_cols``: up to 4096 elements per program, 8 per thread."""
     block = min(4096, max(256, triton.next_power_of_2(n_cols)))
@@ -178,12 +181,14 @@ def _split(x2: torch.Tensor, packed: bool):
 class GatedDownFunction(torch.autograd.Function):
     """``(act(gate) * up) @ weight.T + bias`` in chunks; saves gate/up (or gate_up) and weight.
 
-    ``forward(ctx, gate, up, weight, bias, act, inplace_backward)``: ``up=None`` means ``gate``
-    is the packed ``gate_up``. All tensors already in the GEMM dtype, on one device.
+    ``forward(ctx, gate, up, weight, bias, act, inplace_backward, chunked=True)``: ``up=None``
+    means ``gate`` is the packed ``gate_up``; ``chunked=False`` runs the forward in one chunk (no
+    graph to build: the product is only a transient). All tensors already in the GEMM dtype, on
+    one device.
     """
 
     @staticmethod
-    def forward(ctx, gate, up, weight, bias, act, inplace_backward):
+    def forward(ctx, gate, up, weight, bias, act, inplace_backward, chunked=True):
         packed = up is None
         if packed:
             g2 = rows_view(gate)
@@ -200,7 +205,7 @@ class GatedDownFunction(torch.autograd.Function):
             saved = (gate, up)
         n_rows, inter = a2.shape
         out = torch.empty((n_rows, weight.shape[0]), dtype=weight.dtype, device=weight.device)
-        rows = _rows_per_chunk(n_rows, inter)
+        rows = _rows_per_chunk(n_rows, inter) if chunked else max(n_rows, 1)
         if n_rows and inter:
             buf = _buffer(min(rows, n_rows) * inter, a2)
             knobs = _knobs(inter)
@@ -289,7 +294,7 @@ class GatedDownFunction(torch.autograd.Function):
         else:
             grads_g = (None, None)
         grad_bias = d_out.sum(0, dtype=torch.float32).to(weight.dtype) if need_bias else None
-        return (*grads_g, grad_weight, grad_bias, None, None)
+        return (*grads_g, grad_weight, grad_bias, None, None, None)
 
 
 # --------------------------------------------------------------------------- public functions
@@ -347,7 +352,10 @@ def _apply(gate, up, weight, bias, activation, inplace_backward):
     dtype = _gemm_dtype(gate, weight)
     cast = [t if t is None or t.dtype == dtype else t.to(dtype) for t in (gate, up, weight, bias)]
     with torch.autocast(device_type=gate.device.type, enabled=False):
-        return GatedDownFunction.apply(*cast, ACTIVATIONS[activation], inplace_backward)
+        # Without a graph (inference, gradient checkpointing's first pass) nothing is saved and
+        # the product is a transient either way: one chunk, as few GEMMs as the unfused MLP.
+        chunked = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in cast)
+        return GatedDownFunction.apply(*cast, ACTIVATIONS[activation], inplace_backward, chunked)
 
 
 def gated_down_proj(
