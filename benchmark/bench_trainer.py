@@ -79,8 +79,8 @@ from benchmark.common import MIB, Row, print_table, write_results  # noqa: E402
 from benchmark.trainer_data import LLAMA_3_2_1B, TINY, build_model, build_tokenizer, dpo_dataset, sft_dataset  # noqa: E402
 
 PROVIDERS = ("trl", "trl+liger", "ours")
-# Not run by default: ours with the MLP's down projection unfused (gated_down.FUSE_DOWN_PROJ = False).
-EXTRA_PROVIDERS = ("ours-unfused-mlp",)
+# Not run by default: ours with the MLP's down projection fused (gated_down.FUSE_DOWN_PROJ = True).
+EXTRA_PROVIDERS = ("ours-fused-mlp",)
 TASKS = ("dpo", "sft")
 
 
@@ -368,7 +368,7 @@ def run_one(task: str, provider: str, *, seq: int, warmup: int, timed: int, tiny
             import liger_losses.kernels.gated_down as gated_down
 
             fuse = gated_down.FUSE_DOWN_PROJ
-            gated_down.FUSE_DOWN_PROJ = provider != "ours-unfused-mlp"
+            gated_down.FUSE_DOWN_PROJ = provider == "ours-fused-mlp" or (fuse and provider == "ours")
             try:
                 out = trainer.train()
             finally:

@@ -37,8 +37,9 @@ Public API:
     gated_down_proj(gate, up, weight, bias=None, *, activation="silu", inplace_backward=False, impl="auto")
     gated_down_proj_packed(gate_up, weight, bias=None, *, activation="silu", inplace_backward=False, impl="auto")
     mlp_tail(down_proj, gate, up, *, activation, impl)   what the MLP modules call: fused when
-        ``FUSE_DOWN_PROJ`` and ``down_proj`` is a plain ``nn.Linear`` (see :func:`fusable_linear`),
-        else ``down_proj(swiglu/geglu(gate, up))``.
+        ``FUSE_DOWN_PROJ`` (off by default; ``liger_losses.kernels.gated_down.FUSE_DOWN_PROJ = True``
+        turns it on for every patched model) and ``down_proj`` is a plain ``nn.Linear`` (see
+        :func:`fusable_linear`), else ``down_proj(swiglu/geglu(gate, up))``.
 """
 
 from __future__ import annotations
@@ -75,8 +76,11 @@ FORWARD_CHUNK_ELEMS = 1 << 25
 # Column blocks are multiples of this (GEMM operand alignment, whole vectors per kernel row).
 COL_ALIGN = 256
 ROW_ALIGN = 64
-# The MLP modules fuse the down projection when True (module switch, read per call).
-FUSE_DOWN_PROJ = True
+# The MLP modules fuse the down projection when True (module switch, read per call). Off by
+# default: in a whole training step (Llama-3.2-1B shape, 8 x 2048 tokens, H200) it lowers DPO's
+# peak by 864 MiB (0.90x -> 0.848x TRL's) but costs 2-4% of the step, its blocked GEMMs running
+# slower there than alone (benchmark/results/README.md, Session 7). Turn it on when memory binds.
+FUSE_DOWN_PROJ = False
 
 
 if triton is not None:
