@@ -86,12 +86,14 @@ def main() -> None:
                 if not tiny:
                     torch.cuda.reset_peak_memory_stats()
                 base = torch.cuda.memory_allocated() if not tiny else 0
+                print(f"{name} timed steps from {time.time():.2f}", flush=True)  # to line up with nvidia-smi samples
                 for _ in range(steps):
                     t0 = time.perf_counter()
                     step()
                     sync()
                     results[name].append((time.perf_counter() - t0) * 1e3)
                 peaks[name] = (torch.cuda.max_memory_allocated() - base) / 2**20 if not tiny else float("nan")
+                print(f"{name} timed steps to {time.time():.2f}", flush=True)
         ref = statistics.median(results["unfused"])
         print(f"{batch} x {seq} tokens, {'tiny' if tiny else 'Llama-3.2-1B shape'}: ms per step (median) and peak above the model")
         for name, ms in results.items():
