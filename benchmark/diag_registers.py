@@ -33,7 +33,7 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
 from liger_losses.kernels import (  # noqa: E402
-    divergence_tile, geglu, layer_norm, logits_tile, norm_common, rms_norm, rope, swiglu,
+    divergence_tile, gated, geglu, layer_norm, logits_tile, norm_common, rms_norm, rope, swiglu,
 )
 from liger_losses.kernels.utils import next_power_of_2, row_tile  # noqa: E402
 
@@ -162,10 +162,11 @@ def default_cases() -> dict:
                 rope._rope_kernel, num_warps=w,
                 constexprs=dict(HALF=half, HALF_BLOCK=half_block, PASS=pass_dims, PASS_BLOCK=pass_block,
                                 BLOCK_HQ=bhq, BLOCK_HK=bhk, BACKWARD=b, LOADS_FIRST=lf)))
-    for mod, name, extra in ((swiglu, "_swiglu", {}), (geglu, "_geglu", {"TANH": True})):
+    for mod, name, act in ((swiglu, "swiglu", 0), (geglu, "geglu", 1)):
         for part in ("fwd", "bwd"):
+            extra = {"ACT": act} if part == "fwd" else {"ACT": act, "WRITE_PROD": False}
             cases[f"{name}_{part} {mod.BLOCK_SIZE}/{mod.NUM_WARPS}"] = (
-                lambda k=getattr(mod, f"{name}_{part}_kernel"), m=mod, e=extra:
+                lambda k=getattr(gated, f"gated_{part}_kernel"), m=mod, e=extra:
                 compile_case(k, constexprs=dict(e, BLOCK=m.BLOCK_SIZE), num_warps=m.NUM_WARPS))
     return cases
 

@@ -42,6 +42,7 @@ from torch import Tensor
 from liger_losses.kernels.logits_tile import logits_tile
 from liger_losses.kernels.scale import scale_unless_one_
 from liger_losses.kernels.utils import (
+    autocast_dtype,
     check_range,
     check_same_device,
     check_tensor,
@@ -480,14 +481,7 @@ def group_chunk_bounds(
 def compute_dtype(weight: Tensor) -> torch.dtype:
     """The dtype of tiles and GEMMs: the autocast dtype when autocast is on for the weight's
     device type, else the weight's dtype."""
-    dev = weight.device.type
-    try:
-        if torch.is_autocast_enabled(dev):
-            return torch.get_autocast_dtype(dev)
-    except (TypeError, RuntimeError):  # pragma: no cover - older torch signatures
-        if dev == "cuda" and torch.is_autocast_enabled():
-            return torch.get_autocast_gpu_dtype()
-    return weight.dtype
+    return autocast_dtype(weight, weight.dtype)
 
 
 def project(hidden: Tensor, weight: Tensor, bias: Optional[Tensor] = None) -> Tensor:

@@ -1,5 +1,15 @@
-"""Host-side pieces shared by the gated pointwise kernels ``act(gate) * up`` (:mod:`swiglu`,
-:mod:`geglu`): input checks, the row-split launch, and the autograd forward/backward bodies.
+"""The gated pointwise kernels ``act(gate) * up`` and the host-side pieces shared by
+:mod:`swiglu`, :mod:`geglu` and :mod:`gated_down`: the two Triton kernels (``ACT``: 0 silu,
+1 tanh GELU, 2 erf GELU), input checks, the row-split launch, and the autograd forward/backward
+bodies.
+
+    forward:   c = act(a) * b
+    backward:  da = dc * b * act'(a),  db = dc * act(a)   (+ c over dc with WRITE_PROD)
+
+    silu:   act(a) = a sigmoid(a),                  act'(a) = s + a s (1 - s),  s = sigmoid(a)
+    tanh:   act(a) = 0.5 a (1 + tanh(u)) = a s,     s = sigmoid(2u), u = sqrt(2/pi) (a + 0.044715 a^3)
+            act'(a) = s + 2 a s (1 - s) sqrt(2/pi) (1 + 3 * 0.044715 a^2)    (1 - tanh(u)^2 = 4 s (1 - s))
+    erf:    act(a) = 0.5 a (1 + erf(a / sqrt(2))),  act'(a) = 0.5 (1 + erf(a / sqrt(2))) + a phi(a)
 
 ``gate`` and ``up`` have one shape ``[..., I]`` and dtype; the kernels see them as 2-D views
 ``[rows, I]`` (:func:`~liger_losses.kernels.utils.pair_rows`) on a grid ``(cdiv(I, BLOCK), rows)``;
@@ -12,14 +22,92 @@ from __future__ import annotations
 
 import torch
 
+from liger_losses.kernels.launch import fast_kernel
 from liger_losses.kernels.utils import (
     MAX_GRID_Y,
     check_same_device,
     check_tensor,
     device_ctx,
+    import_triton,
     owns_buffer,
     pair_rows,
 )
+
+triton, tl = import_triton()
+
+# The kernels' ACT constexpr per activation name.
+ACTIVATIONS = {"silu": 0, "gelu_tanh": 1, "gelu": 2}
+
+
+if triton is not None:
+
+    @triton.jit
+    def _act_value(a, ACT: tl.constexpr):
+        """act(a) in fp32: 0 silu, 1 tanh GELU, 2 erf GELU."""
+        if ACT == 0:
+            f = a * tl.sigmoid(a)
+        elif ACT == 1:
+            u = 0.7978845608028654 * a * (1.0 + 0.044715 * a * a)
+            f = a * tl.sigmoid(2.0 * u)  # 0.5 (1 + tanh(u)) == sigmoid(2u)
+        else:
+            f = 0.5 * a * (1.0 + tl.math.erf(a * 0.7071067811865476))
+        return f
+
+    @triton.jit
+    def _act_grad(a, ACT: tl.constexpr):
+        """act'(a) in fp32."""
+        if ACT == 0:
+            sig = tl.sigmoid(a)
+            d = sig + a * sig * (1.0 - sig)
+        elif ACT == 1:
+            a2 = a * a
+            u = 0.7978845608028654 * a * (1.0 + 0.044715 * a2)
+            s = tl.sigmoid(2.0 * u)  # 0.5 (1 + tanh(u)); 1 - tanh(u)^2 = 4 s (1 - s)
+            d = s + 2.0 * a * s * (1.0 - s) * 0.7978845608028654 * (1.0 + 0.134145 * a2)
+        else:
+            cdf = 0.5 * (1.0 + tl.math.erf(a * 0.7071067811865476))
+            d = cdf + a * 0.3989422804014327 * tl.exp(-0.5 * a * a)
+        return d
+
+    @triton.jit
+    def gated_fwd_kernel(
+        a_ptr, b_ptr, c_ptr,
+        n_cols, stride_a, stride_b, stride_c,
+        ACT: tl.constexpr, BLOCK: tl.constexpr,
+    ):
+        """c = act(a) * b over one block of one row."""
+        row = tl.program_id(1).to(tl.int64)
+        cols = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        mask = cols < n_cols
+        a = tl.load(a_ptr + row * stride_a + cols, mask=mask, other=0.0).to(tl.float32)
+        b = tl.load(b_ptr + row * stride_b + cols, mask=mask, other=0.0).to(tl.float32)
+        c = _act_value(a, ACT) * b
+        tl.store(c_ptr + row * stride_c + cols, c.to(c_ptr.dtype.element_ty), mask=mask)
+
+    @triton.jit
+    def gated_bwd_kernel(
+        dc_ptr, a_ptr, b_ptr, da_ptr, db_ptr,
+        n_cols, stride_dc, stride_a, stride_b, stride_da, stride_db,
+        ACT: tl.constexpr, WRITE_PROD: tl.constexpr, BLOCK: tl.constexpr,
+    ):
+        """da = dc * b * act'(a), db = dc * act(a); with WRITE_PROD the product act(a) * b is
+        stored over dc (each element read before it is written, by the same thread). da/db may
+        alias a/b."""
+        row = tl.program_id(1).to(tl.int64)
+        cols = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        mask = cols < n_cols
+        dc = tl.load(dc_ptr + row * stride_dc + cols, mask=mask, other=0.0).to(tl.float32)
+        a = tl.load(a_ptr + row * stride_a + cols, mask=mask, other=0.0).to(tl.float32)
+        b = tl.load(b_ptr + row * stride_b + cols, mask=mask, other=0.0).to(tl.float32)
+        f = _act_value(a, ACT)
+        tl.store(da_ptr + row * stride_da + cols, (dc * b * _act_grad(a, ACT)).to(da_ptr.dtype.element_ty), mask=mask)
+        tl.store(db_ptr + row * stride_db + cols, (dc * f).to(db_ptr.dtype.element_ty), mask=mask)
+        if WRITE_PROD:
+            tl.store(dc_ptr + row * stride_dc + cols, (f * b).to(dc_ptr.dtype.element_ty), mask=mask)
+
+    gated_fwd_kernel = fast_kernel(gated_fwd_kernel)
+    gated_bwd_kernel = fast_kernel(gated_bwd_kernel)
+
 
 
 def check_gate_up(gate: torch.Tensor, up: torch.Tensor) -> None:

@@ -52,21 +52,24 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from liger_losses.kernels.gated import guard_second_backward, launch_rows
-from liger_losses.kernels.launch import fast_kernel
+from liger_losses.kernels.gated import (
+    ACTIVATIONS,
+    gated_bwd_kernel,
+    gated_fwd_kernel,
+    guard_second_backward,
+    launch_rows,
+)
 from liger_losses.kernels.utils import (
     check_choice,
     check_same_device,
+    autocast_dtype,
     check_tensor,
-    import_triton,
+    next_power_of_2,
     owns_buffer,
     resolve_impl,
     rows_view,
 )
 
-triton, tl = import_triton()
-
-ACTIVATIONS = {"silu": 0, "gelu_tanh": 1, "gelu": 2}
 
 # Elements of the backward's block buffer (64 MiB in bf16) and of the forward's chunk buffer
 # (whose product is freed before the backward: it bounds a transient, not what is saved). Read at
@@ -83,80 +86,12 @@ ROW_ALIGN = 64
 FUSE_DOWN_PROJ = False
 
 
-if triton is not None:
-
-    @triton.jit
-    def _act_value(a, ACT: tl.constexpr):
-        """act(a) in fp32: 0 silu, 1 tanh GELU, 2 erf GELU."""
-        if ACT == 0:
-            f = a * tl.sigmoid(a)
-        elif ACT == 1:
-            u = 0.7978845608028654 * a * (1.0 + 0.044715 * a * a)
-            f = a * tl.sigmoid(2.0 * u)  # 0.5 (1 + tanh(u)) == sigmoid(2u)
-        else:
-            f = 0.5 * a * (1.0 + tl.math.erf(a * 0.7071067811865476))
-        return f
-
-    @triton.jit
-    def _act_grad(a, ACT: tl.constexpr):
-        """act'(a) in fp32."""
-        if ACT == 0:
-            sig = tl.sigmoid(a)
-            d = sig + a * sig * (1.0 - sig)
-        elif ACT == 1:
-            a2 = a * a
-            u = 0.7978845608028654 * a * (1.0 + 0.044715 * a2)
-            s = tl.sigmoid(2.0 * u)  # 0.5 (1 + tanh(u)); 1 - tanh(u)^2 = 4 s (1 - s)
-            d = s + 2.0 * a * s * (1.0 - s) * 0.7978845608028654 * (1.0 + 0.134145 * a2)
-        else:
-            cdf = 0.5 * (1.0 + tl.math.erf(a * 0.7071067811865476))
-            d = cdf + a * 0.3989422804014327 * tl.exp(-0.5 * a * a)
-        return d
-
-    @triton.jit
-    def _prod_kernel(
-        a_ptr, b_ptr, c_ptr,
-        n_cols, stride_a, stride_b, stride_c,
-        ACT: tl.constexpr, BLOCK: tl.constexpr,
-    ):
-        """c = act(a) * b over one block of one row."""
-        row = tl.program_id(1).to(tl.int64)
-        cols = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-        mask = cols < n_cols
-        a = tl.load(a_ptr + row * stride_a + cols, mask=mask, other=0.0).to(tl.float32)
-        b = tl.load(b_ptr + row * stride_b + cols, mask=mask, other=0.0).to(tl.float32)
-        c = _act_value(a, ACT) * b
-        tl.store(c_ptr + row * stride_c + cols, c.to(c_ptr.dtype.element_ty), mask=mask)
-
-    @triton.jit
-    def _prod_bwd_kernel(
-        dc_ptr, a_ptr, b_ptr, da_ptr, db_ptr,
-        n_cols, stride_dc, stride_a, stride_b, stride_da, stride_db,
-        ACT: tl.constexpr, WRITE_PROD: tl.constexpr, BLOCK: tl.constexpr,
-    ):
-        """da = dc * b * act'(a), db = dc * act(a); with WRITE_PROD the product act(a) * b is
-        stored over dc (each element read before it is written, by the same thread). da/db may
-        alias a/b."""
-        row = tl.program_id(1).to(tl.int64)
-        cols = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-        mask = cols < n_cols
-        dc = tl.load(dc_ptr + row * stride_dc + cols, mask=mask, other=0.0).to(tl.float32)
-        a = tl.load(a_ptr + row * stride_a + cols, mask=mask, other=0.0).to(tl.float32)
-        b = tl.load(b_ptr + row * stride_b + cols, mask=mask, other=0.0).to(tl.float32)
-        f = _act_value(a, ACT)
-        tl.store(da_ptr + row * stride_da + cols, (dc * b * _act_grad(a, ACT)).to(da_ptr.dtype.element_ty), mask=mask)
-        tl.store(db_ptr + row * stride_db + cols, (dc * f).to(db_ptr.dtype.element_ty), mask=mask)
-        if WRITE_PROD:
-            tl.store(dc_ptr + row * stride_dc + cols, (f * b).to(dc_ptr.dtype.element_ty), mask=mask)
-
-    _prod_kernel = fast_kernel(_prod_kernel)
-    _prod_bwd_kernel = fast_kernel(_prod_bwd_kernel)
 
 
 @functools.lru_cache(maxsize=None)
 def _knobs(n_cols: int):
     """BLOCK / warps for rows of ``n_cols``: up to 4096 elements per program, 8 per thread."""
-    block = min(4096, max(256, triton.next_power_of_2(n_cols)))
+    block = min(4096, max(256, next_power_of_2(n_cols)))
     return types.SimpleNamespace(BLOCK_SIZE=block, NUM_WARPS=max(1, min(8, block // 256)))
 
 
@@ -216,7 +151,7 @@ class GatedDownFunction(torch.autograd.Function):
             for r0 in range(0, n_rows, rows):
                 r1 = min(n_rows, r0 + rows)
                 prod = buf[: (r1 - r0) * inter].view(r1 - r0, inter)
-                launch_rows(_prod_kernel, (a2[r0:r1], b2[r0:r1], prod), knobs, ACT=act)
+                launch_rows(gated_fwd_kernel, (a2[r0:r1], b2[r0:r1], prod), knobs, ACT=act)
                 if bias is None:
                     torch.mm(prod, weight.t(), out=out[r0:r1])
                 else:
@@ -272,12 +207,12 @@ class GatedDownFunction(torch.autograd.Function):
                 if need_gate:
                     torch.mm(d_out, weight[:, i0:i1], out=blk)
                     launch_rows(
-                        _prod_bwd_kernel,
+                        gated_bwd_kernel,
                         (blk, a2[:, i0:i1], b2[:, i0:i1], da2[:, i0:i1], db2[:, i0:i1]),
                         knobs, ACT=ctx.act, WRITE_PROD=need_weight,
                     )
                 else:
-                    launch_rows(_prod_kernel, (a2[:, i0:i1], b2[:, i0:i1], blk), knobs, ACT=ctx.act)
+                    launch_rows(gated_fwd_kernel, (a2[:, i0:i1], b2[:, i0:i1], blk), knobs, ACT=ctx.act)
                 if need_weight:
                     torch.mm(d_out.t(), blk, out=grad_weight[:, i0:i1])
         elif need_gate:
@@ -313,17 +248,6 @@ def _act_torch(gate: torch.Tensor, up: torch.Tensor, activation: str) -> torch.T
     return (f * up.float()).to(gate.dtype)
 
 
-def _gemm_dtype(gate: torch.Tensor, weight: torch.Tensor) -> torch.dtype:
-    dev = gate.device.type
-    try:
-        if torch.is_autocast_enabled(dev):
-            return torch.get_autocast_dtype(dev)
-    except (TypeError, RuntimeError):  # pragma: no cover - older torch signatures
-        if dev == "cuda" and torch.is_autocast_enabled():
-            return torch.get_autocast_gpu_dtype()
-    return weight.dtype
-
-
 def _check(gate, up, weight, bias, activation, inplace_backward, inter_name="gate"):
     check_choice("activation", activation, tuple(ACTIVATIONS))
     if not isinstance(inplace_backward, bool):
@@ -342,18 +266,21 @@ def _check(gate, up, weight, bias, activation, inplace_backward, inter_name="gat
             f"got {tuple(weight.shape)}"
         )
     check_same_device(gate=gate, up=up, weight=weight, bias=bias)
-    dtype = _gemm_dtype(gate, weight)
     if not torch.is_autocast_enabled(gate.device.type):
         for name, t in (("up", up), ("weight", weight), ("bias", bias)):
             if t is not None and t.dtype != gate.dtype:
                 raise TypeError(
                     f"{name} must have gate's dtype {gate.dtype} (or run under autocast), got {t.dtype}"
                 )
-    return dtype
 
 
-def _apply(gate, up, weight, bias, activation, inplace_backward):
-    dtype = _gemm_dtype(gate, weight)
+def _run(gate, up, weight, bias, activation, inplace_backward, impl):
+    """Checked inputs -> the PyTorch composition (impl "torch") or the chunked Function;
+    ``up=None``: ``gate`` is the packed ``gate_up``."""
+    if resolve_impl(impl, gate, up, weight) == "torch":
+        g, u = gate.chunk(2, dim=-1) if up is None else (gate, up)
+        return F.linear(_act_torch(g, u, activation), weight, bias)
+    dtype = autocast_dtype(gate, weight.dtype)
     cast = [t if t is None or t.dtype == dtype else t.to(dtype) for t in (gate, up, weight, bias)]
     with torch.autocast(device_type=gate.device.type, enabled=False):
         # Without a graph (inference, gradient checkpointing's first pass) nothing is saved and
@@ -372,7 +299,7 @@ def gated_down_proj(
     inplace_backward: bool = False,
     impl: str = "auto",
 ) -> torch.Tensor:
-    """``F.linear(act(gate) * up, weight, bias)`` without storing ``act(gate) * up`` whole.
+    """``F.linear(act(gate) * up, weight, bias)`` without saving ``act(gate) * up`` for the backward.
 
     gate, up: ``[..., I]`` (one shape and dtype); weight ``[H, I]``; bias ``[H]`` or None.
     Returns ``[..., H]`` in the GEMM dtype (see the module docstring).
@@ -382,9 +309,7 @@ def gated_down_proj(
     if up.shape != gate.shape:
         raise ValueError(f"up must have the same shape as gate {tuple(gate.shape)}, got {tuple(up.shape)}")
     _check(gate, up, weight, bias, activation, inplace_backward)
-    if resolve_impl(impl, gate, up, weight) == "torch":
-        return F.linear(_act_torch(gate, up, activation), weight, bias)
-    return _apply(gate, up, weight, bias, activation, inplace_backward)
+    return _run(gate, up, weight, bias, activation, inplace_backward, impl)
 
 
 def gated_down_proj_packed(
@@ -404,10 +329,7 @@ def gated_down_proj_packed(
             f"gate_up must have an even last dimension (2 * intermediate_size), got shape {tuple(gate_up.shape)}"
         )
     _check(gate_up, None, weight, bias, activation, inplace_backward, inter_name="gate_up")
-    if resolve_impl(impl, gate_up, weight) == "torch":
-        gate, up = gate_up.chunk(2, dim=-1)
-        return F.linear(_act_torch(gate, up, activation), weight, bias)
-    return _apply(gate_up, None, weight, bias, activation, inplace_backward)
+    return _run(gate_up, None, weight, bias, activation, inplace_backward, impl)
 
 
 # --------------------------------------------------------------------------- the MLP modules' entry

@@ -1,4 +1,4 @@
-"""GeGLU: ``gelu(gate, approximate) * up`` with Triton forward/backward kernels, and the Gemma MLP.
+"""GeGLU: ``gelu(gate, approximate) * up`` on the gated Triton kernels (:mod:`gated`, ``ACT`` 1/2), and the Gemma MLP.
 
 Shapes: ``gate`` and ``up`` have the same shape ``[..., I]`` (any leading dims); so does the output.
 Dtypes: any float dtype; the math runs in fp32 inside the kernel, results are stored in the input
@@ -28,16 +28,16 @@ import torch.nn.functional as F
 from torch import nn
 
 from liger_losses.kernels.gated import (
+    ACTIVATIONS,
     check_gate_up,
     check_inplace_backward,
     gated_backward,
+    gated_bwd_kernel,
     gated_forward,
+    gated_fwd_kernel,
 )
 from liger_losses.kernels.gated_down import mlp_tail
-from liger_losses.kernels.launch import fast_kernel
-from liger_losses.kernels.utils import check_choice, import_triton, resolve_impl
-
-triton, tl = import_triton()
+from liger_losses.kernels.utils import check_choice, resolve_impl
 
 APPROXIMATIONS = ("tanh", "none")
 # Elements per program and warps (read at launch time by gated.launch_rows: the benchmark sweeps them).
@@ -46,76 +46,17 @@ NUM_WARPS = 8
 _KNOBS = sys.modules[__name__]
 
 
-if triton is not None:
-
-    @triton.jit
-    def _gelu_and_grad(a, TANH: tl.constexpr):
-        """(gelu(a), gelu'(a)) in fp32."""
-        if TANH:
-            a2 = a * a
-            u = 0.7978845608028654 * a * (1.0 + 0.044715 * a2)
-            t = 2.0 * tl.sigmoid(2.0 * u) - 1.0  # tanh(u), no libdevice needed
-            half_1pt = 0.5 * (1.0 + t)
-            gelu = a * half_1pt
-            dgelu = half_1pt + 0.5 * a * (1.0 - t * t) * 0.7978845608028654 * (1.0 + 0.134145 * a2)
-        else:
-            cdf = 0.5 * (1.0 + tl.math.erf(a * 0.7071067811865476))
-            gelu = a * cdf
-            dgelu = cdf + a * 0.3989422804014327 * tl.exp(-0.5 * a * a)
-        return gelu, dgelu
-
-    @triton.jit
-    def _geglu_fwd_kernel(
-        a_ptr, b_ptr, c_ptr,
-        n_cols, stride_a, stride_b, stride_c,
-        TANH: tl.constexpr, BLOCK: tl.constexpr,
-    ):
-        """c = gelu(a) * b over one block of one row (a row is the whole tensor when flat)."""
-        row = tl.program_id(1).to(tl.int64)
-        cols = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-        mask = cols < n_cols
-        a = tl.load(a_ptr + row * stride_a + cols, mask=mask, other=0.0).to(tl.float32)
-        b = tl.load(b_ptr + row * stride_b + cols, mask=mask, other=0.0).to(tl.float32)
-        if TANH:
-            u = 0.7978845608028654 * a * (1.0 + 0.044715 * a * a)
-            gelu = a * tl.sigmoid(2.0 * u)  # 0.5 (1 + tanh(u)) == sigmoid(2u)
-        else:
-            gelu = 0.5 * a * (1.0 + tl.math.erf(a * 0.7071067811865476))
-        tl.store(c_ptr + row * stride_c + cols, (gelu * b).to(c_ptr.dtype.element_ty), mask=mask)
-
-    @triton.jit
-    def _geglu_bwd_kernel(
-        dc_ptr, a_ptr, b_ptr, da_ptr, db_ptr,
-        n_cols, stride_dc, stride_a, stride_b, stride_da, stride_db,
-        TANH: tl.constexpr, BLOCK: tl.constexpr,
-    ):
-        """da, db from dc and the recomputed gelu; da/db may alias a/b (read before write)."""
-        row = tl.program_id(1).to(tl.int64)
-        cols = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-        mask = cols < n_cols
-        dc = tl.load(dc_ptr + row * stride_dc + cols, mask=mask, other=0.0).to(tl.float32)
-        a = tl.load(a_ptr + row * stride_a + cols, mask=mask, other=0.0).to(tl.float32)
-        b = tl.load(b_ptr + row * stride_b + cols, mask=mask, other=0.0).to(tl.float32)
-        gelu, dgelu = _gelu_and_grad(a, TANH)
-        tl.store(da_ptr + row * stride_da + cols, (dc * b * dgelu).to(da_ptr.dtype.element_ty), mask=mask)
-        tl.store(db_ptr + row * stride_db + cols, (dc * gelu).to(db_ptr.dtype.element_ty), mask=mask)
-
-    # host launches go through launch.fast_kernel (the compiled launcher after a first launch)
-    _geglu_fwd_kernel = fast_kernel(_geglu_fwd_kernel)
-    _geglu_bwd_kernel = fast_kernel(_geglu_bwd_kernel)
-
-
 class GEGLUFunction(torch.autograd.Function):
     """gelu(gate) * up; saves gate and up only. ``inplace_backward`` writes grads into them."""
 
     @staticmethod
     def forward(ctx, gate, up, approximate="tanh", inplace_backward=False):
-        ctx.tanh = approximate == "tanh"
-        return gated_forward(ctx, gate, up, inplace_backward, _geglu_fwd_kernel, _KNOBS, TANH=ctx.tanh)
+        ctx.act = ACTIVATIONS["gelu_tanh" if approximate == "tanh" else "gelu"]
+        return gated_forward(ctx, gate, up, inplace_backward, gated_fwd_kernel, _KNOBS, ACT=ctx.act)
 
     @staticmethod
     def backward(ctx, grad_out):
-        grads = gated_backward(ctx, grad_out, _geglu_bwd_kernel, _KNOBS, TANH=ctx.tanh)
+        grads = gated_backward(ctx, grad_out, gated_bwd_kernel, _KNOBS, ACT=ctx.act, WRITE_PROD=False)
         return (*grads, None, None)
 
 

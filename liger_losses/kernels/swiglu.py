@@ -1,4 +1,4 @@
-"""SwiGLU: ``silu(gate) * up`` with Triton forward/backward kernels, and the SwiGLU MLP modules.
+"""SwiGLU: ``silu(gate) * up`` on the gated Triton kernels (:mod:`gated`, ``ACT`` 0), and the SwiGLU MLP modules.
 
 Shapes: ``gate`` and ``up`` have the same shape ``[..., I]`` (any leading dims); the output has that
 shape too. ``swiglu_packed(gate_up)`` takes the Phi-3 layout ``[..., 2I]`` (gate first, then up) and
@@ -32,18 +32,20 @@ import torch.nn.functional as F
 from torch import nn
 
 from liger_losses.kernels.gated import (
+    ACTIVATIONS,
     check_gate_up,
     check_inplace_backward,
     gated_backward,
+    gated_bwd_kernel,
     gated_forward,
+    gated_fwd_kernel,
     guard_second_backward,
     launch_rows,
 )
 from liger_losses.kernels.gated_down import mlp_tail
-from liger_losses.kernels.launch import fast_kernel
-from liger_losses.kernels.utils import check_tensor, import_triton, resolve_impl
+from liger_losses.kernels.utils import check_tensor, resolve_impl
 
-triton, tl = import_triton()
+SILU = ACTIVATIONS["silu"]
 
 # Elements per program and warps of the pointwise kernels: 16 elements (two 16-byte bf16
 # vectors) per thread. Module constants read at launch time (gated.launch_rows), so the
@@ -51,48 +53,6 @@ triton, tl = import_triton()
 BLOCK_SIZE = 4096
 NUM_WARPS = 8
 _KNOBS = sys.modules[__name__]
-
-
-if triton is not None:
-
-    @triton.jit
-    def _swiglu_fwd_kernel(
-        a_ptr, b_ptr, c_ptr,
-        n_cols, stride_a, stride_b, stride_c,
-        BLOCK: tl.constexpr,
-    ):
-        """c = silu(a) * b over one block of one row (a row is the whole tensor when flat)."""
-        row = tl.program_id(1).to(tl.int64)
-        cols = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-        mask = cols < n_cols
-        a = tl.load(a_ptr + row * stride_a + cols, mask=mask, other=0.0).to(tl.float32)
-        b = tl.load(b_ptr + row * stride_b + cols, mask=mask, other=0.0).to(tl.float32)
-        c = a * tl.sigmoid(a) * b
-        tl.store(c_ptr + row * stride_c + cols, c.to(c_ptr.dtype.element_ty), mask=mask)
-
-    @triton.jit
-    def _swiglu_bwd_kernel(
-        dc_ptr, a_ptr, b_ptr, da_ptr, db_ptr,
-        n_cols, stride_dc, stride_a, stride_b, stride_da, stride_db,
-        BLOCK: tl.constexpr,
-    ):
-        """da, db from dc and the recomputed sigmoid(a); da/db may alias a/b (read before write)."""
-        row = tl.program_id(1).to(tl.int64)
-        cols = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-        mask = cols < n_cols
-        dc = tl.load(dc_ptr + row * stride_dc + cols, mask=mask, other=0.0).to(tl.float32)
-        a = tl.load(a_ptr + row * stride_a + cols, mask=mask, other=0.0).to(tl.float32)
-        b = tl.load(b_ptr + row * stride_b + cols, mask=mask, other=0.0).to(tl.float32)
-        sig = tl.sigmoid(a)
-        silu = a * sig
-        db = dc * silu
-        da = dc * b * (sig + silu * (1.0 - sig))
-        tl.store(da_ptr + row * stride_da + cols, da.to(da_ptr.dtype.element_ty), mask=mask)
-        tl.store(db_ptr + row * stride_db + cols, db.to(db_ptr.dtype.element_ty), mask=mask)
-
-    # host launches go through launch.fast_kernel (the compiled launcher after a first launch)
-    _swiglu_fwd_kernel = fast_kernel(_swiglu_fwd_kernel)
-    _swiglu_bwd_kernel = fast_kernel(_swiglu_bwd_kernel)
 
 
 # --------------------------------------------------------------------------- autograd
@@ -103,11 +63,11 @@ class SwiGLUFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, gate, up, inplace_backward=False):
-        return gated_forward(ctx, gate, up, inplace_backward, _swiglu_fwd_kernel, _KNOBS)
+        return gated_forward(ctx, gate, up, inplace_backward, gated_fwd_kernel, _KNOBS, ACT=SILU)
 
     @staticmethod
     def backward(ctx, grad_out):
-        return (*gated_backward(ctx, grad_out, _swiglu_bwd_kernel, _KNOBS), None)
+        return (*gated_backward(ctx, grad_out, gated_bwd_kernel, _KNOBS, ACT=SILU, WRITE_PROD=False), None)
 
 
 class SwiGLUPackedFunction(torch.autograd.Function):
@@ -119,7 +79,7 @@ class SwiGLUPackedFunction(torch.autograd.Function):
         gu2 = gate_up.contiguous().view(-1, 2 * inter)
         out = torch.empty((*gate_up.shape[:-1], inter), dtype=gate_up.dtype, device=gate_up.device)
         if out.numel():
-            launch_rows(_swiglu_fwd_kernel, (gu2[:, :inter], gu2[:, inter:], out.view(-1, inter)), _KNOBS)
+            launch_rows(gated_fwd_kernel, (gu2[:, :inter], gu2[:, inter:], out.view(-1, inter)), _KNOBS, ACT=SILU)
         ctx.inplace = bool(inplace_backward and gate_up.is_contiguous() and gate_up.grad_fn is not None)
         # the contiguous copy when one was made (the backward reads it again), else gate_up itself
         ctx.save_for_backward(gate_up if gate_up.is_contiguous() else gu2)
@@ -136,8 +96,9 @@ class SwiGLUPackedFunction(torch.autograd.Function):
         if d2.numel():
             dc2 = grad_out.contiguous().view(-1, inter)
             launch_rows(
-                _swiglu_bwd_kernel,
+                gated_bwd_kernel,
                 (dc2, gu2[:, :inter], gu2[:, inter:], d2[:, :inter], d2[:, inter:]), _KNOBS,
+                ACT=SILU, WRITE_PROD=False,
             )
         if ctx.inplace:
             torch.autograd.graph.increment_version(saved)

@@ -192,6 +192,19 @@ def check_number(name: str, value) -> None:
         raise TypeError(f"{name} must be a real number, got {type(value).__name__}")
 
 
+def autocast_dtype(tensor: torch.Tensor, default: torch.dtype) -> torch.dtype:
+    """The autocast dtype when autocast is on for ``tensor``'s device type, else ``default``
+    (the dtype GEMMs run in, as ``F.linear`` would pick it)."""
+    dev = tensor.device.type
+    try:
+        if torch.is_autocast_enabled(dev):
+            return torch.get_autocast_dtype(dev)
+    except (TypeError, RuntimeError):  # pragma: no cover - older torch signatures
+        if dev == "cuda" and torch.is_autocast_enabled():
+            return torch.get_autocast_gpu_dtype()
+    return default
+
+
 def triton_fallback(impl: str, problem: Optional[Exception]) -> str:
     """The path to take when Triton was chosen for ``impl``: "triton" when there is no
     ``problem``; with one, raise it for ``impl="triton"``, else fall back to "torch"."""

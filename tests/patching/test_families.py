@@ -41,6 +41,12 @@ def _reference(ref, batch):
     return logits, out.loss.detach(), grads
 
 
+def _assert_loss_and_grads(out, grads, ref_loss, ref_grads):
+    assert_close_rel(out.loss, ref_loss, FP32, "loss")
+    for name, g in ref_grads.items():
+        assert_close_rel(grads[name], g, FP32, f"grad {name}")
+
+
 def _modules_swapped(model, spec):
     from liger_losses.kernels.geglu import LigerGEGLUMLP
     from liger_losses.kernels.rms_norm import LigerGemmaRMSNorm, LigerRMSNorm
@@ -191,9 +197,7 @@ def test_patched_family_matches_unpatched_with_inplace_rope(model_type, inplace,
     monkeypatch.setattr(prope, "INPLACE", inplace)
     monkeypatch.setattr(prope, "INPLACE_BACKWARD", True)
     out, grads = loss_and_grads(model, batch)
-    assert_close_rel(out.loss, ref_loss, FP32, "loss")
-    for name, g in ref_grads.items():
-        assert_close_rel(grads[name], g, FP32, f"grad {name}")
+    _assert_loss_and_grads(out, grads, ref_loss, ref_grads)
 
 
 @pytest.mark.parametrize("model_type", ["llama", "phi3", "gemma"])
@@ -216,9 +220,7 @@ def test_patched_family_matches_unpatched_with_fused_mlp_tail(model_type, monkey
     monkeypatch.setattr(gd.GatedDownFunction, "apply", _counting(gd.GatedDownFunction.apply, used))
     out, grads = loss_and_grads(model, batch)
     assert used, "the fused tail was not used"
-    assert_close_rel(out.loss, ref_loss, FP32, "loss")
-    for name, g in ref_grads.items():
-        assert_close_rel(grads[name], g, FP32, f"grad {name}")
+    _assert_loss_and_grads(out, grads, ref_loss, ref_grads)
     model.eval()
     with torch.no_grad():
         logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
