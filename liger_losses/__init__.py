@@ -30,6 +30,7 @@ from liger_losses.chunked.preference import (
 )
 from liger_losses.chunked.token_logprobs import fused_linear_token_logprobs
 from liger_losses.kernels.cross_entropy import LigerCrossEntropyLoss, cross_entropy
+from liger_losses.kernels.gated_down import gated_down_proj, gated_down_proj_packed
 from liger_losses.kernels.geglu import LigerGEGLUMLP, geglu
 from liger_losses.kernels.layer_norm import LigerLayerNorm, layer_norm
 from liger_losses.kernels.rms_norm import LigerGemmaRMSNorm, LigerRMSNorm, rms_norm
@@ -67,6 +68,8 @@ __all__ = [
     "fused_linear_sequence_objective",
     "fused_linear_simpo_loss",
     "fused_linear_token_logprobs",
+    "gated_down_proj",
+    "gated_down_proj_packed",
     "geglu",
     "layer_norm",
     "revert_liger_kernels",
