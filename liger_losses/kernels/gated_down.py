@@ -132,7 +132,7 @@ class GatedDownFunction(torch.autograd.Function):
         if packed:
             g2 = rows_view(gate)
             a2, b2 = _split(g2, True)
-            ctx.inplace = bool(inplace_backward and gate.is_contiguous() and gate.grad_fn is not None)
+            ctx.inplace = bool(inplace_backward and gate.is_contiguous() and owns_buffer(gate, g2))
             saved = (g2 if g2.untyped_storage().data_ptr() != gate.untyped_storage().data_ptr() else gate,)
         else:
             a2, b2 = rows_view(gate), rows_view(up)
@@ -143,7 +143,10 @@ class GatedDownFunction(torch.autograd.Function):
             )
             saved = (gate, up)
         n_rows, inter = a2.shape
-        out = torch.empty((n_rows, weight.shape[0]), dtype=weight.dtype, device=weight.device)
+        # allocated in its final shape and returned as is (not a view made here), so callers may
+        # modify it in place as they may down_proj's output; the GEMMs write through out2
+        out = torch.empty((*gate.shape[:-1], weight.shape[0]), dtype=weight.dtype, device=weight.device)
+        out2 = out.view(n_rows, weight.shape[0])
         rows = _rows_per_chunk(n_rows, inter) if chunked else max(n_rows, 1)
         if n_rows and inter:
             buf = _buffer(min(rows, n_rows) * inter, a2)
@@ -153,17 +156,17 @@ class GatedDownFunction(torch.autograd.Function):
                 prod = buf[: (r1 - r0) * inter].view(r1 - r0, inter)
                 launch_rows(gated_fwd_kernel, (a2[r0:r1], b2[r0:r1], prod), knobs, ACT=act)
                 if bias is None:
-                    torch.mm(prod, weight.t(), out=out[r0:r1])
+                    torch.mm(prod, weight.t(), out=out2[r0:r1])
                 else:
-                    torch.addmm(bias, prod, weight.t(), out=out[r0:r1])
+                    torch.addmm(bias, prod, weight.t(), out=out2[r0:r1])
         elif bias is not None:
-            out.copy_(bias.expand_as(out))
+            out2.copy_(bias.expand_as(out2))
         else:
             out.zero_()
         ctx.packed, ctx.act, ctx.has_bias = packed, act, bias is not None
         ctx.lead = gate.shape[:-1]
         ctx.save_for_backward(*saved, weight)
-        return out.view(*ctx.lead, weight.shape[0])
+        return out
 
     @staticmethod
     def backward(ctx, grad_out):
@@ -340,7 +343,10 @@ def _global_hooks() -> bool:
 
     return any(
         getattr(nn_module, name, None)
-        for name in ("_global_forward_hooks", "_global_forward_pre_hooks")
+        for name in (
+            "_global_forward_hooks", "_global_forward_pre_hooks",
+            "_global_backward_hooks", "_global_backward_pre_hooks",
+        )
     )
 
 
@@ -349,6 +355,8 @@ def fusable_linear(module: nn.Module) -> bool:
     plain ``nn.Linear`` (not a LoRA or quantized subclass) with no forward hooks (ZeRO-3 gathers
     parameters in one, accelerate moves them in one) and plain tensor parameters (not DTensor)."""
     if type(module) is not nn.Linear or module._forward_hooks or module._forward_pre_hooks:
+        return False
+    if module._backward_hooks or module._backward_pre_hooks:  # run only by module.__call__
         return False
     if _global_hooks():
         return False

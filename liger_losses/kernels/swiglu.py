@@ -43,7 +43,7 @@ from liger_losses.kernels.gated import (
     launch_rows,
 )
 from liger_losses.kernels.gated_down import mlp_tail
-from liger_losses.kernels.utils import check_tensor, resolve_impl
+from liger_losses.kernels.utils import check_tensor, owns_buffer, resolve_impl
 
 SILU = ACTIVATIONS["silu"]
 
@@ -80,7 +80,7 @@ class SwiGLUPackedFunction(torch.autograd.Function):
         out = torch.empty((*gate_up.shape[:-1], inter), dtype=gate_up.dtype, device=gate_up.device)
         if out.numel():
             launch_rows(gated_fwd_kernel, (gu2[:, :inter], gu2[:, inter:], out.view(-1, inter)), _KNOBS, ACT=SILU)
-        ctx.inplace = bool(inplace_backward and gate_up.is_contiguous() and gate_up.grad_fn is not None)
+        ctx.inplace = bool(inplace_backward and gate_up.is_contiguous() and owns_buffer(gate_up, gu2))
         # the contiguous copy when one was made (the backward reads it again), else gate_up itself
         ctx.save_for_backward(gate_up if gate_up.is_contiguous() else gu2)
         ctx.shape = gate_up.shape

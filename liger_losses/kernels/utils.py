@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import math
 import numbers
 import os
 from typing import Iterable, Optional, Sequence
@@ -335,12 +336,13 @@ MAX_GRID_Y = 65535
 def rows_view(x: torch.Tensor) -> torch.Tensor:
     """``x`` as a 2-D ``[rows, last_dim]`` view with unit column stride; rows may be strided (the
     halves of Phi-3's ``gate_up``). Copies only when no such view exists."""
+    shape = (math.prod(x.shape[:-1]), x.shape[-1])  # not -1: ambiguous when the last dim is 0
     try:
-        x2 = x.view(-1, x.shape[-1])
+        x2 = x.view(shape)
     except RuntimeError:
-        x2 = x.contiguous().view(-1, x.shape[-1])
+        x2 = x.contiguous().view(shape)
     if x2.stride(-1) != 1 and x2.shape[-1] > 1:
-        x2 = x.contiguous().view(-1, x.shape[-1])
+        x2 = x.contiguous().view(shape)
     return x2
 
 
@@ -355,9 +357,12 @@ def pair_rows(gate: torch.Tensor, up: torch.Tensor) -> tuple[torch.Tensor, torch
 def owns_buffer(x: torch.Tensor, x2: torch.Tensor) -> bool:
     """True when gradients may be written into ``x``'s buffer through its 2-D view ``x2``:
     ``x`` is an autograd intermediate (not a leaf, whose .grad could alias it), ``x2`` is a view
-    (no copy was made) and its rows do not overlap."""
+    (no copy was made) and its rows do not overlap. A view counts only when its base is an
+    intermediate too: a view of a leaf has a grad_fn but the leaf's buffer behind it."""
+    base = x._base if x._base is not None else x
     return (
         x.grad_fn is not None
+        and base.grad_fn is not None
         and x2.untyped_storage().data_ptr() == x.untyped_storage().data_ptr()
         and (x2.shape[0] == 1 or x2.stride(0) >= x2.shape[1])
     )
