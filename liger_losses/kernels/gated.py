@@ -50,24 +50,28 @@ if triton is not None:
             u = 0.7978845608028654 * a * (1.0 + 0.044715 * a * a)
             f = a * tl.sigmoid(2.0 * u)  # 0.5 (1 + tanh(u)) == sigmoid(2u)
         else:
-            f = 0.5 * a * (1.0 + tl.math.erf(a * 0.7071067811865476))
+            f = a * (0.5 * (1.0 + tl.math.erf(a * 0.7071067811865476)))
         return f
 
     @triton.jit
-    def _act_grad(a, ACT: tl.constexpr):
-        """act'(a) in fp32."""
+    def _act_and_grad(a, ACT: tl.constexpr):
+        """(act(a), act'(a)) in fp32, sharing their sigmoid / erf; act(a) by the same formula as
+        :func:`_act_value`, so the backward's recomputed product equals the forward's."""
         if ACT == 0:
             sig = tl.sigmoid(a)
-            d = sig + a * sig * (1.0 - sig)
+            f = a * sig
+            d = sig + f * (1.0 - sig)
         elif ACT == 1:
             a2 = a * a
             u = 0.7978845608028654 * a * (1.0 + 0.044715 * a2)
             s = tl.sigmoid(2.0 * u)  # 0.5 (1 + tanh(u)); 1 - tanh(u)^2 = 4 s (1 - s)
-            d = s + 2.0 * a * s * (1.0 - s) * 0.7978845608028654 * (1.0 + 0.134145 * a2)
+            f = a * s
+            d = s + 2.0 * f * (1.0 - s) * 0.7978845608028654 * (1.0 + 0.134145 * a2)
         else:
             cdf = 0.5 * (1.0 + tl.math.erf(a * 0.7071067811865476))
+            f = a * cdf
             d = cdf + a * 0.3989422804014327 * tl.exp(-0.5 * a * a)
-        return d
+        return f, d
 
     @triton.jit
     def gated_fwd_kernel(
@@ -99,8 +103,8 @@ if triton is not None:
         dc = tl.load(dc_ptr + row * stride_dc + cols, mask=mask, other=0.0).to(tl.float32)
         a = tl.load(a_ptr + row * stride_a + cols, mask=mask, other=0.0).to(tl.float32)
         b = tl.load(b_ptr + row * stride_b + cols, mask=mask, other=0.0).to(tl.float32)
-        f = _act_value(a, ACT)
-        tl.store(da_ptr + row * stride_da + cols, (dc * b * _act_grad(a, ACT)).to(da_ptr.dtype.element_ty), mask=mask)
+        f, d = _act_and_grad(a, ACT)
+        tl.store(da_ptr + row * stride_da + cols, (dc * b * d).to(da_ptr.dtype.element_ty), mask=mask)
         tl.store(db_ptr + row * stride_db + cols, (dc * f).to(db_ptr.dtype.element_ty), mask=mask)
         if WRITE_PROD:
             tl.store(dc_ptr + row * stride_dc + cols, (f * b).to(dc_ptr.dtype.element_ty), mask=mask)
