@@ -24,6 +24,7 @@ import torch
 from torch import Tensor, nn
 
 from liger_losses.chunked.engine import (
+    NO_DOUBLE_BACKWARD_INSTEAD,
     _check_common,
     _needs_input_grads,
     _scaled_grads,
@@ -37,7 +38,7 @@ from liger_losses.chunked.engine import (
     weight_grad_like,
 )
 from liger_losses.chunked.output import LossOutput
-from liger_losses.kernels.utils import check_choice, check_range
+from liger_losses.kernels.utils import check_choice, check_no_double_backward, check_range
 
 REDUCTIONS = ("mean", "sum", "none")
 
@@ -137,6 +138,7 @@ def _scatter_token_values(values, index, labels):
 
 def _recompute_saved_backward(ctx, grad_out, mode):
     """Backward of ``f(weight, hidden, bias, labels, cfg, sink)`` saved by :func:`_stats_forward`."""
+    check_no_double_backward("a fused-linear loss", NO_DOUBLE_BACKWARD_INSTEAD)
     weight, hidden, bias, l_valid, index = ctx.saved_tensors
     return _recompute_backward(ctx, weight, hidden, bias, l_valid, index, grad_out, ctx.cfg, mode) + (None, None, None)
 

@@ -43,6 +43,7 @@ from liger_losses.kernels.logits_tile import logits_tile
 from liger_losses.kernels.scale import scale_unless_one_
 from liger_losses.kernels.utils import (
     autocast_dtype,
+    check_no_double_backward,
     check_range,
     check_same_device,
     check_tensor,
@@ -73,6 +74,12 @@ CHUNK_ALIGN = 128
 # GPU idle per step 1.74 -> 1.42 ms. The scale is applied in fp32 (``x.mul_(s)`` rounds ``s`` to
 # a bf16 gradient's dtype first), so a non-unit upstream gradient can differ by one bf16 ulp.
 DEVICE_SCALE = True
+# What the double-backward error of the chunked losses suggests instead (their gradients are
+# computed in the forward or by recomputed tiles: no graph for create_graph=True).
+NO_DOUBLE_BACKWARD_INSTEAD = (
+    "compute the logits (hidden @ weight.T) and use a plain PyTorch loss for second-order terms "
+    "(apply_liger_kernels(..., cross_entropy=False) for patched models)"
+)
 # Per-token losses (cross-entropy): issue the first chunk before the one host sync. The label scan's
 # counts go to pinned host memory through a non-blocking copy; the first chunk's rows are taken from
 # ``nonzero_static`` of a known size (ignored rows padded out: label ignore_index, zero loss and
@@ -677,6 +684,7 @@ class _SequenceObjectiveFunction(torch.autograd.Function):
 def _scaled_grads(ctx, grad_scale, saved=None):
     """Multiply the gradients computed in forward by the upstream scalar (in place, once);
     returns ``(grad_hidden, grad_weight, grad_bias)`` (None where not computed)."""
+    check_no_double_backward("a fused-linear loss", NO_DOUBLE_BACKWARD_INSTEAD)
     if getattr(ctx, "consumed", False):
         raise RuntimeError(
             "backward through a fused-linear loss ran twice; its gradients are computed in the "

@@ -14,9 +14,12 @@ with ``"mean"``. The loss is returned in the logits' dtype (as torch does); stat
 Memory: for ``mean``/``sum`` the gradient is computed in the forward into a new buffer the size
 of the logits, or -- with ``inplace_backward=True`` -- into the logits themselves. That saves the
 buffer but destroys the logits' values: use it only when nothing else reads the logits
-afterwards (not the caller, and no autograd op that saved them, e.g. a softcap ``tanh`` done
-outside; a matmul producing them is fine). ``"none"`` keeps the logits and computes the gradient
-in backward with the per-token upstream gradient.
+afterwards (not the caller; a matmul producing them is fine). It is done only into an autograd
+intermediate's buffer (a leaf or a view of one gets a new buffer; under ``torch.no_grad()`` no
+gradient is computed), and it bumps the logits' version, so an op that saved them (e.g. a softcap
+``tanh`` done outside) raises autograd's in-place error instead of reading gradients.
+``"none"`` keeps the logits and computes the gradient in backward with the per-token upstream
+gradient. Double backward (``create_graph=True``) raises a RuntimeError.
 """
 
 from __future__ import annotations
@@ -30,9 +33,11 @@ from liger_losses.kernels.logits_tile import check_ce_options, logits_tile
 from liger_losses.kernels.utils import (
     check_choice,
     check_labels,
+    check_no_double_backward,
     check_range,
     check_same_device,
     check_tensor,
+    owns_buffer,
     resolve_impl,
 )
 
@@ -67,19 +72,27 @@ class _CrossEntropyFunction(torch.autograd.Function):
             scale = 1.0 / denom  # 0-d: logits_tile takes it as every row's scale
         else:
             denom, scale = None, 1.0
-        grad = ctx.needs_input_grad[0]
-        out = None  # the gradient goes into x itself (in place) or into a new buffer
-        if grad and not (cfg["inplace_backward"] and x.data_ptr() == logits.data_ptr() and x.is_contiguous()):
-            out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+        # needs_input_grad follows requires_grad even under torch.no_grad(): no gradient then
+        grad = ctx.needs_input_grad[0] and cfg["grad_enabled"]
+        # the gradient goes into x itself (in place) only when the buffer is an intermediate of
+        # the graph (not a leaf or a view of one, which the caller owns), else into a new buffer
+        inplace = (grad and cfg["inplace_backward"] and x.data_ptr() == logits.data_ptr()
+                   and x.is_contiguous() and owns_buffer(logits, x))
+        out = torch.empty(x.shape, dtype=x.dtype, device=x.device) if grad and not inplace else None
         st = logits_tile(x, lab, mode="ce", grad=grad, grad_scale=scale, class_weight=weight,
                          need_logits_sum=False, out=out, **kopts)
+        if inplace:  # an op that saved the logits (e.g. a tanh softcap) now raises, not reads grads
+            torch.autograd.graph.increment_version(logits)
         total = st.loss.sum()
         loss = total / denom if denom is not None else total
-        ctx.save_for_backward((x if out is None else out) if grad else None)
+        # (x detached: a view made here of logits, whose version was bumped, cannot be unpacked)
+        ctx.save_for_backward((x.detach() if out is None else out) if grad else None)
         return loss.to(logits.dtype)
 
     @staticmethod
     def backward(ctx, grad_loss):
+        check_no_double_backward(
+            "cross_entropy", "compute the loss with torch.nn.functional.cross_entropy instead")
         if ctx.per_token:
             logits, labels, weight = ctx.saved_tensors
             cfg = ctx.cfg
@@ -135,6 +148,7 @@ def cross_entropy(
     check_labels("labels", labels, V, ignore_index)
     cfg = dict(
         reduction=reduction, inplace_backward=bool(inplace_backward),
+        grad_enabled=torch.is_grad_enabled(),
         kernel_opts=dict(
             ignore_index=ignore_index, label_smoothing=float(label_smoothing),
             z_loss_weight=float(z_loss_weight), softcap=None if softcap is None else float(softcap),

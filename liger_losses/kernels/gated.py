@@ -25,6 +25,7 @@ import torch
 from liger_losses.kernels.launch import fast_kernel
 from liger_losses.kernels.utils import (
     MAX_GRID_Y,
+    check_no_double_backward,
     check_same_device,
     check_tensor,
     device_ctx,
@@ -179,12 +180,10 @@ def guard_second_backward(ctx) -> None:
             "buffers; use inplace_backward=False (apply_liger_kernels(..., swiglu=False/geglu=False) "
             "for patched models)"
         )
-    if torch.is_grad_enabled():  # backward(create_graph=True): the kernels' grads carry no graph
-        raise RuntimeError(
-            "double backward (create_graph=True) through the gated MLP kernels is not supported: "
-            "their gradients would carry no graph and second-order terms would be silently dropped; "
-            'use impl="torch" (apply_liger_kernels(..., swiglu=False/geglu=False) for patched models)'
-        )
+    check_no_double_backward(
+        "the gated MLP kernels",
+        'use impl="torch" (apply_liger_kernels(..., swiglu=False/geglu=False) for patched models)',
+    )
     ctx.backward_done = True
 
 

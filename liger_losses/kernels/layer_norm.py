@@ -34,14 +34,14 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.autograd.function import once_differentiable
 
 from liger_losses.kernels.norm_common import (
     bwd_tiling, check_norm_args, fwd_tiling, norm_impl, partial_rows, sum_partials,
 )
 from liger_losses.kernels.launch import fast_kernel
 from liger_losses.kernels.utils import (
-    IMPLS, as_rows, check_choice, check_last_dim, check_tensor, device_ctx, import_triton,
+    IMPLS, as_rows, check_choice, check_last_dim, check_no_double_backward, check_tensor, device_ctx,
+    import_triton,
 )
 
 triton, tl = import_triton()
@@ -245,8 +245,8 @@ class LayerNormFunction(torch.autograd.Function):
         return out
 
     @staticmethod
-    @once_differentiable
     def backward(ctx, grad_out):
+        check_no_double_backward("the Triton LayerNorm")  # (see RMSNormFunction.backward)
         x2, weight, mean, rstd = ctx.saved_tensors
         need_dx = ctx.needs_input_grad[0]
         need_dw = weight is not None and ctx.needs_input_grad[1]

@@ -46,13 +46,14 @@ from typing import Optional
 
 import torch
 from torch import nn
-from torch.autograd.function import once_differentiable
 
 from liger_losses.kernels.norm_common import (
     bwd_tiling, check_norm_args, fwd_tiling, norm_impl, partial_rows, sum_partials,
 )
 from liger_losses.kernels.launch import fast_kernel
-from liger_losses.kernels.utils import IMPLS, as_rows, check_choice, check_number, device_ctx, import_triton
+from liger_losses.kernels.utils import (
+    IMPLS, as_rows, check_choice, check_no_double_backward, check_number, device_ctx, import_triton,
+)
 
 triton, tl = import_triton()
 if triton is not None:
@@ -270,8 +271,12 @@ class RMSNormFunction(torch.autograd.Function):
         return out
 
     @staticmethod
-    @once_differentiable
     def backward(ctx, grad_out):
+        # not once_differentiable: that raises only when grad_out requires grad and lets a
+        # constant upstream gradient (loss = (norm * c).sum()) drop the second-order terms silently
+        check_no_double_backward(
+            "the Triton RMSNorm",
+            'use impl="torch" (apply_liger_kernels(..., rms_norm=False) for patched models)')
         x2, weight, rstd = ctx.saved_tensors
         need_dx = ctx.needs_input_grad[0]
         need_dw = weight is not None and ctx.needs_input_grad[1]

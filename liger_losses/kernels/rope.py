@@ -40,6 +40,7 @@ import torch
 
 from liger_losses.kernels.launch import fast_kernel
 from liger_losses.kernels.utils import (
+    check_no_double_backward,
     check_same_device,
     check_tensor,
     device_ctx,
@@ -280,6 +281,10 @@ def _launch(q, k, cos, sin, head_axis: int, backward: bool, layouts=None):
     return qo, ko
 
 
+# What the double-backward error suggests instead.
+_DOUBLE_BACKWARD_INSTEAD = 'use impl="torch" (apply_liger_kernels(..., rope=False) for patched models)'
+
+
 class RoPEFunction(torch.autograd.Function):
     """(q, k) -> (q_embed, k_embed) in new tensors; saves only cos and sin. No gradient for cos/sin.
     Gradients are allocated in q's and k's layouts, so the HF ``view``/``transpose`` backward that
@@ -294,6 +299,7 @@ class RoPEFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dq_embed, dk_embed):
+        check_no_double_backward("the Triton RoPE", _DOUBLE_BACKWARD_INSTEAD)
         cos, sin = ctx.saved_tensors
         dq, dk = _launch(dq_embed, dk_embed, cos, sin, ctx.head_axis, backward=True, layouts=ctx.layouts)
         return dq, dk, None, None, None
@@ -366,6 +372,7 @@ class RoPEInplaceFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dqc, dkc):
+        check_no_double_backward("the Triton RoPE (inplace=True)", _DOUBLE_BACKWARD_INSTEAD)
         cos, sin = ctx.saved_tensors
         q_geom, k_geom = ctx.geoms
         given_q, given_k = dqc, dkc
@@ -412,6 +419,12 @@ def _rope_inplace_triton(q, k, cos, sin, head_axis, inplace_backward=False):
         return q, k
     qc, q_geom = _carrier(q)
     kc, k_geom = _carrier(k)
+    for name, c in (("q", qc), ("k", kc)):
+        if c.is_leaf and c.requires_grad:  # autograd's mark_dirty check would come after the write
+            raise RuntimeError(
+                f"a leaf Variable that requires grad (or a view of one) is being used in an in-place "
+                f"operation: {name} with inplace=True; use inplace=False"
+            )
     if qc._base is not None or kc._base is not None:
         # A partial view (e.g. a slice of a qkv tensor): autograd cannot mark it dirty in a Function
         # with two outputs; rotate out of place and copy back (an ordinary tracked in-place copy).

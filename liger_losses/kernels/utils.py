@@ -366,3 +366,22 @@ def owns_buffer(x: torch.Tensor, x2: torch.Tensor) -> bool:
         and x2.untyped_storage().data_ptr() == x.untyped_storage().data_ptr()
         and (x2.shape[0] == 1 or x2.stride(0) >= x2.shape[1])
     )
+
+
+# --------------------------------------------------------------------------- autograd guards
+
+
+def check_no_double_backward(name: str, instead: str = 'use impl="torch"') -> None:
+    """Raise a RuntimeError at the top of a custom ``autograd.Function.backward`` that runs Triton
+    kernels or no-grad code when it is called with grad mode on, i.e. by
+    ``backward(create_graph=True)`` / ``torch.autograd.grad(..., create_graph=True)`` (gradient
+    penalties, Hessian-vector products): the gradients it returns would carry no graph and the
+    second-order terms through ``name`` would be silently dropped. A plain backward (also a
+    ``retain_graph=True`` one, and gradient checkpointing, reentrant or not) runs with grad mode
+    off and passes. ``instead`` says what to use instead."""
+    if torch.is_grad_enabled():
+        raise RuntimeError(
+            f"double backward (create_graph=True) through {name} is not supported: its backward "
+            "runs Triton kernels / no-grad code, so the gradients would carry no graph and "
+            f"second-order terms would be silently dropped; {instead}"
+        )
