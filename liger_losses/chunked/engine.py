@@ -47,6 +47,7 @@ from liger_losses.kernels.utils import (
     check_range,
     check_same_device,
     check_tensor,
+    needs_input_grads,
     resolve_impl,
     triton_runs_on,
 )
@@ -652,15 +653,10 @@ def _segment_sum(values: Tensor, seg: Tensor, size: int) -> Tensor:
 
 def _needs_input_grads(ctx, grad_enabled: bool) -> tuple[bool, bool, bool]:
     """``(needs_weight, needs_hidden, needs_bias)`` of a fused-linear ``autograd.Function`` whose
-    first inputs are ``(weight, hidden, bias)``: ``ctx.needs_input_grad[:3]``, all False when grad
-    mode was off at ``.apply`` (``grad_enabled``, recorded by the caller with
-    ``torch.is_grad_enabled()``). ``needs_input_grad`` follows ``requires_grad`` even under
-    ``torch.no_grad()``, so without this the one-pass losses would run the gradient GEMMs and
-    allocate the gradient buffers during evaluation."""
-    if not grad_enabled:
-        return False, False, False
-    needs_w, needs_h, needs_b = ctx.needs_input_grad[:3]
-    return needs_w, needs_h, needs_b
+    first inputs are ``(weight, hidden, bias)`` (:func:`~liger_losses.kernels.utils.needs_input_grads`:
+    all False when grad mode was off at ``.apply``, so the one-pass losses run no gradient GEMM
+    during evaluation)."""
+    return needs_input_grads(ctx, grad_enabled, 3)
 
 
 class _SequenceObjectiveFunction(torch.autograd.Function):

@@ -37,6 +37,7 @@ from liger_losses.kernels.utils import (
     check_range,
     check_same_device,
     check_tensor,
+    needs_input_grads,
     owns_buffer,
     resolve_impl,
 )
@@ -72,8 +73,7 @@ class _CrossEntropyFunction(torch.autograd.Function):
             scale = 1.0 / denom  # 0-d: logits_tile takes it as every row's scale
         else:
             denom, scale = None, 1.0
-        # needs_input_grad follows requires_grad even under torch.no_grad(): no gradient then
-        grad = ctx.needs_input_grad[0] and cfg["grad_enabled"]
+        (grad,) = needs_input_grads(ctx, cfg["grad_enabled"], 1)
         # the gradient goes into x itself (in place) only when the buffer is an intermediate of
         # the graph (not a leaf or a view of one, which the caller owns), else into a new buffer
         inplace = (grad and cfg["inplace_backward"] and x.data_ptr() == logits.data_ptr()

@@ -21,6 +21,7 @@ buffers of ``gate`` and ``up`` (only when the caller owns them: see :mod:`swiglu
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from liger_losses.kernels.launch import fast_kernel
 from liger_losses.kernels.utils import (
@@ -152,6 +153,30 @@ def launch_rows(kernel, tensors, knobs, **constexprs) -> None:
             )
 
 
+def gated_torch(gate: torch.Tensor, up: torch.Tensor, activation: str) -> torch.Tensor:
+    """The PyTorch path of the kernels: ``act(gate) * up`` in fp32, stored in gate's dtype
+    (``activation`` a key of :data:`ACTIVATIONS`)."""
+    g = gate.float()
+    if activation == "silu":
+        f = F.silu(g)
+    else:
+        f = F.gelu(g, approximate="tanh" if activation == "gelu_tanh" else "none")
+    return (f * up.float()).to(gate.dtype)
+
+
+def writes_grads_inplace(inplace_backward: bool, gate, a2, up=None, b2=None) -> bool:
+    """Whether a backward may write d_gate/d_up into the inputs' buffers: asked for, and the
+    caller owns them (:func:`~liger_losses.kernels.utils.owns_buffer` through the 2-D views
+    ``a2``/``b2``) -- two separate buffers for ``gate`` and ``up``, or with ``up=None`` one
+    contiguous packed ``gate_up`` (``gate``) seen through ``a2``."""
+    if not inplace_backward:
+        return False
+    if up is None:
+        return gate.is_contiguous() and owns_buffer(gate, a2)
+    return (owns_buffer(gate, a2) and owns_buffer(up, b2)
+            and gate.untyped_storage().data_ptr() != up.untyped_storage().data_ptr())
+
+
 def gated_forward(ctx, gate, up, inplace_backward, kernel, knobs, **constexprs) -> torch.Tensor:
     """Autograd forward: ``kernel`` over the 2-D views (:func:`launch_rows`) into an output made
     in gate's shape (returned as is, not as a view made here, so callers may modify it in
@@ -160,11 +185,7 @@ def gated_forward(ctx, gate, up, inplace_backward, kernel, knobs, **constexprs) 
     out = torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)
     if out.numel():
         launch_rows(kernel, (a2, b2, out.view(a2.shape)), knobs, **constexprs)
-    ctx.inplace = bool(
-        inplace_backward
-        and owns_buffer(gate, a2) and owns_buffer(up, b2)
-        and gate.untyped_storage().data_ptr() != up.untyped_storage().data_ptr()
-    )
+    ctx.inplace = writes_grads_inplace(inplace_backward, gate, a2, up, b2)
     ctx.save_for_backward(gate, up)
     return out
 

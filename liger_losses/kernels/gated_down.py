@@ -54,18 +54,20 @@ from torch import nn
 
 from liger_losses.kernels.gated import (
     ACTIVATIONS,
+    check_inplace_backward,
     gated_bwd_kernel,
     gated_fwd_kernel,
+    gated_torch,
     guard_second_backward,
     launch_rows,
+    writes_grads_inplace,
 )
 from liger_losses.kernels.utils import (
+    autocast_dtype,
     check_choice,
     check_same_device,
-    autocast_dtype,
     check_tensor,
     next_power_of_2,
-    owns_buffer,
     resolve_impl,
     rows_view,
 )
@@ -84,8 +86,6 @@ ROW_ALIGN = 64
 # peak by 864 MiB (0.90x -> 0.848x TRL's) but costs 2-4% of the step, its blocked GEMMs running
 # slower there than alone (benchmark/results/README.md, Session 7). Turn it on when memory binds.
 FUSE_DOWN_PROJ = False
-
-
 
 
 @functools.lru_cache(maxsize=None)
@@ -109,12 +109,10 @@ def _buffer(numel: int, like: torch.Tensor) -> torch.Tensor:
     return torch.empty(numel, dtype=like.dtype, device=like.device)
 
 
-def _split(x2: torch.Tensor, packed: bool):
-    """(gate rows, up rows): the halves of ``gate_up`` when packed, else ``x2`` is a pair."""
-    if packed:
-        inter = x2.shape[1] // 2
-        return x2[:, :inter], x2[:, inter:]
-    return x2
+def _halves(x2: torch.Tensor):
+    """(gate rows, up rows): the halves of a packed ``gate_up [rows, 2I]``."""
+    inter = x2.shape[1] // 2
+    return x2[:, :inter], x2[:, inter:]
 
 
 class GatedDownFunction(torch.autograd.Function):
@@ -131,16 +129,12 @@ class GatedDownFunction(torch.autograd.Function):
         packed = up is None
         if packed:
             g2 = rows_view(gate)
-            a2, b2 = _split(g2, True)
-            ctx.inplace = bool(inplace_backward and gate.is_contiguous() and owns_buffer(gate, g2))
+            a2, b2 = _halves(g2)
+            ctx.inplace = writes_grads_inplace(inplace_backward, gate, g2)
             saved = (g2 if g2.untyped_storage().data_ptr() != gate.untyped_storage().data_ptr() else gate,)
         else:
             a2, b2 = rows_view(gate), rows_view(up)
-            ctx.inplace = bool(
-                inplace_backward
-                and owns_buffer(gate, a2) and owns_buffer(up, b2)
-                and gate.untyped_storage().data_ptr() != up.untyped_storage().data_ptr()
-            )
+            ctx.inplace = writes_grads_inplace(inplace_backward, gate, a2, up, b2)
             saved = (gate, up)
         n_rows, inter = a2.shape
         # allocated in its final shape and returned as is (not a view made here), so callers may
@@ -178,7 +172,7 @@ class GatedDownFunction(torch.autograd.Function):
         need_bias = ctx.has_bias and ctx.needs_input_grad[3]
         if packed:
             g2 = rows_view(saved[0])
-            a2, b2 = _split(g2, True)
+            a2, b2 = _halves(g2)
         else:
             a2, b2 = rows_view(saved[0]), rows_view(saved[1])
         n_rows, inter = a2.shape
@@ -194,7 +188,7 @@ class GatedDownFunction(torch.autograd.Function):
                 da2, db2 = a2, b2
             elif packed:
                 d_packed = torch.empty((n_rows, 2 * inter), dtype=a2.dtype, device=a2.device)
-                da2, db2 = _split(d_packed, True)
+                da2, db2 = _halves(d_packed)
             else:
                 da2, db2 = torch.empty_like(a2), torch.empty_like(b2)
         # written block by block: grad_weight[:, i0:i1] is a strided [H, w] view (row stride I)
@@ -242,19 +236,9 @@ class GatedDownFunction(torch.autograd.Function):
 # --------------------------------------------------------------------------- public functions
 
 
-def _act_torch(gate: torch.Tensor, up: torch.Tensor, activation: str) -> torch.Tensor:
-    g = gate.float()
-    if activation == "silu":
-        f = F.silu(g)
-    else:
-        f = F.gelu(g, approximate="tanh" if activation == "gelu_tanh" else "none")
-    return (f * up.float()).to(gate.dtype)
-
-
 def _check(gate, up, weight, bias, activation, inplace_backward, inter_name="gate"):
     check_choice("activation", activation, tuple(ACTIVATIONS))
-    if not isinstance(inplace_backward, bool):
-        raise TypeError(f"inplace_backward must be a bool, got {type(inplace_backward).__name__}")
+    check_inplace_backward(inplace_backward)
     check_tensor("weight", weight, ndim=2, floating=True)
     if bias is not None:
         check_tensor("bias", bias, ndim=1, floating=True)
@@ -282,7 +266,7 @@ def _run(gate, up, weight, bias, activation, inplace_backward, impl):
     ``up=None``: ``gate`` is the packed ``gate_up``."""
     if resolve_impl(impl, gate, up, weight) == "torch":
         g, u = gate.chunk(2, dim=-1) if up is None else (gate, up)
-        return F.linear(_act_torch(g, u, activation), weight, bias)
+        return F.linear(gated_torch(g, u, activation), weight, bias)
     dtype = autocast_dtype(gate, weight.dtype)
     cast = [t if t is None or t.dtype == dtype else t.to(dtype) for t in (gate, up, weight, bias)]
     with torch.autocast(device_type=gate.device.type, enabled=False):

@@ -24,7 +24,6 @@ from __future__ import annotations
 import sys
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from liger_losses.kernels.gated import (
@@ -35,11 +34,13 @@ from liger_losses.kernels.gated import (
     gated_bwd_kernel,
     gated_forward,
     gated_fwd_kernel,
+    gated_torch,
 )
 from liger_losses.kernels.gated_down import mlp_tail
 from liger_losses.kernels.utils import check_choice, resolve_impl
 
 APPROXIMATIONS = ("tanh", "none")
+_ACTIVATION = {"tanh": "gelu_tanh", "none": "gelu"}  # approximate -> gated.ACTIVATIONS key
 # Elements per program and warps (read at launch time by gated.launch_rows: the benchmark sweeps them).
 BLOCK_SIZE = 4096
 NUM_WARPS = 8
@@ -51,17 +52,13 @@ class GEGLUFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, gate, up, approximate="tanh", inplace_backward=False):
-        ctx.act = ACTIVATIONS["gelu_tanh" if approximate == "tanh" else "gelu"]
+        ctx.act = ACTIVATIONS[_ACTIVATION[approximate]]
         return gated_forward(ctx, gate, up, inplace_backward, gated_fwd_kernel, _KNOBS, ACT=ctx.act)
 
     @staticmethod
     def backward(ctx, grad_out):
         grads = gated_backward(ctx, grad_out, gated_bwd_kernel, _KNOBS, ACT=ctx.act, WRITE_PROD=False)
         return (*grads, None, None)
-
-
-def _geglu_torch(gate: torch.Tensor, up: torch.Tensor, approximate: str) -> torch.Tensor:
-    return (F.gelu(gate.float(), approximate=approximate) * up.float()).to(gate.dtype)
 
 
 def geglu(
@@ -77,7 +74,7 @@ def geglu(
     check_choice("approximate", approximate, APPROXIMATIONS)
     check_inplace_backward(inplace_backward)
     if resolve_impl(impl, gate, up) == "torch":
-        return _geglu_torch(gate, up, approximate)
+        return gated_torch(gate, up, _ACTIVATION[approximate])
     return GEGLUFunction.apply(gate, up, approximate, inplace_backward)
 
 
@@ -117,8 +114,8 @@ class LigerGEGLUMLP(nn.Module):
         self.impl = impl
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        activation = "gelu_tanh" if self.approximate == "tanh" else "gelu"
-        return mlp_tail(self.down_proj, self.gate_proj(x), self.up_proj(x), activation=activation, impl=self.impl)
+        return mlp_tail(self.down_proj, self.gate_proj(x), self.up_proj(x),
+                        activation=_ACTIVATION[self.approximate], impl=self.impl)
 
 
 liger_geglu = geglu

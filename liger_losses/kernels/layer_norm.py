@@ -72,6 +72,10 @@ CPU_BWD_PROGRAMS = 4
 BWD_MID_H = 2048
 BWD_MID_H_TILE_ELEMS = 4096
 BWD_MID_H_PROGRAMS_PER_SM = 2
+# Warps of the forward / backward launches; 0: from the tile size (benchmark/diag_norm_backward.py
+# sweeps them; session 6: no setting beat the defaults by more than 2%).
+FWD_NUM_WARPS = 0
+BWD_NUM_WARPS = 0
 # Load the next tile while computing this one: H200 sweep (graph time, forward + backward, bf16,
 # H=4096, one program per SM, 2-row tiles): 0.107 / 0.195 / 0.364 ms at 8k / 16k / 32k tokens
 # (1.37x / 1.25x / 1.17x the HBM floor) vs 0.124 / 0.224 / 0.423 without (same tiles).

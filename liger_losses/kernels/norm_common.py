@@ -11,9 +11,9 @@ dtype, with no reduction workspace).
 Tiling reads the tuning knobs from the kernel module passed as ``knobs`` at call time (so that the
 benchmark can sweep them by setting the module's attributes): ``FWD_TILE_ELEMS``,
 ``BWD_TILE_ELEMS``, ``BWD_SMALL_H``, ``BWD_SMALL_H_TILE_ELEMS``, ``MAX_ROWS_PER_TILE``,
-``BWD_PROGRAMS_PER_SM``, ``BWD_MIN_ROWS_PER_PROGRAM``, ``CPU_BWD_PROGRAMS``, and optionally
-``BWD_MID_H`` (with ``BWD_MID_H_TILE_ELEMS``, ``BWD_MID_H_PROGRAMS_PER_SM``), ``FWD_NUM_WARPS`` and
-``BWD_NUM_WARPS`` (0 or absent: the warps follow the tile size).
+``BWD_PROGRAMS_PER_SM``, ``BWD_MIN_ROWS_PER_PROGRAM``, ``CPU_BWD_PROGRAMS``, ``BWD_MID_H``
+(with ``BWD_MID_H_TILE_ELEMS``, ``BWD_MID_H_PROGRAMS_PER_SM``; 0: no mid-width settings),
+``FWD_NUM_WARPS`` and ``BWD_NUM_WARPS`` (0: the warps follow the tile size).
 """
 
 from __future__ import annotations
@@ -168,9 +168,8 @@ def norm_impl(impl: str, hidden: torch.Tensor, **params: Optional[torch.Tensor])
 
 def fwd_tiling(n_rows: int, n_cols: int, knobs) -> tuple[int, int, int, int]:
     """(BLOCK_M, BLOCK_N, num_warps, programs) of the forward launch: one program per tile
-    (``FWD_NUM_WARPS``, when the knob module sets it non-zero, overrides the warps)."""
-    return _fwd_tiling(n_rows, n_cols, knobs.FWD_TILE_ELEMS, knobs.MAX_ROWS_PER_TILE,
-                       getattr(knobs, "FWD_NUM_WARPS", 0))
+    (``FWD_NUM_WARPS``, when non-zero, overrides the warps)."""
+    return _fwd_tiling(n_rows, n_cols, knobs.FWD_TILE_ELEMS, knobs.MAX_ROWS_PER_TILE, knobs.FWD_NUM_WARPS)
 
 
 @functools.lru_cache(maxsize=1024)
@@ -189,11 +188,11 @@ def bwd_tiling(x2: torch.Tensor, knobs) -> tuple[int, int, int, int, int, int, b
     short = n_cols <= knobs.BWD_SMALL_H
     tile_elems = knobs.BWD_SMALL_H_TILE_ELEMS if short else knobs.BWD_TILE_ELEMS
     per_sm = knobs.BWD_PROGRAMS_PER_SM
-    if not short and n_cols <= getattr(knobs, "BWD_MID_H", 0):  # optional mid-width settings
+    if not short and n_cols <= knobs.BWD_MID_H:  # mid-width settings
         tile_elems, per_sm = knobs.BWD_MID_H_TILE_ELEMS, knobs.BWD_MID_H_PROGRAMS_PER_SM
     return _bwd_tiling(
         n_rows, n_cols, x2.device, tile_elems, knobs.MAX_ROWS_PER_TILE, per_sm,
-        knobs.BWD_MIN_ROWS_PER_PROGRAM, knobs.CPU_BWD_PROGRAMS, getattr(knobs, "BWD_NUM_WARPS", 0),
+        knobs.BWD_MIN_ROWS_PER_PROGRAM, knobs.CPU_BWD_PROGRAMS, knobs.BWD_NUM_WARPS,
     ) + (short,)
 
 

@@ -92,6 +92,10 @@ BWD_MIN_ROWS_PER_PROGRAM = 16
 BWD_MID_H = 2048
 BWD_MID_H_TILE_ELEMS = 4096
 BWD_MID_H_PROGRAMS_PER_SM = 2
+# Warps of the forward / backward launches; 0: from the tile size (benchmark/diag_norm_backward.py
+# sweeps them; session 6: no setting beat the defaults by more than 2%).
+FWD_NUM_WARPS = 0
+BWD_NUM_WARPS = 0
 # Backward: load the next tile while computing this one (see the kernel). H200 sweep (graph time,
 # forward + backward, bf16, H=4096, one program per SM, 4-row tiles): 0.101 / 0.185 / 0.356 ms at
 # 8k / 16k / 32k tokens (1.30x / 1.19x / 1.14x the HBM floor) vs 0.107 / 0.190 / 0.359 without;

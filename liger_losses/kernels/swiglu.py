@@ -28,7 +28,6 @@ from __future__ import annotations
 import sys
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from liger_losses.kernels.gated import (
@@ -39,11 +38,13 @@ from liger_losses.kernels.gated import (
     gated_bwd_kernel,
     gated_forward,
     gated_fwd_kernel,
+    gated_torch,
     guard_second_backward,
     launch_rows,
+    writes_grads_inplace,
 )
 from liger_losses.kernels.gated_down import mlp_tail
-from liger_losses.kernels.utils import check_tensor, owns_buffer, resolve_impl
+from liger_losses.kernels.utils import check_tensor, resolve_impl
 
 SILU = ACTIVATIONS["silu"]
 
@@ -80,7 +81,7 @@ class SwiGLUPackedFunction(torch.autograd.Function):
         out = torch.empty((*gate_up.shape[:-1], inter), dtype=gate_up.dtype, device=gate_up.device)
         if out.numel():
             launch_rows(gated_fwd_kernel, (gu2[:, :inter], gu2[:, inter:], out.view(-1, inter)), _KNOBS, ACT=SILU)
-        ctx.inplace = bool(inplace_backward and gate_up.is_contiguous() and owns_buffer(gate_up, gu2))
+        ctx.inplace = writes_grads_inplace(inplace_backward, gate_up, gu2)
         # the contiguous copy when one was made (the backward reads it again), else gate_up itself
         ctx.save_for_backward(gate_up if gate_up.is_contiguous() else gu2)
         ctx.shape = gate_up.shape
@@ -109,10 +110,6 @@ class SwiGLUPackedFunction(torch.autograd.Function):
 # --------------------------------------------------------------------------- public functions
 
 
-def _swiglu_torch(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    return (F.silu(gate.float()) * up.float()).to(gate.dtype)
-
-
 def swiglu(
     gate: torch.Tensor,
     up: torch.Tensor,
@@ -128,7 +125,7 @@ def swiglu(
     check_gate_up(gate, up)
     check_inplace_backward(inplace_backward)
     if resolve_impl(impl, gate, up) == "torch":
-        return _swiglu_torch(gate, up)
+        return gated_torch(gate, up, "silu")
     return SwiGLUFunction.apply(gate, up, inplace_backward)
 
 
@@ -147,7 +144,7 @@ def swiglu_packed(
     check_inplace_backward(inplace_backward)
     if resolve_impl(impl, gate_up) == "torch":
         gate, up = gate_up.chunk(2, dim=-1)
-        return _swiglu_torch(gate, up)
+        return gated_torch(gate, up, "silu")
     return SwiGLUPackedFunction.apply(gate_up, inplace_backward)
 
 

@@ -371,6 +371,16 @@ def owns_buffer(x: torch.Tensor, x2: torch.Tensor) -> bool:
 # --------------------------------------------------------------------------- autograd guards
 
 
+def needs_input_grads(ctx, grad_enabled: bool, count: int) -> tuple[bool, ...]:
+    """``ctx.needs_input_grad[:count]`` of an ``autograd.Function``, all False when grad mode was
+    off at ``.apply`` (``grad_enabled``, recorded by the caller with ``torch.is_grad_enabled()``):
+    ``needs_input_grad`` follows ``requires_grad`` even under ``torch.no_grad()``, so without this
+    a Function that computes gradients in its forward would do so during evaluation too."""
+    if not grad_enabled:
+        return (False,) * count
+    return tuple(ctx.needs_input_grad[:count])
+
+
 def check_no_double_backward(name: str, instead: str = 'use impl="torch"') -> None:
     """Raise a RuntimeError at the top of a custom ``autograd.Function.backward`` that runs Triton
     kernels or no-grad code when it is called with grad mode on, i.e. by

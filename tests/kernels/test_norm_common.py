@@ -60,12 +60,12 @@ def test_backward_with_and_without_prefetch(module, prefetch, small_h, monkeypat
     monkeypatch.setattr(mod, "BWD_TILE_ELEMS", 4 * 64)
     if small_h == "mid":
         monkeypatch.setattr(mod, "BWD_SMALL_H", 16)
-        monkeypatch.setattr(mod, "BWD_MID_H", 64, raising=False)
-        monkeypatch.setattr(mod, "BWD_MID_H_TILE_ELEMS", 2 * 64, raising=False)
-        monkeypatch.setattr(mod, "BWD_MID_H_PROGRAMS_PER_SM", 2, raising=False)
+        monkeypatch.setattr(mod, "BWD_MID_H", 64)
+        monkeypatch.setattr(mod, "BWD_MID_H_TILE_ELEMS", 2 * 64)
+        monkeypatch.setattr(mod, "BWD_MID_H_PROGRAMS_PER_SM", 2)
     else:
         monkeypatch.setattr(mod, "BWD_SMALL_H", small_h)
-        monkeypatch.setattr(mod, "BWD_MID_H", 0, raising=False)
+        monkeypatch.setattr(mod, "BWD_MID_H", 0)
     x = torch.randn(37, 50, device=DEVICE, requires_grad=True)
     w = (torch.rand(50, device=DEVICE) + 0.5).requires_grad_()
     b = torch.randn(50, device=DEVICE, requires_grad=True)
