@@ -1,0 +1,165 @@
+"""Diagnostic (GPU): what the fused-linear cross-entropy's measured time is made of (issue #3's CE row).
+
+At H=4096, V=128256, bf16 and ``--tokens`` valid tokens (default 8192), times in one process:
+
+- ``ours``: ``fused_linear_cross_entropy`` forward + gradients of hidden and weight;
+- ``gemms``: the same three cuBLAS GEMMs per chunk as ours (logits, hidden gradient, weight
+  gradient accumulated with ``beta=1`` after the first chunk), nothing else -- the practical floor
+  of any chunked method that calls cuBLAS, under the same power and clock conditions;
+- ``gemms-whole``: the three GEMMs on all tokens at once (plain PyTorch's GEMMs);
+
+each with ``do_bench`` at ``rep`` 100 ms (what the benchmarks use: ~3 samples of a 40 ms call) and
+1000 ms, and a back-to-back loop of ``--loop`` calls timed by two events (no L2 flush). For ours it
+then profiles ``--steps`` calls and prints the kernel time per call and the idle time between
+kernels. ``nvidia-smi`` samples SM clock, power and throttle reasons every 100 ms in the
+background (``$OUT/smi_ce_timing.csv``); the mean SM clock and power of each phase are printed.
+
+    python benchmark/diag_ce_timing.py [--tokens 8192] [--loop 20] [--steps 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import os
+import subprocess
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch  # noqa: E402
+
+from benchmark.common import gemm_floor_ms  # noqa: E402
+
+H, V = 4096, 128256
+
+
+def ours_step(weight, hidden, labels):
+    from liger_losses.chunked.cross_entropy import fused_linear_cross_entropy
+
+    def fn():
+        loss = fused_linear_cross_entropy(weight, hidden, labels)
+        return torch.autograd.grad(loss, (weight, hidden))
+
+    return fn
+
+
+def gemms_step(weight, hidden, chunk):
+    w, h = weight.detach(), hidden.detach()
+    n = h.shape[0]
+
+    def fn():
+        grad_w = torch.empty_like(w)
+        grad_h = torch.empty_like(h)
+        for i, s in enumerate(range(0, n, chunk)):
+            hc = h[s:s + chunk]
+            logits = hc @ w.t()
+            torch.mm(logits, w, out=grad_h[s:s + chunk])
+            if i == 0:
+                torch.mm(logits.t(), hc, out=grad_w)
+            else:
+                grad_w.addmm_(logits.t(), hc)
+        return grad_w, grad_h
+
+    return fn
+
+
+class Smi:
+    """nvidia-smi sampling in the background; ``mark(name)`` opens a phase."""
+
+    def __init__(self, path):
+        self.path, self.marks = path, []
+        try:
+            self.proc = subprocess.Popen(
+                ["nvidia-smi", "--query-gpu=timestamp,clocks.sm,power.draw,temperature.gpu,clocks_throttle_reasons.active",
+                 "--format=csv,noheader,nounits", "-lms", "100"], stdout=open(path, "w"), stderr=subprocess.DEVNULL)
+        except OSError:
+            self.proc = None
+
+    def mark(self, name):
+        self.marks.append((time.time(), name))
+
+    def summary(self):
+        if self.proc is None:
+            return
+        self.proc.terminate()
+        self.proc.wait()
+        rows = []
+        for r in csv.reader(open(self.path)):
+            try:
+                t = time.mktime(time.strptime(r[0].strip().split(".")[0], "%Y/%m/%d %H:%M:%S"))
+                rows.append((t, float(r[1]), float(r[2]), r[4].strip()))
+            except (ValueError, IndexError):
+                continue
+        ends = [t for t, _ in self.marks[1:]] + [time.time()]
+        for (t0, name), t1 in zip(self.marks, ends):
+            sel = [r for r in rows if t0 - 0.5 <= r[0] <= t1 + 0.5]
+            if sel:
+                clk = sum(r[1] for r in sel) / len(sel)
+                pw = sum(r[2] for r in sel) / len(sel)
+                reasons = sorted({r[3] for r in sel})
+                print(f"  smi {name:24s}: SM clock {clk:6.0f} MHz, power {pw:5.0f} W, throttle {reasons} ({len(sel)} samples)")
+
+
+def loop_ms(fn, n):
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda.synchronize()
+    start.record()
+    for _ in range(n):
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / n
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--tokens", type=int, default=8192)
+    ap.add_argument("--loop", type=int, default=20)
+    ap.add_argument("--steps", type=int, default=3)
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        print("diag_ce_timing: needs a CUDA GPU")
+        return
+    import triton.testing
+
+    from benchmark.diag_profile_loss import kernel_table, print_gaps
+
+    n = args.tokens
+    g = torch.Generator(device="cuda").manual_seed(0)
+    weight = (torch.randn(V, H, device="cuda", generator=g) * 0.02).bfloat16().requires_grad_()
+    hidden = torch.randn(n, H, device="cuda", generator=g).bfloat16().requires_grad_()
+    labels = torch.randint(0, V, (n,), device="cuda", generator=g)
+    floor = gemm_floor_ms(6 * n * H * V)
+    print(f"CE {n} tokens, H={H}, V={V}: GEMM floor {floor:.2f} ms")
+    smi = Smi(os.path.join(os.environ.get("OUT", "."), "smi_ce_timing.csv"))
+    cases = {"ours": ours_step(weight, hidden, labels), "gemms": gemms_step(weight, hidden, 2048),
+             "gemms-whole": gemms_step(weight, hidden, n)}
+    for name, fn in cases.items():
+        for _ in range(3):
+            fn()
+        torch.cuda.synchronize()
+        smi.mark(name)
+        t100 = triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
+        t1000 = triton.testing.do_bench(fn, warmup=25, rep=1000, return_mode="median")
+        tl = loop_ms(fn, args.loop)
+        print(f"{name:12s} do_bench rep100 {t100:7.2f} ms ({t100 / floor:.3f}x)  rep1000 {t1000:7.2f} "
+              f"({t1000 / floor:.3f}x)  loop {tl:7.2f} ({tl / floor:.3f}x)", flush=True)
+    smi.mark("profile")
+    fn = cases["ours"]
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA,
+                                            torch.profiler.ProfilerActivity.CPU]) as prof:
+        for _ in range(args.steps):
+            fn()
+        torch.cuda.synchronize()
+    table, total = kernel_table(prof, args.steps, 10)
+    print(f"ours profiled: kernels {total:.2f} ms per call ({total / floor:.3f}x)")
+    for name, calls, ms in table:
+        print(f"  {ms:8.3f} ms {calls:5.1f}x  {name}")
+    print_gaps(prof, args.steps)
+    smi.summary()
+
+
+if __name__ == "__main__":
+    main()
