@@ -4,7 +4,9 @@ Cases (bf16, all labels valid): H=4096, V=128256, 8192 tokens (the headline row)
 tokens 512..16384 at that shape; the small-model shape H=896, V=151936; and chunk-size rows for
 ours (chunk_tokens 512/1024/2048/4096) so the default can be chosen.
 Providers: ours (liger_losses), plain torch (logits = hidden @ W.T; F.cross_entropy(logits.float())
-as HF does), liger-kernel 0.8.5, TRL 1.16 ChunkedLogProbFunction (-mean log-prob), Cut CE 25.1.1.
+as HF does), liger-kernel 0.8.5, TRL 1.16 ChunkedLogProbFunction (-mean log-prob), Cut CE 25.1.1,
+and ``gemms``: our chunks' three cuBLAS GEMMs alone (``common.gemms_only``), the practical floor
+under the same clocks (no loss is computed; not in the accuracy table).
 Floors: time 6*N*H*V / 790 TFLOP/s; memory (V*H + N*H) * 2 bytes (the two bf16 gradients).
 Accuracy: relative error of loss / grad_hidden / grad_weight vs a float64 reference on 1024 tokens.
 
@@ -58,6 +60,12 @@ def trl_chunked():
     return fn
 
 
+def gemms():
+    from benchmark.common import gemms_only
+
+    return lambda w, h, y: gemms_only(w, h)
+
+
 def cut_ce():
     from cut_cross_entropy import linear_cross_entropy
 
@@ -70,6 +78,7 @@ PROVIDERS = {
     "liger-kernel": liger_kernel,
     "trl": trl_chunked,
     "cut-ce": cut_ce,
+    "gemms": gemms,
 }
 
 
@@ -123,7 +132,7 @@ def main():
         bench_case(sweep, f"H{H}_V{V}_N{n}", n, H, V, providers, {"tokens": n}, args.quick)
     write_results(BENCH + "_sweep", sweep, plot_x="tokens")
 
-    write_results(BENCH + "_accuracy", accuracy_rows(providers))
+    write_results(BENCH + "_accuracy", accuracy_rows({k: v for k, v in providers.items() if k != "gemms"}))
 
 
 if __name__ == "__main__":

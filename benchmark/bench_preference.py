@@ -150,12 +150,19 @@ def first(out):
 
 
 def providers_for(loss, weight, hidden, ref_hidden, labels):
-    """{provider: zero-arg loss function} for one loss on one batch."""
+    """{provider: zero-arg loss function} for one loss on one batch; ``gemms`` is not a loss but the
+    practical floor (the GEMMs of our chunks alone, reference forward included, on the valid rows)."""
+    from benchmark.common import gemms_only
+
+    def gemms():
+        return gemms_only(weight, hidden, valid=labels != -100, extra_hidden=ref_hidden)
+
     if loss == "dpo":
         out = {
             "ours": lambda: fused_linear_dpo_loss(weight, hidden, ref_hidden, labels, beta=BETA_DPO).loss,
             "torch": lambda: torch_dpo(weight, hidden, ref_hidden, labels),
             "trl_fused": lambda: trl_dpo(weight, hidden, ref_hidden, labels),
+            "gemms": gemms,
         }
         try:
             mod = liger_module("LigerFusedLinearDPOLoss", beta=BETA_DPO, use_ref_model=True, compute_nll_loss=False)
@@ -168,6 +175,7 @@ def providers_for(loss, weight, hidden, ref_hidden, labels):
             "ours": lambda: fused_linear_simpo_loss(weight, hidden, labels, beta=BETA_SIMPO, gamma=GAMMA_SIMPO).loss,
             "torch": lambda: torch_simpo(weight, hidden, labels),
             "trl_fused": lambda: simpo_formula(*trl_seq_logps(weight, hidden, labels)),
+            "gemms": gemms,
         }
         try:
             mod = liger_module("LigerFusedLinearSimPOLoss", beta=BETA_SIMPO, gamma=GAMMA_SIMPO, compute_nll_loss=False)
@@ -180,6 +188,7 @@ def providers_for(loss, weight, hidden, ref_hidden, labels):
             "ours": lambda: fused_linear_orpo_loss(weight, hidden, labels, beta=BETA_ORPO).loss,
             "torch": lambda: torch_orpo(weight, hidden, labels),
             "trl_fused": lambda: orpo_formula(*trl_seq_logps(weight, hidden, labels)),
+            "gemms": gemms,
         }
         try:
             mod = liger_module("LigerFusedLinearORPOLoss", beta=BETA_ORPO, compute_nll_loss=True)

@@ -305,3 +305,64 @@ def loss_accuracy_rows(bench: str, case: str, providers: dict, inputs: tuple, re
                         extra=row_extra, error=err))
         print(rows[-1].as_dict(), flush=True)
     return rows
+
+
+# --------------------------------------------------------------------------- practical GEMM floor
+
+
+class _GemmsOnly(torch.autograd.Function):
+    """The GEMMs of a one-pass chunked loss and nothing else (no softmax, no loss): per chunk of
+    rows, the logits ``h @ W.T``, the hidden gradient ``logits @ W`` and the weight gradient
+    ``logits.T @ h`` (accumulated with ``beta=1`` after the first chunk), plus one logits GEMM of
+    the reference / teacher rows when given. The gradients are returned by the backward."""
+
+    @staticmethod
+    def forward(ctx, weight, hidden, index, extra_hidden, extra_weight, chunks):
+        w = weight.detach()
+        flat = hidden.detach().reshape(-1, w.shape[1])
+        rows = flat if index is None else flat.index_select(0, index)
+        grad_w = torch.empty_like(w)
+        grad_rows = torch.empty_like(rows)
+        extra = None
+        if extra_hidden is not None:
+            extra = extra_hidden.detach().reshape(-1, w.shape[1])
+            extra = extra if index is None else extra.index_select(0, index)
+        for i, (s, e) in enumerate(chunks):
+            if extra is not None:
+                torch.mm(extra[s:e], extra_weight.t())  # the reference / teacher logits, dropped
+            logits = rows[s:e] @ w.t()
+            torch.mm(logits, w, out=grad_rows[s:e])
+            if i == 0:
+                torch.mm(logits.t(), rows[s:e], out=grad_w)
+            else:
+                grad_w.addmm_(logits.t(), rows[s:e])
+            del logits
+        if index is None:
+            grad_h = grad_rows.view_as(hidden)
+        else:
+            grad_h = torch.zeros_like(flat).index_copy_(0, index, grad_rows).view_as(hidden)
+        ctx.save_for_backward(grad_w, grad_h)
+        return hidden.new_zeros((), dtype=torch.float32)
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad_w, grad_h = ctx.saved_tensors
+        return grad_w, grad_h, None, None, None, None
+
+
+def gemms_only(weight, hidden, *, valid=None, extra_hidden=None, extra_weight=None):
+    """The practical floor of a chunked loss that calls cuBLAS: its GEMMs alone (see
+    :class:`_GemmsOnly`), on the rows where ``valid`` (``[...]`` bool, default all), in the chunks
+    our engine would use for this head (``engine._token_chunks``). Timed in the same run as the
+    losses, it carries the same clocks: under the H200's power cap the GEMMs alone run well below
+    the nominal 790 TFLOP/s of the floor."""
+    from liger_losses.chunked.engine import _token_chunks
+
+    index = None
+    n = hidden.numel() // hidden.shape[-1]
+    if valid is not None:
+        index = valid.reshape(-1).nonzero().squeeze(1)
+        n = int(index.numel())
+    chunks = _token_chunks(weight, n, None)
+    return _GemmsOnly.apply(weight, hidden, index, extra_hidden,
+                            extra_weight if extra_weight is not None else weight, chunks)
