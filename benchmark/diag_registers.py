@@ -35,7 +35,7 @@ from triton.compiler import ASTSource  # noqa: E402
 from liger_losses.kernels import (  # noqa: E402
     divergence_tile, gated, geglu, layer_norm, logits_tile, norm_common, rms_norm, rope, swiglu,
 )
-from liger_losses.kernels.utils import next_power_of_2, row_tile  # noqa: E402
+from liger_losses.kernels.utils import row_tile  # noqa: E402
 
 TARGET = GPUTarget("cuda", 90, 32)
 H, V, I_SIZE, N_TOKENS = 4096, 128256, 14336, 16384
@@ -98,7 +98,8 @@ def _logits_case(block: int, warps: int, vec_sums: bool, **flags) -> dict:
     pointers.update(X="*bf16", G="*bf16", LABELS="*i64", CORRECT="*i8")
     const = dict(MODE_CE=True, WRITE_GRAD=True, SCALE_PER_ROW=True, HAS_SOFTCAP=False, HAS_CW=False,
                  NEED_ENT=False, NEED_LSUM=False, BLOCK=block, VEC_SUMS=vec_sums,
-                 STAGES1=logits_tile.PASS1_STAGES, STAGES2=logits_tile.PASS2_STAGES)
+                 STAGES1=logits_tile.PASS1_STAGES, STAGES2=logits_tile.PASS2_STAGES,
+                 REVERSED=logits_tile.PASS2_REVERSED)
     const.update(flags)
     return compile_case(logits_tile._logits_tile_kernel, constexprs=const, num_warps=warps, pointers=pointers,
                         floats=("scale_value", "logit_scale", "inv_temp", "softcap", "eps", "z_w"))
@@ -108,7 +109,8 @@ def _divergence_case(**flags) -> dict:
     block, warps = divergence_tile._block_settings(V)
     const = dict(MODE=divergence_tile.divergence_mode("jsd", 0.5), TOPK=False, TAIL=False, HAS_LABELS=False,
                  SEP_RAW=False, WRITE_GRAD=True, ROW_SCALE=True, BLOCK=block, BLOCK_K=2,
-                 STAGES=divergence_tile.LOOP_STAGES, LANE_SUMS=divergence_tile.LANE_SUMS)
+                 STAGES=divergence_tile.LOOP_STAGES, LANE_SUMS=divergence_tile.LANE_SUMS,
+                 REVERSED=divergence_tile.PASS2_REVERSED)
     warps = flags.pop("num_warps", warps)
     const.update(flags)
     return compile_case(divergence_tile._divergence_tile_kernel, constexprs=const, num_warps=warps,

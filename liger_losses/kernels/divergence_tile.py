@@ -88,6 +88,10 @@ LOOP_STAGES = None
 # Pass-1 sums per lane (see the kernel): off until timed on a GPU (with 2048-column blocks and 8
 # warps its five [BLOCK] accumulators take 40 registers per thread).
 LANE_SUMS = False
+# The gradient's sum pass (JSD / reverse KL) walks the rows from their last block back, where pass 1
+# ended (the rows' tails may still be in L2); the last pass then starts where it ends. False: front
+# to back (the sum's rounding order differs, nothing else).
+PASS2_REVERSED = True
 
 
 def _block_settings(width: int, *, on_gpu: bool = True, block_size: Optional[int] = None) -> tuple[int, int]:
@@ -223,6 +227,7 @@ if triton is not None:
         BLOCK_K: tl.constexpr,
         STAGES: tl.constexpr,
         LANE_SUMS: tl.constexpr,
+        REVERSED: tl.constexpr,
     ):
         one_m_beta = tl.cast(one_m_beta, tl.float32)
         inv_t = tl.cast(inv_t, tl.float32)
@@ -383,9 +388,14 @@ if triton is not None:
                 ls_c = tl.load(s_row + best_idx).to(tl.float32) * inv_t - lse_s
                 lt_c = tl.load(t_row + best_idx).to(tl.float32) * inv_t - lse_t
                 _dc, _gc, t_c, _pc = _div_terms(ls_c, lt_c, one_m_beta, log_1m_beta, log_beta, MODE)
-                # ---- pass 2: sum_i p_i (t_i - c) for the gradient (only t, no divergence term)
-                for start in tl.range(0, n_cols, BLOCK, num_stages=STAGES):
-                    offs = start + cols
+                # ---- pass 2: sum_i p_i (t_i - c) for the gradient (only t, no divergence term);
+                # REVERSED: last block first (see PASS2_REVERSED)
+                n_blk = tl.cdiv(n_cols, BLOCK)
+                for bi in tl.range(0, n_blk, num_stages=STAGES):
+                    if REVERSED:
+                        offs = (n_blk - 1 - bi) * BLOCK + cols
+                    else:
+                        offs = bi * BLOCK + cols
                     mask = offs < n_cols
                     ls = tl.load(s_row + offs, mask=mask, other=0.0).to(tl.float32) * inv_t - lse_s
                     lt = tl.load(t_row + offs, mask=mask, other=0.0).to(tl.float32) * inv_t - lse_t
@@ -700,7 +710,7 @@ def divergence_tile(
             SEP_RAW=(labels is not None and float(temperature) != 1.0),
             WRITE_GRAD=grad_scale is not None, ROW_SCALE=row_scale,
             BLOCK=block, BLOCK_K=max(2, next_power_of_2(k + 1)) if topk else 2, STAGES=LOOP_STAGES,
-            LANE_SUMS=LANE_SUMS,
+            LANE_SUMS=LANE_SUMS, REVERSED=PASS2_REVERSED,
             num_warps=warps,
         )
     return DivergenceTileStats(*outs)

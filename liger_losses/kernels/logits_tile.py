@@ -80,7 +80,7 @@ if triton is not None:
         MODE_CE: tl.constexpr, WRITE_GRAD: tl.constexpr, SCALE_PER_ROW: tl.constexpr,
         HAS_SOFTCAP: tl.constexpr, HAS_CW: tl.constexpr, NEED_ENT: tl.constexpr,
         NEED_LSUM: tl.constexpr, BLOCK: tl.constexpr, VEC_SUMS: tl.constexpr,
-        STAGES1: tl.constexpr, STAGES2: tl.constexpr,
+        STAGES1: tl.constexpr, STAGES2: tl.constexpr, REVERSED: tl.constexpr,
     ):
         row = tl.program_id(0).to(tl.int64)
         x_ptr = X + row * stride_x
@@ -176,8 +176,12 @@ if triton is not None:
                 c0 = 0.0
                 c1 = -coef
             v_read = tl.where(valid, V, 0)  # ignored rows: nothing read, x = 0, a zero gradient row
+            # REVERSED: last block first, where pass 1 ended (the row's tail may still be in L2)
             for b in tl.range(0, n_blocks, num_stages=STAGES2):
-                cols = b * BLOCK + offs
+                if REVERSED:
+                    cols = (n_blocks - 1 - b) * BLOCK + offs
+                else:
+                    cols = b * BLOCK + offs
                 mask = cols < V
                 x = tl.load(x_ptr + cols, mask=cols < v_read, other=0.0).to(tl.float32)
                 z, t = _transform(x, logit_scale, inv_temp, softcap, HAS_SOFTCAP)
@@ -278,6 +282,9 @@ PASS2_STAGES = 3
 # Blocks up to this size keep the pass-1 sums per lane (see the kernel), larger ones per block
 # (fewer live registers: 32768 / 32 warps compiles to 60-64 registers).
 VEC_SUMS_MAX_BLOCK = 4096
+# Pass 2 walks the row from its last block back (pass 1 ended there: the row's tail may still be
+# in L2). The gradient is elementwise, so the order changes no value; False: front to back.
+PASS2_REVERSED = True
 
 
 def _block_settings(V: int) -> tuple[int, int]:
@@ -398,7 +405,7 @@ def logits_tile(
             MODE_CE=mode_ce, WRITE_GRAD=bool(grad), SCALE_PER_ROW=per_row,
             HAS_SOFTCAP=softcap is not None, HAS_CW=cw is not None, NEED_ENT=bool(need_entropy),
             NEED_LSUM=need_lsum, BLOCK=block, VEC_SUMS=block <= VEC_SUMS_MAX_BLOCK,
-            STAGES1=PASS1_STAGES, STAGES2=PASS2_STAGES, num_warps=warps,
+            STAGES1=PASS1_STAGES, STAGES2=PASS2_STAGES, REVERSED=PASS2_REVERSED, num_warps=warps,
         )
     return TileStats(loss, lse, logp, ent if need_entropy else None, correct.bool(),
                      lsum if need_logits_sum else None)

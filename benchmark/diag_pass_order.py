@@ -1,0 +1,90 @@
+"""Diagnostic (GPU): does walking the gradient pass from the row's end (``PASS2_REVERSED``) help?
+
+The tile kernels read each row two (cross-entropy) or three (JSD) times. Rows are 256 KB at
+V=128256 in bf16 and several programs per SM are in flight, so a later pass mostly misses L2; but
+the blocks a pass read last are the likeliest to be still there, so the next pass starts there.
+This times, alternating the knob in one process (``--rounds`` rounds, ``do_bench`` medians):
+
+- the CE logits tile kernel alone on a ``[2048, V]`` bf16 tile (gradient in place, as the engine);
+- the JSD divergence tile kernel alone on ``[2048, V]`` student and teacher tiles;
+- the fused-linear CE and JSD distillation at H=4096, 8192 tokens (what issue #3 measures).
+
+    python benchmark/diag_pass_order.py [--rounds 3] [--no-losses]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch  # noqa: E402
+
+H, V = 4096, 128256
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--rows", type=int, default=2048)
+    ap.add_argument("--no-losses", action="store_true")
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        print("diag_pass_order: needs a CUDA GPU")
+        return
+    import triton.testing
+
+    from liger_losses.chunked.cross_entropy import fused_linear_cross_entropy
+    from liger_losses.chunked.distillation import fused_linear_distillation_loss
+    from liger_losses.kernels import divergence_tile as dt
+    from liger_losses.kernels import logits_tile as lt
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    n = args.rows
+    tile = (torch.randn(n, V, device="cuda", generator=g) * 2).bfloat16()
+    student = (torch.randn(n, V, device="cuda", generator=g) * 2).bfloat16()
+    teacher = (torch.randn(n, V, device="cuda", generator=g) * 2).bfloat16()
+    labels = torch.randint(0, V, (n,), device="cuda", generator=g)
+    scale = torch.full((n,), 1.0 / n, device="cuda")
+    cases = {
+        "logits_tile ce": lambda: lt.logits_tile(tile, labels, grad=True, grad_scale=scale, need_logits_sum=False),
+        "divergence_tile jsd": lambda: dt.divergence_tile(student, teacher, grad_scale=scale, check_inputs=False),
+    }
+    if not args.no_losses:
+        N = 8192
+        w = (torch.randn(V, H, device="cuda", generator=g) * 0.02).bfloat16().requires_grad_()
+        h = torch.randn(N, H, device="cuda", generator=g).bfloat16().requires_grad_()
+        tw = (torch.randn(V, H, device="cuda", generator=g) * 0.02).bfloat16()
+        th = torch.randn(N, H, device="cuda", generator=g).bfloat16()
+        y = torch.randint(0, V, (N,), device="cuda", generator=g)
+
+        def ce():
+            return torch.autograd.grad(fused_linear_cross_entropy(w, h, y), (w, h))
+
+        def jsd():
+            return torch.autograd.grad(fused_linear_distillation_loss(w, h, th, y, teacher_weight=tw).loss, (w, h))
+
+        cases["fused CE 8192"] = ce
+        cases["fused JSD 8192"] = jsd
+    results: dict = {}
+    for r in range(args.rounds):
+        for name, fn in cases.items():
+            for rev in ((True, False) if r % 2 == 0 else (False, True)):
+                lt.PASS2_REVERSED = dt.PASS2_REVERSED = rev
+                fn()
+                torch.cuda.synchronize()
+                ms = triton.testing.do_bench(fn, warmup=25, rep=300, return_mode="median")
+                results.setdefault((name, rev), []).append(ms)
+                print(f"round {r} {name:22s} reversed={rev!s:5s} {ms:8.4f} ms", flush=True)
+    print("medians over rounds (ms): name, reversed, front-to-back, ratio")
+    for name in cases:
+        a = sorted(results[(name, True)])[len(results[(name, True)]) // 2]
+        b = sorted(results[(name, False)])[len(results[(name, False)]) // 2]
+        print(f"  {name:22s} {a:8.4f} {b:8.4f} {a / b:6.3f}")
+    lt.PASS2_REVERSED = dt.PASS2_REVERSED = True
+
+
+if __name__ == "__main__":
+    main()
