@@ -1191,13 +1191,14 @@ def run_token_tiles(weight: Tensor, hidden: Tensor, labels: Tensor, bias: Option
     first_stats = logits_tile(tile, first_labels, grad_scale=grad_scale[:first] if per_row else grad_scale,
                               need_logits_sum=False, **tile_opts)
     first_grad = grads.add_detached(tile, first_rows, weight) if tile_opts["grad"] else None
-    del tile
+    del tile, first_rows
     scan = pending.result()  # the one host sync (raises on labels out of range)
     labels_valid, index = _valid_index(labels, ignore_index, scan=scan)
     rows = hidden_rows_at(hidden, index)
     grads.attach(rows)
     done = min(first, scan.num_valid)
     grads.commit_detached(first_grad, 0, done)
+    del first_grad  # not held through the later chunks (the peak is one tile above the gradients)
     parts: dict[str, list] = {k: [v[:done]] for k, v in first_stats._asdict().items() if v is not None}
     rest = [(done + a, done + b) for a, b in _token_chunks(weight, scan.num_valid - done, chunk_tokens)]
     _run_chunks(weight, rows, labels_valid, bias, rest, grads, parts, grad_scale, tile_opts)
