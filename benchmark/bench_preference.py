@@ -224,6 +224,8 @@ def run_case(bench, case, loss, pairs, seq, H, V, *, warmup, rep, extra=None, sk
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="fewer cases and repetitions")
+    ap.add_argument("--cases", default=None,
+                    help="comma-separated subset of the main cases (e.g. dpo_4x1024_small); skips the sweep")
     args = ap.parse_args()
     warmup, rep = (5, 20) if args.quick else (25, 100)
 
@@ -237,9 +239,14 @@ def main():
     ]
     if args.quick:
         main_cases = main_cases[:3] + main_cases[4:]
+    if args.cases:
+        wanted = args.cases.split(",")
+        main_cases = [c for c in main_cases if c[0] in wanted]
     for case, loss, pairs, seq, shape in main_cases:
         rows += run_case("preference", case, loss, pairs, seq, shape["H"], shape["V"], warmup=warmup, rep=rep)
     write_results("preference", rows)
+    if args.cases:
+        return
 
     sweep_rows = []
     lengths = [512, 2048, 8192] if args.quick else [512, 1024, 2048, 4096, 8192, 16384]
