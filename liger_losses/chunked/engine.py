@@ -65,9 +65,7 @@ WEIGHT_BUDGET_FRACTION = 0.5
 # phases, which recompute every tile but the longest pair's (8NHV instead of 6NHV for the policy).
 # 4 -> 1 GiB: 4184 tokens at V=128256 in bf16, so a batch of TRL DPO pairs at max_length 2048
 # (prompt 512 + 2 x 1536 completion tokens) stays one-pass; the tile is freed before the model's
-# backward, whose activations set a trainer's peak. Only a unit alone takes the larger tile:
-# chunks are still packed up to the plain budget (two 1536-token pairs at H=896, V=151936 made a
-# 934 MB tile, 4.4x the gradients, where one pair per chunk needs 467 MB).
+# backward, whose activations set a trainer's peak.
 UNIT_BUDGET_FACTOR = 4
 # Chunk sizes found from the budget are rounded to a multiple of this (GEMM efficiency).
 CHUNK_ALIGN = 128
@@ -465,21 +463,16 @@ def group_chunk_bounds(
     chunk_tokens: Optional[int] = None,
     budget_bytes: Optional[int] = None,
     itemsize: int = 2,
-    unit_budget_bytes: Optional[int] = None,
 ) -> Optional[list[tuple[int, int, int, int]]]:
     """Chunks of whole groups (sequences or pairs), greedily filled up to the token limit:
     ``(group_start, group_end, token_start, token_end)``; groups are laid out contiguously in
-    the given order. A group larger than the limit gets a chunk of its own when its tile fits
-    ``unit_budget_bytes`` (default: the same limit); ``None`` when one group alone exceeds that."""
+    the given order. ``None`` when one group alone exceeds the limit."""
     limit, _ = _max_chunk(vocab, chunk_tokens, budget_bytes, itemsize)
-    unit_limit = limit
-    if unit_budget_bytes is not None:
-        unit_limit = max(limit, _max_chunk(vocab, None, unit_budget_bytes, itemsize)[0])
     out: list[tuple[int, int, int, int]] = []
     g0, t0, t = 0, 0, 0
     for g, c in enumerate(group_token_counts):
         c = int(c)
-        if c > unit_limit:
+        if c > limit:
             return None
         if t + c - t0 > limit and g > g0:
             out.append((g0, g, t0, t))
@@ -892,11 +885,10 @@ def _run_sequence_objective(weight, hidden, bias, cfg, sink, needs_h, needs_w, n
         if plan is None and cfg["chunk_tokens"] is None:
             # a unit (pair) larger than the default tile budget: one pass is still cheaper than
             # recomputing every tile (6NHV instead of 8NHV) as long as one unit's tile stays
-            # within UNIT_BUDGET_FACTOR budgets; such a unit gets a chunk of its own, the others
-            # are packed up to the plain budget
+            # within UNIT_BUDGET_FACTOR budgets; chunks then hold exactly the units that fit
             plan = group_chunk_bounds(
-                groups, V, budget_bytes=budget, itemsize=itemsize,
-                unit_budget_bytes=max(UNIT_BUDGET_FACTOR * DEFAULT_BUDGET_BYTES, budget),
+                groups, V, budget_bytes=max(UNIT_BUDGET_FACTOR * DEFAULT_BUDGET_BYTES, budget),
+                itemsize=itemsize,
             )
     if plan is not None:
         # one pass: every chunk holds whole units; gradients computed while the tile exists

@@ -52,18 +52,6 @@ def test_group_chunk_bounds():
     assert group_chunk_bounds([0, 0], 100, chunk_tokens=7) == [(0, 2, 0, 0)]
 
 
-def test_group_chunk_bounds_unit_budget():
-    """A group above the packing budget but within unit_budget_bytes gets a chunk of its own;
-    smaller groups are still packed up to the packing budget (not up to the unit budget: two
-    oversized pairs in one tile once took 4.4x the gradients' memory at a small model's shape)."""
-    # vocab 10, 2-byte items: budget 140 bytes -> 7 tokens, unit budget 400 bytes -> 20 tokens
-    kw = dict(budget_bytes=140, unit_budget_bytes=400, itemsize=2)
-    assert group_chunk_bounds([12, 12, 3, 4, 2], 10, **kw) == [(0, 1, 0, 12), (1, 2, 12, 24), (2, 4, 24, 31), (4, 5, 31, 33)]
-    assert group_chunk_bounds([3, 12, 3], 10, **kw) == [(0, 1, 0, 3), (1, 2, 3, 15), (2, 3, 15, 18)]
-    assert group_chunk_bounds([21], 10, **kw) is None
-    assert group_chunk_bounds([12], 10, budget_bytes=140, itemsize=2) is None  # no unit budget
-
-
 def test_compact_tokens():
     """Valid tokens in flattened order with their positions; all-valid input returns a view."""
     h = torch.randn(2, 3, 4)

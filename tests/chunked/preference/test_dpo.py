@@ -336,31 +336,3 @@ def test_pair_gradient_ratio_is_the_objectives_own(loss_type, f_div, expect):
     losses, _ = obj(stats)
     (g,) = torch.autograd.grad(losses.sum(), logps)
     assert torch.allclose(g[P:], ratio * g[:P], rtol=1e-12, atol=1e-15)
-
-
-def test_oversized_pairs_one_pass_one_pair_per_chunk(monkeypatch):
-    """Pairs larger than the tile budget but within UNIT_BUDGET_FACTOR budgets stay one-pass with
-    one pair per chunk (not packed up to the larger budget: at H=896, V=151936 that doubled the
-    peak). Budget 4 tokens of fp32 V=64 rows (16 per unit); the pairs have 10, 5 and 11 valid tokens,
-so the old packing put the first two in one 15-token tile. Holds: 2 projections
-    (reference, policy) per pair and none larger than a pair, and loss, gradients and metrics
-    within 1e-5 of TRL in float64."""
-    import liger_losses.chunked.engine as engine
-
-    monkeypatch.setattr(engine, "DEFAULT_BUDGET_BYTES", 4 * SHAPE["vocab"] * 4)
-    monkeypatch.setattr(engine, "WEIGHT_BUDGET_FRACTION", 0.0)
-    rows = []
-    real_project = engine.project
-
-    def project(h, w, b=None):
-        rows.append(h.shape[0])
-        return real_project(h, w, b)
-
-    monkeypatch.setattr(engine, "project", project)
-    _, _, _, lab, _ = make_inputs(**SHAPE)
-    valid = (lab != -100).sum(1)
-    pair_sizes = (valid[: SHAPE["batch"] // 2] + valid[SHAPE["batch"] // 2:]).tolist()
-    assert min(pair_sizes) > 4 and max(pair_sizes) <= 16, pair_sizes  # the case under test
-    run_vs_trl(dict(beta=0.1, loss_type="sigmoid"), chunk_tokens=None)
-    assert len(rows) == 2 * len(pair_sizes), rows
-    assert max(rows) <= max(pair_sizes), rows
