@@ -14,7 +14,7 @@ from liger_losses.chunked.distillation import (
     LigerFusedLinearDistillationLoss,
     fused_linear_distillation_loss,
 )
-from liger_losses.chunked.engine import SequenceStats, fused_linear_sequence_objective
+from liger_losses.chunked.sequence import SequenceStats, fused_linear_sequence_objective
 from liger_losses.chunked.output import LossOutput
 from liger_losses.chunked.preference import (
     LigerFusedLinearCPOLoss,

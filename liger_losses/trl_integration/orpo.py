@@ -14,7 +14,7 @@ argument of ``trl.experimental.orpo.ORPOTrainer`` plus three keywords:
   ``NLL_chosen`` the token-averaged cross-entropy over every attended token of the chosen sequences (prompt
   *and* completion). Our ``LigerFusedLinearORPOLoss`` takes one label set (its NLL covers the same tokens as the
   odds ratio), so this adapter runs the engine
-  (:func:`liger_losses.chunked.engine.fused_linear_sequence_objective`) itself, in one pass, on four groups of
+  (:func:`liger_losses.chunked.sequence.fused_linear_sequence_objective`) itself, in one pass, on four groups of
   sequences laid out as pairs ``[chosen completion; chosen prompt | rejected completion; empty]`` (the chosen
   hidden states enter twice, with disjoint labels, so no token is projected twice): the real pairs carry the
   odds ratio, every chosen group its share of the NLL (:class:`ORPOPromptNLLObjective`). The formula pieces are
@@ -36,7 +36,7 @@ import torch.nn.functional as F
 from trl.experimental.orpo import ORPOConfig
 from trl.experimental.orpo import ORPOTrainer as _TRLORPOTrainer
 
-from ..chunked.engine import fused_linear_sequence_objective
+from ..chunked.sequence import fused_linear_sequence_objective
 from ..chunked.preference.common import average_logps, chosen_nll_per_unit, split_pairs
 from ..chunked.preference.orpo import TRL_METRIC_NAMES, orpo_log_odds, orpo_pair_losses
 from ..kernels.utils import check_range

@@ -13,7 +13,7 @@ takes every argument of ``trl.SFTTrainer`` plus three keywords:
   Logged like TRL: ``entropy`` and ``mean_token_accuracy`` (over the scored tokens), ``num_tokens``.
 
 How: by default one call of the chunked engine
-(:func:`liger_losses.chunked.engine.fused_linear_sequence_objective`, one unit per sequence, the
+(:func:`liger_losses.chunked.sequence.fused_linear_sequence_objective`, one unit per sequence, the
 objective ``-logps * B / N``) gives the loss, its gradients, the token accuracy *and* the entropy
 from the same logits tiles -- no extra GEMM. (When one sequence alone exceeds the tile budget the
 engine recomputes tiles in backward.) With ``label_smoothing_factor > 0`` the loss is
@@ -143,7 +143,7 @@ class SFTTrainer(LigerTrainerMixin, trl.SFTTrainer):
 
     def _liger_nll(self, weight, bias, hidden, labels, num_items_in_batch):
         """One engine pass: NLL token mean + accuracy + entropy from the same tiles."""
-        from ..chunked.engine import fused_linear_sequence_objective
+        from ..chunked.sequence import fused_linear_sequence_objective
 
         loss, _, stats = fused_linear_sequence_objective(
             weight, hidden, labels, _TokenMeanNLL(num_items_in_batch), group_size=1, separable=True, bias=bias,

@@ -1,7 +1,7 @@
 """Preference losses from hidden states (layer 2): DPO family, ORPO, CPO, SimPO, KTO.
 
 Each loss is a small formula on per-sequence statistics run by the chunked engine
-(``liger_losses.chunked.engine``); this package re-exports the modules and their functional twins.
+(``liger_losses.chunked.sequence``); this package re-exports the modules and their functional twins.
 """
 
 from .cpo import (

@@ -28,7 +28,7 @@ from typing import Optional
 import torch
 
 from ...kernels.utils import check_choice, check_range, check_tensor
-from ..engine import fused_linear_sequence_objective
+from ..sequence import fused_linear_sequence_objective
 from ..output import LossOutput
 from .common import (
     PreferenceLossModule,

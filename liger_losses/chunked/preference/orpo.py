@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 
 from ...kernels.utils import check_range
-from ..engine import fused_linear_sequence_objective
+from ..sequence import fused_linear_sequence_objective
 from ..output import LossOutput
 from .common import (
     PAIR_TRL_METRIC_NAMES,

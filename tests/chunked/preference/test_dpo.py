@@ -13,7 +13,7 @@ import math
 import pytest
 import torch
 
-from liger_losses.chunked.engine import fused_linear_sequence_objective
+from liger_losses.chunked.sequence import fused_linear_sequence_objective
 from liger_losses.chunked.preference.dpo import (
     DPO_LOSS_TYPES,
     TRL_METRIC_NAMES,
@@ -316,7 +316,7 @@ def test_pair_gradient_ratio_is_the_objectives_own(loss_type, f_div, expect):
     """DPOObjective.pair_gradient_ratio (what the engine's two-phase path trusts) against autograd of
     the objective itself on random stats of pairs with 7 chosen / 3 rejected tokens: where a ratio is
     declared, d loss/d rejected = ratio * d loss/d chosen for every pair (1e-12 in float64)."""
-    from liger_losses.chunked.engine import SequenceStats
+    from liger_losses.chunked.sequence import SequenceStats
 
     types = [loss_type] if isinstance(loss_type, str) else loss_type
     obj = DPOObjective(beta=0.3, loss_types=tuple(types), loss_weights=tuple(1.0 for _ in types), label_smoothing=0.1,
