@@ -71,6 +71,13 @@ class SequenceStats:
 
 Objective = Callable[[SequenceStats], tuple[Tensor, dict]]
 
+# Rows of the driver's per-position statistics (positions = sequences in unit order): one [6, B]
+# float32 tensor, so that a chunk adds its sums in one kernel and the objective's inputs for a
+# chunk of units are gathered in one (the host issues a chunk's small ops faster, which is what
+# bounds a chunk at small models).
+LOGPS, LOGITS_SUM, CORRECT, ENTROPY_SUM, REF_LOGPS, NUM_TOKENS = range(6)
+
+
 def _segment_sum(values: Tensor, seg: Tensor, size: int) -> Tensor:
     return torch.zeros(size, dtype=torch.float32, device=values.device).index_add_(0, seg, values.float())
 
@@ -151,9 +158,12 @@ def _run_sequence_objective(weight, hidden, bias, cfg, sink, needs_h, needs_w, n
     need_grad = needs_h or needs_w or needs_b
     itemsize = torch.finfo(cdt).bits // 8
 
-    # per-position accumulators (positions = sequences in unit order)
-    acc = {k: torch.zeros(B, dtype=torch.float32, device=dev)
-           for k in ("logps", "logits_sum", "correct", "entropy_sum", "ref_logps")}
+    # per-position statistics (rows LOGPS ... NUM_TOKENS), in unit order
+    acc = torch.zeros(6, B, dtype=torch.float32, device=dev)
+    acc[NUM_TOKENS] = batch_num_tokens if order is None else batch_num_tokens.index_select(0, order)
+    if ref_logps_in is not None:
+        acc[REF_LOGPS] = ref_logps_in.float().index_select(0, order_t)
+    has_ref = ref_logps_in is not None or ref_hidden is not None
     grads = HeadGrads(h_rows, V, H, dtype=cdt, weight_dtype=cfg["accum_dtype"] or w_full.dtype, device=dev,
                       hidden=needs_h, weight=needs_w, bias=needs_b)
 
@@ -167,20 +177,17 @@ def _run_sequence_objective(weight, hidden, bias, cfg, sink, needs_h, needs_w, n
                              **kopts)
             del rt
             v = rs.logp if tw_valid is None else rs.logp * tw_valid[ts:te]
-            acc["ref_logps"][p0:p1] += _segment_sum(v, seg, size)
+            acc[REF_LOGPS, p0:p1] += _segment_sum(v, seg, size)
         tile = project(h_rows(ts, te), w_c, b_c)
         st = logits_tile(tile, l_valid[ts:te], mode="logp", grad=with_grad,
                          need_entropy=need_entropy, **kopts)
         v = st.logp if tw_valid is None else st.logp * tw_valid[ts:te]
-        out = {
-            "logps": _segment_sum(v, seg, size),
-            "logits_sum": _segment_sum(st.logits_sum / V, seg, size),
-            "correct": _segment_sum(st.correct.float(), seg, size),
-        }
+        rows = [v, st.logits_sum / V, st.correct.float()]  # rows LOGPS, LOGITS_SUM, CORRECT
         if need_entropy:
-            out["entropy_sum"] = _segment_sum(st.entropy, seg, size)
-        for k, val in out.items():
-            acc[k][p0:p1] += val
+            rows.append(st.entropy)  # ENTROPY_SUM
+        k = len(rows)
+        acc[:k, p0:p1] += torch.zeros(k, size, dtype=torch.float32, device=dev).index_add_(
+            1, seg, torch.stack(rows))
         return tile, seg
 
     def backprop(tile, ts, te, row_scale):
@@ -189,38 +196,33 @@ def _run_sequence_objective(weight, hidden, bias, cfg, sink, needs_h, needs_w, n
             row_scale = tw_valid[ts:te] if row_scale is None else row_scale * tw_valid[ts:te]
         grads.add(tile, h_rows(ts, te), w_c, ts, te, row_scale)
 
-    def full_ref(p0, p1):
-        if ref_logps_in is not None:
-            return ref_logps_in.float().index_select(0, order_t[p0:p1])
-        if ref_hidden is not None:
-            return acc["ref_logps"][p0:p1]
-        return None
+    perms: dict = {}
 
-    def make_stats(p0, p1, perm, logps):
-        pos = torch.arange(p0, p1, device=dev)[perm]
-        ref = full_ref(p0, p1)
-        return SequenceStats(
-            logps=logps,
-            num_tokens=batch_num_tokens.index_select(0, order_t[pos]),
-            logits_sum=acc["logits_sum"][pos],
-            correct=acc["correct"][pos],
-            entropy_sum=acc["entropy_sum"][pos] if need_entropy else None,
-            ref_logps=ref[perm] if ref is not None else None,
-            batch_num_tokens=batch_num_tokens,
-            index=order_t[pos],
-        )
+    def perm_of(size):
+        """(perm, inverse) taking ``size`` positions in unit order (c0, r0, c1, r1, ...) to the
+        objective's order (chosen of the units, then rejected), made once per size on the device (a
+        host-to-device copy would drain the stream and idle the GPU); (None, None) for sequences."""
+        if g != 2:
+            return None, None
+        if size not in perms:
+            perm = torch.arange(size, device=dev).view(-1, 2).t().reshape(-1)
+            perms[size] = (perm, torch.arange(size, device=dev).view(2, -1).t().reshape(-1))
+        return perms[size]
 
     def call_objective(p0, p1, want_grad):
         """Objective on positions [p0, p1); returns (loss sum/U_total, metrics, grad per position)."""
         size = p1 - p0
-        if g == 2:  # [0, 2, 4, ..., 1, 3, 5, ...], made on the device (no host-to-device copy,
-            # which would drain the stream once per chunk and leave the GPU idle meanwhile)
-            perm = torch.arange(size, device=dev).view(-1, 2).t().reshape(-1)
-        else:
-            perm = torch.arange(size, device=dev)
+        perm, inverse = perm_of(size)
+        # a copy: the objective never sees the accumulators themselves
+        rows = acc[:, p0:p1].clone() if perm is None else acc[:, p0:p1].index_select(1, perm)
         with torch.enable_grad():
-            leaf = acc["logps"][p0:p1][perm].detach().clone().requires_grad_(want_grad)
-            stats = make_stats(p0, p1, perm, leaf)
+            leaf = rows[LOGPS].clone().requires_grad_(want_grad)
+            stats = SequenceStats(
+                logps=leaf, num_tokens=rows[NUM_TOKENS], logits_sum=rows[LOGITS_SUM],
+                correct=rows[CORRECT], entropy_sum=rows[ENTROPY_SUM] if need_entropy else None,
+                ref_logps=rows[REF_LOGPS] if has_ref else None, batch_num_tokens=batch_num_tokens,
+                index=order_t[p0:p1] if perm is None else order_t[p0:p1].index_select(0, perm),
+            )
             losses, metrics = cfg["objective"](stats)
             u = size // g
             if not isinstance(losses, Tensor) or losses.numel() != u:
@@ -235,15 +237,16 @@ def _run_sequence_objective(weight, hidden, bias, cfg, sink, needs_h, needs_w, n
                     (gl,) = torch.autograd.grad(total, leaf, allow_unused=True)
                 else:
                     gl = None
-                grad_pos = torch.zeros(size, dtype=torch.float32, device=dev)
-                if gl is not None:
-                    grad_pos[perm] = gl.float()
+                if gl is None:
+                    grad_pos = torch.zeros(size, dtype=torch.float32, device=dev)
+                else:  # back to unit order
+                    grad_pos = gl.float() if inverse is None else gl.float().index_select(0, inverse)
         mets = {}
         for k, m in (metrics or {}).items():
             m = m.detach()
             if m.numel() != u:
                 raise ValueError(f"objective metric {k!r} must have shape [{u}], got {tuple(m.shape)}")
-            mets[k] = m.reshape(u)
+            mets[k] = m if m.dim() == 1 else m.reshape(u)
         return total.detach(), mets, grad_pos
 
     loss = torch.zeros((), dtype=torch.float32, device=dev)
@@ -334,20 +337,16 @@ def _run_sequence_objective(weight, hidden, bias, cfg, sink, needs_h, needs_w, n
     gh, gw, gb = grads.finish()
     # outputs
     metrics = {k: torch.cat(v) for k, v in metric_parts.items()}  # [U_total], unit order
-    full = {}
-    for k in ("logps", "logits_sum", "correct", "entropy_sum", "ref_logps"):
-        t = torch.empty(B, dtype=torch.float32, device=dev)
-        t[order_t] = acc[k]
-        full[k] = t
+    full = acc if order is None else torch.empty_like(acc).index_copy_(1, order, acc)  # batch order
     ref_full = None
     if ref_logps_in is not None:
         ref_full = ref_logps_in.float().detach()
     elif ref_hidden is not None:
-        ref_full = full["ref_logps"]
+        ref_full = full[REF_LOGPS]
     sink["metrics"] = metrics
     sink["stats"] = SequenceStats(
-        logps=full["logps"], num_tokens=batch_num_tokens, logits_sum=full["logits_sum"],
-        correct=full["correct"], entropy_sum=full["entropy_sum"] if need_entropy else None,
+        logps=full[LOGPS], num_tokens=batch_num_tokens, logits_sum=full[LOGITS_SUM],
+        correct=full[CORRECT], entropy_sum=full[ENTROPY_SUM] if need_entropy else None,
         ref_logps=ref_full, batch_num_tokens=batch_num_tokens,
         index=torch.arange(B, device=dev),
     )
