@@ -49,7 +49,7 @@ def _jit(kernel):
 
 
 def compile_case(kernel, *, constexprs: dict, num_warps: int, pointers: dict | None = None,
-                 floats: tuple = (), default_ptr: str = "*bf16") -> dict:
+                 floats: tuple = (), default_ptr: str = "*bf16", maxnreg: int | None = None) -> dict:
     """Compile ``kernel`` for sm_90; runtime params: pointers (``*_ptr`` or named in
     ``pointers``) aligned, ints i32 divisible by 16 (but ``NOT_DIVISIBLE``), ``floats`` fp32."""
     fn = _jit(kernel)
@@ -74,7 +74,10 @@ def compile_case(kernel, *, constexprs: dict, num_warps: int, pointers: dict | N
         raise ValueError(f"{fn.__name__}: constexprs missing: {missing}")
     consts = {(fn.arg_names.index(k),): v for k, v in constexprs.items()}
     src = ASTSource(fn=fn, signature=signature, constexprs=consts, attrs=attrs)
-    compiled = triton.compile(src, target=TARGET, options={"num_warps": num_warps})
+    options = {"num_warps": num_warps}
+    if maxnreg is not None:
+        options["maxnreg"] = maxnreg
+    compiled = triton.compile(src, target=TARGET, options=options)
     return dict(num_warps=num_warps, **_resources(compiled.asm["cubin"]))
 
 
@@ -100,8 +103,10 @@ def _logits_case(block: int, warps: int, vec_sums: bool, **flags) -> dict:
                  NEED_ENT=False, NEED_LSUM=False, BLOCK=block, VEC_SUMS=vec_sums,
                  STAGES1=logits_tile.PASS1_STAGES, STAGES2=logits_tile.PASS2_STAGES,
                  REVERSED=logits_tile.PASS2_REVERSED)
+    maxnreg = flags.pop("maxnreg", logits_tile.MAXNREG)
     const.update(flags)
     return compile_case(logits_tile._logits_tile_kernel, constexprs=const, num_warps=warps, pointers=pointers,
+                        maxnreg=maxnreg,
                         floats=("scale_value", "logit_scale", "inv_temp", "softcap", "eps", "z_w"))
 
 
@@ -112,8 +117,9 @@ def _divergence_case(**flags) -> dict:
                  STAGES=divergence_tile.LOOP_STAGES, LANE_SUMS=divergence_tile.LANE_SUMS,
                  REVERSED=divergence_tile.PASS2_REVERSED)
     warps = flags.pop("num_warps", warps)
+    maxnreg = flags.pop("maxnreg", divergence_tile.MAXNREG)
     const.update(flags)
-    return compile_case(divergence_tile._divergence_tile_kernel, constexprs=const, num_warps=warps,
+    return compile_case(divergence_tile._divergence_tile_kernel, constexprs=const, num_warps=warps, maxnreg=maxnreg,
                         pointers={n: "*fp32" for n in ("scale_ptr", "loss_ptr", "div_ptr", "ce_ptr", "ent_ptr",
                                                        "correct_ptr", "tk_lp_ptr")} | {"labels_ptr": "*i64",
                                                                                       "tk_idx_ptr": "*i64"},
@@ -189,6 +195,14 @@ def alternative_cases() -> dict:
         "logits_tile ce 4096/8 (not pipelined)": lambda: _logits_case(4096, 8, True, STAGES1=None, STAGES2=None),
         "logits_tile ce 4096/8, loops pipelined 3/3": lambda: _logits_case(4096, 8, True, STAGES1=3, STAGES2=3),
         "logits_tile ce 8192/16, loops pipelined 3/3": lambda: _logits_case(8192, 16, False, STAGES1=3, STAGES2=3),
+        # register caps (diag_tile_occupancy.py): programs per SM = 65536 / (32 * warps * regs)
+        "logits_tile ce 2048/4 maxnreg 128": lambda: _logits_case(2048, 4, True, maxnreg=128),
+        "logits_tile ce 4096/8 maxnreg 128": lambda: _logits_case(4096, 8, True, maxnreg=128),
+        "logits_tile ce 8192/8 maxnreg 255": lambda: _logits_case(8192, 8, False, maxnreg=255),
+        "logits_tile ce 8192/16 maxnreg 128": lambda: _logits_case(8192, 16, False, maxnreg=128),
+        "divergence_tile jsd 4096/8 maxnreg 80": lambda: _divergence_case(num_warps=8, maxnreg=80),
+        "divergence_tile jsd 4096/8 maxnreg 128": lambda: _divergence_case(num_warps=8, maxnreg=128),
+        "divergence_tile jsd 8192/16 maxnreg 128": lambda: _divergence_case(BLOCK=8192, num_warps=16, maxnreg=128),
         f"_rms_norm_bwd H={H} {bm}x{bn}/{w}": lambda: compile_case(
             rms_norm._rms_norm_bwd_kernel, num_warps=w,
             constexprs=dict(CASTING=0, HAS_WEIGHT=True, COMPUTE_DX=True, COMPUTE_DW=True, BLOCK_M=bm, BLOCK_N=bn,

@@ -92,6 +92,9 @@ LANE_SUMS = False
 # ended (the rows' tails may still be in L2); the last pass then starts where it ends. False: front
 # to back (the sum's rounding order differs, nothing else).
 PASS2_REVERSED = True
+# Register cap per thread (Triton's ``maxnreg``; None: the compiler's choice, 64 with an 8-byte
+# spill at 4096 / 8 warps); see logits_tile.MAXNREG.
+MAXNREG = None
 
 
 def _block_settings(width: int, *, on_gpu: bool = True, block_size: Optional[int] = None) -> tuple[int, int]:
@@ -711,6 +714,6 @@ def divergence_tile(
             WRITE_GRAD=grad_scale is not None, ROW_SCALE=row_scale,
             BLOCK=block, BLOCK_K=max(2, next_power_of_2(k + 1)) if topk else 2, STAGES=LOOP_STAGES,
             LANE_SUMS=LANE_SUMS, REVERSED=PASS2_REVERSED,
-            num_warps=warps,
+            num_warps=warps, **({} if MAXNREG is None else {"maxnreg": MAXNREG}),
         )
     return DivergenceTileStats(*outs)

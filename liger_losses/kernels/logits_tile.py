@@ -285,6 +285,10 @@ VEC_SUMS_MAX_BLOCK = 4096
 # Pass 2 walks the row from its last block back (pass 1 ended there: the row's tail may still be
 # in L2). The gradient is elementwise, so the order changes no value; False: front to back.
 PASS2_REVERSED = True
+# Register cap per thread for the launch (Triton's ``maxnreg``; None: the compiler's choice). Fewer
+# programs per SM keep fewer rows in flight, so more of a row is still in L2 when pass 2 reads it
+# again; a benchmark sweeps it (``benchmark/diag_tile_occupancy.py``).
+MAXNREG = None
 
 
 def _block_settings(V: int) -> tuple[int, int]:
@@ -406,6 +410,7 @@ def logits_tile(
             HAS_SOFTCAP=softcap is not None, HAS_CW=cw is not None, NEED_ENT=bool(need_entropy),
             NEED_LSUM=need_lsum, BLOCK=block, VEC_SUMS=block <= VEC_SUMS_MAX_BLOCK,
             STAGES1=PASS1_STAGES, STAGES2=PASS2_STAGES, REVERSED=PASS2_REVERSED, num_warps=warps,
+            **({} if MAXNREG is None else {"maxnreg": MAXNREG}),
         )
     return TileStats(loss, lse, logp, ent if need_entropy else None, correct.bool(),
                      lsum if need_logits_sum else None)

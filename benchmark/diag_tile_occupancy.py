@@ -1,0 +1,157 @@
+"""Diagnostic (GPU): launch shapes of the two logits-tile kernels, timed alone and in their losses.
+
+Each row of a tile is read two (CE) or three (JSD) times. With many programs per SM the rows in
+flight (132 SMs x programs x 256 KB at V=128256) far exceed the 50 MB L2, so every pass streams
+from HBM; fewer programs per SM (more warps, or a register cap that makes the compiler use more
+registers instead of spilling) keep more of a row in L2 between passes but put fewer bytes in
+flight. This sweeps (block, warps, maxnreg, stages) for
+
+- the JSD divergence tile on ``[2048, V]`` student and teacher bf16 tiles (gradient in place), and
+- the CE logits tile on a ``[2048, V]`` bf16 tile (gradient in place),
+
+alternating the configurations over ``--rounds`` (``do_bench`` medians), then times the fused JSD
+distillation and CE at 8192 tokens (H=4096) with the default and with each kernel's fastest
+configuration.
+
+    python benchmark/diag_tile_occupancy.py [--rounds 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch  # noqa: E402
+
+H, V = 4096, 128256
+
+# (BLOCK_CAP, NUM_WARPS, MAXNREG, stages) per kernel; stages: LOOP_STAGES (divergence) or
+# PASS1_STAGES = PASS2_STAGES (CE). None entries keep the module's default.
+DIVERGENCE = [
+    (None, None, None, None),  # default: 4096 / 8 warps, compiler's registers (64, 8-byte spill)
+    (4096, 8, 80, None),       # no spill, 3 programs per SM
+    (4096, 8, 128, None),      # 96 registers, 2 programs per SM
+    (2048, 8, None, None),
+    (2048, 4, None, None),
+    (8192, 16, 128, None),     # 1-2 programs per SM
+    (4096, 8, 80, 2),
+]
+LOGITS = [
+    (None, None, None, None),  # default: 2048 / 4 warps, 3 / 3 stages
+    (4096, 8, None, None),
+    (8192, 16, None, None),
+    (8192, 8, 255, None),
+    (2048, 4, None, 2),
+    (1024, 4, None, None),
+]
+
+
+def _set(mod, cfg, stages_names):
+    block, warps, maxnreg, stages = cfg
+    saved = {k: getattr(mod, k) for k in ("BLOCK_CAP", "NUM_WARPS", "MAXNREG", *stages_names)}
+    if block is not None:
+        mod.BLOCK_CAP = block
+    if warps is not None:
+        mod.NUM_WARPS = warps
+    mod.MAXNREG = maxnreg
+    if stages is not None:
+        for k in stages_names:
+            setattr(mod, k, stages)
+    return saved
+
+
+def _restore(mod, saved):
+    for k, v in saved.items():
+        setattr(mod, k, v)
+
+
+def sweep(name, mod, stages_names, configs, fn, rounds):
+    import triton.testing
+
+    res: dict = {}
+    for r in range(rounds):
+        for cfg in (configs if r % 2 == 0 else configs[::-1]):
+            saved = _set(mod, cfg, stages_names)
+            try:
+                fn()
+                torch.cuda.synchronize()
+                ms = triton.testing.do_bench(fn, warmup=10, rep=200, return_mode="median")
+            except Exception as exc:  # noqa: BLE001 - a configuration that does not compile
+                print(f"  {name} {cfg}: {type(exc).__name__}: {str(exc)[:100]}")
+                ms = float("inf")
+            finally:
+                _restore(mod, saved)
+            res.setdefault(cfg, []).append(ms)
+    print(f"{name} (block, warps, maxnreg, stages): median ms over {rounds} rounds")
+    base = min(res[configs[0]])
+    for cfg in configs:
+        ms = min(res[cfg])
+        print(f"  {str(cfg):28s} {ms:8.4f}  {ms / base:6.3f}x default", flush=True)
+    return min(configs, key=lambda c: min(res[c]))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--rows", type=int, default=2048)
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        print("diag_tile_occupancy: needs a CUDA GPU")
+        return
+    import triton.testing
+
+    from liger_losses.chunked.cross_entropy import fused_linear_cross_entropy
+    from liger_losses.chunked.distillation import fused_linear_distillation_loss
+    from liger_losses.kernels import divergence_tile as dt
+    from liger_losses.kernels import logits_tile as lt
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    n = args.rows
+    student = (torch.randn(n, V, device="cuda", generator=g) * 2).bfloat16()
+    teacher = (torch.randn(n, V, device="cuda", generator=g) * 2).bfloat16()
+    tile = (torch.randn(n, V, device="cuda", generator=g) * 2).bfloat16()
+    labels = torch.randint(0, V, (n,), device="cuda", generator=g)
+    scale = torch.full((n,), 1.0 / n, device="cuda")
+    best_div = sweep("divergence_tile jsd", dt, ("LOOP_STAGES",), DIVERGENCE,
+                     lambda: dt.divergence_tile(student, teacher, grad_scale=scale, check_inputs=False),
+                     args.rounds)
+    best_ce = sweep("logits_tile ce", lt, ("PASS1_STAGES", "PASS2_STAGES"), LOGITS,
+                    lambda: lt.logits_tile(tile, labels, grad=True, grad_scale=scale, need_logits_sum=False),
+                    args.rounds)
+    del student, teacher, tile
+    N = 8192
+    w = (torch.randn(V, H, device="cuda", generator=g) * 0.02).bfloat16().requires_grad_()
+    h = torch.randn(N, H, device="cuda", generator=g).bfloat16().requires_grad_()
+    tw = (torch.randn(V, H, device="cuda", generator=g) * 0.02).bfloat16()
+    th = torch.randn(N, H, device="cuda", generator=g).bfloat16()
+    y = torch.randint(0, V, (N,), device="cuda", generator=g)
+
+    def jsd():
+        return torch.autograd.grad(fused_linear_distillation_loss(w, h, th, y, teacher_weight=tw).loss, (w, h))
+
+    def ce():
+        return torch.autograd.grad(fused_linear_cross_entropy(w, h, y), (w, h))
+
+    for name, mod, names, best, fn in (("fused JSD 8192", dt, ("LOOP_STAGES",), best_div, jsd),
+                                       ("fused CE 8192", lt, ("PASS1_STAGES", "PASS2_STAGES"), best_ce, ce)):
+        if best == (None, None, None, None):
+            print(f"{name}: the default is fastest alone")
+            continue
+        res: dict = {}
+        for r in range(2 * args.rounds):
+            for cfg in ((None, None, None, None), best) if r % 2 == 0 else (best, (None, None, None, None)):
+                saved = _set(mod, cfg, names)
+                fn()
+                torch.cuda.synchronize()
+                res.setdefault(cfg, []).append(triton.testing.do_bench(fn, warmup=5, rep=300, return_mode="median"))
+                _restore(mod, saved)
+        d, b = sorted(res[(None, None, None, None)]), sorted(res[best])
+        print(f"{name}: default {d[len(d) // 2]:.3f} ms, {best} {b[len(b) // 2]:.3f} ms "
+              f"({b[len(b) // 2] / d[len(d) // 2]:.3f}x)  all: {d} / {b}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
