@@ -121,7 +121,6 @@ def main() -> None:
     best_ce = sweep("logits_tile ce", lt, ("PASS1_STAGES", "PASS2_STAGES"), LOGITS,
                     lambda: lt.logits_tile(tile, labels, grad=True, grad_scale=scale, need_logits_sum=False),
                     args.rounds)
-    del student, teacher, tile
     N = 8192
     w = (torch.randn(V, H, device="cuda", generator=g) * 0.02).bfloat16().requires_grad_()
     h = torch.randn(N, H, device="cuda", generator=g).bfloat16().requires_grad_()
