@@ -366,3 +366,16 @@ def gemms_only(weight, hidden, *, valid=None, extra_hidden=None, extra_weight=No
     chunks = _token_chunks(weight, n, None)
     return _GemmsOnly.apply(weight, hidden, index, extra_hidden,
                             extra_weight if extra_weight is not None else weight, chunks)
+
+
+def logits_tiles(rows: int, vocab: int, *, seed: int = 0) -> dict:
+    """Inputs of the tile-kernel diagnostics on the GPU: bf16 ``[rows, vocab]`` logits-like tiles
+    (N(0, 4)) ``tile``, ``student``, ``teacher``; ``labels [rows]``; fp32 ``scale [rows] = 1/rows``."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
+
+    def logits():
+        return (torch.randn(rows, vocab, device="cuda", generator=g) * 2).bfloat16()
+
+    return dict(tile=logits(), student=logits(), teacher=logits(),
+                labels=torch.randint(0, vocab, (rows,), device="cuda", generator=g),
+                scale=torch.full((rows,), 1.0 / rows, device="cuda"))

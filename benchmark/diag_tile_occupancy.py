@@ -108,13 +108,11 @@ def main() -> None:
     from liger_losses.kernels import divergence_tile as dt
     from liger_losses.kernels import logits_tile as lt
 
-    g = torch.Generator(device="cuda").manual_seed(0)
-    n = args.rows
-    student = (torch.randn(n, V, device="cuda", generator=g) * 2).bfloat16()
-    teacher = (torch.randn(n, V, device="cuda", generator=g) * 2).bfloat16()
-    tile = (torch.randn(n, V, device="cuda", generator=g) * 2).bfloat16()
-    labels = torch.randint(0, V, (n,), device="cuda", generator=g)
-    scale = torch.full((n,), 1.0 / n, device="cuda")
+    from benchmark.common import logits_tiles
+
+    t = logits_tiles(args.rows, V)
+    tile, student, teacher, labels, scale = t["tile"], t["student"], t["teacher"], t["labels"], t["scale"]
+    g = torch.Generator(device="cuda").manual_seed(1)
     best_div = sweep("divergence_tile jsd", dt, ("LOOP_STAGES",), DIVERGENCE,
                      lambda: dt.divergence_tile(student, teacher, grad_scale=scale, check_inputs=False),
                      args.rounds)
