@@ -109,6 +109,34 @@ def test_pairs_one_pass_and_two_phase(impl, separable, chunk_tokens):
     assert out[2].num_tokens.tolist() == (labels != -100).sum(1).float().tolist()
 
 
+@pytest.mark.parametrize("group_size", [1, 2])
+def test_objective_that_edits_its_stats_changes_nothing_else(group_size):
+    """An objective that overwrites its inputs in place (num_tokens, logits_sum, correct, ref_logps)
+    gets copies: the returned stats, the loss and the gradients equal those of the same objective
+    without the edits (exactly), over several chunks and in both unit layouts."""
+    w, h, b, labels, ref_h, _ = _inputs(4)
+    objective = dpo_objective if group_size == 2 else seq_objective
+
+    def vandal(stats: SequenceStats):
+        out = objective(stats)
+        for t in (stats.num_tokens, stats.logits_sum, stats.correct, stats.ref_logps):
+            if t is not None:
+                t.fill_(-7.0)
+        return out
+
+    results = []
+    for fn in (objective, vandal):
+        w_, h_ = w.detach().clone().requires_grad_(), h.detach().clone().requires_grad_()
+        loss, _, stats = fused_linear_sequence_objective(
+            w_, h_, labels, fn, group_size=group_size, ref_hidden=ref_h, chunk_tokens=7)
+        loss.backward()
+        results.append((loss.detach(), w_.grad, h_.grad, stats))
+    (l0, gw0, gh0, s0), (l1, gw1, gh1, s1) = results
+    assert torch.equal(l0, l1) and torch.equal(gw0, gw1) and torch.equal(gh0, gh1)
+    for name in ("logps", "num_tokens", "logits_sum", "correct", "ref_logps"):
+        assert torch.equal(getattr(s0, name), getattr(s1, name)), name
+
+
 def test_pairs_split_when_pair_exceeds_chunk():
     """separable=True but a pair larger than chunk_tokens falls back to two phases: same result."""
     w, h, b, labels, ref_h, _ = _inputs(1)
