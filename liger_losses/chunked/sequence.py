@@ -138,11 +138,9 @@ def _run_sequence_objective(weight, hidden, bias, cfg, sink, needs_h, needs_w, n
     N = index.numel()
     identity = order is None and N == B * T
     h_rows = RowGather(h2, index, identity)
-    pos_of_tok = torch.repeat_interleave(
-        torch.arange(B, device=dev), counts if order is None else counts.index_select(0, order),
-        output_size=N,
-    )
     order_t = order if order is not None else torch.arange(B, device=dev)
+    unit_counts = counts if order is None else counts.index_select(0, order)  # per position
+    pos_of_tok = torch.repeat_interleave(torch.arange(B, device=dev), unit_counts, output_size=N)
     tw = cfg["token_weights"]
     tw_valid = tw.reshape(-1).index_select(0, index).float() if tw is not None else None
     ref_logps_in = cfg["ref_logps"]
@@ -160,7 +158,7 @@ def _run_sequence_objective(weight, hidden, bias, cfg, sink, needs_h, needs_w, n
 
     # per-position statistics (rows LOGPS ... NUM_TOKENS), in unit order
     acc = torch.zeros(6, B, dtype=torch.float32, device=dev)
-    acc[NUM_TOKENS] = batch_num_tokens if order is None else batch_num_tokens.index_select(0, order)
+    acc[NUM_TOKENS] = unit_counts
     if ref_logps_in is not None:
         acc[REF_LOGPS] = ref_logps_in.float().index_select(0, order_t)
     has_ref = ref_logps_in is not None or ref_hidden is not None
@@ -338,16 +336,11 @@ def _run_sequence_objective(weight, hidden, bias, cfg, sink, needs_h, needs_w, n
     # outputs
     metrics = {k: torch.cat(v) for k, v in metric_parts.items()}  # [U_total], unit order
     full = acc if order is None else torch.empty_like(acc).index_copy_(1, order, acc)  # batch order
-    ref_full = None
-    if ref_logps_in is not None:
-        ref_full = ref_logps_in.float().detach()
-    elif ref_hidden is not None:
-        ref_full = full[REF_LOGPS]
     sink["metrics"] = metrics
     sink["stats"] = SequenceStats(
         logps=full[LOGPS], num_tokens=batch_num_tokens, logits_sum=full[LOGITS_SUM],
         correct=full[CORRECT], entropy_sum=full[ENTROPY_SUM] if need_entropy else None,
-        ref_logps=ref_full, batch_num_tokens=batch_num_tokens,
+        ref_logps=full[REF_LOGPS] if has_ref else None, batch_num_tokens=batch_num_tokens,
         index=torch.arange(B, device=dev),
     )
     grad_hidden = grad_like(gh, hidden) if gh is not None else None
