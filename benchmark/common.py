@@ -13,7 +13,9 @@ from __future__ import annotations
 import csv
 import gc
 import os
+import subprocess
 import sys
+import time
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
@@ -350,10 +352,10 @@ class _GemmsOnly(torch.autograd.Function):
         return grad_w, grad_h, None, None, None, None
 
 
-def gemms_only(weight, hidden, *, valid=None, extra_hidden=None, extra_weight=None):
+def gemms_only(weight, hidden, *, valid=None, extra_hidden=None, extra_weight=None, chunk_tokens=None):
     """The practical floor of a chunked loss that calls cuBLAS: its GEMMs alone (see
     :class:`_GemmsOnly`), on the rows where ``valid`` (``[...]`` bool, default all), in the chunks
-    our engine would use for this head (``engine._token_chunks``). Timed in the same run as the
+    our engine would use for this head (``engine._token_chunks``; ``chunk_tokens`` fixes their size). Timed in the same run as the
     losses, it carries the same clocks: under the H200's power cap the GEMMs alone run well below
     the nominal 790 TFLOP/s of the floor."""
     from liger_losses.chunked.engine import _token_chunks
@@ -363,7 +365,7 @@ def gemms_only(weight, hidden, *, valid=None, extra_hidden=None, extra_weight=No
     if valid is not None:
         index = valid.reshape(-1).nonzero().squeeze(1)
         n = int(index.numel())
-    chunks = _token_chunks(weight, n, None)
+    chunks = _token_chunks(weight, n, chunk_tokens)
     return _GemmsOnly.apply(weight, hidden, index, extra_hidden,
                             extra_weight if extra_weight is not None else weight, chunks)
 
@@ -379,3 +381,42 @@ def logits_tiles(rows: int, vocab: int, *, seed: int = 0) -> dict:
     return dict(tile=logits(), student=logits(), teacher=logits(),
                 labels=torch.randint(0, vocab, (rows,), device="cuda", generator=g),
                 scale=torch.full((rows,), 1.0 / rows, device="cuda"))
+
+
+class Smi:
+    """``nvidia-smi`` sampling (SM clock, power, temperature, throttle reasons) every 100 ms in the
+    background into ``path``; ``mark(name)`` opens a phase, ``summary()`` stops and prints each
+    phase's mean SM clock and power."""
+
+    def __init__(self, path):
+        self.path, self.marks = path, []
+        try:
+            self.proc = subprocess.Popen(
+                ["nvidia-smi", "--query-gpu=timestamp,clocks.sm,power.draw,temperature.gpu,clocks_throttle_reasons.active",
+                 "--format=csv,noheader,nounits", "-lms", "100"], stdout=open(path, "w"), stderr=subprocess.DEVNULL)
+        except OSError:
+            self.proc = None
+
+    def mark(self, name):
+        self.marks.append((time.time(), name))
+
+    def summary(self):
+        if self.proc is None:
+            return
+        self.proc.terminate()
+        self.proc.wait()
+        rows = []
+        for r in csv.reader(open(self.path)):
+            try:
+                t = time.mktime(time.strptime(r[0].strip().split(".")[0], "%Y/%m/%d %H:%M:%S"))
+                rows.append((t, float(r[1]), float(r[2]), r[4].strip()))
+            except (ValueError, IndexError):
+                continue
+        ends = [t for t, _ in self.marks[1:]] + [time.time()]
+        for (t0, name), t1 in zip(self.marks, ends):
+            sel = [r for r in rows if t0 - 0.5 <= r[0] <= t1 + 0.5]
+            if sel:
+                clk = sum(r[1] for r in sel) / len(sel)
+                pw = sum(r[2] for r in sel) / len(sel)
+                reasons = sorted({r[3] for r in sel})
+                print(f"  smi {name:24s}: SM clock {clk:6.0f} MHz, power {pw:5.0f} W, throttle {reasons} ({len(sel)} samples)")

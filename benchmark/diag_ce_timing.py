@@ -20,17 +20,14 @@ background (``$OUT/smi_ce_timing.csv``); the mean SM clock and power of each pha
 from __future__ import annotations
 
 import argparse
-import csv
 import os
-import subprocess
 import sys
-import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
-from benchmark.common import gemm_floor_ms  # noqa: E402
+from benchmark.common import Smi, gemm_floor_ms, gemms_only  # noqa: E402
 
 H, V = 4096, 128256
 
@@ -45,61 +42,13 @@ def ours_step(weight, hidden, labels):
     return fn
 
 
-def gemms_step(weight, hidden, chunk):
-    w, h = weight.detach(), hidden.detach()
-    n = h.shape[0]
+def gemms_step(weight, hidden, chunk_tokens=None):
+    """Our chunks' GEMMs alone (``common.gemms_only``), or in chunks of ``chunk_tokens``."""
 
     def fn():
-        grad_w = torch.empty_like(w)
-        grad_h = torch.empty_like(h)
-        for i, s in enumerate(range(0, n, chunk)):
-            hc = h[s:s + chunk]
-            logits = hc @ w.t()
-            torch.mm(logits, w, out=grad_h[s:s + chunk])
-            if i == 0:
-                torch.mm(logits.t(), hc, out=grad_w)
-            else:
-                grad_w.addmm_(logits.t(), hc)
-        return grad_w, grad_h
+        return torch.autograd.grad(gemms_only(weight, hidden, chunk_tokens=chunk_tokens), (weight, hidden))
 
     return fn
-
-
-class Smi:
-    """nvidia-smi sampling in the background; ``mark(name)`` opens a phase."""
-
-    def __init__(self, path):
-        self.path, self.marks = path, []
-        try:
-            self.proc = subprocess.Popen(
-                ["nvidia-smi", "--query-gpu=timestamp,clocks.sm,power.draw,temperature.gpu,clocks_throttle_reasons.active",
-                 "--format=csv,noheader,nounits", "-lms", "100"], stdout=open(path, "w"), stderr=subprocess.DEVNULL)
-        except OSError:
-            self.proc = None
-
-    def mark(self, name):
-        self.marks.append((time.time(), name))
-
-    def summary(self):
-        if self.proc is None:
-            return
-        self.proc.terminate()
-        self.proc.wait()
-        rows = []
-        for r in csv.reader(open(self.path)):
-            try:
-                t = time.mktime(time.strptime(r[0].strip().split(".")[0], "%Y/%m/%d %H:%M:%S"))
-                rows.append((t, float(r[1]), float(r[2]), r[4].strip()))
-            except (ValueError, IndexError):
-                continue
-        ends = [t for t, _ in self.marks[1:]] + [time.time()]
-        for (t0, name), t1 in zip(self.marks, ends):
-            sel = [r for r in rows if t0 - 0.5 <= r[0] <= t1 + 0.5]
-            if sel:
-                clk = sum(r[1] for r in sel) / len(sel)
-                pw = sum(r[2] for r in sel) / len(sel)
-                reasons = sorted({r[3] for r in sel})
-                print(f"  smi {name:24s}: SM clock {clk:6.0f} MHz, power {pw:5.0f} W, throttle {reasons} ({len(sel)} samples)")
 
 
 def loop_ms(fn, n):
@@ -134,7 +83,7 @@ def main() -> None:
     floor = gemm_floor_ms(6 * n * H * V)
     print(f"CE {n} tokens, H={H}, V={V}: GEMM floor {floor:.2f} ms")
     smi = Smi(os.path.join(os.environ.get("OUT", "."), "smi_ce_timing.csv"))
-    cases = {"ours": ours_step(weight, hidden, labels), "gemms": gemms_step(weight, hidden, 2048),
+    cases = {"ours": ours_step(weight, hidden, labels), "gemms": gemms_step(weight, hidden),
              "gemms-whole": gemms_step(weight, hidden, n)}
     for name, fn in cases.items():
         for _ in range(3):

@@ -30,7 +30,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
-from benchmark.diag_ce_timing import Smi  # noqa: E402
+from benchmark.common import Smi  # noqa: E402
 
 
 def operands(kind: str, m: int, k: int, n: int, g: torch.Generator):

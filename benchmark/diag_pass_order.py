@@ -25,6 +25,21 @@ import torch  # noqa: E402
 H, V = 4096, 128256
 
 
+def fused_steps(tokens: int) -> dict:
+    """Forward + gradients of the fused-linear CE (``"ce"``) and JSD distillation (``"jsd"``) at
+    H=4096, V=128256 on ``tokens`` tokens (``bench_distillation.make_inputs``)."""
+    from benchmark.bench_distillation import make_inputs
+    from liger_losses.chunked.cross_entropy import fused_linear_cross_entropy
+    from liger_losses.chunked.distillation import fused_linear_distillation_loss
+
+    w, h, tw, th, y = make_inputs(tokens, H, V)
+    return {
+        "ce": lambda: torch.autograd.grad(fused_linear_cross_entropy(w, h, y), (w, h)),
+        "jsd": lambda: torch.autograd.grad(
+            fused_linear_distillation_loss(w, h, th, y, teacher_weight=tw).loss, (w, h)),
+    }
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--rounds", type=int, default=3)
@@ -36,36 +51,20 @@ def main() -> None:
         return
     import triton.testing
 
-    from liger_losses.chunked.cross_entropy import fused_linear_cross_entropy
-    from liger_losses.chunked.distillation import fused_linear_distillation_loss
+    from benchmark.common import logits_tiles
     from liger_losses.kernels import divergence_tile as dt
     from liger_losses.kernels import logits_tile as lt
 
-    from benchmark.common import logits_tiles
-
     t = logits_tiles(args.rows, V)
     tile, student, teacher, labels, scale = t["tile"], t["student"], t["teacher"], t["labels"], t["scale"]
-    g = torch.Generator(device="cuda").manual_seed(1)
     cases = {
         "logits_tile ce": lambda: lt.logits_tile(tile, labels, grad=True, grad_scale=scale, need_logits_sum=False),
         "divergence_tile jsd": lambda: dt.divergence_tile(student, teacher, grad_scale=scale, check_inputs=False),
     }
     if not args.no_losses:
-        N = 8192
-        w = (torch.randn(V, H, device="cuda", generator=g) * 0.02).bfloat16().requires_grad_()
-        h = torch.randn(N, H, device="cuda", generator=g).bfloat16().requires_grad_()
-        tw = (torch.randn(V, H, device="cuda", generator=g) * 0.02).bfloat16()
-        th = torch.randn(N, H, device="cuda", generator=g).bfloat16()
-        y = torch.randint(0, V, (N,), device="cuda", generator=g)
-
-        def ce():
-            return torch.autograd.grad(fused_linear_cross_entropy(w, h, y), (w, h))
-
-        def jsd():
-            return torch.autograd.grad(fused_linear_distillation_loss(w, h, th, y, teacher_weight=tw).loss, (w, h))
-
-        cases["fused CE 8192"] = ce
-        cases["fused JSD 8192"] = jsd
+        steps = fused_steps(8192)
+        cases["fused CE 8192"] = steps["ce"]
+        cases["fused JSD 8192"] = steps["jsd"]
     results: dict = {}
     for r in range(args.rounds):
         for name, fn in cases.items():

@@ -103,35 +103,21 @@ def main() -> None:
         return
     import triton.testing
 
-    from liger_losses.chunked.cross_entropy import fused_linear_cross_entropy
-    from liger_losses.chunked.distillation import fused_linear_distillation_loss
+    from benchmark.common import logits_tiles
+    from benchmark.diag_pass_order import fused_steps
     from liger_losses.kernels import divergence_tile as dt
     from liger_losses.kernels import logits_tile as lt
 
-    from benchmark.common import logits_tiles
-
     t = logits_tiles(args.rows, V)
     tile, student, teacher, labels, scale = t["tile"], t["student"], t["teacher"], t["labels"], t["scale"]
-    g = torch.Generator(device="cuda").manual_seed(1)
     best_div = sweep("divergence_tile jsd", dt, ("LOOP_STAGES",), DIVERGENCE,
                      lambda: dt.divergence_tile(student, teacher, grad_scale=scale, check_inputs=False),
                      args.rounds)
     best_ce = sweep("logits_tile ce", lt, ("PASS1_STAGES", "PASS2_STAGES"), LOGITS,
                     lambda: lt.logits_tile(tile, labels, grad=True, grad_scale=scale, need_logits_sum=False),
                     args.rounds)
-    N = 8192
-    w = (torch.randn(V, H, device="cuda", generator=g) * 0.02).bfloat16().requires_grad_()
-    h = torch.randn(N, H, device="cuda", generator=g).bfloat16().requires_grad_()
-    tw = (torch.randn(V, H, device="cuda", generator=g) * 0.02).bfloat16()
-    th = torch.randn(N, H, device="cuda", generator=g).bfloat16()
-    y = torch.randint(0, V, (N,), device="cuda", generator=g)
-
-    def jsd():
-        return torch.autograd.grad(fused_linear_distillation_loss(w, h, th, y, teacher_weight=tw).loss, (w, h))
-
-    def ce():
-        return torch.autograd.grad(fused_linear_cross_entropy(w, h, y), (w, h))
-
+    steps = fused_steps(8192)
+    jsd, ce = steps["jsd"], steps["ce"]
     for name, mod, names, best, fn in (("fused JSD 8192", dt, ("LOOP_STAGES",), best_div, jsd),
                                        ("fused CE 8192", lt, ("PASS1_STAGES", "PASS2_STAGES"), best_ce, ce)):
         if best == (None, None, None, None):
