@@ -3,7 +3,9 @@ viewed as ``[B, H, T, D]`` by ``transpose(1, 2)``), bf16, forward / backward / f
 
 Providers: ``ours`` (liger_losses ``apply_rotary_pos_emb``), ``ours-inplace`` (the same with
 ``inplace=True``), ``ours-inplace-bwd`` (``inplace=True, inplace_backward=True``: the gradients are
-rotated in their own buffers too, as liger-kernel does), ``hf-torch`` (transformers' llama
+rotated in their own buffers too, as liger-kernel does), ``ours-patched`` (that plus
+``repeated_tables=True``: only the first half of each cos/sin row is read, as liger-kernel does;
+what patched models run), ``hf-torch`` (transformers' llama
 ``apply_rotary_pos_emb``, or the same formula when transformers is missing) and ``liger``
 (liger-kernel 0.8.5 ``LigerRopeFunction``, which rotates q/k in place; skipped when not importable).
 
@@ -66,6 +68,8 @@ def providers():
         "ours-inplace": lambda q, k, c, s: apply_rotary_pos_emb(q, k, c, s, inplace=True, impl="triton"),
         "ours-inplace-bwd": lambda q, k, c, s: apply_rotary_pos_emb(q, k, c, s, inplace=True, inplace_backward=True,
                                                                     impl="triton"),
+        "ours-patched": lambda q, k, c, s: apply_rotary_pos_emb(q, k, c, s, inplace=True, inplace_backward=True,
+                                                                repeated_tables=True, impl="triton"),
         "hf-torch": _hf(),
     }
     try:

@@ -10,6 +10,7 @@ for GEMM-bound losses (both measured on the H200 this project benchmarks on).
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import gc
 import os
@@ -64,6 +65,43 @@ def graph_mode() -> bool:
     return os.environ.get("BENCH_GRAPH", "") not in ("", "0")
 
 
+FLUSHES = ("zero", "clean", "none")
+
+
+def flush_mode() -> str:
+    """The L2 state before each timed call (``BENCH_FLUSH``, default ``zero``):
+
+    * ``zero``: do_bench's own flush, ``cache.zero_()`` on 256 MB: no input in the L2, but the L2
+      full of the flush's dirty lines, whose write-back then falls on the timed call;
+    * ``clean``: ``cache.zero_()`` then a read of the buffer: no input in the L2, clean lines only
+      (the write-back happens before the timed call);
+    * ``none``: no flush (back-to-back calls)."""
+    mode = os.environ.get("BENCH_FLUSH", "zero") or "zero"
+    if mode not in FLUSHES:
+        raise ValueError(f"BENCH_FLUSH must be one of {FLUSHES}, got {mode!r}")
+    return mode
+
+
+@contextlib.contextmanager
+def l2_state(mode: str):
+    """Within the block, ``triton.testing.do_bench`` leaves the L2 as ``mode`` says before each
+    timed call (see :func:`flush_mode`)."""
+    import triton.runtime
+
+    driver = triton.runtime.driver.active
+    original = driver.clear_cache
+
+    def clean(cache):
+        cache.zero_()
+        cache.sum()
+
+    driver.clear_cache = {"zero": original, "clean": clean, "none": lambda cache: None}[mode]
+    try:
+        yield
+    finally:
+        driver.clear_cache = original
+
+
 _GEN: dict = {}
 
 
@@ -96,7 +134,8 @@ def _graphed(fn: Callable[[], object]) -> Callable[[], object]:
 
 
 def time_ms(fn: Callable[[], object], *, warmup: int = 25, rep: int = 100) -> float:
-    """Median time of ``fn`` in ms (CUDA events, L2 flushed between runs by do_bench).
+    """Median time of ``fn`` in ms (CUDA events, L2 flushed between runs by do_bench; other L2
+    states with ``BENCH_FLUSH``, see :func:`flush_mode`).
 
     Eager by default: wall time of the call, so per-call host work (Python, launches) counts
     whenever it exceeds the GPU work. With ``BENCH_GRAPH=1`` the call is captured once in a CUDA
@@ -112,7 +151,8 @@ def time_ms(fn: Callable[[], object], *, warmup: int = 25, rep: int = 100) -> fl
             print(f"(graph capture failed, retrying once: {type(exc).__name__}: {str(exc)[:80]})")
             torch.cuda.synchronize()
             fn = _graphed(fn)
-    return float(triton.testing.do_bench(fn, warmup=warmup, rep=rep, return_mode="median"))
+    with l2_state(flush_mode()):
+        return float(triton.testing.do_bench(fn, warmup=warmup, rep=rep, return_mode="median"))
 
 
 def peak_mib(fn: Callable[[], object]) -> float:

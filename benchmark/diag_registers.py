@@ -169,7 +169,8 @@ def default_cases() -> dict:
             lambda b=backward: compile_case(
                 rope._rope_kernel, num_warps=w,
                 constexprs=dict(HALF=half, HALF_BLOCK=half_block, PASS=pass_dims, PASS_BLOCK=pass_block,
-                                BLOCK_HQ=bhq, BLOCK_HK=bhk, BACKWARD=b, LOADS_FIRST=lf)))
+                                BLOCK_HQ=bhq, BLOCK_HK=bhk, BACKWARD=b, LOADS_FIRST=lf, REPEAT_TABLES=True,
+                                HEAD_STRIDE=HEAD_DIM)))
     for mod, name, act in ((swiglu, "swiglu", 0), (geglu, "geglu", 1)):
         for part in ("fwd", "bwd"):
             extra = {"ACT": act} if part == "fwd" else {"ACT": act, "WRITE_PROD": False}
@@ -189,7 +190,8 @@ def alternative_cases() -> dict:
         "rope fwd loads first 32/8/8": lambda: compile_case(
             rope._rope_kernel, num_warps=8,
             constexprs=dict(HALF=HEAD_DIM // 2, HALF_BLOCK=HEAD_DIM // 2, PASS=0, PASS_BLOCK=1,
-                            BLOCK_HQ=N_QH, BLOCK_HK=N_KH, BACKWARD=False, LOADS_FIRST=True)),
+                            BLOCK_HQ=N_QH, BLOCK_HK=N_KH, BACKWARD=False, LOADS_FIRST=True, REPEAT_TABLES=True,
+                            HEAD_STRIDE=HEAD_DIM)),
         "logits_tile ce 32768/32 (per-block sums)": lambda: _logits_case(32768, 32, False, STAGES1=None, STAGES2=None),
         "logits_tile ce 16384/32 (per-block sums)": lambda: _logits_case(16384, 32, False, STAGES1=None, STAGES2=None),
         "logits_tile ce 4096/8 (not pipelined)": lambda: _logits_case(4096, 8, True, STAGES1=None, STAGES2=None),

@@ -140,17 +140,17 @@ if triton is not None:
         first = pid * blocks_per_program
         last = tl.minimum(first + blocks_per_program, n_blocks)
         # PREFETCH: the loads of tile b + 1 are issued before tile b is computed (rms_norm.py).
-        x, dy, mean = load_row_tiles(x_ptr, dy_ptr, mean_ptr, first, last, n_rows, stride_x, stride_dy,
-                                     cols, col_mask, BLOCK_M, PREFETCH)
+        # mean and rstd come with their tile (prefetched too)
+        x, dy, mean, rstd = load_row_tiles(x_ptr, dy_ptr, mean_ptr, rstd_ptr, first, last, n_rows, stride_x,
+                                           stride_dy, cols, col_mask, BLOCK_M, PREFETCH, True)
         for block in range(first, last):
-            x, dy, mean, x_next, dy_next, mean_next = step_row_tiles(
-                x_ptr, dy_ptr, mean_ptr, x, dy, mean, block, last, n_rows, stride_x, stride_dy,
-                cols, col_mask, BLOCK_M, PREFETCH,
+            x, dy, mean, rstd, x_next, dy_next, mean_next, rstd_next = step_row_tiles(
+                x_ptr, dy_ptr, mean_ptr, rstd_ptr, x, dy, mean, rstd, block, last, n_rows, stride_x, stride_dy,
+                cols, col_mask, BLOCK_M, PREFETCH, True,
             )
             rows = (block * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
             row_mask = rows < n_rows
             mask = row_mask[:, None] & col_mask[None, :]
-            rstd = tl.load(rstd_ptr + rows, mask=row_mask, other=0.0)
             xhat = tl.where(mask, (x - mean[:, None]) * rstd[:, None], 0.0)
             if COMPUTE_DW:
                 acc_w += keep_or_sum(dy * xhat, TILE_ACC)
@@ -169,7 +169,7 @@ if triton is not None:
                     dx.to(dx_ptr.dtype.element_ty),
                     mask=mask,
                 )
-            x, dy, mean = x_next, dy_next, mean_next
+            x, dy, mean, rstd = x_next, dy_next, mean_next, rstd_next
         if COMPUTE_DW:
             tl.store(dw_partial_ptr + pid * n_cols + cols, kept_total(acc_w, TILE_ACC), mask=col_mask)
         if COMPUTE_DB:

@@ -73,11 +73,14 @@ if triton is not None:
         tl.store(out_ptr + group * n_cols + cols, total.to(out_ptr.dtype.element_ty), mask=col_mask)
 
     @triton.jit
-    def load_row_tiles(x_ptr, dy_ptr, stat_ptr, block, last, n_rows, stride_x, stride_dy,
-                       cols, col_mask, BLOCK_M: tl.constexpr, ACTIVE: tl.constexpr):
+    def load_row_tiles(x_ptr, dy_ptr, stat_ptr, stat2_ptr, block, last, n_rows, stride_x, stride_dy,
+                       cols, col_mask, BLOCK_M: tl.constexpr, ACTIVE: tl.constexpr,
+                       TWO_STATS: tl.constexpr):
         """Tile ``block`` of the backward (rows ``block * BLOCK_M + [0, BLOCK_M)``): ``x`` and
-        ``dy`` as fp32 ``[BLOCK_M, BLOCK_N]`` and the per-row fp32 statistic; zeros where the rows
-        run past ``n_rows`` or ``block >= last``, and nothing loaded unless ``ACTIVE``."""
+        ``dy`` as fp32 ``[BLOCK_M, BLOCK_N]`` and the per-row fp32 statistics (the second one only
+        with ``TWO_STATS``, else a copy of the first); zeros where the rows run past ``n_rows`` or
+        ``block >= last``, and nothing loaded unless ``ACTIVE``. (Keeping a prefetched tile in its
+        storage dtype until used changed no register count at the 8B shapes: session 9.)"""
         rows = (block * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
         if ACTIVE:  # rows of tiles >= last are at or past last * BLOCK_M
             row_mask = rows < tl.minimum(n_rows, last * BLOCK_M)
@@ -87,28 +90,32 @@ if triton is not None:
         x = tl.load(x_ptr + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0)
         dy = tl.load(dy_ptr + rows[:, None] * stride_dy + cols[None, :], mask=mask, other=0.0)
         stat = tl.load(stat_ptr + rows, mask=row_mask, other=0.0)
-        return x.to(tl.float32), dy.to(tl.float32), stat
-
+        if TWO_STATS:
+            stat2 = tl.load(stat2_ptr + rows, mask=row_mask, other=0.0)
+        else:
+            stat2 = stat
+        return x.to(tl.float32), dy.to(tl.float32), stat, stat2
 
     @triton.jit
-    def step_row_tiles(x_ptr, dy_ptr, stat_ptr, x, dy, stat, block, last, n_rows, stride_x, stride_dy,
-                       cols, col_mask, BLOCK_M: tl.constexpr, PREFETCH: tl.constexpr):
-        """One step of the backward's tile loop: ``(x, dy, stat)`` of tile ``block`` to compute now
-        and the values to carry into the next step. With ``PREFETCH`` the given ``(x, dy, stat)``
-        already hold tile ``block`` (loaded by the previous step, or before the loop with
-        ``load_row_tiles(..., first, ..., PREFETCH)``) and tile ``block + 1`` is loaded here, before
-        the caller computes: two tiles in flight per program. Without, tile ``block`` is loaded
-        here and nothing is carried."""
+    def step_row_tiles(x_ptr, dy_ptr, stat_ptr, stat2_ptr, x, dy, stat, stat2, block, last, n_rows,
+                       stride_x, stride_dy, cols, col_mask, BLOCK_M: tl.constexpr, PREFETCH: tl.constexpr,
+                       TWO_STATS: tl.constexpr):
+        """One step of the backward's tile loop: ``(x, dy, stat, stat2)`` of tile ``block`` to
+        compute now and the values to carry into the next step. With
+        ``PREFETCH`` the given values already hold tile ``block`` (loaded by the previous step, or
+        before the loop with ``load_row_tiles(..., first, ..., PREFETCH, TWO_STATS)``) and
+        tile ``block + 1`` is loaded here, before the caller computes: two tiles in flight per
+        program. Without, tile ``block`` is loaded here and nothing is carried."""
         if PREFETCH:
-            x_next, dy_next, stat_next = load_row_tiles(
-                x_ptr, dy_ptr, stat_ptr, block + 1, last, n_rows, stride_x, stride_dy,
-                cols, col_mask, BLOCK_M, True,
+            x_next, dy_next, stat_next, stat2_next = load_row_tiles(
+                x_ptr, dy_ptr, stat_ptr, stat2_ptr, block + 1, last, n_rows, stride_x, stride_dy,
+                cols, col_mask, BLOCK_M, True, TWO_STATS,
             )
         else:
-            x, dy, stat = load_row_tiles(x_ptr, dy_ptr, stat_ptr, block, last, n_rows, stride_x, stride_dy,
-                                         cols, col_mask, BLOCK_M, True)
-            x_next, dy_next, stat_next = x, dy, stat
-        return x, dy, stat, x_next, dy_next, stat_next
+            x, dy, stat, stat2 = load_row_tiles(x_ptr, dy_ptr, stat_ptr, stat2_ptr, block, last, n_rows,
+                                                stride_x, stride_dy, cols, col_mask, BLOCK_M, True, TWO_STATS)
+            x_next, dy_next, stat_next, stat2_next = x, dy, stat, stat2
+        return x, dy, stat, stat2, x_next, dy_next, stat_next, stat2_next
 
     # host launches go through launch.fast_kernel (the compiled launcher after a first launch)
     _sum_partials_kernel = fast_kernel(_sum_partials_kernel)

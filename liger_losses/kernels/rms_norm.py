@@ -168,12 +168,12 @@ if triton is not None:
         last = tl.minimum(first + blocks_per_program, n_blocks)
         # PREFETCH: the loads of tile b + 1 are issued before tile b is computed (two tiles in
         # flight per program: one program per SM alone leaves HBM latency exposed).
-        x, dy, rstd = load_row_tiles(x_ptr, dy_ptr, rstd_ptr, first, last, n_rows, stride_x, stride_dy,
-                                     cols, col_mask, BLOCK_M, PREFETCH)
+        x, dy, rstd, _ = load_row_tiles(x_ptr, dy_ptr, rstd_ptr, rstd_ptr, first, last, n_rows, stride_x,
+                                    stride_dy, cols, col_mask, BLOCK_M, PREFETCH, False)
         for block in range(first, last):
-            x, dy, rstd, x_next, dy_next, rstd_next = step_row_tiles(
-                x_ptr, dy_ptr, rstd_ptr, x, dy, rstd, block, last, n_rows, stride_x, stride_dy,
-                cols, col_mask, BLOCK_M, PREFETCH,
+            x, dy, rstd, _, x_next, dy_next, rstd_next, _ = step_row_tiles(
+                x_ptr, dy_ptr, rstd_ptr, rstd_ptr, x, dy, rstd, rstd, block, last, n_rows, stride_x, stride_dy,
+                cols, col_mask, BLOCK_M, PREFETCH, False,
             )
             rows = (block * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
             mask = (rows < n_rows)[:, None] & col_mask[None, :]

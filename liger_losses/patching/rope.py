@@ -38,6 +38,13 @@ from typing import Callable
 # Module-level switches read at every call of the in-place replacements (see the module docstring).
 INPLACE = True
 INPLACE_BACKWARD = True  # with INPLACE: rotate the incoming gradients in their buffers as well
+# Read only the first half of each cos/sin row (``repeated_tables=True``): the rotary embeddings of
+# every family in ``families.FAMILIES`` build their tables as ``cat(freqs, freqs)``
+# (tests/patching/test_rope.py checks it for each family and rope type). H200, session 9
+# (benchmark/diag_rope.py, in place with the gradients rotated in their buffers, q-layout
+# gradients, 8192 tokens): Llama-3-8B shapes 0.0862 ms (reading both halves 0.0886; liger-kernel
+# 0.0873), Qwen2-0.5B 0.0173 (0.0176; liger-kernel 0.0170), both with the constexpr head stride.
+REPEATED_TABLES = True
 
 # transformers model families whose attention passes q/k to apply_rotary_pos_emb as fresh views of
 # the projection (or q_norm/k_norm) outputs used by nothing else (checked in transformers 5.x).
@@ -49,7 +56,7 @@ def _rotate(q, k, cos, sin, unsqueeze_dim, inplace=False):
 
     # The kernel rotates the first R = cos.shape[-1] features itself (partial rotary).
     return apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=unsqueeze_dim, inplace=inplace,
-                                inplace_backward=inplace and INPLACE_BACKWARD)
+                                inplace_backward=inplace and INPLACE_BACKWARD, repeated_tables=REPEATED_TABLES)
 
 
 def liger_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1):

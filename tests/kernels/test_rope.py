@@ -56,10 +56,10 @@ def _make(bsz, seq, n_qh, n_kh, head_dim, rot, cos_batch, unsqueeze_dim, dtype, 
     return q, k, cos, sin
 
 
-def _run_and_check(q, k, cos, sin, unsqueeze_dim, impl, dtype):
+def _run_and_check(q, k, cos, sin, unsqueeze_dim, impl, dtype, **options):
     q = q.detach().requires_grad_()
     k = k.detach().requires_grad_()
-    oq, ok = apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=unsqueeze_dim, impl=impl)
+    oq, ok = apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=unsqueeze_dim, impl=impl, **options)
     gq, gk = torch.randn_like(oq), torch.randn_like(ok)
     ((oq * gq).sum() + (ok * gk).sum()).backward()
     rq, rk, dq, dk = _reference(q, k, cos, sin, unsqueeze_dim, gq, gk)
@@ -94,6 +94,43 @@ def test_rope_matches_float64(case, dtype, impl):
     bsz, seq, n_qh, n_kh, head_dim, rot, cos_batch, ud = CASES[case]
     q, k, cos, sin = _make(bsz, seq, n_qh, n_kh, head_dim, rot, cos_batch, ud, dtype)
     _run_and_check(q, k, cos, sin, ud, impl, dtype)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("case", list(CASES))
+def test_repeated_tables_match_float64(case, dtype, impl):
+    """repeated_tables=True on Hugging Face tables (second half = first half): outputs and grads
+    within fp32 1e-5 / bf16 1e-2 of float64, as without it (every case, partial rotary included)."""
+    bsz, seq, n_qh, n_kh, head_dim, rot, cos_batch, ud = CASES[case]
+    q, k, cos, sin = _make(bsz, seq, n_qh, n_kh, head_dim, rot, cos_batch, ud, dtype)
+    _run_and_check(q, k, cos, sin, ud, impl, dtype, repeated_tables=True)
+
+
+@pytest.mark.parametrize("inplace", [False, True])
+def test_repeated_tables_read_the_first_half_only(inplace):
+    """Tables whose halves differ: with repeated_tables=True both paths rotate by the first half of
+    each row (Triton, in place or not, equals the torch path and the float64 formula on
+    cat(first, first) at 1e-5, outputs and grads), which is not the full-table rotation."""
+    q, k, _, _ = _make(2, 5, 4, 2, 16, 12, 2, 1, torch.float32)
+    angles = torch.randn(2, 5, 12, dtype=torch.float64)  # halves differ
+    cos, sin = angles.cos().float(), angles.sin().float()
+    first = torch.cat((angles[..., :6],) * 2, dim=-1)
+    gq, gk = torch.randn_like(q), torch.randn_like(k)
+    rq, rk, dq, dk = _reference(q, k, first.cos(), first.sin(), 1, gq, gk)
+    full_q = apply_rotary_pos_emb(q, k, cos, sin, impl="torch")[0]
+    for impl in IMPLS:
+        lq, lk = (q * 1).requires_grad_(), (k * 1).requires_grad_()
+        qq, kk = (lq * 1, lk * 1) if inplace else (lq, lk)
+        oq, ok = apply_rotary_pos_emb(qq, kk, cos, sin, inplace=inplace, repeated_tables=True, impl=impl)
+        ((oq * gq).sum() + (ok * gk).sum()).backward()
+        assert_close_rel(oq, rq, TOL[torch.float32], f"{impl} q_embed")
+        assert_close_rel(ok, rk, TOL[torch.float32], f"{impl} k_embed")
+        assert_close_rel(lq.grad, dq, TOL[torch.float32], f"{impl} d_q")
+        assert_close_rel(lk.grad, dk, TOL[torch.float32], f"{impl} d_k")
+        assert (oq.detach() - full_q).abs().max() > 1e-2
+    with pytest.raises(TypeError, match="repeated_tables must be a bool"):
+        apply_rotary_pos_emb(q, k, cos, sin, repeated_tables=1)
 
 
 def test_rope_keeps_layout_and_contiguous_inputs():
@@ -363,10 +400,12 @@ def test_inplace_autograd_errors():
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("repeated_tables", [False, True])
 @pytest.mark.parametrize("inplace_backward", [False, True])
-def test_rope_inplace_llama3_8b_shape_gpu(inplace_backward):
+def test_rope_inplace_llama3_8b_shape_gpu(inplace_backward, repeated_tables):
     """Llama-3-8B shapes in place through the HF view/transpose layout (bf16): outputs and leaf grads
-    within 1e-2 of float64 (also with the gradients rotated in their own buffers)."""
+    within 1e-2 of float64 (also with the gradients rotated in their own buffers, and reading half
+    of each cos/sin row)."""
     torch.manual_seed(0)
     seq = 4096
     leaf_q = torch.randn(1, seq, 32 * 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)
@@ -375,7 +414,7 @@ def test_rope_inplace_llama3_8b_shape_gpu(inplace_backward):
     q0, k0 = q.detach().clone(), k.detach().clone()
     cos, sin = _cos_sin(torch.arange(seq, device="cuda")[None], 128, torch.bfloat16)
     oq, ok = apply_rotary_pos_emb(q, k, cos, sin, inplace=True, inplace_backward=inplace_backward,
-                                  impl="triton")
+                                  repeated_tables=repeated_tables, impl="triton")
     gq, gk = torch.randn_like(oq), torch.randn_like(ok)
     ((oq * gq).sum() + (ok * gk).sum()).backward()
     rq, rk, dq, dk = _reference(q0, k0, cos, sin, 1, gq, gk)

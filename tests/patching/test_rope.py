@@ -3,14 +3,17 @@
 fp32 bar 1e-5 (tests/helpers.TOL): the kernel and HF's rotate-half formula differ by rounding only.
 """
 
+import pytest
 import torch
 
+from liger_losses.patching.families import FAMILIES
 from liger_losses.patching.rope import (
     liger_rotary_pos_emb,
     liger_rotary_pos_emb_with_position_ids,
     make_rotary_replacement,
 )
 from tests.helpers import TOL, assert_close_rel
+from tests.patching.tiny_models import tiny_config
 
 
 def _hf_new(q, k, cos, sin, unsqueeze_dim=1):
@@ -66,3 +69,51 @@ def test_inplace_families_and_switch(monkeypatch):
         assert (got_q.data_ptr() == lin_q.data_ptr()) == inplace
         assert_close_rel(got_q, want_q, TOL[torch.float32], "q")
         assert_close_rel(got_k, want_k, TOL[torch.float32], "k")
+
+
+ROPE_TYPES = {  # rope_scaling of the config (None: the default rotary)
+    "default": None,
+    "linear": {"rope_type": "linear", "factor": 2.0},
+    "dynamic": {"rope_type": "dynamic", "factor": 2.0},
+    "llama3": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 32},
+    "yarn": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32},
+    # factor lists: one per frequency, filled in by the test for the family's rotary dim
+    "longrope": {"rope_type": "longrope", "original_max_position_embeddings": 32},
+}
+
+
+@pytest.mark.parametrize("rope_type", list(ROPE_TYPES))
+@pytest.mark.parametrize("model_type", sorted(FAMILIES))
+def test_family_tables_repeat_their_first_half(model_type, rope_type):
+    """The patched models rotate with repeated_tables=True (REPEATED_TABLES), which reads only the
+    first half of each cos/sin row: that is exact only because every family's rotary embedding builds
+    cos/sin as cat(freqs, freqs). Checked here on each family's own rotary module, for each rope type
+    (positions past the original context included): the halves are bitwise equal."""
+    import importlib
+
+    import liger_losses.patching.rope as prope
+
+    assert prope.REPEATED_TABLES is True
+    overrides = {} if ROPE_TYPES[rope_type] is None else {"rope_scaling": dict(ROPE_TYPES[rope_type])}
+    if rope_type == "longrope":
+        base = tiny_config(model_type)
+        head_dim = getattr(base, "head_dim", None) or base.hidden_size // base.num_attention_heads
+        n_freqs = int(head_dim * getattr(base, "partial_rotary_factor", 1.0)) // 2
+        overrides["rope_scaling"].update(short_factor=[1.0 + i for i in range(n_freqs)],
+                                         long_factor=[2.0 + 3 * i for i in range(n_freqs)])
+    try:
+        config = tiny_config(model_type, **overrides)
+    except Exception as exc:  # noqa: BLE001 - a rope type this family's config rejects
+        pytest.skip(f"{model_type} does not take rope_scaling {rope_type}: {exc}")
+    module = importlib.import_module(FAMILIES[model_type].module)
+    rotary_classes = [c for n, c in vars(module).items() if n.endswith("RotaryEmbedding") and isinstance(c, type)]
+    assert rotary_classes, f"no *RotaryEmbedding class in {FAMILIES[model_type].module}"
+    x = torch.zeros(2, 7, config.hidden_size)
+    positions = torch.tensor([[0, 1, 2, 3, 4, 5, 6], [40, 41, 90, 91, 92, 93, 200]])
+    for cls in rotary_classes:
+        cos, sin = cls(config=config)(x, positions)
+        half = cos.shape[-1] // 2
+        assert cos.shape[-1] % 2 == 0
+        assert torch.equal(cos[..., :half], cos[..., half:]), f"{cls.__name__} cos halves differ"
+        assert torch.equal(sin[..., :half], sin[..., half:]), f"{cls.__name__} sin halves differ"

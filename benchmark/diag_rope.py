@@ -1,0 +1,85 @@
+"""Diagnostic (GPU): per-kernel GPU times of RoPE forward + backward for each provider of
+``bench_rope.py`` (ours out of place, in place, in place with the gradient rotated in its buffer,
+that plus ``repeated_tables=True`` as patched models run it) against liger-kernel 0.8.5.
+
+Session 9 found with it why in-place RoPE trailed liger-kernel by 2% (8B) to 5% (Qwen2-0.5B): the
+kernel read both halves of each cos/sin row (liger-kernel reads one; transformers' tables repeat)
+and computed per-head addresses from a runtime head stride (64 registers against liger-kernel's
+32). With ``repeated_tables`` and a constexpr head stride: 8B 0.0862 ms net vs liger 0.0873.
+
+Setup as ``bench_rope.py --grad-layout q`` (batch 1, bf16, fresh projection outputs cloned from
+sources each call, upstream gradients laid out like q/k): CUDA-graph replay time (median, L2 flushed
+as do_bench does) minus the clone's, and the mean GPU time of each kernel in the replay.
+
+    python benchmark/diag_rope.py [--tokens 8192] [--shape llama3-8b qwen2-0.5b]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # bench_rope imports `common`
+
+import torch  # noqa: E402
+
+from benchmark.bench_rope import SHAPES, cos_sin, providers  # noqa: E402
+from benchmark.common import _graphed, hbm_floor_ms, time_ms  # noqa: E402
+from benchmark.diag_l2_flush import kernel_times  # noqa: E402
+
+
+def case_fns(shape: str, tokens: int):
+    n_qh, n_kh, d = SHAPES[shape]
+    dt = torch.bfloat16
+    cos, sin = cos_sin(tokens, d, "cuda", dt)
+    q_src = torch.randn(1, tokens, n_qh * d, device="cuda", dtype=dt, requires_grad=True)
+    k_src = torch.randn(1, tokens, n_kh * d, device="cuda", dtype=dt, requires_grad=True)
+    gq = torch.randn(1, tokens, n_qh, d, device="cuda", dtype=dt).transpose(1, 2)
+    gk = torch.randn(1, tokens, n_kh, d, device="cuda", dtype=dt).transpose(1, 2)
+
+    def views():
+        q_lin, k_lin = q_src.clone(), k_src.clone()
+        return q_lin.view(1, tokens, n_qh, d).transpose(1, 2), k_lin.view(1, tokens, n_kh, d).transpose(1, 2)
+
+    out = {}
+    for name, fn in providers().items():
+        if name == "clone":
+            out[name] = lambda: views()
+            continue
+        if name == "hf-torch":
+            continue
+
+        def full(fn=fn):
+            q, k = views()
+            oq, ok = fn(q, k, cos, sin)
+            return torch.autograd.grad((oq, ok), (q_src, k_src), (gq, gk))
+
+        out[name] = full
+    qk = tokens * (n_qh + n_kh) * d * 2
+    floor = hbm_floor_ms(2 * (2 * qk + 2 * tokens * d * 2))
+    return out, floor
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--tokens", type=int, default=8192)
+    ap.add_argument("--shape", nargs="+", default=list(SHAPES))
+    args = ap.parse_args()
+    os.environ["BENCH_GRAPH"] = "1"
+    for shape in args.shape:
+        fns, floor = case_fns(shape, args.tokens)
+        clone_ms = time_ms(fns.pop("clone"), warmup=10, rep=60)
+        for name, fn in fns.items():
+            fn()
+            ms = time_ms(fn, warmup=10, rep=60)
+            print(f"{shape} T={args.tokens} {name:18s} full {ms:.4f} ms  "
+                  f"net {ms - clone_ms:.4f} ms  net/floor {(ms - clone_ms) / floor:.3f}", flush=True)
+            for key, us in kernel_times(_graphed(fn)):
+                if "rope" in key:
+                    print(f"    {us:8.2f} us  {key}")
+
+
+if __name__ == "__main__":
+    main()
