@@ -140,7 +140,7 @@ def default_cases() -> dict:
 
     for mod, kernel, extra in ((rms_norm, "_rms_norm", dict(CASTING=0)), (layer_norm, "_layer_norm", {})):
         bm, bn, w = row_tile(H, N_TOKENS, mod.FWD_TILE_ELEMS, mod.MAX_ROWS_PER_TILE)
-        fwd = dict(extra, HAS_WEIGHT=True, BLOCK_M=bm, BLOCK_N=bn)
+        fwd = dict(extra, HAS_WEIGHT=True, BLOCK_M=bm, BLOCK_N=bn, PDL=True)
         if mod is layer_norm:
             fwd["HAS_BIAS"] = True
         cases[f"{kernel}_fwd {bm}x{bn}/{w}"] = (
@@ -150,7 +150,7 @@ def default_cases() -> dict:
         for h, tile in ((H, mod.BWD_TILE_ELEMS), (896, mod.BWD_SMALL_H_TILE_ELEMS)):
             bm, bn, w = row_tile(h, N_TOKENS, tile, mod.MAX_ROWS_PER_TILE)
             bwd = dict(extra, HAS_WEIGHT=True, COMPUTE_DX=True, COMPUTE_DW=True, BLOCK_M=bm, BLOCK_N=bn,
-                       TILE_ACC=h <= mod.BWD_SMALL_H, PREFETCH=mod.BWD_PREFETCH)
+                       TILE_ACC=h <= mod.BWD_SMALL_H, PREFETCH=mod.BWD_PREFETCH, PDL=True)
             if mod is layer_norm:
                 bwd["COMPUTE_DB"] = True
             cases[f"{kernel}_bwd H={h} {bm}x{bn}/{w}"] = (
@@ -161,7 +161,7 @@ def default_cases() -> dict:
     cases["sum_partials"] = lambda: compile_case(
         norm_common._sum_partials_kernel, num_warps=4, default_ptr="*fp32",
         constexprs=dict(BLOCK_R=norm_common.SUM_TILE_ELEMS // norm_common.SUM_BLOCK_COLS,  # >= 132 rows: one tile
-                        BLOCK_C=norm_common.SUM_BLOCK_COLS))
+                        BLOCK_C=norm_common.SUM_BLOCK_COLS, PDL=True))
 
     half, half_block, pass_dims, pass_block, bhq, bhk, w, lf = rope._config(HEAD_DIM, HEAD_DIM, N_QH, N_KH, True)
     for backward in (False, True):
@@ -170,7 +170,7 @@ def default_cases() -> dict:
                 rope._rope_kernel, num_warps=w,
                 constexprs=dict(HALF=half, HALF_BLOCK=half_block, PASS=pass_dims, PASS_BLOCK=pass_block,
                                 BLOCK_HQ=bhq, BLOCK_HK=bhk, BACKWARD=b, LOADS_FIRST=lf, REPEAT_TABLES=True,
-                                HEAD_STRIDE=HEAD_DIM)))
+                                HEAD_STRIDE=HEAD_DIM, PDL=True)))
     for mod, name, act in ((swiglu, "swiglu", 0), (geglu, "geglu", 1)):
         for part in ("fwd", "bwd"):
             extra = {"ACT": act} if part == "fwd" else {"ACT": act, "WRITE_PROD": False}
@@ -191,7 +191,7 @@ def alternative_cases() -> dict:
             rope._rope_kernel, num_warps=8,
             constexprs=dict(HALF=HEAD_DIM // 2, HALF_BLOCK=HEAD_DIM // 2, PASS=0, PASS_BLOCK=1,
                             BLOCK_HQ=N_QH, BLOCK_HK=N_KH, BACKWARD=False, LOADS_FIRST=True, REPEAT_TABLES=True,
-                            HEAD_STRIDE=HEAD_DIM)),
+                            HEAD_STRIDE=HEAD_DIM, PDL=True)),
         "logits_tile ce 32768/32 (per-block sums)": lambda: _logits_case(32768, 32, False, STAGES1=None, STAGES2=None),
         "logits_tile ce 16384/32 (per-block sums)": lambda: _logits_case(16384, 32, False, STAGES1=None, STAGES2=None),
         "logits_tile ce 4096/8 (not pipelined)": lambda: _logits_case(4096, 8, True, STAGES1=None, STAGES2=None),
@@ -208,7 +208,7 @@ def alternative_cases() -> dict:
         f"_rms_norm_bwd H={H} {bm}x{bn}/{w}": lambda: compile_case(
             rms_norm._rms_norm_bwd_kernel, num_warps=w,
             constexprs=dict(CASTING=0, HAS_WEIGHT=True, COMPUTE_DX=True, COMPUTE_DW=True, BLOCK_M=bm, BLOCK_N=bn,
-                            TILE_ACC=False, PREFETCH=True),
+                            TILE_ACC=False, PREFETCH=True, PDL=True),
             pointers={"rstd_ptr": "*fp32", "dw_partial_ptr": "*fp32"}, floats=("offset",)),
     }
 

@@ -11,7 +11,7 @@ Setup as ``bench_rope.py --grad-layout q`` (batch 1, bf16, fresh projection outp
 sources each call, upstream gradients laid out like q/k): CUDA-graph replay time (median, L2 flushed
 as do_bench does) minus the clone's, and the mean GPU time of each kernel in the replay.
 
-    python benchmark/diag_rope.py [--tokens 8192] [--shape llama3-8b qwen2-0.5b]
+    python benchmark/diag_rope.py [--tokens 8192] [--shape llama3-8b qwen2-0.5b] [--warps 0]
 """
 
 from __future__ import annotations
@@ -66,7 +66,11 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--tokens", type=int, default=8192)
     ap.add_argument("--shape", nargs="+", default=list(SHAPES))
+    ap.add_argument("--warps", type=int, default=0, help="rope.NUM_WARPS (0: the default rule)")
     args = ap.parse_args()
+    from liger_losses.kernels import rope
+
+    rope.NUM_WARPS = args.warps
     os.environ["BENCH_GRAPH"] = "1"
     for shape in args.shape:
         fns, floor = case_fns(shape, args.tokens)
@@ -74,7 +78,7 @@ def main() -> None:
         for name, fn in fns.items():
             fn()
             ms = time_ms(fn, warmup=10, rep=60)
-            print(f"{shape} T={args.tokens} {name:18s} full {ms:.4f} ms  "
+            print(f"{shape} T={args.tokens} warps={args.warps} {name:18s} full {ms:.4f} ms  "
                   f"net {ms - clone_ms:.4f} ms  net/floor {(ms - clone_ms) / floor:.3f}", flush=True)
             for key, us in kernel_times(_graphed(fn)):
                 if "rope" in key:

@@ -39,6 +39,7 @@ from liger_losses.kernels.norm_common import (
     bwd_tiling, check_norm_args, fwd_tiling, norm_impl, partial_rows, sum_partials,
 )
 from liger_losses.kernels.launch import fast_kernel
+from liger_losses.kernels.pdl import launch_options, pdl_launch
 from liger_losses.kernels.utils import (
     IMPLS, as_rows, check_choice, check_last_dim, check_no_double_backward, check_tensor, device_ctx,
     import_triton,
@@ -47,6 +48,7 @@ from liger_losses.kernels.utils import (
 triton, tl = import_triton()
 if triton is not None:
     from liger_losses.kernels.norm_common import load_row_tiles, step_row_tiles  # backward jit helpers
+    from liger_losses.kernels.pdl import pdl_prologue
     from liger_losses.kernels.utils import keep_or_sum, kept_total
 
 # Tuning knobs (module constants so the benchmark can sweep them on the GPU); same meaning as in
@@ -90,9 +92,10 @@ if triton is not None:
         x_ptr, w_ptr, b_ptr, y_ptr, mean_ptr, rstd_ptr,
         n_rows, n_cols, stride_x, stride_y, eps,
         HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr,
-        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PDL: tl.constexpr,
     ):
         """One tile of BLOCK_M rows: mean and rstd (fp32, stored) and the normalised rows."""
+        pdl_prologue(PDL)  # PDL launch: wait for the previous kernel before any memory access
         rows = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
         cols = tl.arange(0, BLOCK_N)
         row_mask = rows < n_rows
@@ -126,8 +129,10 @@ if triton is not None:
         HAS_WEIGHT: tl.constexpr, COMPUTE_DX: tl.constexpr,
         COMPUTE_DW: tl.constexpr, COMPUTE_DB: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, TILE_ACC: tl.constexpr, PREFETCH: tl.constexpr,
+        PDL: tl.constexpr,
     ):
         """A contiguous range of row tiles: grad rows and partial dW / dB rows (fp32)."""
+        pdl_prologue(PDL)  # PDL launch: wait for the previous kernel before any memory access
         pid = tl.program_id(0)
         cols = tl.arange(0, BLOCK_N)
         col_mask = cols < n_cols
@@ -190,13 +195,14 @@ def _forward(x2, weight, bias, eps, out2):
     mean = torch.empty((n_rows,), dtype=torch.float32, device=x2.device)
     rstd = torch.empty((n_rows,), dtype=torch.float32, device=x2.device)
     block_m, block_n, warps, programs = fwd_tiling(n_rows, n_cols, _KNOBS)
+    pdl = pdl_launch(x2.device)
     with device_ctx(x2):
         _layer_norm_fwd_kernel[(programs,)](
             x2, weight if weight is not None else x2, bias if bias is not None else x2,
             out2, mean, rstd,
             n_rows, n_cols, x2.stride(0), out2.stride(0), float(eps),
             HAS_WEIGHT=weight is not None, HAS_BIAS=bias is not None,
-            BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps,
+            BLOCK_M=block_m, BLOCK_N=block_n, PDL=pdl, num_warps=warps, **launch_options(pdl),
         )
     return mean, rstd
 
@@ -211,6 +217,7 @@ def _backward(dy2, x2, weight, mean, rstd, need_dx, need_dw, need_db, sum_dtype=
     partial = partial_rows(n_partial, programs, x2)
     dw_partial = partial[0] if need_dw else x2
     db_partial = partial[n_partial - 1] if need_db else x2
+    pdl = pdl_launch(x2.device)
     with device_ctx(x2):
         _layer_norm_bwd_kernel[(programs,)](
             dy2, x2, weight if weight is not None else x2, mean, rstd,
@@ -219,7 +226,8 @@ def _backward(dy2, x2, weight, mean, rstd, need_dx, need_dw, need_db, sum_dtype=
             n_blocks, blocks_per_program,
             HAS_WEIGHT=weight is not None, COMPUTE_DX=need_dx,
             COMPUTE_DW=need_dw, COMPUTE_DB=need_db,
-            BLOCK_M=block_m, BLOCK_N=block_n, TILE_ACC=tile_acc, PREFETCH=BWD_PREFETCH, num_warps=warps,
+            BLOCK_M=block_m, BLOCK_N=block_n, TILE_ACC=tile_acc, PREFETCH=BWD_PREFETCH,
+            PDL=pdl, num_warps=warps, **launch_options(pdl),
         )
     sums = sum_partials(partial, sum_dtype) if n_partial else None
     dw = sums[0] if need_dw else None

@@ -51,6 +51,7 @@ from liger_losses.kernels.norm_common import (
     bwd_tiling, check_norm_args, fwd_tiling, norm_impl, partial_rows, sum_partials,
 )
 from liger_losses.kernels.launch import fast_kernel
+from liger_losses.kernels.pdl import launch_options, pdl_launch
 from liger_losses.kernels.utils import (
     IMPLS, as_rows, check_choice, check_no_double_backward, check_number, device_ctx, import_triton,
 )
@@ -58,6 +59,7 @@ from liger_losses.kernels.utils import (
 triton, tl = import_triton()
 if triton is not None:
     from liger_losses.kernels.norm_common import load_row_tiles, step_row_tiles  # backward jit helpers
+    from liger_losses.kernels.pdl import pdl_prologue
     from liger_losses.kernels.utils import keep_or_sum, kept_total
 
 CASTING_MODES = ("llama", "gemma", "none")
@@ -114,9 +116,10 @@ if triton is not None:
         n_rows, n_cols, stride_x, stride_y,
         eps, offset,
         CASTING: tl.constexpr, HAS_WEIGHT: tl.constexpr,
-        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PDL: tl.constexpr,
     ):
         """One tile of BLOCK_M rows: rstd (fp32, stored) and the normalised, weighted rows."""
+        pdl_prologue(PDL)  # PDL launch: wait for the previous kernel before any memory access
         rows = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
         cols = tl.arange(0, BLOCK_N)
         row_mask = rows < n_rows
@@ -150,8 +153,10 @@ if triton is not None:
         CASTING: tl.constexpr, HAS_WEIGHT: tl.constexpr,
         COMPUTE_DX: tl.constexpr, COMPUTE_DW: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, TILE_ACC: tl.constexpr, PREFETCH: tl.constexpr,
+        PDL: tl.constexpr,
     ):
         """A contiguous range of row tiles: grad rows (dx may alias dy) and a partial dW row."""
+        pdl_prologue(PDL)  # PDL launch: wait for the previous kernel before any memory access
         pid = tl.program_id(0)
         cols = tl.arange(0, BLOCK_N)
         col_mask = cols < n_cols
@@ -214,13 +219,14 @@ def _forward(x2, weight, eps, offset, casting_mode, out2):
     n_rows, n_cols = x2.shape
     rstd = torch.empty((n_rows,), dtype=torch.float32, device=x2.device)
     block_m, block_n, warps, programs = fwd_tiling(n_rows, n_cols, _KNOBS)
+    pdl = pdl_launch(x2.device)
     with device_ctx(x2):
         _rms_norm_fwd_kernel[(programs,)](
             x2, weight if weight is not None else x2, out2, rstd,
             n_rows, n_cols, x2.stride(0), out2.stride(0),
             float(eps), float(offset),
             CASTING=_CASTING_CODE[casting_mode], HAS_WEIGHT=weight is not None,
-            BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps,
+            BLOCK_M=block_m, BLOCK_N=block_n, PDL=pdl, num_warps=warps, **launch_options(pdl),
         )
     return rstd
 
@@ -236,6 +242,7 @@ def _backward(dy2, x2, weight, rstd, offset, casting_mode, need_dx, need_dw, inp
             dx = torch.empty_like(x2, memory_format=torch.contiguous_format)
     block_m, block_n, warps, n_blocks, programs, blocks_per_program, tile_acc = bwd_tiling(x2, _KNOBS)
     partial = partial_rows(int(need_dw), programs, x2)
+    pdl = pdl_launch(x2.device)
     with device_ctx(x2):
         _rms_norm_bwd_kernel[(programs,)](
             dy2, x2, weight if weight is not None else x2, rstd,
@@ -244,7 +251,8 @@ def _backward(dy2, x2, weight, rstd, offset, casting_mode, need_dx, need_dw, inp
             float(offset), n_blocks, blocks_per_program,
             CASTING=_CASTING_CODE[casting_mode], HAS_WEIGHT=weight is not None,
             COMPUTE_DX=need_dx, COMPUTE_DW=need_dw,
-            BLOCK_M=block_m, BLOCK_N=block_n, TILE_ACC=tile_acc, PREFETCH=BWD_PREFETCH, num_warps=warps,
+            BLOCK_M=block_m, BLOCK_N=block_n, TILE_ACC=tile_acc, PREFETCH=BWD_PREFETCH,
+            PDL=pdl, num_warps=warps, **launch_options(pdl),
         )
     dw = sum_partials(partial, weight.dtype)[0] if need_dw else None
     return dx, dw

@@ -39,6 +39,7 @@ from typing import Optional
 import torch
 
 from liger_losses.kernels.launch import fast_kernel
+from liger_losses.kernels.pdl import launch_options, pdl_launch
 from liger_losses.kernels.utils import (
     check_no_double_backward,
     check_same_device,
@@ -51,6 +52,8 @@ from liger_losses.kernels.utils import (
 )
 
 triton, tl = import_triton()
+if triton is not None:
+    from liger_losses.kernels.pdl import pdl_prologue
 
 # Elements of one [heads, R/2] tile the kernel holds per tensor (x1, x2, out1, out2 each), and the
 # warps per program (0: 8 for tiles of >= 2048 elements, else 4). Module constants so that
@@ -142,9 +145,11 @@ if triton is not None:
         PASS: tl.constexpr, PASS_BLOCK: tl.constexpr,
         BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr, BACKWARD: tl.constexpr,
         LOADS_FIRST: tl.constexpr, REPEAT_TABLES: tl.constexpr, HEAD_STRIDE: tl.constexpr,
+        PDL: tl.constexpr,
     ):
         """One program per token: load its cos/sin once, rotate its q heads and its k heads
         (LOADS_FIRST: all heads in one tile, q's and k's loads issued before any store)."""
+        pdl_prologue(PDL)  # PDL launch: wait for the previous kernel before any memory access
         if HEAD_STRIDE != 0:  # q, k and the outputs share this head stride: offsets fold into the code
             q_sh = HEAD_STRIDE
             k_sh = HEAD_STRIDE
@@ -245,6 +250,7 @@ def _launch_into(q, k, qo, ko, cos, sin, head_axis: int, backward: bool, copy_pa
     strides = {x.stride(head_axis) for x in (q, k, qo, ko)}
     head_stride = strides.pop() if len(strides) == 1 else 0
     c_sb = 0 if cos.shape[0] == 1 else cos.stride(0)
+    pdl = pdl_launch(q.device)
     s_sb = 0 if sin.shape[0] == 1 else sin.stride(0)
     with device_ctx(q):  # Triton launches on the current GPU
         _rope_kernel[(bsz * seq,)](
@@ -255,7 +261,7 @@ def _launch_into(q, k, qo, ko, cos, sin, head_axis: int, backward: bool, copy_pa
             c_sb, cos.stride(1), s_sb, sin.stride(1),
             HALF=half, HALF_BLOCK=half_block, PASS=pass_dims, PASS_BLOCK=pass_block,
             BLOCK_HQ=block_hq, BLOCK_HK=block_hk, BACKWARD=backward, LOADS_FIRST=loads_first,
-            REPEAT_TABLES=repeat, HEAD_STRIDE=head_stride, num_warps=warps,
+            REPEAT_TABLES=repeat, HEAD_STRIDE=head_stride, PDL=pdl, num_warps=warps, **launch_options(pdl),
         )
 
 

@@ -1,0 +1,72 @@
+"""Programmatic dependent launch (PDL, Hopper and newer) for the row-norm kernels.
+
+A kernel launched with PDL may be scheduled before the kernel ahead of it in the stream has
+finished (once every program of that kernel has started or ended), so its launch latency and
+ramp overlap the tail of its predecessor. Each PDL kernel calls :func:`pdl_prologue` first: it
+lets its own successor launch early, then waits (``griddepcontrol.wait``) until the predecessor has
+completed and its writes are visible -- before the kernel touches memory, so no hazard is opened in
+either direction. Without PDL the two instructions are no-ops.
+
+``pdl_launch(device)`` says whether to launch with PDL on ``device``: CUDA capability >= 9, a
+Triton that has the grid-dependency instructions, not the interpreter, and the module switch
+``ENABLED`` (environment ``LIGER_LOSSES_PDL``, default on; ``0`` turns it off). Callers pass the
+result both as the kernel's ``PDL`` constexpr and as the launch option ``launch_pdl``.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+
+from liger_losses.kernels.utils import import_triton, triton_interpret
+
+triton, tl = import_triton()
+
+ENABLED = os.environ.get("LIGER_LOSSES_PDL", "1").strip().lower() not in ("0", "false", "off", "no")
+
+_HAS_GDC = False
+if triton is not None:
+    try:
+        from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
+        _HAS_GDC = True
+    except ImportError:  # pragma: no cover - older triton: no-ops (pdl_launch is then False)
+
+        @triton.jit
+        def gdc_launch_dependents():
+            pass
+
+        @triton.jit
+        def gdc_wait():
+            pass
+
+    @triton.jit
+    def pdl_prologue(PDL: tl.constexpr):
+        """At a PDL kernel's start: let the next kernel launch, then wait for the previous one."""
+        if PDL:
+            gdc_launch_dependents()
+            gdc_wait()
+
+
+@functools.lru_cache(maxsize=None)
+def _capable(device_index: int) -> bool:
+    return torch.cuda.get_device_capability(device_index)[0] >= 9
+
+
+_WITH_PDL = {"launch_pdl": True}
+_WITHOUT = {}
+
+
+def launch_options(pdl: bool) -> dict:
+    """The launch options for ``pdl`` (``launch_pdl=True``, or none: older launchers)."""
+    return _WITH_PDL if pdl else _WITHOUT
+
+
+def pdl_launch(device: torch.device) -> bool:
+    """True when kernels on ``device`` should be launched with PDL (see the module docstring)."""
+    if not (ENABLED and _HAS_GDC) or device.type != "cuda" or triton_interpret():
+        return False
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return _capable(index)
