@@ -1,5 +1,6 @@
-"""Diagnostic (GPU): the norms' forward + backward at 4096 and 8192 tokens (H = 4096, bf16) with
-programmatic dependent launch on or off (``pdl.ENABLED``), as CUDA-graph time (median, L2 flushed as do_bench does) and
+"""Diagnostic (GPU): the norms' forward + backward at 4096 and 8192 tokens (H = 4096, bf16) and at
+8192 x 896, with programmatic dependent launch for none, some or all of their kernels
+(``pdl.KERNELS``), and in-place RoPE as patched models run it with and without PDL, as CUDA-graph time (median, L2 flushed as do_bench does) and
 each kernel's mean GPU time in the replay.
 
 Why: at 4096 tokens the three launches' gaps, ramps and tails are a large part of the time above the
@@ -9,7 +10,7 @@ LayerNorm 4096: 0.0597 -> 0.0587, LayerNorm 8192: 0.1019 -> 0.1007); the partial
 shows ~31 us in the profile: it is resident early, waiting for the backward. (Several forward tiles
 per program with the next load issued first: 0-1% slower, dropped.)
 
-    python benchmark/diag_norm_launch.py [--tokens 4096 8192]
+    python benchmark/diag_norm_launch.py [--profile]
 """
 
 from __future__ import annotations
@@ -26,29 +27,46 @@ from benchmark.common import _graphed, hbm_floor_ms, time_ms  # noqa: E402
 from benchmark.diag_l2_flush import kernel_times, providers  # noqa: E402
 from liger_losses.kernels import pdl  # noqa: E402
 
-VARIANTS = {"base": False, "pdl": True}  # name: pdl.ENABLED
+VARIANTS = {  # name: pdl.KERNELS
+    "off": set(),
+    "fwd+bwd+sum": {"norm_fwd", "norm_bwd", "sum"},
+    "bwd+sum": {"norm_bwd", "sum"},
+    "sum": {"sum"},
+}
+SHAPES = [(4096, 4096), (8192, 4096), (8192, 896)]
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--tokens", type=int, nargs="+", default=[4096, 8192])
+    ap.add_argument("--profile", action="store_true", help="also each kernel's GPU time")
     args = ap.parse_args()
     os.environ["BENCH_GRAPH"] = "1"
-    H = 4096
-    saved = pdl.ENABLED
+    saved = set(pdl.KERNELS)
     for kind in ("rms", "layer"):
-        for N in args.tokens:
+        for N, H in SHAPES:
             floor = hbm_floor_ms(10 * N * H)
-            for variant, on in VARIANTS.items():
-                pdl.ENABLED = on
+            for variant, kernels in VARIANTS.items():
+                pdl.KERNELS = kernels
                 fn = providers(kind, N, H)["ours"]
                 fn()
                 ms = time_ms(fn, warmup=10, rep=60)
-                print(f"{kind} N={N} {variant:16s} {ms:.4f} ms  {ms / floor:.3f}x floor", flush=True)
-                for key, us in kernel_times(_graphed(fn)):
-                    print(f"    {us:8.2f} us  {key}")
+                print(f"{kind} N={N} H={H} {variant:12s} {ms:.4f} ms  {ms / floor:.3f}x floor", flush=True)
+                if args.profile:
+                    for key, us in kernel_times(_graphed(fn)):
+                        print(f"    {us:8.2f} us  {key}")
                 torch.cuda.synchronize()
-    pdl.ENABLED = saved
+    from benchmark.diag_rope import case_fns
+
+    for shape in ("llama3-8b", "qwen2-0.5b"):
+        for variant, kernels in (("off", set()), ("rope", {"rope"})):
+            pdl.KERNELS = kernels
+            fns, floor = case_fns(shape, 8192)
+            clone_ms = time_ms(fns.pop("clone"), warmup=10, rep=60)
+            fn = fns["ours-patched"]
+            fn()
+            ms = time_ms(fn, warmup=10, rep=60) - clone_ms
+            print(f"rope {shape} 8192 ours-patched {variant:5s} net {ms:.4f} ms  {ms / floor:.3f}x floor", flush=True)
+    pdl.KERNELS = saved
 
 
 if __name__ == "__main__":

@@ -195,7 +195,7 @@ def _forward(x2, weight, bias, eps, out2):
     mean = torch.empty((n_rows,), dtype=torch.float32, device=x2.device)
     rstd = torch.empty((n_rows,), dtype=torch.float32, device=x2.device)
     block_m, block_n, warps, programs = fwd_tiling(n_rows, n_cols, _KNOBS)
-    pdl = pdl_launch(x2.device)
+    pdl = block_m == 1 and pdl_launch(x2.device, "norm_fwd")  # long rows only (pdl.py)
     with device_ctx(x2):
         _layer_norm_fwd_kernel[(programs,)](
             x2, weight if weight is not None else x2, bias if bias is not None else x2,
@@ -217,7 +217,7 @@ def _backward(dy2, x2, weight, mean, rstd, need_dx, need_dw, need_db, sum_dtype=
     partial = partial_rows(n_partial, programs, x2)
     dw_partial = partial[0] if need_dw else x2
     db_partial = partial[n_partial - 1] if need_db else x2
-    pdl = pdl_launch(x2.device)
+    pdl = pdl_launch(x2.device, "norm_bwd")
     with device_ctx(x2):
         _layer_norm_bwd_kernel[(programs,)](
             dy2, x2, weight if weight is not None else x2, mean, rstd,

@@ -134,7 +134,7 @@ def sum_partials(partial: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     out = torch.empty((groups, n_cols), dtype=dtype, device=partial.device)
     block_c = min(SUM_BLOCK_COLS, next_power_of_2(n_cols))
     block_r = max(1, min(next_power_of_2(n_rows), SUM_TILE_ELEMS // block_c))
-    pdl = pdl_launch(partial.device)
+    pdl = pdl_launch(partial.device, "sum")
     with device_ctx(partial):
         _sum_partials_kernel[(-(-n_cols // block_c), groups)](
             p3, out, n_rows, n_cols, BLOCK_R=block_r, BLOCK_C=block_c, PDL=pdl, num_warps=4,

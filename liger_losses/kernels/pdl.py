@@ -7,10 +7,12 @@ lets its own successor launch early, then waits (``griddepcontrol.wait``) until 
 completed and its writes are visible -- before the kernel touches memory, so no hazard is opened in
 either direction. Without PDL the two instructions are no-ops.
 
-``pdl_launch(device)`` says whether to launch with PDL on ``device``: CUDA capability >= 9, a
-Triton that has the grid-dependency instructions, not the interpreter, and the module switch
-``ENABLED`` (environment ``LIGER_LOSSES_PDL``, default on; ``0`` turns it off). Callers pass the
-result both as the kernel's ``PDL`` constexpr and as the launch option ``launch_pdl``.
+``pdl_launch(device, kernel)`` says whether to launch ``kernel`` (a name in ``KERNELS``'s terms:
+``"norm_fwd"`` / ``"norm_bwd"`` for the row norms' forward / backward, ``"sum"`` for their
+partial-sum reduction, ``"rope"``) with PDL on ``device``: CUDA capability >= 9, a Triton that has the grid-dependency
+instructions, not the interpreter, the module switch ``ENABLED`` (environment ``LIGER_LOSSES_PDL``,
+default on; ``0`` turns it off) and ``kernel in KERNELS``. Callers pass the result both as the
+kernel's ``PDL`` constexpr and as the launch option ``launch_pdl``.
 """
 
 from __future__ import annotations
@@ -25,6 +27,13 @@ from liger_losses.kernels.utils import import_triton, triton_interpret
 triton, tl = import_triton()
 
 ENABLED = os.environ.get("LIGER_LOSSES_PDL", "1").strip().lower() not in ("0", "false", "off", "no")
+# The kernels launched with PDL (see pdl_launch). H200, session 9 (benchmark/diag_norm_launch.py,
+# CUDA-graph time of forward + backward, bf16): all three norm kernels with PDL save 0.7-1.2 us at
+# 4096-8192 x 4096 (RMSNorm 4096 tokens 0.0555 -> 0.0548 ms, LayerNorm 8192 0.1009 -> 0.0997);
+# at 8192 x 896 the LayerNorm forward (4-row tiles) with PDL lost 3.3 us while the backward and
+# partial sum gained 1.2, so the forwards use it only for one-row tiles (the callers' rule).
+# RoPE: the same time at the 8B shapes, 25% slower at Qwen2-0.5B's (0.0175 -> 0.0219 ms): off.
+KERNELS = {"norm_fwd", "norm_bwd", "sum"}
 
 _HAS_GDC = False
 if triton is not None:
@@ -64,9 +73,9 @@ def launch_options(pdl: bool) -> dict:
     return _WITH_PDL if pdl else _WITHOUT
 
 
-def pdl_launch(device: torch.device) -> bool:
-    """True when kernels on ``device`` should be launched with PDL (see the module docstring)."""
-    if not (ENABLED and _HAS_GDC) or device.type != "cuda" or triton_interpret():
+def pdl_launch(device: torch.device, kernel: str) -> bool:
+    """True when ``kernel`` on ``device`` should be launched with PDL (see the module docstring)."""
+    if not (ENABLED and _HAS_GDC) or kernel not in KERNELS or device.type != "cuda" or triton_interpret():
         return False
     index = device.index if device.index is not None else torch.cuda.current_device()
     return _capable(index)

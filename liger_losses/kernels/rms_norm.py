@@ -219,7 +219,7 @@ def _forward(x2, weight, eps, offset, casting_mode, out2):
     n_rows, n_cols = x2.shape
     rstd = torch.empty((n_rows,), dtype=torch.float32, device=x2.device)
     block_m, block_n, warps, programs = fwd_tiling(n_rows, n_cols, _KNOBS)
-    pdl = pdl_launch(x2.device)
+    pdl = block_m == 1 and pdl_launch(x2.device, "norm_fwd")  # long rows only (pdl.py)
     with device_ctx(x2):
         _rms_norm_fwd_kernel[(programs,)](
             x2, weight if weight is not None else x2, out2, rstd,
@@ -242,7 +242,7 @@ def _backward(dy2, x2, weight, rstd, offset, casting_mode, need_dx, need_dw, inp
             dx = torch.empty_like(x2, memory_format=torch.contiguous_format)
     block_m, block_n, warps, n_blocks, programs, blocks_per_program, tile_acc = bwd_tiling(x2, _KNOBS)
     partial = partial_rows(int(need_dw), programs, x2)
-    pdl = pdl_launch(x2.device)
+    pdl = pdl_launch(x2.device, "norm_bwd")
     with device_ctx(x2):
         _rms_norm_bwd_kernel[(programs,)](
             dy2, x2, weight if weight is not None else x2, rstd,

@@ -17,9 +17,12 @@ from liger_losses.kernels.rope import apply_rotary_pos_emb
 def test_pdl_only_on_cuda_and_when_enabled(monkeypatch):
     """Never on the CPU (or in the interpreter); off everywhere with the switch off; the launch
     options carry launch_pdl only when PDL is used."""
-    assert not pdl.pdl_launch(torch.device("cpu"))
+    assert not pdl.pdl_launch(torch.device("cpu"), "norm_fwd")
     monkeypatch.setattr(pdl, "ENABLED", False)
-    assert not pdl.pdl_launch(torch.device("cuda", 0))
+    assert not pdl.pdl_launch(torch.device("cuda", 0), "norm_fwd")
+    monkeypatch.setattr(pdl, "ENABLED", True)
+    monkeypatch.setattr(pdl, "KERNELS", set())
+    assert not pdl.pdl_launch(torch.device("cuda", 0), "norm_fwd")
     assert pdl.launch_options(True) == {"launch_pdl": True}
     assert pdl.launch_options(False) == {}
 
@@ -44,7 +47,9 @@ def test_pdl_results_bitwise_equal_eager_and_graph(monkeypatch):
     own inputs refilled before the replay)."""
     if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 9:
         pytest.skip("needs a CUDA GPU of capability >= 9")
-    assert pdl.pdl_launch(torch.device("cuda"))
+    every = {"norm_fwd", "norm_bwd", "sum", "rope"}
+    monkeypatch.setattr(pdl, "KERNELS", every)
+    assert all(pdl.pdl_launch(torch.device("cuda"), k) for k in every)
     torch.manual_seed(0)
     dev, dt = "cuda", torch.bfloat16
     x = torch.randn(4096, 4096, device=dev, dtype=dt, requires_grad=True)
