@@ -10,7 +10,7 @@ either direction. Without PDL the two instructions are no-ops.
 ``pdl_launch(device, kernel)`` says whether to launch ``kernel`` (a name in ``KERNELS``'s terms:
 ``"norm_fwd"`` / ``"norm_bwd"`` for the row norms' forward / backward, ``"sum"`` for their
 partial-sum reduction, ``"rope"``) with PDL on ``device``: CUDA capability >= 9, a Triton that has the grid-dependency
-instructions, not the interpreter, the module switch ``ENABLED`` (environment ``LIGER_LOSSES_PDL``,
+instructions, not the interpreter, not while ``torch.compile`` traces, the module switch ``ENABLED`` (environment ``LIGER_LOSSES_PDL``,
 default on; ``0`` turns it off) and ``kernel in KERNELS``. Callers pass the result both as the
 kernel's ``PDL`` constexpr and as the launch option ``launch_pdl``.
 """
@@ -64,6 +64,8 @@ def _capable(device_index: int) -> bool:
     return torch.cuda.get_device_capability(device_index)[0] >= 9
 
 
+_is_compiling = getattr(getattr(torch, "compiler", None), "is_compiling", lambda: False)
+
 _WITH_PDL = {"launch_pdl": True}
 _WITHOUT = {}
 
@@ -76,6 +78,8 @@ def launch_options(pdl: bool) -> dict:
 def pdl_launch(device: torch.device, kernel: str) -> bool:
     """True when ``kernel`` on ``device`` should be launched with PDL (see the module docstring)."""
     if not (ENABLED and _HAS_GDC) or kernel not in KERNELS or device.type != "cuda" or triton_interpret():
+        return False
+    if _is_compiling():  # torch.compile traces triton's own launch: no launch option it may not know
         return False
     index = device.index if device.index is not None else torch.cuda.current_device()
     return _capable(index)

@@ -15,13 +15,18 @@ from liger_losses.kernels.rope import apply_rotary_pos_emb
 
 
 def test_pdl_only_on_cuda_and_when_enabled(monkeypatch):
-    """Never on the CPU (or in the interpreter); off everywhere with the switch off; the launch
-    options carry launch_pdl only when PDL is used."""
+    """Never on the CPU (or in the interpreter); off everywhere with the switch off, for kernels not
+    in KERNELS and while torch.compile traces; the launch options carry launch_pdl only when PDL is
+    used."""
     assert not pdl.pdl_launch(torch.device("cpu"), "norm_fwd")
     monkeypatch.setattr(pdl, "ENABLED", False)
     assert not pdl.pdl_launch(torch.device("cuda", 0), "norm_fwd")
     monkeypatch.setattr(pdl, "ENABLED", True)
     monkeypatch.setattr(pdl, "KERNELS", set())
+    assert not pdl.pdl_launch(torch.device("cuda", 0), "norm_fwd")
+    monkeypatch.setattr(pdl, "KERNELS", {"norm_fwd"})
+    monkeypatch.setattr(pdl, "triton_interpret", lambda: False)  # so that only tracing says no
+    monkeypatch.setattr(pdl, "_is_compiling", lambda: True)  # torch.compile tracing: never
     assert not pdl.pdl_launch(torch.device("cuda", 0), "norm_fwd")
     assert pdl.launch_options(True) == {"launch_pdl": True}
     assert pdl.launch_options(False) == {}
