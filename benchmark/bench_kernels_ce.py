@@ -2,12 +2,16 @@
 
 Cases: bf16 logits [N, V] for V = 32000, 128256 and N = 4096, 8192 (quick: one case).
 Providers: ours (new gradient buffer), ours with inplace_backward=True (timed with the clone that
-gives it a fresh non-leaf input each call; the ``clone-only`` row times that clone alone), plain torch
+gives it a fresh non-leaf input each call; the ``clone-only`` row times that clone alone), ours with
+the gradient pass front to back (``ours-pass2-forward``: session 9 saw the stand-alone kernel 16%
+behind liger-kernel in a short run, after session 8 reversed that pass), plain torch
 (F.cross_entropy(logits.float()) as HF does), liger-kernel 0.8.5 LigerCrossEntropyLoss.
 Floor: memory-bound, read the logits once and write the gradient once: 2 * N * V * 2 bytes at
 4.3 TB/s; memory floor: the gradient, N * V * 2 bytes.
 
-Run on the GPU: ``python benchmark/bench_kernels_ce.py [--quick]``.
+Run on the GPU: ``python benchmark/bench_kernels_ce.py [--quick]`` -- eagerly: with ``BENCH_GRAPH=1``
+the captures fail (ours and liger-kernel check or count the labels on the host), and at ~2 ms per call
+the host is not what is timed.
 """
 
 from __future__ import annotations
@@ -32,6 +36,23 @@ def ours(inplace=False):
     return lambda x, y: cross_entropy(x, y, inplace_backward=inplace)
 
 
+def ours_pass2_forward():
+    """Ours with the tile's gradient pass walking each row front to back (``PASS2_REVERSED=False``,
+    the order before session 8), to tell whether the reversed pass costs the stand-alone kernel."""
+    from liger_losses.kernels import logits_tile
+    from liger_losses.kernels.cross_entropy import cross_entropy
+
+    def loss(x, y):
+        saved = logits_tile.PASS2_REVERSED
+        logits_tile.PASS2_REVERSED = False
+        try:
+            return cross_entropy(x, y)
+        finally:
+            logits_tile.PASS2_REVERSED = saved
+
+    return loss
+
+
 def plain_torch():
     return lambda x, y: F.cross_entropy(x.float(), y)
 
@@ -52,6 +73,7 @@ PROVIDERS = {
     "clone-only": clone_only,
     "ours": ours,
     "ours-inplace": lambda: ours(True),
+    "ours-pass2-forward": ours_pass2_forward,
     "torch": plain_torch,
     "liger-kernel": liger_kernel,
 }
