@@ -78,10 +78,6 @@ Objective = Callable[[SequenceStats], tuple[Tensor, dict]]
 LOGPS, LOGITS_SUM, CORRECT, ENTROPY_SUM, REF_LOGPS, NUM_TOKENS = range(6)
 
 
-def _segment_sum(values: Tensor, seg: Tensor, size: int) -> Tensor:
-    return torch.zeros(size, dtype=torch.float32, device=values.device).index_add_(0, seg, values.float())
-
-
 class _SequenceObjectiveFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, weight, hidden, bias, cfg, sink):
@@ -168,14 +164,13 @@ def _run_sequence_objective(weight, hidden, bias, cfg, sink, needs_h, needs_w, n
     def chunk_stats(ts, te, p0, p1, with_grad):
         """Tile of tokens [ts, te) (positions [p0, p1)): per-position sums; tile keeps the grad."""
         seg = pos_of_tok[ts:te] - p0
-        size = p1 - p0
         if ref_hidden is not None and ref_logps_in is None:
             rt = project(rh_rows(ts, te), rw, rb)
             rs = logits_tile(rt, l_valid[ts:te], mode="logp", grad=False, need_logits_sum=False,
                              **kopts)
             del rt
             v = rs.logp if tw_valid is None else rs.logp * tw_valid[ts:te]
-            acc[REF_LOGPS, p0:p1] += _segment_sum(v, seg, size)
+            acc[REF_LOGPS, p0:p1].index_add_(0, seg, v.float())
         tile = project(h_rows(ts, te), w_c, b_c)
         st = logits_tile(tile, l_valid[ts:te], mode="logp", grad=with_grad,
                          need_entropy=need_entropy, **kopts)
@@ -183,9 +178,8 @@ def _run_sequence_objective(weight, hidden, bias, cfg, sink, needs_h, needs_w, n
         rows = [v, st.logits_sum / V, st.correct.float()]  # rows LOGPS, LOGITS_SUM, CORRECT
         if need_entropy:
             rows.append(st.entropy)  # ENTROPY_SUM
-        k = len(rows)
-        acc[:k, p0:p1] += torch.zeros(k, size, dtype=torch.float32, device=dev).index_add_(
-            1, seg, torch.stack(rows))
+        # summed straight into the accumulator's columns (a view): one kernel per chunk
+        acc[:len(rows), p0:p1].index_add_(1, seg, torch.stack(rows))
         return tile, seg
 
     def backprop(tile, ts, te, row_scale):
