@@ -24,6 +24,17 @@ def assert_close_rel(out, ref, tol, what=""):
     assert err <= tol, f"{what}: relative error {err:.3e} > {tol:.1e}"
 
 
+def lm_head_inputs(g: torch.Generator, B: int, T: int, H: int, V: int, dtype=torch.float32):
+    """Random ``(weight [V, H], hidden [B, T, H], bias [V], labels [B, T])`` of an LM head, drawn in
+    that order from ``g`` (the caller masks labels and may draw more from ``g``); the float tensors
+    are leaves in ``dtype`` that require grad."""
+    weight = torch.randn(V, H, generator=g).to(dtype).requires_grad_()
+    hidden = torch.randn(B, T, H, generator=g).to(dtype).requires_grad_()
+    bias = torch.randn(V, generator=g).to(dtype).requires_grad_()
+    labels = torch.randint(0, V, (B, T), generator=g)
+    return weight, hidden, bias, labels
+
+
 def count_host_syncs(fn) -> int:
     """How many host-device synchronizations PyTorch reports (``torch.cuda.set_sync_debug_mode``)
     while ``fn()`` runs on a CUDA device: ``.item()``/``.tolist()``, ``nonzero``, masked indexing,

@@ -13,18 +13,14 @@ from liger_losses.chunked.cross_entropy import (
     fused_linear_cross_entropy,
 )
 from liger_losses.chunked.output import LossOutput
-from tests.helpers import TOL, assert_close_rel, rel_err
+from tests.helpers import TOL, assert_close_rel, lm_head_inputs, rel_err
 
 FP32 = TOL[torch.float32]
 B, T, H, V = 3, 5, 16, 60
 
 
 def _inputs(seed=0, dtype=torch.float32):
-    g = torch.Generator().manual_seed(seed)
-    w = torch.randn(V, H, generator=g).to(dtype).requires_grad_()
-    h = torch.randn(B, T, H, generator=g).to(dtype).requires_grad_()
-    b = torch.randn(V, generator=g).to(dtype).requires_grad_()
-    labels = torch.randint(0, V, (B, T), generator=g)
+    w, h, b, labels = lm_head_inputs(torch.Generator().manual_seed(seed), B, T, H, V, dtype)
     labels[:, :2] = -100
     return w, h, b, labels
 

@@ -16,6 +16,7 @@ from liger_losses.chunked.cross_entropy import fused_linear_cross_entropy
 from liger_losses.chunked.distillation import fused_linear_distillation_loss
 from liger_losses.chunked.preference.dpo import fused_linear_dpo_loss
 from liger_losses.chunked.preference.orpo import fused_linear_orpo_loss
+from tests.helpers import lm_head_inputs
 
 B, T, H, V = 4, 7, 16, 40
 
@@ -39,10 +40,7 @@ def backprop_calls(monkeypatch):
 
 def make(seed=0):
     g = torch.Generator().manual_seed(seed)
-    weight = torch.randn(V, H, generator=g).requires_grad_()
-    hidden = torch.randn(B, T, H, generator=g).requires_grad_()
-    bias = torch.randn(V, generator=g).requires_grad_()
-    labels = torch.randint(0, V, (B, T), generator=g)
+    weight, hidden, bias, labels = lm_head_inputs(g, B, T, H, V)
     labels[:, :2] = -100  # prompt
     labels[1, -2:] = -100  # padding
     ref_hidden = torch.randn(B, T, H, generator=g)

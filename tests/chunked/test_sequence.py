@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from liger_losses.chunked.sequence import SequenceStats, fused_linear_sequence_objective
-from tests.helpers import TOL, assert_close_rel
+from tests.helpers import TOL, assert_close_rel, lm_head_inputs
 
 FP32 = TOL[torch.float32]
 
@@ -23,10 +23,7 @@ B, T, H, V = 4, 6, 16, 50
 
 def _inputs(seed=0):
     g = torch.Generator().manual_seed(seed)
-    w = torch.randn(V, H, generator=g).requires_grad_()
-    h = torch.randn(B, T, H, generator=g).requires_grad_()
-    b = torch.randn(V, generator=g).requires_grad_()
-    labels = torch.randint(0, V, (B, T), generator=g)
+    w, h, b, labels = lm_head_inputs(g, B, T, H, V)
     labels[:, :2] = -100
     labels[1, 4] = -100
     ref_h = torch.randn(B, T, H, generator=g)

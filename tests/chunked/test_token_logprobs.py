@@ -8,18 +8,14 @@ import pytest
 import torch
 
 from liger_losses.chunked.token_logprobs import fused_linear_token_logprobs
-from tests.helpers import TOL, assert_close_rel
+from tests.helpers import TOL, assert_close_rel, lm_head_inputs
 
 FP32 = TOL[torch.float32]
 B, T, H, V = 3, 5, 16, 70
 
 
 def _inputs(seed=0):
-    g = torch.Generator().manual_seed(seed)
-    w = torch.randn(V, H, generator=g).requires_grad_()
-    h = torch.randn(B, T, H, generator=g).requires_grad_()
-    b = torch.randn(V, generator=g).requires_grad_()
-    labels = torch.randint(0, V, (B, T), generator=g)
+    w, h, b, labels = lm_head_inputs(torch.Generator().manual_seed(seed), B, T, H, V)
     labels[0, :3] = -100
     return w, h, b, labels
 
