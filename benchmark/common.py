@@ -18,7 +18,7 @@ import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Optional
+from typing import Callable, NamedTuple, Optional
 
 import torch
 
@@ -410,7 +410,15 @@ def gemms_only(weight, hidden, *, valid=None, extra_hidden=None, extra_weight=No
                             extra_weight if extra_weight is not None else weight, chunks)
 
 
-def logits_tiles(rows: int, vocab: int, *, seed: int = 0) -> dict:
+class TileInputs(NamedTuple):
+    tile: torch.Tensor
+    student: torch.Tensor
+    teacher: torch.Tensor
+    labels: torch.Tensor
+    scale: torch.Tensor
+
+
+def logits_tiles(rows: int, vocab: int, *, seed: int = 0) -> TileInputs:
     """Inputs of the tile-kernel diagnostics on the GPU: bf16 ``[rows, vocab]`` logits-like tiles
     (N(0, 4)) ``tile``, ``student``, ``teacher``; ``labels [rows]``; fp32 ``scale [rows] = 1/rows``."""
     g = torch.Generator(device="cuda").manual_seed(seed)
@@ -418,9 +426,8 @@ def logits_tiles(rows: int, vocab: int, *, seed: int = 0) -> dict:
     def logits():
         return (torch.randn(rows, vocab, device="cuda", generator=g) * 2).bfloat16()
 
-    return dict(tile=logits(), student=logits(), teacher=logits(),
-                labels=torch.randint(0, vocab, (rows,), device="cuda", generator=g),
-                scale=torch.full((rows,), 1.0 / rows, device="cuda"))
+    return TileInputs(logits(), logits(), logits(), torch.randint(0, vocab, (rows,), device="cuda", generator=g),
+                      torch.full((rows,), 1.0 / rows, device="cuda"))
 
 
 class Smi:

@@ -108,8 +108,7 @@ def main() -> None:
     from liger_losses.kernels import divergence_tile as dt
     from liger_losses.kernels import logits_tile as lt
 
-    t = logits_tiles(args.rows, V)
-    tile, student, teacher, labels, scale = t["tile"], t["student"], t["teacher"], t["labels"], t["scale"]
+    tile, student, teacher, labels, scale = logits_tiles(args.rows, V)
     best_div = sweep("divergence_tile jsd", dt, ("LOOP_STAGES",), DIVERGENCE,
                      lambda: dt.divergence_tile(student, teacher, grad_scale=scale, check_inputs=False),
                      args.rounds)
