@@ -25,16 +25,19 @@ import torch  # noqa: E402
 
 from benchmark.common import hbm_floor_ms  # noqa: E402
 
-CONFIGS = [(0, None), (4096, 4), (4096, 8), (8192, 4), (8192, 8), (8192, 16), (16384, 8), (16384, 16),
-           (32768, 16)]
+# (SEG, WARPS, TICKET, READ_IGNORED); SEG 0: the one-program-per-row kernel
+CONFIGS = [(0, None, True, False), (4096, 4, True, False), (2048, 4, True, False), (2048, 2, True, False),
+           (4096, 4, False, False), (4096, 4, True, True), (4096, 4, False, True), (2048, 4, False, True),
+           (8192, 4, False, True), (8192, 8, False, True), (1024, 1, False, True), (2048, 1, False, True)]
 
 
-def _set(seg, warps):
+def _set(seg, warps, ticket=True, read_ignored=False):
     from liger_losses.kernels import logits_tile_split as ls
 
     ls.SEG = seg
     if warps:
         ls.WARPS = warps
+    ls.TICKET, ls.READ_IGNORED = ticket, read_ignored
 
 
 def sweep(N, V, rounds, configs):
@@ -43,7 +46,7 @@ def sweep(N, V, rounds, configs):
     from liger_losses.kernels import logits_tile_split as ls
     from liger_losses.kernels.logits_tile import logits_tile
 
-    defaults = ls.SEG, ls.WARPS
+    defaults = ls.SEG, ls.WARPS, ls.TICKET, ls.READ_IGNORED
     x = torch.randn(N, V, device="cuda", dtype=torch.bfloat16) * 2
     y = torch.randint(0, V, (N,), device="cuda")
     y[::10] = -100
@@ -67,14 +70,14 @@ def sweep(N, V, rounds, configs):
         gerr = (g.float() - g_ref.float()).abs().max().item()
         lerr = ((st.loss - ref.loss).norm() / ref.loss.norm()).item()
         ms = sorted(times[c])[len(times[c]) // 2]
-        name = "row kernel" if c[0] == 0 else f"split seg {c[0]} warps {c[1]}"
+        name = "row kernel" if c[0] == 0 else f"split {c[0]}/{c[1]}{' ticket' if c[2] else ''}{' read-ign' if c[3] else ''}"
         print(f"{name:28s} {ms:.4f} ms  {ms / floor:.3f}x floor  rounds {[round(t, 4) for t in times[c]]}"
               f"  max|dg| {gerr:.2e}  loss rel {lerr:.1e}", flush=True)
-    ls.SEG, ls.WARPS = defaults
+    ls.SEG, ls.WARPS, ls.TICKET, ls.READ_IGNORED = defaults
     del x, g, g_ref
 
 
-def full(N, V):
+def full(N, V, profile=False):
     import triton
 
     from liger_losses.kernels import logits_tile_split as ls
@@ -107,6 +110,26 @@ def full(N, V):
         step()
         peak = (torch.cuda.max_memory_allocated() - before) / 2**20
         print(f"{name:20s} {ms:.4f} ms  {ms / floor:.3f}x floor  peak {peak:.0f} MiB", flush=True)
+        if profile:
+            from benchmark.diag_profile_loss import kernel_table
+
+            for _ in range(3):
+                step()
+            torch.cuda.synchronize()
+            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+                for _ in range(3):
+                    step()
+                torch.cuda.synchronize()
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            for _ in range(10):
+                step()
+            end.record()
+            torch.cuda.synchronize()
+            table, total = kernel_table(prof, 3, 8)
+            print(f"    back-to-back {start.elapsed_time(end) / 10:.4f} ms per step; kernels {total:.4f} ms per step:")
+            for kname, calls, kms in table:
+                print(f"      {kms:8.4f} ms  x{calls:<3} {kname}")
     ls.SEG = default
 
 
@@ -116,11 +139,12 @@ def main():
     ap.add_argument("--vocab", type=int, nargs="+", default=[128256])
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--no-sweep", action="store_true")
+    ap.add_argument("--profile", action="store_true", help="kernel table of each full step")
     args = ap.parse_args()
     for V in args.vocab:
         if not args.no_sweep:
-            sweep(args.n, V, args.rounds, CONFIGS if V == args.vocab[0] else [(0, None), (8192, 8), (16384, 16)])
-        full(args.n, V)
+            sweep(args.n, V, args.rounds, CONFIGS if V == args.vocab[0] else CONFIGS[:2])
+        full(args.n, V, args.profile)
 
 
 if __name__ == "__main__":

@@ -52,10 +52,10 @@ if triton is not None:
         SPLITS: tl.constexpr, SPLITS_P2: tl.constexpr, SEG: tl.constexpr, PHASE: tl.constexpr,
         MODE_CE: tl.constexpr, WRITE_GRAD: tl.constexpr, SCALE_PER_ROW: tl.constexpr,
         HAS_SOFTCAP: tl.constexpr, HAS_CW: tl.constexpr, NEED_ENT: tl.constexpr,
-        NEED_LSUM: tl.constexpr,
+        NEED_LSUM: tl.constexpr, TICKET: tl.constexpr, READ_IGNORED: tl.constexpr,
     ):
         # PHASE 0: fused (one launch, per-row meeting); 1: partial slots only; 2: combine + gradient
-        if PHASE == 0:
+        if PHASE == 0 and TICKET:
             # a ticket in start order (see the module docstring): programs of one row start together
             t = tl.atomic_add(SYNC, 1, sem="relaxed")
         else:
@@ -68,10 +68,16 @@ if triton is not None:
         safe = tl.where(valid, label, 0)
         cols = split * SEG + tl.arange(0, SEG)
         mask = cols < V
-        # the slice stays in registers in its own dtype (ignored rows read nothing)
-        x_raw = tl.load(x_ptr + cols, mask=cols < tl.where(valid, V, 0), other=0.0)
+        # the slice stays in registers in its own dtype. READ_IGNORED: the load does not wait for
+        # the label (ignored rows are read, their values masked out below); else they are skipped
+        if READ_IGNORED:
+            x_raw = tl.load(x_ptr + cols, mask=mask, other=0.0)
+        else:
+            x_raw = tl.load(x_ptr + cols, mask=cols < tl.where(valid, V, 0), other=0.0)
         slot = PART + (row * SPLITS + split) * 8
         if PHASE != 2:
+            # the label's logit is read before any program of the row may overwrite it in place
+            x_y = tl.load(x_ptr + safe).to(tl.float32)
             z, _t = _transform(x_raw.to(tl.float32), logit_scale, inv_temp, softcap, HAS_SOFTCAP)
             zm = tl.where(mask, z, float("-inf"))
             m = tl.max(zm, axis=0)  # every slice has a column (SPLITS = ceil(V / SEG))
@@ -88,6 +94,7 @@ if triton is not None:
                 w = tl.load(CW + cols, mask=mask, other=0.0).to(tl.float32)
                 part = tl.where(k == 4, tl.sum(w * tl.where(mask, z, 0.0), axis=0), part)
                 part = tl.where(k == 5, tl.sum(w, axis=0), part)
+            part = tl.where(k == 6, x_y, part)  # for the two-pass phase (its programs run apart)
             tl.store(slot + k, part)
             if PHASE == 0:
                 if valid:  # every program of an ignored row skips the meeting alike
@@ -109,7 +116,8 @@ if triton is not None:
             d = tl.sum(pd * r, axis=0)
             d = tl.where(valid, d, 1.0)  # ignored rows: no NaN/inf on the way to zero outputs
             lse = tl.where(valid, mx + tl.log(d), 0.0)
-            x_y = tl.load(x_ptr + safe).to(tl.float32)
+            if PHASE == 2:
+                x_y = tl.load(PART + row * SPLITS * 8 + 6, cache_modifier=".cg")
             z_y, _ty = _transform(x_y, logit_scale, inv_temp, softcap, HAS_SOFTCAP)
             logp = z_y - lse
             s_tot = 0.0
@@ -166,8 +174,13 @@ if triton is not None:
 
 # Columns per slice (a power of two) and warps per program. Module constants for the benchmarks'
 # sweeps (``benchmark/diag_ce_split.py``); SEG = 0 turns the split kernel off in ``logits_tile``.
-SEG = 8192
-WARPS = 8
+SEG = 4096
+WARPS = 4
+# TICKET: (row, slice) from a ticket counter in start order (False: from the program id, which
+# relies on the hardware starting programs in id order -- a diagnostic only). READ_IGNORED: load the
+# slice without waiting for the label (ignored rows are read and masked out).
+TICKET = True
+READ_IGNORED = False
 # The split kernel is used from this many slices up (fewer: the one-program-per-row kernel, whose
 # second read of a short row is an L1/L2 hit anyway).
 MIN_SPLITS = 2
@@ -225,7 +238,8 @@ def split_logits_tile(
     consts = dict(
         SPLITS=splits, SPLITS_P2=next_power_of_2(splits), SEG=seg,
         MODE_CE=mode_ce, WRITE_GRAD=grad, SCALE_PER_ROW=per_row, HAS_SOFTCAP=has_softcap,
-        HAS_CW=has_cw, NEED_ENT=need_ent, NEED_LSUM=need_lsum, num_warps=warps,
+        HAS_CW=has_cw, NEED_ENT=need_ent, NEED_LSUM=need_lsum, TICKET=TICKET,
+        READ_IGNORED=READ_IGNORED, num_warps=warps,
     )
     with device_ctx(x):
         if phase == "fused":
