@@ -25,19 +25,18 @@ import torch  # noqa: E402
 
 from benchmark.common import hbm_floor_ms  # noqa: E402
 
-# (SEG, WARPS, TICKET, READ_IGNORED); SEG 0: the one-program-per-row kernel
-CONFIGS = [(0, None, True, False), (4096, 4, True, False), (2048, 4, True, False), (2048, 2, True, False),
-           (4096, 4, False, False), (4096, 4, True, True), (4096, 4, False, True), (2048, 4, False, True),
-           (8192, 4, False, True), (8192, 8, False, True), (1024, 1, False, True), (2048, 1, False, True)]
+# (SEG, WARPS, OCCUPANCY); SEG 0: the one-program-per-row kernel
+CONFIGS = [(0, None, 1.0), (4096, 4, 1.0), (4096, 4, 0.5), (2048, 2, 1.0), (2048, 4, 1.0), (4096, 8, 1.0),
+           (8192, 8, 1.0), (8192, 16, 1.0), (16384, 16, 1.0), (1024, 1, 1.0)]
 
 
-def _set(seg, warps, ticket=True, read_ignored=False):
+def _set(seg, warps, occupancy=1.0):
     from liger_losses.kernels import logits_tile_split as ls
 
     ls.SEG = seg
     if warps:
         ls.WARPS = warps
-    ls.TICKET, ls.READ_IGNORED = ticket, read_ignored
+    ls.OCCUPANCY = occupancy
 
 
 def sweep(N, V, rounds, configs):
@@ -46,7 +45,7 @@ def sweep(N, V, rounds, configs):
     from liger_losses.kernels import logits_tile_split as ls
     from liger_losses.kernels.logits_tile import logits_tile
 
-    defaults = ls.SEG, ls.WARPS, ls.TICKET, ls.READ_IGNORED
+    defaults = ls.SEG, ls.WARPS, ls.OCCUPANCY
     x = torch.randn(N, V, device="cuda", dtype=torch.bfloat16) * 2
     y = torch.randint(0, V, (N,), device="cuda")
     y[::10] = -100
@@ -70,10 +69,10 @@ def sweep(N, V, rounds, configs):
         gerr = (g.float() - g_ref.float()).abs().max().item()
         lerr = ((st.loss - ref.loss).norm() / ref.loss.norm()).item()
         ms = sorted(times[c])[len(times[c]) // 2]
-        name = "row kernel" if c[0] == 0 else f"split {c[0]}/{c[1]}{' ticket' if c[2] else ''}{' read-ign' if c[3] else ''}"
+        name = "row kernel" if c[0] == 0 else f"split {c[0]}/{c[1]} occupancy {c[2]}"
         print(f"{name:28s} {ms:.4f} ms  {ms / floor:.3f}x floor  rounds {[round(t, 4) for t in times[c]]}"
               f"  max|dg| {gerr:.2e}  loss rel {lerr:.1e}", flush=True)
-    ls.SEG, ls.WARPS, ls.TICKET, ls.READ_IGNORED = defaults
+    ls.SEG, ls.WARPS, ls.OCCUPANCY = defaults
     del x, g, g_ref
 
 

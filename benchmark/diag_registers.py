@@ -117,7 +117,7 @@ def _split_case(seg: int, warps: int, phase: int = 0, **flags) -> dict:
     _, splits = logits_tile_split.split_settings(V, seg)
     const = dict(SPLITS=splits, SPLITS_P2=triton.next_power_of_2(splits), SEG=seg, PHASE=phase,
                  MODE_CE=True, WRITE_GRAD=True, SCALE_PER_ROW=False, HAS_SOFTCAP=False, HAS_CW=False,
-                 NEED_ENT=False, NEED_LSUM=False, TICKET=True, READ_IGNORED=False)
+                 NEED_ENT=False, NEED_LSUM=False)
     const.update(flags)
     return compile_case(logits_tile_split._split_tile_kernel, constexprs=const, num_warps=warps,
                         pointers=pointers,

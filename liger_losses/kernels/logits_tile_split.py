@@ -14,12 +14,15 @@ the gradient of its slice from the registers: one read and one write per logit.
 
 Phases (``phase``):
 
-* ``"fused"`` (the GPU default): one launch; the programs of a row meet at a per-row counter
-  (``atomic_add`` with release, spin with acquire). Programs take their (row, slice) from a ticket
-  counter in the order they start, so a waiting program only ever waits for programs that already
-  run or start next: with at least ``S`` programs resident on the device (checked on the host) the
-  wait always ends, whatever order the hardware starts programs in. The scratch and counters are
-  new zeroed buffers per call (no state shared between streams or graph replays).
+* ``"fused"`` (the GPU default): one persistent launch. Programs form groups of ``S`` (one per
+  slice); group ``k`` walks rows ``k, k + n_groups, ...``. At each row the group's programs meet
+  at a per-row counter (``atomic_add`` with release, spin with acquire) between publishing their
+  slots and reading the row's; meanwhile the next row's slice is already loading (registers,
+  double-buffered), so a row costs one meeting's latency, not a load's plus a meeting's. A program
+  waits only for programs of its own group, so the grid is capped at the programs the device
+  holds at once (read from the compiled kernel: registers, shared memory, warps), which makes the
+  wait always end. The scratch and counters are new buffers per call (nothing is shared between
+  streams or CUDA-graph replays).
 * ``"two_pass"``: two launches, partial slots first, then combine + gradient (re-reading the
   slice). Same arithmetic with no inter-program waiting: what the Triton interpreter runs (it runs
   programs one after another, so a waiting program would wait forever), and the tests' way to hold
@@ -34,7 +37,7 @@ import torch
 from torch import Tensor
 
 from liger_losses.kernels.launch import fast_kernel
-from liger_losses.kernels.utils import device_ctx, import_triton, next_power_of_2, num_sms
+from liger_losses.kernels.utils import device_ctx, import_triton, next_power_of_2, num_sms, triton_interpret
 
 triton, tl = import_triton()
 
@@ -45,35 +48,20 @@ if triton is not None:
     from liger_losses.kernels.logits_tile import _transform  # the shared elementwise transform
 
     @triton.jit
-    def _split_tile_kernel(
-        X, stride_x, G, stride_g, LABELS, SCALE, scale_value, CW,
+    def _slice_row(
+        row, label, x_raw, split, cols, mask, X, stride_x, G, stride_g, SCALE, scale_value, CW,
         LOSS, LSE, LOGP, ENT, CORRECT, LSUM, PART, SYNC,
-        V, ignore_index, logit_scale, inv_temp, softcap, eps, z_w,
-        SPLITS: tl.constexpr, SPLITS_P2: tl.constexpr, SEG: tl.constexpr, PHASE: tl.constexpr,
+        V, logit_scale, inv_temp, softcap, eps, z_w, ignore_index,
+        SPLITS: tl.constexpr, SPLITS_P2: tl.constexpr, PHASE: tl.constexpr,
         MODE_CE: tl.constexpr, WRITE_GRAD: tl.constexpr, SCALE_PER_ROW: tl.constexpr,
         HAS_SOFTCAP: tl.constexpr, HAS_CW: tl.constexpr, NEED_ENT: tl.constexpr,
-        NEED_LSUM: tl.constexpr, TICKET: tl.constexpr, READ_IGNORED: tl.constexpr,
+        NEED_LSUM: tl.constexpr,
     ):
-        # PHASE 0: fused (one launch, per-row meeting); 1: partial slots only; 2: combine + gradient
-        if PHASE == 0 and TICKET:
-            # a ticket in start order (see the module docstring): programs of one row start together
-            t = tl.atomic_add(SYNC, 1, sem="relaxed")
-        else:
-            t = tl.program_id(0)
-        row = (t // SPLITS).to(tl.int64)
-        split = t % SPLITS
+        """One slice of one row: partial slot (PHASE 0, 1), meeting (0), totals, statistics (slice
+        0 only) and the slice's gradient (0, 2). ``x_raw``: the slice, already loaded."""
         x_ptr = X + row * stride_x
-        label = tl.load(LABELS + row).to(tl.int64)
         valid = label != ignore_index
         safe = tl.where(valid, label, 0)
-        cols = split * SEG + tl.arange(0, SEG)
-        mask = cols < V
-        # the slice stays in registers in its own dtype. READ_IGNORED: the load does not wait for
-        # the label (ignored rows are read, their values masked out below); else they are skipped
-        if READ_IGNORED:
-            x_raw = tl.load(x_ptr + cols, mask=mask, other=0.0)
-        else:
-            x_raw = tl.load(x_ptr + cols, mask=cols < tl.where(valid, V, 0), other=0.0)
         slot = PART + (row * SPLITS + split) * 8
         if PHASE != 2:
             # the label's logit is read before any program of the row may overwrite it in place
@@ -99,10 +87,10 @@ if triton is not None:
             if PHASE == 0:
                 if valid:  # every program of an ignored row skips the meeting alike
                     tl.debug_barrier()  # all threads' slot stores precede the release below
-                    tl.atomic_add(SYNC + 1 + row, 1, sem="release")
-                    seen = tl.atomic_add(SYNC + 1 + row, 0, sem="acquire")
+                    tl.atomic_add(SYNC + row, 1, sem="release")
+                    seen = tl.atomic_add(SYNC + row, 0, sem="acquire")
                     while seen < SPLITS:
-                        seen = tl.atomic_add(SYNC + 1 + row, 0, sem="acquire")
+                        seen = tl.atomic_add(SYNC + row, 0, sem="acquire")
         if PHASE != 1:
             so = tl.arange(0, SPLITS_P2)
             smask = so < SPLITS
@@ -169,6 +157,63 @@ if triton is not None:
                 g_ptr = G + row * stride_g
                 tl.store(g_ptr + cols, g.to(G.dtype.element_ty), mask=mask)
 
+
+    @triton.jit
+    def _split_tile_kernel(
+        X, stride_x, G, stride_g, LABELS, SCALE, scale_value, CW,
+        LOSS, LSE, LOGP, ENT, CORRECT, LSUM, PART, SYNC,
+        V, n_rows, n_groups, ignore_index, logit_scale, inv_temp, softcap, eps, z_w,
+        SPLITS: tl.constexpr, SPLITS_P2: tl.constexpr, SEG: tl.constexpr, PHASE: tl.constexpr,
+        MODE_CE: tl.constexpr, WRITE_GRAD: tl.constexpr, SCALE_PER_ROW: tl.constexpr,
+        HAS_SOFTCAP: tl.constexpr, HAS_CW: tl.constexpr, NEED_ENT: tl.constexpr,
+        NEED_LSUM: tl.constexpr,
+    ):
+        # PHASE 0: fused and persistent (program = (group, slice); a group walks rows grp,
+        # grp + n_groups, ...); 1: partial slots only; 2: combine + gradient (one row per program)
+        pid = tl.program_id(0)
+        split = pid % SPLITS
+        cols = split * SEG + tl.arange(0, SEG)
+        mask = cols < V
+        if PHASE == 0:
+            grp = pid // SPLITS
+            row = grp.to(tl.int64)  # n_groups <= n_rows: every group has a first row
+            label = tl.load(LABELS + row).to(tl.int64)
+            x_raw = tl.load(X + row * stride_x + cols, mask=cols < tl.where(label != ignore_index, V, 0),
+                            other=0.0)
+            nxt = row + n_groups
+            label_n = tl.load(LABELS + tl.minimum(nxt, n_rows - 1)).to(tl.int64)
+            for _i in range(0, tl.cdiv(n_rows - grp, n_groups)):
+                # prefetch the next row's slice (its label is known: ignored rows are not read)
+                # and the label after it, so that their loads fly during this row's meeting
+                v_next = tl.where((nxt < n_rows) & (label_n != ignore_index), V, 0)
+                x_n = tl.load(X + nxt * stride_x + cols, mask=cols < v_next, other=0.0)
+                nn = nxt + n_groups
+                label_nn = tl.load(LABELS + tl.minimum(nn, n_rows - 1)).to(tl.int64)
+                _slice_row(
+                    row, label, x_raw, split, cols, mask, X, stride_x, G, stride_g, SCALE, scale_value,
+                    CW, LOSS, LSE, LOGP, ENT, CORRECT, LSUM, PART, SYNC,
+                    V, logit_scale, inv_temp, softcap, eps, z_w, ignore_index,
+                    SPLITS, SPLITS_P2, PHASE, MODE_CE, WRITE_GRAD, SCALE_PER_ROW, HAS_SOFTCAP, HAS_CW,
+                    NEED_ENT, NEED_LSUM,
+                )
+                row = nxt
+                nxt = nn
+                label = label_n
+                label_n = label_nn
+                x_raw = x_n
+        else:
+            row = (pid // SPLITS).to(tl.int64)
+            label = tl.load(LABELS + row).to(tl.int64)
+            x_raw = tl.load(X + row * stride_x + cols, mask=cols < tl.where(label != ignore_index, V, 0),
+                            other=0.0)
+            _slice_row(
+                row, label, x_raw, split, cols, mask, X, stride_x, G, stride_g, SCALE, scale_value,
+                CW, LOSS, LSE, LOGP, ENT, CORRECT, LSUM, PART, SYNC,
+                V, logit_scale, inv_temp, softcap, eps, z_w, ignore_index,
+                SPLITS, SPLITS_P2, PHASE, MODE_CE, WRITE_GRAD, SCALE_PER_ROW, HAS_SOFTCAP, HAS_CW,
+                NEED_ENT, NEED_LSUM,
+            )
+
     _split_tile_kernel = fast_kernel(_split_tile_kernel)
 
 
@@ -176,11 +221,9 @@ if triton is not None:
 # sweeps (``benchmark/diag_ce_split.py``); SEG = 0 turns the split kernel off in ``logits_tile``.
 SEG = 4096
 WARPS = 4
-# TICKET: (row, slice) from a ticket counter in start order (False: from the program id, which
-# relies on the hardware starting programs in id order -- a diagnostic only). READ_IGNORED: load the
-# slice without waiting for the label (ignored rows are read and masked out).
-TICKET = True
-READ_IGNORED = False
+# Fraction of the device's resident-program capacity the fused phase's persistent grid fills
+# (1.0: every program the registers / shared memory allow; the benchmarks sweep it).
+OCCUPANCY = 1.0
 # The split kernel is used from this many slices up (fewer: the one-program-per-row kernel, whose
 # second read of a short row is an L1/L2 hit anyway).
 MIN_SPLITS = 2
@@ -229,21 +272,55 @@ def split_logits_tile(
     seg, splits = split_settings(V, seg)
     warps = int(warps or WARPS)
     part = torch.empty((n * splits, N_SLOT), dtype=torch.float32, device=x.device)
-    sync = torch.zeros(n + 1 if phase == "fused" else 1, dtype=torch.int32, device=x.device)
-    common = (
-        x, x.stride(0), g, g.stride(0), lab, scale_ptr, scale_value, cw_arg,
-        loss, lse, logp, ent, correct, lsum, part, sync,
-        V, ignore_index, logit_scale, inv_temp, softcap, eps, z_w,
-    )
+    sync = torch.zeros(n if phase == "fused" else 1, dtype=torch.int32, device=x.device)
     consts = dict(
         SPLITS=splits, SPLITS_P2=next_power_of_2(splits), SEG=seg,
         MODE_CE=mode_ce, WRITE_GRAD=grad, SCALE_PER_ROW=per_row, HAS_SOFTCAP=has_softcap,
-        HAS_CW=has_cw, NEED_ENT=need_ent, NEED_LSUM=need_lsum, TICKET=TICKET,
-        READ_IGNORED=READ_IGNORED, num_warps=warps,
+        HAS_CW=has_cw, NEED_ENT=need_ent, NEED_LSUM=need_lsum, num_warps=warps,
     )
+
+    def args(n_groups):
+        return (
+            x, x.stride(0), g, g.stride(0), lab, scale_ptr, scale_value, cw_arg,
+            loss, lse, logp, ent, correct, lsum, part, sync,
+            V, n, n_groups, ignore_index, logit_scale, inv_temp, softcap, eps, z_w,
+        )
+
     with device_ctx(x):
         if phase == "fused":
-            _split_tile_kernel[(n * splits,)](*common, PHASE=0, **consts)
+            n_groups = min(n, _resident_groups(args(1), consts, splits, x.device))
+            _split_tile_kernel[(n_groups * splits,)](*args(n_groups), PHASE=0, **consts)
         else:
-            _split_tile_kernel[(n * splits,)](*common, PHASE=1, **consts)
-            _split_tile_kernel[(n * splits,)](*common, PHASE=2, **consts)
+            _split_tile_kernel[(n * splits,)](*args(n), PHASE=1, **consts)
+            _split_tile_kernel[(n * splits,)](*args(n), PHASE=2, **consts)
+
+
+_RESIDENT: dict = {}
+
+
+def _resident_groups(args: tuple, consts: dict, splits: int, device: torch.device) -> int:
+    """Row groups (``splits`` programs each) the persistent fused grid may have: all of its
+    programs must be resident at once (a program waits for the other slices of its row), so the
+    grid is at most the device's capacity for this compiled kernel -- SMs times the programs per SM
+    its registers, shared memory and warps allow -- times ``OCCUPANCY``. The compiled kernel's
+    resources are read once per configuration (Triton's ``warmup``, as its persistent tutorials do).
+    Under the interpreter: 3 (programs run one after another; a few rows per group)."""
+    if triton_interpret():
+        return 3
+    key = (device.index, tuple(sorted(consts.items())), args[0].dtype, args[2].dtype, args[4].dtype)
+    per_sm = _RESIDENT.get(key)
+    if per_sm is None:
+        kernel = _split_tile_kernel.jit_fn.warmup(*args, grid=(1,), PHASE=0, **consts)
+        kernel._init_handles()
+        props = torch.cuda.get_device_properties(device)
+        warps = consts["num_warps"]
+        regs_per_sm = getattr(props, "regs_per_multiprocessor", 65536)
+        smem_per_sm = getattr(props, "shared_memory_per_multiprocessor", 233472)
+        threads_per_sm = getattr(props, "max_threads_per_multi_processor", 2048)
+        regs_per_warp = -(-max(int(kernel.n_regs), 1) * 32 // 256) * 256  # allocated per warp in 256s
+        smem = int(kernel.metadata.shared) + 1024  # plus the 1 KB the driver reserves per block
+        per_sm = min(regs_per_sm // (regs_per_warp * warps), smem_per_sm // smem,
+                     threads_per_sm // (32 * warps), 32)
+        _RESIDENT[key] = per_sm
+    capacity = int(num_sms(device) * per_sm * OCCUPANCY)
+    return max(capacity // splits, 1)
