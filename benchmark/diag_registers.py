@@ -112,13 +112,15 @@ def _logits_case(block: int, warps: int, vec_sums: bool, **flags) -> dict:
 
 
 def _split_case(seg: int, warps: int, phase: int = 0, **flags) -> dict:
-    pointers = {n: "*fp32" for n in ("SCALE", "CW", "LOSS", "LSE", "LOGP", "ENT", "LSUM", "PART")}
-    pointers.update(X="*bf16", G="*bf16", LABELS="*i64", CORRECT="*i8", SYNC="*i32")
+    pointers = {n: "*fp32" for n in ("SCALE", "CW", "LOSS", "LSE", "LOGP", "ENT", "LSUM")}
+    pointers.update(X="*bf16", G="*bf16", LABELS="*i64", CORRECT="*i8", PART="*i64")
     _, splits = logits_tile_split.split_settings(V, seg)
-    const = dict(SPLITS=splits, SPLITS_P2=triton.next_power_of_2(splits), SEG=seg, PHASE=phase,
+    const = dict(SPLITS=splits, SPLITS_P2=triton.next_power_of_2(splits), SEG=seg, NW=2, PHASE=phase,
                  MODE_CE=True, WRITE_GRAD=True, SCALE_PER_ROW=False, HAS_SOFTCAP=False, HAS_CW=False,
                  NEED_ENT=False, NEED_LSUM=False)
     const.update(flags)
+    if const["NEED_ENT"] or const["NEED_LSUM"] or const["HAS_CW"]:
+        const["NW"] = 8
     return compile_case(logits_tile_split._split_tile_kernel, constexprs=const, num_warps=warps,
                         pointers=pointers,
                         floats=("scale_value", "logit_scale", "inv_temp", "softcap", "eps", "z_w"))

@@ -42,79 +42,83 @@ from liger_losses.kernels.utils import device_ctx, import_triton, next_power_of_
 triton, tl = import_triton()
 
 PHASES = ("fused", "two_pass")
-N_SLOT = 8  # fp32 per slot: m, sum exp, sum p z, sum z, sum w z, sum w (and 2 spare)
 
 if triton is not None:
     from liger_losses.kernels.logits_tile import _transform  # the shared elementwise transform
 
     @triton.jit
     def _slice_row(
-        row, label, x_raw, split, cols, mask, X, stride_x, G, stride_g, SCALE, scale_value, CW,
-        LOSS, LSE, LOGP, ENT, CORRECT, LSUM, PART, SYNC,
+        row, label, x_raw, split, cols, mask, G, stride_g, SCALE, scale_value, CW,
+        LOSS, LSE, LOGP, ENT, CORRECT, LSUM, PART,
         V, logit_scale, inv_temp, softcap, eps, z_w, ignore_index,
-        SPLITS: tl.constexpr, SPLITS_P2: tl.constexpr, PHASE: tl.constexpr,
+        SPLITS: tl.constexpr, SPLITS_P2: tl.constexpr, SEG: tl.constexpr, NW: tl.constexpr,
+        PHASE: tl.constexpr,
         MODE_CE: tl.constexpr, WRITE_GRAD: tl.constexpr, SCALE_PER_ROW: tl.constexpr,
         HAS_SOFTCAP: tl.constexpr, HAS_CW: tl.constexpr, NEED_ENT: tl.constexpr,
         NEED_LSUM: tl.constexpr,
     ):
         """One slice of one row: partial slot (PHASE 0, 1), meeting (0), totals, statistics (slice
         0 only) and the slice's gradient (0, 2). ``x_raw``: the slice, already loaded."""
-        x_ptr = X + row * stride_x
         valid = label != ignore_index
         safe = tl.where(valid, label, 0)
-        slot = PART + (row * SPLITS + split) * 8
+        k = tl.arange(0, NW)
+        so = tl.arange(0, SPLITS_P2)
+        smask = so < SPLITS
         if PHASE != 2:
-            # the label's logit is read before any program of the row may overwrite it in place
-            x_y = tl.load(x_ptr + safe).to(tl.float32)
-            z, _t = _transform(x_raw.to(tl.float32), logit_scale, inv_temp, softcap, HAS_SOFTCAP)
+            xf = x_raw.to(tl.float32)
+            z, _t = _transform(xf, logit_scale, inv_temp, softcap, HAS_SOFTCAP)
             zm = tl.where(mask, z, float("-inf"))
             m = tl.max(zm, axis=0)  # every slice has a column (SPLITS = ceil(V / SEG))
             p = tl.exp(zm - m)
-            part = tl.zeros([8], dtype=tl.float32)
-            k = tl.arange(0, 8)
-            part = tl.where(k == 0, m, part)
-            part = tl.where(k == 1, tl.sum(p, axis=0), part)
+            # the label's logit from the registers of the slice that holds it (0 elsewhere): no
+            # program reads a column another may already have overwritten in place
+            stat = tl.where(k == 0, m, tl.where(k == 1, tl.sum(tl.where(cols == safe, xf, 0.0), axis=0), 0.0))
             if NEED_ENT:
-                part = tl.where(k == 2, tl.sum(p * tl.where(mask, z, 0.0), axis=0), part)
+                stat = tl.where(k == 2, tl.sum(p * tl.where(mask, z, 0.0), axis=0), stat)
             if NEED_LSUM:
-                part = tl.where(k == 3, tl.sum(tl.where(mask, z, 0.0), axis=0), part)
+                stat = tl.where(k == 3, tl.sum(tl.where(mask, z, 0.0), axis=0), stat)
             if HAS_CW:
                 w = tl.load(CW + cols, mask=mask, other=0.0).to(tl.float32)
-                part = tl.where(k == 4, tl.sum(w * tl.where(mask, z, 0.0), axis=0), part)
-                part = tl.where(k == 5, tl.sum(w, axis=0), part)
-            part = tl.where(k == 6, x_y, part)  # for the two-pass phase (its programs run apart)
-            tl.store(slot + k, part)
-            if PHASE == 0:
-                if valid:  # every program of an ignored row skips the meeting alike
-                    tl.debug_barrier()  # all threads' slot stores precede the release below
-                    tl.atomic_add(SYNC + row, 1, sem="release")
-                    seen = tl.atomic_add(SYNC + row, 0, sem="acquire")
-                    while seen < SPLITS:
-                        seen = tl.atomic_add(SYNC + row, 0, sem="acquire")
+                stat = tl.where(k == 4, tl.sum(w * tl.where(mask, z, 0.0), axis=0), stat)
+                stat = tl.where(k == 5, tl.sum(w, axis=0), stat)
+            # word k = (sum exp) << 32 | stat k: the sum exp (>= 1, never 0 bits) flags the word as
+            # written, so each word is valid on its own: relaxed atomics, no fence that would wait
+            # for this program's earlier gradient stores
+            d_bits = tl.sum(p, axis=0).to(tl.int32, bitcast=True).to(tl.int64) << 32
+            words = d_bits | (stat.to(tl.int32, bitcast=True).to(tl.int64) & 0xFFFFFFFF)
+            if valid:  # ignored rows: every program of the row skips the slots alike
+                tl.atomic_xchg(PART + (row * SPLITS + split) * NW + k, words, sem="relaxed")
         if PHASE != 1:
-            so = tl.arange(0, SPLITS_P2)
-            smask = so < SPLITS
-            base = PART + (row * SPLITS + so) * 8
-            # .cg: read the slots from L2 (other SMs wrote them), never a stale L1 line
-            pm = tl.load(base + 0, mask=smask, other=float("-inf"), cache_modifier=".cg")
-            pd = tl.load(base + 1, mask=smask, other=0.0, cache_modifier=".cg")
+            ptrs = PART + (row * SPLITS + so[:, None]) * NW + k[None, :]
+            wmask = smask[:, None] & (k[None, :] >= 0)
+            got = tl.zeros([SPLITS_P2, NW], dtype=tl.int64)
+            FLAG_ONLY: tl.constexpr = 1 << 32  # padding slots: flagged, stat 0
+            if valid:
+                # poll the row's slots until every word is flagged (at once in the two-pass phase)
+                got = tl.load(ptrs, mask=wmask, other=FLAG_ONLY, volatile=True)
+                while tl.min(tl.where((got >> 32) != 0, 1, 0)) == 0:
+                    got = tl.load(ptrs, mask=wmask, other=FLAG_ONLY, volatile=True)
+            lo = (got & 0xFFFFFFFF).to(tl.int32).to(tl.float32, bitcast=True)
+            hi = (got >> 32).to(tl.int32).to(tl.float32, bitcast=True)
+            pm = tl.where(smask, tl.sum(tl.where(k[None, :] == 0, lo, 0.0), axis=1), float("-inf"))
+            pd = tl.where(smask, tl.sum(tl.where(k[None, :] == 0, hi, 0.0), axis=1), 0.0)
             mx = tl.max(pm, axis=0)
             mx = tl.where(valid, mx, 0.0)
             r = tl.exp(pm - mx)
             d = tl.sum(pd * r, axis=0)
             d = tl.where(valid, d, 1.0)  # ignored rows: no NaN/inf on the way to zero outputs
             lse = tl.where(valid, mx + tl.log(d), 0.0)
-            if PHASE == 2:
-                x_y = tl.load(PART + row * SPLITS * 8 + 6, cache_modifier=".cg")
+            owner = safe // SEG
+            x_y = tl.sum(tl.sum(tl.where((so[:, None] == owner) & (k[None, :] == 1), lo, 0.0), axis=1), axis=0)
             z_y, _ty = _transform(x_y, logit_scale, inv_temp, softcap, HAS_SOFTCAP)
             logp = z_y - lse
             s_tot = 0.0
             if NEED_LSUM:
-                s_tot = tl.sum(tl.load(base + 3, mask=smask, other=0.0, cache_modifier=".cg"), axis=0)
+                s_tot = tl.sum(tl.sum(tl.where(k[None, :] == 3, lo, 0.0), axis=1), axis=0)
             if HAS_CW:
                 w_y = tl.load(CW + safe).to(tl.float32)
-                sw_tot = tl.sum(tl.load(base + 4, mask=smask, other=0.0, cache_modifier=".cg"), axis=0)
-                w_sum = tl.sum(tl.load(base + 5, mask=smask, other=0.0, cache_modifier=".cg"), axis=0)
+                sw_tot = tl.sum(tl.sum(tl.where(k[None, :] == 4, lo, 0.0), axis=1), axis=0)
+                w_sum = tl.sum(tl.sum(tl.where(k[None, :] == 5, lo, 0.0), axis=1), axis=0)
             else:
                 w_y = 1.0
                 w_sum = V * 1.0
@@ -130,7 +134,7 @@ if triton is not None:
                 tl.store(CORRECT + row, tl.where(valid & (z_y >= mx), 1, 0).to(tl.int8))
                 tl.store(LSUM + row, tl.where(valid, s_tot, 0.0))
                 if NEED_ENT:
-                    pe = tl.load(base + 2, mask=smask, other=0.0, cache_modifier=".cg")
+                    pe = tl.sum(tl.where(k[None, :] == 2, lo, 0.0), axis=1)
                     e_tot = tl.sum(pe * r, axis=0)
                     tl.store(ENT + row, tl.where(valid, lse - e_tot / d, 0.0))
             if WRITE_GRAD:
@@ -161,9 +165,10 @@ if triton is not None:
     @triton.jit
     def _split_tile_kernel(
         X, stride_x, G, stride_g, LABELS, SCALE, scale_value, CW,
-        LOSS, LSE, LOGP, ENT, CORRECT, LSUM, PART, SYNC,
+        LOSS, LSE, LOGP, ENT, CORRECT, LSUM, PART,
         V, n_rows, n_groups, ignore_index, logit_scale, inv_temp, softcap, eps, z_w,
-        SPLITS: tl.constexpr, SPLITS_P2: tl.constexpr, SEG: tl.constexpr, PHASE: tl.constexpr,
+        SPLITS: tl.constexpr, SPLITS_P2: tl.constexpr, SEG: tl.constexpr, NW: tl.constexpr,
+        PHASE: tl.constexpr,
         MODE_CE: tl.constexpr, WRITE_GRAD: tl.constexpr, SCALE_PER_ROW: tl.constexpr,
         HAS_SOFTCAP: tl.constexpr, HAS_CW: tl.constexpr, NEED_ENT: tl.constexpr,
         NEED_LSUM: tl.constexpr,
@@ -190,10 +195,10 @@ if triton is not None:
                 nn = nxt + n_groups
                 label_nn = tl.load(LABELS + tl.minimum(nn, n_rows - 1)).to(tl.int64)
                 _slice_row(
-                    row, label, x_raw, split, cols, mask, X, stride_x, G, stride_g, SCALE, scale_value,
-                    CW, LOSS, LSE, LOGP, ENT, CORRECT, LSUM, PART, SYNC,
+                    row, label, x_raw, split, cols, mask, G, stride_g, SCALE, scale_value,
+                    CW, LOSS, LSE, LOGP, ENT, CORRECT, LSUM, PART,
                     V, logit_scale, inv_temp, softcap, eps, z_w, ignore_index,
-                    SPLITS, SPLITS_P2, PHASE, MODE_CE, WRITE_GRAD, SCALE_PER_ROW, HAS_SOFTCAP, HAS_CW,
+                    SPLITS, SPLITS_P2, SEG, NW, PHASE, MODE_CE, WRITE_GRAD, SCALE_PER_ROW, HAS_SOFTCAP, HAS_CW,
                     NEED_ENT, NEED_LSUM,
                 )
                 row = nxt
@@ -207,10 +212,10 @@ if triton is not None:
             x_raw = tl.load(X + row * stride_x + cols, mask=cols < tl.where(label != ignore_index, V, 0),
                             other=0.0)
             _slice_row(
-                row, label, x_raw, split, cols, mask, X, stride_x, G, stride_g, SCALE, scale_value,
-                CW, LOSS, LSE, LOGP, ENT, CORRECT, LSUM, PART, SYNC,
+                row, label, x_raw, split, cols, mask, G, stride_g, SCALE, scale_value,
+                CW, LOSS, LSE, LOGP, ENT, CORRECT, LSUM, PART,
                 V, logit_scale, inv_temp, softcap, eps, z_w, ignore_index,
-                SPLITS, SPLITS_P2, PHASE, MODE_CE, WRITE_GRAD, SCALE_PER_ROW, HAS_SOFTCAP, HAS_CW,
+                SPLITS, SPLITS_P2, SEG, NW, PHASE, MODE_CE, WRITE_GRAD, SCALE_PER_ROW, HAS_SOFTCAP, HAS_CW,
                 NEED_ENT, NEED_LSUM,
             )
 
@@ -271,10 +276,10 @@ def split_logits_tile(
     n, V = x.shape
     seg, splits = split_settings(V, seg)
     warps = int(warps or WARPS)
-    part = torch.empty((n * splits, N_SLOT), dtype=torch.float32, device=x.device)
-    sync = torch.zeros(n if phase == "fused" else 1, dtype=torch.int32, device=x.device)
+    nw = 8 if (need_ent or need_lsum or has_cw) else 2  # words per slot (see the kernel)
+    part = torch.zeros((n * splits, nw), dtype=torch.int64, device=x.device)
     consts = dict(
-        SPLITS=splits, SPLITS_P2=next_power_of_2(splits), SEG=seg,
+        SPLITS=splits, SPLITS_P2=next_power_of_2(splits), SEG=seg, NW=nw,
         MODE_CE=mode_ce, WRITE_GRAD=grad, SCALE_PER_ROW=per_row, HAS_SOFTCAP=has_softcap,
         HAS_CW=has_cw, NEED_ENT=need_ent, NEED_LSUM=need_lsum, num_warps=warps,
     )
@@ -282,7 +287,7 @@ def split_logits_tile(
     def args(n_groups):
         return (
             x, x.stride(0), g, g.stride(0), lab, scale_ptr, scale_value, cw_arg,
-            loss, lse, logp, ent, correct, lsum, part, sync,
+            loss, lse, logp, ent, correct, lsum, part,
             V, n, n_groups, ignore_index, logit_scale, inv_temp, softcap, eps, z_w,
         )
 
