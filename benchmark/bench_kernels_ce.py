@@ -1,11 +1,10 @@
 """Cross-entropy on given logits, forward + backward ("full"), side by side (issue #2, CE kernel).
 
 Cases: bf16 logits [N, V] for V = 32000, 128256 and N = 4096, 8192 (quick: one case).
-Providers: ours (new gradient buffer; each row split over programs that read it once,
-``kernels/logits_tile_split.py``), ours with inplace_backward=True (timed with the clone that
+Providers: ours (new gradient buffer), ours with inplace_backward=True (timed with the clone that
 gives it a fresh non-leaf input each call; the ``clone-only`` row times that clone alone), ours with
-the one-program-per-row tile (``ours-row``: two reads per logit) and with its gradient pass front to
-back (``ours-row-pass2-forward``: session 9 saw it 16% behind liger-kernel in a short run), plain torch
+the gradient pass front to back (``ours-pass2-forward``: session 9 saw the stand-alone kernel 16%
+behind liger-kernel in a short run, after session 8 reversed that pass), plain torch
 (F.cross_entropy(logits.float()) as HF does), liger-kernel 0.8.5 LigerCrossEntropyLoss.
 Floor: memory-bound, read the logits once and write the gradient once: 2 * N * V * 2 bytes at
 4.3 TB/s; memory floor: the gradient, N * V * 2 bytes.
@@ -37,20 +36,19 @@ def ours(inplace=False):
     return lambda x, y: cross_entropy(x, y, inplace_backward=inplace)
 
 
-def ours_row(reversed_pass2=True):
-    """Ours with the one-program-per-row tile (``logits_tile_split.SEG = 0``: two reads per logit),
-    its gradient pass walking each row from the end (the default since session 8) or front to back
-    (``PASS2_REVERSED = False``)."""
-    from liger_losses.kernels import logits_tile, logits_tile_split
+def ours_pass2_forward():
+    """Ours with the tile's gradient pass walking each row front to back (``PASS2_REVERSED=False``,
+    the order before session 8), to tell whether the reversed pass costs the stand-alone kernel."""
+    from liger_losses.kernels import logits_tile
     from liger_losses.kernels.cross_entropy import cross_entropy
 
     def loss(x, y):
-        saved = logits_tile.PASS2_REVERSED, logits_tile_split.SEG
-        logits_tile.PASS2_REVERSED, logits_tile_split.SEG = reversed_pass2, 0
+        saved = logits_tile.PASS2_REVERSED
+        logits_tile.PASS2_REVERSED = False
         try:
             return cross_entropy(x, y)
         finally:
-            logits_tile.PASS2_REVERSED, logits_tile_split.SEG = saved
+            logits_tile.PASS2_REVERSED = saved
 
     return loss
 
@@ -75,8 +73,7 @@ PROVIDERS = {
     "clone-only": clone_only,
     "ours": ours,
     "ours-inplace": lambda: ours(True),
-    "ours-row": ours_row,
-    "ours-row-pass2-forward": lambda: ours_row(False),
+    "ours-pass2-forward": ours_pass2_forward,
     "torch": plain_torch,
     "liger-kernel": liger_kernel,
 }

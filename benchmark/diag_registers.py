@@ -33,8 +33,7 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
 from liger_losses.kernels import (  # noqa: E402
-    divergence_tile, gated, geglu, layer_norm, logits_tile, logits_tile_split, norm_common, rms_norm, rope,
-    swiglu,
+    divergence_tile, gated, geglu, layer_norm, logits_tile, norm_common, rms_norm, rope, swiglu,
 )
 from liger_losses.kernels.utils import row_tile  # noqa: E402
 
@@ -111,21 +110,6 @@ def _logits_case(block: int, warps: int, vec_sums: bool, **flags) -> dict:
                         floats=("scale_value", "logit_scale", "inv_temp", "softcap", "eps", "z_w"))
 
 
-def _split_case(seg: int, warps: int, phase: int = 0, **flags) -> dict:
-    pointers = {n: "*fp32" for n in ("SCALE", "CW", "LOSS", "LSE", "LOGP", "ENT", "LSUM")}
-    pointers.update(X="*bf16", G="*bf16", LABELS="*i64", CORRECT="*i8", PART="*i64")
-    _, splits = logits_tile_split.split_settings(V, seg)
-    const = dict(SPLITS=splits, SPLITS_P2=triton.next_power_of_2(splits), SEG=seg, NW=2, PHASE=phase,
-                 MODE_CE=True, WRITE_GRAD=True, SCALE_PER_ROW=False, HAS_SOFTCAP=False, HAS_CW=False,
-                 NEED_ENT=False, NEED_LSUM=False)
-    const.update(flags)
-    if const["NEED_ENT"] or const["NEED_LSUM"] or const["HAS_CW"]:
-        const["NW"] = 8
-    return compile_case(logits_tile_split._split_tile_kernel, constexprs=const, num_warps=warps,
-                        pointers=pointers,
-                        floats=("scale_value", "logit_scale", "inv_temp", "softcap", "eps", "z_w"))
-
-
 def _divergence_case(**flags) -> dict:
     block, warps = divergence_tile._block_settings(V)
     const = dict(MODE=divergence_tile.divergence_mode("jsd", 0.5), TOPK=False, TAIL=False, HAS_LABELS=False,
@@ -153,10 +137,6 @@ def default_cases() -> dict:
     for name, flags in (("ce", {}), ("ce+entropy", {"NEED_ENT": True}), ("logp+entropy", {"MODE_CE": False, "NEED_ENT": True}),
                         ("ce+softcap", {"HAS_SOFTCAP": True}), ("stats only", {"WRITE_GRAD": False})):
         cases[f"logits_tile {name} {block_v}/{warps_v}"] = (lambda f=flags: _logits_case(block_v, warps_v, vec, **f))
-    seg, warps_s = logits_tile_split.SEG, logits_tile_split.WARPS
-    for name, flags in (("ce", {}), ("ce+entropy+smoothing", {"NEED_ENT": True, "NEED_LSUM": True}),
-                        ("ce+softcap", {"HAS_SOFTCAP": True}), ("ce+class weights", {"HAS_CW": True})):
-        cases[f"logits_tile_split {name} {seg}/{warps_s}"] = (lambda f=flags: _split_case(seg, warps_s, **f))
 
     for mod, kernel, extra in ((rms_norm, "_rms_norm", dict(CASTING=0)), (layer_norm, "_layer_norm", {})):
         bm, bn, w = row_tile(H, N_TOKENS, mod.FWD_TILE_ELEMS, mod.MAX_ROWS_PER_TILE)
@@ -212,8 +192,6 @@ def alternative_cases() -> dict:
             constexprs=dict(HALF=HEAD_DIM // 2, HALF_BLOCK=HEAD_DIM // 2, PASS=0, PASS_BLOCK=1,
                             BLOCK_HQ=N_QH, BLOCK_HK=N_KH, BACKWARD=False, LOADS_FIRST=True, REPEAT_TABLES=True,
                             HEAD_STRIDE=HEAD_DIM, PDL=True)),
-        **{f"logits_tile_split ce {seg}/{w}": (lambda seg=seg, w=w: _split_case(seg, w))
-           for seg, w in ((4096, 4), (8192, 4), (8192, 16), (16384, 8), (16384, 16), (32768, 16))},
         "logits_tile ce 32768/32 (per-block sums)": lambda: _logits_case(32768, 32, False, STAGES1=None, STAGES2=None),
         "logits_tile ce 16384/32 (per-block sums)": lambda: _logits_case(16384, 32, False, STAGES1=None, STAGES2=None),
         "logits_tile ce 4096/8 (not pipelined)": lambda: _logits_case(4096, 8, True, STAGES1=None, STAGES2=None),

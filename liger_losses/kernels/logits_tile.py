@@ -398,38 +398,8 @@ def logits_tile(
     cw_arg = cw.float().contiguous() if cw is not None else loss
     scale_ptr = grad_scale if per_row else loss
     scale_value = 0.0 if per_row else float(grad_scale)
-    g = out if out is not None else x
-    from liger_losses.kernels.logits_tile_split import split_logits_tile, split_phase  # (it imports this module)
-
-    phase = split_phase(V, dev)
-    if phase is not None:  # each row over several programs, one read per logit
-        split_logits_tile(
-            x, lab, g=g, scale_ptr=scale_ptr, scale_value=scale_value, cw_arg=cw_arg,
-            loss=loss, lse=lse, logp=logp, ent=ent, correct=correct, lsum=lsum,
-            ignore_index=int(ignore_index), logit_scale=float(logit_scale),
-            inv_temp=1.0 / float(temperature), softcap=float(softcap) if softcap is not None else 1.0,
-            eps=eps, z_w=z_w, mode_ce=mode_ce, grad=bool(grad), per_row=per_row,
-            has_softcap=softcap is not None, has_cw=cw is not None, need_ent=bool(need_entropy),
-            need_lsum=need_lsum, phase=phase,
-        )
-    else:
-        _launch_row_kernel(
-            x, lab, g, scale_ptr, scale_value, cw_arg, loss, lse, logp, ent, correct, lsum,
-            V, ignore_index, logit_scale, temperature, softcap, eps, z_w, mode_ce, grad, per_row,
-            cw is not None, need_entropy, need_lsum,
-        )
-    return TileStats(loss, lse, logp, ent if need_entropy else None, correct.bool(),
-                     lsum if need_logits_sum else None)
-
-
-def _launch_row_kernel(
-    x, lab, g, scale_ptr, scale_value, cw_arg, loss, lse, logp, ent, correct, lsum,
-    V, ignore_index, logit_scale, temperature, softcap, eps, z_w, mode_ce, grad, per_row,
-    has_cw, need_entropy, need_lsum,
-):
-    """One program per row, two passes (the module docstring)."""
-    n = x.shape[0]
     block, warps = _block_settings(V)
+    g = out if out is not None else x
     with device_ctx(x):  # Triton launches on the current GPU
         _logits_tile_kernel[(n,)](
             x, x.stride(0), g, g.stride(0), lab, scale_ptr, scale_value, cw_arg,
@@ -437,8 +407,10 @@ def _launch_row_kernel(
             V, int(ignore_index), float(logit_scale), 1.0 / float(temperature),
             float(softcap) if softcap is not None else 1.0, eps, z_w,
             MODE_CE=mode_ce, WRITE_GRAD=bool(grad), SCALE_PER_ROW=per_row,
-            HAS_SOFTCAP=softcap is not None, HAS_CW=has_cw, NEED_ENT=bool(need_entropy),
+            HAS_SOFTCAP=softcap is not None, HAS_CW=cw is not None, NEED_ENT=bool(need_entropy),
             NEED_LSUM=need_lsum, BLOCK=block, VEC_SUMS=block <= VEC_SUMS_MAX_BLOCK,
             STAGES1=PASS1_STAGES, STAGES2=PASS2_STAGES, REVERSED=PASS2_REVERSED, num_warps=warps,
             **({} if MAXNREG is None else {"maxnreg": MAXNREG}),
         )
+    return TileStats(loss, lse, logp, ent if need_entropy else None, correct.bool(),
+                     lsum if need_logits_sum else None)
