@@ -1,4 +1,5 @@
-"""Host (CPU) time per call of the layer kernels: ours vs liger-kernel vs eager PyTorch.
+"""Host (CPU) time per call of the layer kernels and cross-entropy on given logits: ours vs
+liger-kernel vs eager PyTorch.
 
 When a training step is short (a 1B model at 2048 tokens) the GPU waits for the host, and what a
 kernel costs is the Python + launch time of its call, not its GPU time. This script measures that
@@ -26,6 +27,7 @@ import torch.nn.functional as F
 
 from common import Row, write_results  # noqa: E402  (adds repo root)
 
+from liger_losses.kernels.cross_entropy import cross_entropy
 from liger_losses.kernels.geglu import geglu
 from liger_losses.kernels.layer_norm import LigerLayerNorm
 from liger_losses.kernels.rms_norm import LigerRMSNorm
@@ -50,8 +52,11 @@ def _liger():
         from liger_kernel.transformers.layer_norm import LigerLayerNorm as TheirLN
         from liger_kernel.transformers.rms_norm import LigerRMSNorm as TheirRMS
 
+        from liger_kernel.transformers.cross_entropy import LigerCrossEntropyLoss
+
         out = dict(rms=TheirRMS, ln=TheirLN, rope=LigerRopeFunction.apply,
-                   swiglu=LigerSiLUMulFunction.apply, geglu=LigerGELUMulFunction.apply)
+                   swiglu=LigerSiLUMulFunction.apply, geglu=LigerGELUMulFunction.apply,
+                   ce=LigerCrossEntropyLoss())
     except Exception as exc:  # noqa: BLE001
         print(f"(liger-kernel unavailable: {exc})")
     return out
@@ -78,6 +83,10 @@ def cases():
         cos = torch.randn(B, T, D, device=DEV, dtype=DT)
         return q, k, cos, cos.clone()
 
+    def logits_in():
+        x = torch.randn(T, 1024, device=DEV, dtype=DT, requires_grad=True)
+        return x * 1, torch.randint(0, 1024, (T,), device=DEV)
+
     rms_ours = LigerRMSNorm(H).to(DEV, DT)
     rms_ours_ip = LigerRMSNorm(H, inplace_backward=True).to(DEV, DT)
     ln_ours = LigerLayerNorm(H).to(DEV, DT)
@@ -95,6 +104,8 @@ def cases():
                  "ours_inplace": (qk, lambda q, k, c, s: apply_rotary_pos_emb(q, k, c, s, inplace=True)),
                  "ours_inplace_bwd": (qk, lambda q, k, c, s: apply_rotary_pos_emb(q, k, c, s, inplace=True,
                                                                                  inplace_backward=True))},
+        "cross_entropy": {"ours": (logits_in, lambda x, y: cross_entropy(x, y)),
+                          "torch": (logits_in, lambda x, y: F.cross_entropy(x.float(), y))},
         "swiglu": {"ours_inplace": (gate_up, lambda a, b: swiglu(a, b, inplace_backward=True)),
                    "torch": (gate_up, lambda a, b: F.silu(a) * b)},
         "geglu": {"ours_inplace": (gate_up, lambda a, b: geglu(a, b, approximate="tanh", inplace_backward=True)),
@@ -109,6 +120,7 @@ def cases():
         out["rope"]["liger"] = (qk, lambda q, k, c, s: lig["rope"](q.contiguous(), k.contiguous(), c, s))
         out["swiglu"]["liger"] = (gate_up, lig["swiglu"])
         out["geglu"]["liger"] = (gate_up, lig["geglu"])
+        out["cross_entropy"]["liger"] = (logits_in, lig["ce"])
     return out
 
 

@@ -20,6 +20,12 @@ gradient is computed), and it bumps the logits' version, so an op that saved the
 ``tanh`` done outside) raises autograd's in-place error instead of reading gradients.
 ``"none"`` keeps the logits and computes the gradient in backward with the per-token upstream
 gradient. Double backward (``create_graph=True``) raises a RuntimeError.
+
+Host synchronisation: none that drains the GPU. The label range check is queued ahead of the
+kernel and its answer read after the kernel is queued (so a bad label raises ``ValueError`` from
+this call, with ``inplace_backward=True`` after the logits were overwritten); the backward's
+scaling by the upstream gradient is skipped on the device when that gradient is 1. Under CUDA-graph
+capture the label check is skipped (out-of-range labels then count as ignored).
 """
 
 from __future__ import annotations
@@ -32,7 +38,7 @@ from torch import Tensor, nn
 from liger_losses.kernels.logits_tile import check_ce_options, logits_tile
 from liger_losses.kernels.utils import (
     check_choice,
-    check_labels,
+    finish_label_check,
     check_no_double_backward,
     check_range,
     check_same_device,
@@ -40,7 +46,9 @@ from liger_losses.kernels.utils import (
     needs_input_grads,
     owns_buffer,
     resolve_impl,
+    start_label_check,
 )
+from liger_losses.kernels.scale import scale_unless_one_
 
 REDUCTIONS = ("mean", "sum", "none")
 
@@ -65,11 +73,13 @@ class _CrossEntropyFunction(torch.autograd.Function):
         if red == "mean":
             valid = lab != kopts["ignore_index"]
             if weight is not None:
-                w_y = weight.float()[torch.where(valid, lab, torch.zeros_like(lab))]
+                # (clamped: an out-of-range label must not index out of bounds before the deferred
+                # label check raises)
+                w_y = weight.float()[torch.where(valid, lab, torch.zeros_like(lab)).clamp(0, V - 1)]
                 denom = (w_y * valid).sum()
+                denom = torch.where(denom > 0, denom, torch.ones_like(denom))
             else:
-                denom = valid.sum().float()
-            denom = torch.where(denom > 0, denom, torch.ones_like(denom))
+                denom = valid.sum().clamp_min(1).float()  # all ignored: 0 / 1
             scale = 1.0 / denom  # 0-d: logits_tile takes it as every row's scale
         else:
             denom, scale = None, 1.0
@@ -106,10 +116,9 @@ class _CrossEntropyFunction(torch.autograd.Function):
             )
             return buf.view(ctx.shape), None, None, None
         (buf,) = ctx.saved_tensors
-        # The usual upstream gradient is exactly 1 (loss.backward()): skip a pass over [N, V]
-        # then. The test reads one scalar back to the host, as liger-kernel's does.
-        if not bool(grad_loss == 1):
-            buf.mul_(grad_loss)
+        # The usual upstream gradient is exactly 1 (loss.backward()): the kernel then returns at
+        # once on the device, without a pass over [N, V] and without the host reading the value
+        scale_unless_one_(buf, grad_loss.reshape(1))
         return buf.view(ctx.shape), None, None, None
 
 
@@ -145,7 +154,9 @@ def cross_entropy(
         raise TypeError(f"ignore_index must be an int, got {type(ignore_index).__name__}")
     check_same_device(logits=logits, labels=labels, weight=weight)
     resolve_impl(impl, logits)
-    check_labels("labels", labels, V, ignore_index)
+    # the label range check is queued before the kernels and read after they are queued: no
+    # host synchronisation drains the GPU (see utils.start_label_check)
+    pending = start_label_check("labels", labels, V, ignore_index)
     cfg = dict(
         reduction=reduction, inplace_backward=bool(inplace_backward),
         grad_enabled=torch.is_grad_enabled(),
@@ -155,7 +166,9 @@ def cross_entropy(
             impl=impl,
         ),
     )
-    return _CrossEntropyFunction.apply(logits, labels, weight, cfg)
+    loss = _CrossEntropyFunction.apply(logits, labels, weight, cfg)
+    finish_label_check(pending)
+    return loss
 
 
 class LigerCrossEntropyLoss(nn.Module):

@@ -1,7 +1,8 @@
 """Row statistics of one logits tile and its gradient written in place (layer 1).
 
 Input: a logits tile ``x [n, V]`` (bf16 / fp16 / fp32, any row stride, unit column stride) and
-``labels [n]`` (integer; ``ignore_index`` rows give zero statistics and a zero gradient row).
+``labels [n]`` (integer; ``ignore_index`` rows give zero statistics and a zero gradient row; the
+Triton kernel treats labels outside ``[0, V)`` the same way -- callers check the range and raise).
 Each row is transformed ``y = logit_scale * x``; ``y = softcap * tanh(y / softcap)`` when
 ``softcap`` is set; ``z = y / temperature``; ``p = softmax(z)``. Per row (all float32, ``[n]``):
 
@@ -86,7 +87,8 @@ if triton is not None:
         x_ptr = X + row * stride_x
         g_ptr = G + row * stride_g  # the gradient row: X itself (in place) or another buffer
         label = tl.load(LABELS + row).to(tl.int64)
-        valid = label != ignore_index
+        # out-of-range labels count as ignored: nothing is read out of bounds (callers raise on them)
+        valid = (label != ignore_index) & (label >= 0) & (label < V)
         safe = tl.where(valid, label, 0)
         n_blocks = tl.cdiv(V, BLOCK)
         n_iter = tl.where(valid, n_blocks, 0)

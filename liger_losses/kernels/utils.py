@@ -187,6 +187,43 @@ def check_labels(
         )
 
 
+def start_label_check(
+    name: str, labels: torch.Tensor, num_classes: int, ignore_index: int
+) -> Optional[tuple]:
+    """The check of :func:`check_labels` without draining the GPU's queue: on a CUDA device the
+    range test is queued (its one-byte answer copied to pinned host memory behind an event) and
+    :func:`finish_label_check` -- called once the caller has queued its kernels -- waits for that
+    event only, so the kernels queued after it keep the GPU busy while the host goes on. On the
+    CPU the check runs at once (returns None). While a CUDA graph is being captured (no host
+    read is possible) the check is skipped: callers' kernels count out-of-range labels as ignored."""
+    check_tensor(name, labels, floating=False)
+    if labels.numel() == 0:
+        return None
+    if labels.device.type != "cuda":
+        check_labels(name, labels, num_classes, ignore_index)
+        return None
+    if torch.cuda.is_current_stream_capturing():
+        return None
+    bad = (labels != ignore_index) & ((labels < 0) | (labels >= num_classes))
+    flag = torch.empty((), dtype=torch.bool, pin_memory=True)
+    flag.copy_(bad.any(), non_blocking=True)
+    event = torch.cuda.Event()
+    event.record()
+    return name, labels, num_classes, ignore_index, flag, event
+
+
+def finish_label_check(pending: Optional[tuple]) -> None:
+    """Raise ``ValueError`` (as :func:`check_labels`) if the check queued by
+    :func:`start_label_check` found a label outside ``[0, num_classes)`` other than
+    ``ignore_index``; waits only for that check's event."""
+    if pending is None:
+        return
+    name, labels, num_classes, ignore_index, flag, event = pending
+    event.synchronize()
+    if bool(flag):
+        check_labels(name, labels, num_classes, ignore_index)  # raises, naming an example
+
+
 def check_number(name: str, value) -> None:
     """Raise ``TypeError`` unless ``value`` is a real number (``bool`` is not one)."""
     if isinstance(value, bool) or not isinstance(value, numbers.Real):

@@ -149,3 +149,86 @@ def test_gpu_bf16_large_vocab():
     from tests.helpers import rel_err
 
     assert rel_err(xx.grad, xd.grad) <= 2 * max(rel_err(xp.grad, xd.grad), 1e-3)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("weighted", [False, True])
+@pytest.mark.parametrize("bad", [-5, 32000, 10**9])
+def test_gpu_bad_label_raises_after_queueing(bad, weighted):
+    """A label outside [0, V) on the GPU raises ValueError naming ``labels`` and the value, from the
+    deferred check -- after the kernel was queued with that row counted as ignored, so nothing was
+    read out of bounds: the CUDA context stays usable (a later call gives the right loss)."""
+    V = 32000
+    x = torch.randn(64, V, device="cuda")
+    labels = torch.randint(0, V, (64,), device="cuda")
+    w = torch.rand(V, device="cuda") + 0.5 if weighted else None
+    bad_labels = labels.clone()
+    bad_labels[5] = bad
+    with pytest.raises(ValueError, match=f"labels must be in \\[0, {V}\\).*found {bad}"):
+        cross_entropy(x.clone().requires_grad_(), bad_labels, weight=w)
+    out = cross_entropy(x, labels, weight=w)
+    ref = F.cross_entropy(x.double(), labels, weight=None if w is None else w.double())
+    assert abs(out.item() - ref.item()) <= 1e-5 * abs(ref.item())
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+def test_gpu_no_host_sync(reduction):
+    """Forward + backward with the usual upstream gradient (1) synchronise the host with the GPU
+    nowhere (``torch.cuda.set_sync_debug_mode("error")`` raises on any synchronising call): the
+    label check is read behind its own event, the backward's scale is skipped on the device."""
+    V = 32000
+    x = torch.randn(256, V, device="cuda", dtype=torch.bfloat16)
+    labels = torch.randint(0, V, (256,), device="cuda")
+    labels[::5] = -100
+    leaf = x.clone().requires_grad_()
+    cross_entropy(leaf, labels, reduction=reduction).backward()  # compile outside the check
+    torch.cuda.synchronize()
+    leaf = x.clone().requires_grad_()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        loss = cross_entropy(leaf, labels, reduction=reduction)
+        loss.backward()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    ref = x.double().requires_grad_()
+    F.cross_entropy(ref, labels, reduction=reduction).backward()
+    from tests.helpers import rel_err
+
+    assert rel_err(leaf.grad, ref.grad) <= 1e-2
+
+
+@pytest.mark.gpu
+def test_gpu_cuda_graph_forward_backward():
+    """Forward + backward captured in a CUDA graph (possible now that no host read happens; the
+    label check is skipped while capturing) and replayed on new inputs: loss and gradient equal
+    the eager ones bitwise; a replay with upstream gradient 2 doubles the gradient."""
+    V = 32000
+    x = torch.randn(512, V, device="cuda", dtype=torch.bfloat16)
+    labels = torch.randint(0, V, (512,), device="cuda")
+    labels[::3] = -100
+    static_x = x.clone().requires_grad_()
+    static_g = torch.ones((), device="cuda", dtype=torch.bfloat16)
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(2):
+            static_x.grad = None
+            cross_entropy(static_x, labels).backward(static_g)
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    static_x.grad = None
+    with torch.cuda.graph(graph):
+        static_loss = cross_entropy(static_x, labels)
+        static_loss.backward(static_g)
+    for scale in (1.0, 2.0):
+        new = torch.randn_like(x)
+        with torch.no_grad():
+            static_x.copy_(new)
+        static_g.fill_(scale)
+        graph.replay()
+        eager_x = new.clone().requires_grad_()
+        eager_loss = cross_entropy(eager_x, labels)
+        eager_loss.backward(torch.full((), scale, device="cuda", dtype=torch.bfloat16))
+        assert torch.equal(static_loss, eager_loss)
+        assert torch.equal(static_x.grad, eager_x.grad)
