@@ -35,6 +35,7 @@ from typing import Optional
 import torch
 from torch import Tensor, nn
 
+from liger_losses.kernels.label_stats import label_stats
 from liger_losses.kernels.logits_tile import check_ce_options, logits_tile
 from liger_losses.kernels.utils import (
     check_choice,
@@ -55,7 +56,7 @@ REDUCTIONS = ("mean", "sum", "none")
 
 class _CrossEntropyFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, logits, labels, weight, cfg):
+    def forward(ctx, logits, labels, weight, mean_scale, cfg):
         shape = logits.shape
         V = shape[-1]
         x = logits.reshape(-1, V)
@@ -70,19 +71,9 @@ class _CrossEntropyFunction(torch.autograd.Function):
             ctx.save_for_backward(logits, labels, weight)
             ctx.cfg = cfg
             return st.loss.reshape(shape[:-1]).to(logits.dtype)
-        if red == "mean":
-            valid = lab != kopts["ignore_index"]
-            if weight is not None:
-                # (clamped: an out-of-range label must not index out of bounds before the deferred
-                # label check raises)
-                w_y = weight.float()[torch.where(valid, lab, torch.zeros_like(lab)).clamp(0, V - 1)]
-                denom = (w_y * valid).sum()
-                denom = torch.where(denom > 0, denom, torch.ones_like(denom))
-            else:
-                denom = valid.sum().clamp_min(1).float()  # all ignored: 0 / 1
-            scale = 1.0 / denom  # 0-d: logits_tile takes it as every row's scale
-        else:
-            denom, scale = None, 1.0
+        # mean: every row's gradient scale is 1 / (count or weight sum of the kept labels), a
+        # 1-element device tensor from label_stats (1 when all are ignored: the loss is then 0)
+        scale = mean_scale if red == "mean" else 1.0
         (grad,) = needs_input_grads(ctx, cfg["grad_enabled"], 1)
         # the gradient goes into x itself (in place) only when the buffer is an intermediate of
         # the graph (not a leaf or a view of one, which the caller owns), else into a new buffer
@@ -94,7 +85,7 @@ class _CrossEntropyFunction(torch.autograd.Function):
         if inplace:  # an op that saved the logits (e.g. a tanh softcap) now raises, not reads grads
             torch.autograd.graph.increment_version(logits)
         total = st.loss.sum()
-        loss = total / denom if denom is not None else total
+        loss = total * mean_scale[0] if red == "mean" else total
         # (x detached: a view made here of logits, whose version was bumped, cannot be unpacked)
         ctx.save_for_backward((x.detach() if out is None else out) if grad else None)
         return loss.to(logits.dtype)
@@ -114,12 +105,12 @@ class _CrossEntropyFunction(torch.autograd.Function):
                 grad_scale=grad_loss.reshape(-1), class_weight=weight,
                 need_logits_sum=False, out=buf, **cfg["kernel_opts"],
             )
-            return buf.view(ctx.shape), None, None, None
+            return buf.view(ctx.shape), None, None, None, None
         (buf,) = ctx.saved_tensors
         # The usual upstream gradient is exactly 1 (loss.backward()): the kernel then returns at
         # once on the device, without a pass over [N, V] and without the host reading the value
         scale_unless_one_(buf, grad_loss.reshape(1))
-        return buf.view(ctx.shape), None, None, None
+        return buf.view(ctx.shape), None, None, None, None
 
 
 def cross_entropy(
@@ -154,9 +145,10 @@ def cross_entropy(
         raise TypeError(f"ignore_index must be an int, got {type(ignore_index).__name__}")
     check_same_device(logits=logits, labels=labels, weight=weight)
     resolve_impl(impl, logits)
-    # the label range check is queued before the kernels and read after they are queued: no
-    # host synchronisation drains the GPU (see utils.start_label_check)
-    pending = start_label_check("labels", labels, V, ignore_index)
+    # one launch gives the label range check's flag and the mean's scale; the flag is read after
+    # the loss kernels are queued: no host synchronisation drains the GPU (utils.start_label_check)
+    bad, mean_scale = label_stats(labels, V, ignore_index, weight, impl=impl)
+    pending = start_label_check("labels", labels, V, ignore_index, bad=bad)
     cfg = dict(
         reduction=reduction, inplace_backward=bool(inplace_backward),
         grad_enabled=torch.is_grad_enabled(),
@@ -166,7 +158,7 @@ def cross_entropy(
             impl=impl,
         ),
     )
-    loss = _CrossEntropyFunction.apply(logits, labels, weight, cfg)
+    loss = _CrossEntropyFunction.apply(logits, labels, weight, mean_scale, cfg)
     finish_label_check(pending)
     return loss
 

@@ -75,7 +75,7 @@ if triton is not None:
 
     @triton.jit
     def _logits_tile_kernel(
-        X, stride_x, G, stride_g, LABELS, SCALE, scale_value, CW,
+        X, stride_x, G, stride_g, LABELS, SCALE, scale_stride, scale_value, CW,
         LOSS, LSE, LOGP, ENT, CORRECT, LSUM,
         V, ignore_index, logit_scale, inv_temp, softcap, eps, z_w,
         MODE_CE: tl.constexpr, WRITE_GRAD: tl.constexpr, SCALE_PER_ROW: tl.constexpr,
@@ -161,7 +161,7 @@ if triton is not None:
         # pass 2: gradient d loss / d x, times the row scale, in place
         if WRITE_GRAD:
             if SCALE_PER_ROW:
-                scale = tl.load(SCALE + row).to(tl.float32)
+                scale = tl.load(SCALE + row * scale_stride).to(tl.float32)
             else:
                 scale = scale_value
             lse_s = tl.where(valid, lse, 0.0)
@@ -333,7 +333,8 @@ def logits_tile(
     ``out`` is given (``[n, V]``, logits' dtype and device, unit column stride), ``out`` is
     written instead and the logits are left untouched.
 
-    ``grad_scale`` is a float or a ``[n]`` tensor (cast to float32). ``class_weight [V]`` only
+    ``grad_scale`` is a float, a 1-element tensor (every row's scale, left on the device) or a
+    ``[n]`` tensor (cast to float32). ``class_weight [V]`` only
     applies to ``mode="ce"``. ``need_logits_sum=False`` skips the ``logits_sum`` statistic (a
     running sum in the kernel's first pass) and returns it as ``None``. Returns
     :class:`TileStats`.
@@ -352,13 +353,15 @@ def logits_tile(
         if class_weight.shape[0] != V:
             raise ValueError(f"class_weight must have shape [{V}], got {tuple(class_weight.shape)}")
     per_row = isinstance(grad_scale, Tensor)
+    scale_stride = 1
     if per_row:
         check_tensor("grad_scale", grad_scale, floating=True)
-        if grad_scale.dim() == 0:
-            grad_scale = grad_scale.reshape(1).expand(n)
-        if tuple(grad_scale.shape) != (n,):
-            raise ValueError(f"grad_scale must be a float or a [{n}] tensor, got {tuple(grad_scale.shape)}")
-        grad_scale = grad_scale.float().contiguous()
+        one_scale = grad_scale.numel() == 1 and grad_scale.dim() <= 1  # every row's, on the device
+        if tuple(grad_scale.shape) != (n,) and not one_scale:
+            raise ValueError(f"grad_scale must be a float, a 1-element or a [{n}] tensor, "
+                             f"got {tuple(grad_scale.shape)}")
+        grad_scale = grad_scale.float().reshape(-1).contiguous()
+        scale_stride = 0 if one_scale and n != 1 else 1  # stride 0: the kernel reads element 0 per row
     check_same_device(logits=logits, labels=labels, class_weight=class_weight,
                       grad_scale=grad_scale if per_row else None)
     if out is not None:
@@ -404,7 +407,7 @@ def logits_tile(
     g = out if out is not None else x
     with device_ctx(x):  # Triton launches on the current GPU
         _logits_tile_kernel[(n,)](
-            x, x.stride(0), g, g.stride(0), lab, scale_ptr, scale_value, cw_arg,
+            x, x.stride(0), g, g.stride(0), lab, scale_ptr, scale_stride, scale_value, cw_arg,
             loss, lse, logp, ent, correct, lsum,
             V, int(ignore_index), float(logit_scale), 1.0 / float(temperature),
             float(softcap) if softcap is not None else 1.0, eps, z_w,

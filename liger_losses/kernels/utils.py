@@ -188,14 +188,17 @@ def check_labels(
 
 
 def start_label_check(
-    name: str, labels: torch.Tensor, num_classes: int, ignore_index: int
+    name: str, labels: torch.Tensor, num_classes: int, ignore_index: int,
+    bad: Optional[torch.Tensor] = None,
 ) -> Optional[tuple]:
     """The check of :func:`check_labels` without draining the GPU's queue: on a CUDA device the
     range test is queued (its one-byte answer copied to pinned host memory behind an event) and
     :func:`finish_label_check` -- called once the caller has queued its kernels -- waits for that
     event only, so the kernels queued after it keep the GPU busy while the host goes on. On the
     CPU the check runs at once (returns None). While a CUDA graph is being captured (no host
-    read is possible) the check is skipped: callers' kernels count out-of-range labels as ignored."""
+    read is possible) the check is skipped: callers' kernels count out-of-range labels as ignored.
+    ``bad``: the test's answer already on the device (a 1-element integer tensor, nonzero when some
+    label is out of range, e.g. from :func:`kernels.label_stats.label_stats`), else it is computed."""
     check_tensor(name, labels, floating=False)
     if labels.numel() == 0:
         return None
@@ -204,9 +207,10 @@ def start_label_check(
         return None
     if torch.cuda.is_current_stream_capturing():
         return None
-    bad = (labels != ignore_index) & ((labels < 0) | (labels >= num_classes))
-    flag = torch.empty((), dtype=torch.bool, pin_memory=True)
-    flag.copy_(bad.any(), non_blocking=True)
+    if bad is None:
+        bad = ((labels != ignore_index) & ((labels < 0) | (labels >= num_classes))).any()
+    flag = torch.empty(bad.shape, dtype=bad.dtype, pin_memory=True)
+    flag.copy_(bad, non_blocking=True)
     event = torch.cuda.Event()
     event.record()
     return name, labels, num_classes, ignore_index, flag, event
@@ -220,7 +224,7 @@ def finish_label_check(pending: Optional[tuple]) -> None:
         return
     name, labels, num_classes, ignore_index, flag, event = pending
     event.synchronize()
-    if bool(flag):
+    if bool(flag.any()):
         check_labels(name, labels, num_classes, ignore_index)  # raises, naming an example
 
 
