@@ -80,7 +80,9 @@ PROVIDERS = {
 
 
 def sweep() -> None:
-    """Ours at a few (BLOCK_CAP, NUM_WARPS) settings of kernels.logits_tile, 8192 x 128256."""
+    """Ours at a few (BLOCK_CAP, NUM_WARPS, loop stages, reversed pass 2) settings of
+    kernels.logits_tile, 8192 x 128256, full step (GPU-bound since cross_entropy stopped
+    synchronising the host), alternating the settings over 3 rounds; liger-kernel as the reference."""
     from benchmark.common import print_table
     from liger_losses.kernels import logits_tile as lt
 
@@ -89,21 +91,34 @@ def sweep() -> None:
     y = torch.randint(0, V, (N,), device="cuda")
     y[::10] = -100
     fn_loss = ours()
-    defaults = lt.BLOCK_CAP, lt.NUM_WARPS
+    defaults = lt.BLOCK_CAP, lt.NUM_WARPS, lt.PASS1_STAGES, lt.PASS2_STAGES, lt.PASS2_REVERSED
+    settings = [defaults[:3] + (defaults[4],), (2048, 4, 3, False), (1024, 4, 3, True), (4096, 8, 3, True),
+                (4096, 8, 2, True), (2048, 8, 3, True), (2048, 4, 4, True), (8192, 16, None, True),
+                (32768, 32, None, True), (16384, 16, None, False)]
+    times: dict = {s: [] for s in settings}
+    errors: dict = {}
+    for _ in range(3):
+        for st in settings:
+            lt.BLOCK_CAP, lt.NUM_WARPS, stages, lt.PASS2_REVERSED = st
+            lt.PASS1_STAGES = lt.PASS2_STAGES = stages
+
+            def step():
+                leaf = base.detach().requires_grad_()
+                loss = fn_loss(leaf, y)
+                return torch.autograd.grad(loss, (leaf,))
+
+            m = measure(step, warmup=5, rep=30)
+            times[st].append(m.ms)
+            if m.error:
+                errors[st] = m.error[:60]
+    lt.BLOCK_CAP, lt.NUM_WARPS, lt.PASS1_STAGES, lt.PASS2_STAGES, lt.PASS2_REVERSED = defaults
+    floor = hbm_floor_ms(2 * N * V * 2)
     results = []
-    for block, warps in ((4096, 8), (4096, 8), (1024, 4), (2048, 4), (512, 4), (512, 2), (1024, 2), (256, 2),
-                         (256, 1), (512, 1), (1024, 1), (1024, 4)):
-        lt.BLOCK_CAP, lt.NUM_WARPS = block, warps
-
-        def step():
-            leaf = base.detach().requires_grad_()
-            loss = fn_loss(leaf, y)
-            return torch.autograd.grad(loss, (leaf,))
-
-        m = measure(step, warmup=5, rep=30)
-        results.append(dict(block=block, warps=warps, ms=round(m.ms, 4),
-                            over_floor=round(m.ms / hbm_floor_ms(2 * N * V * 2), 3), error=(m.error or "")[:60]))
-    lt.BLOCK_CAP, lt.NUM_WARPS = defaults
+    for st in settings:
+        ms = sorted(times[st])[1]
+        results.append(dict(block=st[0], warps=st[1], stages=st[2], reversed=st[3], ms=round(ms, 4),
+                            over_floor=round(ms / floor, 3), rounds=[round(t, 4) for t in times[st]],
+                            error=errors.get(st, "")))
     try:  # liger-kernel in the same process, as the reference
         liger_loss = liger_kernel()
 
@@ -112,8 +127,8 @@ def sweep() -> None:
             return torch.autograd.grad(liger_loss(leaf, y), (leaf,))
 
         m = measure(liger_step, warmup=5, rep=30)
-        results.append(dict(block="liger-kernel", warps="", ms=round(m.ms, 4),
-                            over_floor=round(m.ms / hbm_floor_ms(2 * N * V * 2), 3), error=(m.error or "")[:60]))
+        results.append(dict(block="liger-kernel", warps="", stages="", reversed="", ms=round(m.ms, 4),
+                            over_floor=round(m.ms / floor, 3), rounds="", error=(m.error or "")[:60]))
     except Exception as exc:  # noqa: BLE001
         print(f"(liger-kernel unavailable: {exc})")
     print_table(results, keys=list(results[0]))

@@ -394,12 +394,10 @@ def logits_tile(
     x = logits if logits.stride(1) == 1 else logits.contiguous()
     lab = labels.contiguous()
     dev = logits.device
-    loss = torch.empty(n, dtype=torch.float32, device=dev)
-    lse = torch.empty_like(loss)
-    logp = torch.empty_like(loss)
-    lsum = torch.empty_like(loss)
-    ent = torch.empty_like(loss) if need_entropy else loss
-    correct = torch.empty(n, dtype=torch.int8, device=dev)
+    # the per-row statistics share one allocation (host time: one allocator call, not five), and
+    # the argmax hits are written as bytes straight into a bool tensor (no conversion launch)
+    loss, lse, logp, lsum, ent = torch.empty((5, n), dtype=torch.float32, device=dev).unbind(0)
+    correct = torch.empty(n, dtype=torch.bool, device=dev)
     cw_arg = cw.float().contiguous() if cw is not None else loss
     scale_ptr = grad_scale if per_row else loss
     scale_value = 0.0 if per_row else float(grad_scale)
@@ -408,7 +406,7 @@ def logits_tile(
     with device_ctx(x):  # Triton launches on the current GPU
         _logits_tile_kernel[(n,)](
             x, x.stride(0), g, g.stride(0), lab, scale_ptr, scale_stride, scale_value, cw_arg,
-            loss, lse, logp, ent, correct, lsum,
+            loss, lse, logp, ent, correct.view(torch.int8), lsum,
             V, int(ignore_index), float(logit_scale), 1.0 / float(temperature),
             float(softcap) if softcap is not None else 1.0, eps, z_w,
             MODE_CE=mode_ce, WRITE_GRAD=bool(grad), SCALE_PER_ROW=per_row,
@@ -417,5 +415,5 @@ def logits_tile(
             STAGES1=PASS1_STAGES, STAGES2=PASS2_STAGES, REVERSED=PASS2_REVERSED, num_warps=warps,
             **({} if MAXNREG is None else {"maxnreg": MAXNREG}),
         )
-    return TileStats(loss, lse, logp, ent if need_entropy else None, correct.bool(),
+    return TileStats(loss, lse, logp, ent if need_entropy else None, correct,
                      lsum if need_logits_sum else None)
