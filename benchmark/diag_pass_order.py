@@ -9,7 +9,7 @@ This times, alternating the knob in one process (``--rounds`` rounds, ``do_bench
 - the JSD divergence tile kernel alone on ``[2048, V]`` student and teacher tiles;
 - the fused-linear CE and JSD distillation at H=4096, 8192 tokens (what issue #3 measures).
 
-    python benchmark/diag_pass_order.py [--rounds 3] [--no-losses]
+    python benchmark/diag_pass_order.py [--rounds 3] [--rows 2048] [--vocab 128256] [--no-losses]
 """
 
 from __future__ import annotations
@@ -45,6 +45,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--rows", type=int, default=2048)
     ap.add_argument("--no-losses", action="store_true")
+    ap.add_argument("--vocab", type=int, default=V, help="tile width (the fused losses keep 128256)")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         print("diag_pass_order: needs a CUDA GPU")
@@ -55,7 +56,7 @@ def main() -> None:
     from liger_losses.kernels import divergence_tile as dt
     from liger_losses.kernels import logits_tile as lt
 
-    tile, student, teacher, labels, scale = logits_tiles(args.rows, V)
+    tile, student, teacher, labels, scale = logits_tiles(args.rows, args.vocab)
     cases = {
         "logits_tile ce": lambda: lt.logits_tile(tile, labels, grad=True, grad_scale=scale, need_logits_sum=False),
         "divergence_tile jsd": lambda: dt.divergence_tile(student, teacher, grad_scale=scale, check_inputs=False),
