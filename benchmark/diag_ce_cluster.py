@@ -76,12 +76,50 @@ def _row_ce_kernel_2d(X, stride_x, G, stride_g, LABELS, LOSS, V, ignore_index, s
     tl.store(G + row * stride_g + cols, g.to(G.dtype.element_ty), mask=cols < V)
 
 
+@triton.jit
+def _row_ce_kernel_reshape(X, stride_x, G, stride_g, LABELS, LOSS, V, ignore_index, scale,
+                           C: tl.constexpr, FLAT: tl.constexpr):
+    """[1, C] without expand_dims: the column index is a reshaped 1-D arange (not FLAT), or the row
+    is handled 1-D and only reshaped to [1, C] for the reductions (FLAT); the label's logit is a
+    scalar load."""
+    row = tl.program_id(0).to(tl.int64)
+    label = tl.load(LABELS + row).to(tl.int64)
+    valid = label != ignore_index
+    x_y = tl.load(X + row * stride_x + tl.where(valid, label, 0)).to(tl.float32)
+    cols1 = tl.arange(0, C)
+    if FLAT:
+        x1 = tl.load(X + row * stride_x + cols1, mask=cols1 < V, other=float("-inf")).to(tl.float32)
+        x = tl.reshape(x1, (1, C))
+    else:
+        cols = tl.reshape(cols1, (1, C))
+        x = tl.load(X + row * stride_x + cols, mask=cols < V, other=float("-inf")).to(tl.float32)
+    m = tl.max(x, axis=1, keep_dims=True)
+    m = tl.where(valid, m, 0.0)
+    p = tl.exp(x - m)
+    d = tl.sum(p, axis=1, keep_dims=True)
+    d = tl.where(valid, d, 1.0)
+    lse = m + tl.log(d)
+    tl.store(LOSS + row + tl.zeros([1, 1], dtype=tl.int64), tl.where(valid, lse - x_y, 0.0))
+    coef = tl.where(valid, scale, 0.0)
+    g = p * (coef / d)
+    if FLAT:
+        g1 = tl.reshape(g, (C,))
+        g1 = tl.where(cols1 == label, g1 - coef, g1)
+        tl.store(G + row * stride_g + cols1, g1.to(G.dtype.element_ty), mask=cols1 < V)
+    else:
+        g = tl.where(cols == label, g - coef, g)
+        tl.store(G + row * stride_g + cols, g.to(G.dtype.element_ty), mask=cols < V)
+
+
 def cluster_ce(x, labels, g, ctas, warps, scale, rows_2d=0):
     """rows_2d = 0: the 1-D kernel; else the [rows_2d, BLOCK / rows_2d] kernel."""
     n, V = x.shape
     loss = torch.empty(n, device=x.device, dtype=torch.float32)
     block = triton.next_power_of_2(V)
-    if rows_2d:
+    if rows_2d in ("reshape", "flat"):
+        _row_ce_kernel_reshape[(n,)](x, x.stride(0), g, g.stride(0), labels, loss, V, -100, scale,
+                                     C=block, FLAT=rows_2d == "flat", num_warps=warps, num_ctas=ctas)
+    elif rows_2d:
         _row_ce_kernel_2d[(n,)](x, x.stride(0), g, g.stride(0), labels, loss, V, -100, scale,
                                 R=rows_2d, C=block // rows_2d, num_warps=warps, num_ctas=ctas)
     else:
@@ -107,9 +145,10 @@ def main():
         g_ref = torch.empty_like(x)
         ref = logits_tile(x, y, grad_scale=1.0 / N, out=g_ref, need_logits_sum=False)
         configs = {"row kernel": lambda: logits_tile(x, y, grad_scale=1.0 / N, out=g, need_logits_sum=False)}
-        for ctas, warps, r2 in ((8, 16, 0), (8, 8, 1), (8, 16, 1), (8, 32, 1), (4, 16, 1), (4, 32, 1),
-                                (2, 32, 1), (8, 16, 8), (4, 32, 4), (1, 32, 1)):
-            name = f"cluster {ctas} CTAs x {warps} warps, {'1-D' if not r2 else f'[{r2}, C]'}"
+        for ctas, warps, r2 in ((8, 16, "reshape"), (8, 16, "flat"), (8, 8, "reshape"), (8, 8, "flat"),
+                                (4, 16, "reshape"), (4, 16, "flat"), (4, 32, "flat"), (2, 32, "flat"),
+                                (8, 16, 1)):
+            name = f"cluster {ctas} CTAs x {warps} warps, {r2 if isinstance(r2, str) else f'[{r2}, C]'}"
             try:
                 loss = cluster_ce(x, y, g, ctas, warps, 1.0 / N, r2)
                 torch.cuda.synchronize()
