@@ -7,6 +7,11 @@ does ``tl.max`` / ``tl.sum`` across them through distributed shared memory (``ma
 ``[131072]`` block over 8 CTAs is 32 KB per SM: loaded once, reduced on chip, the gradient written
 from registers -- one read and one write, against the row kernel's two reads.
 
+Session 10: compiles offline with Triton 3.9 (cluster code in the PTX) but fails in Triton 3.6's
+``TritonGPUPlanCTAPass`` for every variant here (1-D, ``[1, C]``, ``[R, C]``, reshaped), so on the
+H200 image only ``num_ctas = 1`` runs (benchmark/results/README.md, session 10). Kept to re-run
+with a newer Triton.
+
 Times, alternating over ``--rounds`` (``do_bench`` medians): the row kernel (``logits_tile``,
 gradient into a separate buffer) and the cluster kernel at several (num_ctas, warps), each checked
 against the row kernel (max |gradient difference|, loss relative error).
