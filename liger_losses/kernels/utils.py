@@ -210,9 +210,9 @@ def start_label_check(
     if bad is None:
         bad = ((labels != ignore_index) & ((labels < 0) | (labels >= num_classes))).any()
     flag = torch.empty(bad.shape, dtype=bad.dtype, pin_memory=True)
-    flag.copy_(bad, non_blocking=True)
+    flag.copy_(bad, non_blocking=True)  # queued on the labels' device's current stream
     event = torch.cuda.Event()
-    event.record()
+    event.record(torch.cuda.current_stream(labels.device))  # that stream, whatever GPU is current
     return name, labels, num_classes, ignore_index, flag, event
 
 

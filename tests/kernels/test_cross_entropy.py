@@ -232,3 +232,24 @@ def test_gpu_cuda_graph_forward_backward():
         eager_loss.backward(torch.full((), scale, device="cuda", dtype=torch.bfloat16))
         assert torch.equal(static_loss, eager_loss)
         assert torch.equal(static_x.grad, eager_x.grad)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+def test_gpu_label_check_on_a_non_current_gpu():
+    """Logits and labels on cuda:1 while cuda:0 is current: the deferred label check waits on the
+    labels' device's stream, so a bad label always raises and good labels never do (20 calls each:
+    a read of the pinned flag before its copy landed would show), and the loss matches float64."""
+    torch.cuda.set_device(0)
+    dev = torch.device("cuda", 1)
+    V = 32000
+    x = torch.randn(512, V, device=dev)
+    labels = torch.randint(0, V, (512,), device=dev)
+    ref = F.cross_entropy(x.double(), labels)
+    bad = labels.clone()
+    bad[100] = V
+    for _ in range(20):
+        out = cross_entropy(x, labels)
+        assert abs(out.item() - ref.item()) <= 1e-5 * abs(ref.item())
+        with pytest.raises(ValueError, match="labels must be in"):
+            cross_entropy(x, bad)
