@@ -1,8 +1,8 @@
 """Row statistics of one logits tile and its gradient written in place (layer 1).
 
 Input: a logits tile ``x [n, V]`` (bf16 / fp16 / fp32, any row stride, unit column stride) and
-``labels [n]`` (integer; ``ignore_index`` rows give zero statistics and a zero gradient row; the
-Triton kernel treats labels outside ``[0, V)`` the same way -- callers check the range and raise).
+``labels [n]`` (integer; ``ignore_index`` rows give zero statistics and a zero gradient row; labels
+outside ``[0, V)`` are treated the same way -- callers check the range and raise).
 Each row is transformed ``y = logit_scale * x``; ``y = softcap * tanh(y / softcap)`` when
 ``softcap`` is set; ``z = y / temperature``; ``p = softmax(z)``. Per row (all float32, ``[n]``):
 
@@ -216,7 +216,8 @@ def _logits_tile_torch(
     class_weight, mode_ce, grad, need_entropy, out=None, need_logits_sum=True,
 ) -> TileStats:
     n, V = logits.shape
-    valid = labels != ignore_index
+    # out-of-range labels count as ignored, as in the Triton kernel (no out-of-bounds gather)
+    valid = (labels != ignore_index) & (labels >= 0) & (labels < V)
     safe = torch.where(valid, labels, torch.zeros_like(labels)).long()
     z, t = _transform_torch(logits, logit_scale, temperature, softcap)
     lse = torch.logsumexp(z, dim=1)

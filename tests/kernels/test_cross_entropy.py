@@ -152,12 +152,14 @@ def test_gpu_bf16_large_vocab():
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("impl", ["auto", "torch"])
 @pytest.mark.parametrize("weighted", [False, True])
 @pytest.mark.parametrize("bad", [-5, 32000, 10**9])
-def test_gpu_bad_label_raises_after_queueing(bad, weighted):
+def test_gpu_bad_label_raises_after_queueing(bad, weighted, impl):
     """A label outside [0, V) on the GPU raises ValueError naming ``labels`` and the value, from the
     deferred check -- after the kernel was queued with that row counted as ignored, so nothing was
-    read out of bounds: the CUDA context stays usable (a later call gives the right loss)."""
+    read out of bounds: the CUDA context stays usable (a later call gives the right loss). Both the
+    Triton kernels and the PyTorch fallback (``impl="torch"``)."""
     V = 32000
     x = torch.randn(64, V, device="cuda")
     labels = torch.randint(0, V, (64,), device="cuda")
@@ -165,8 +167,8 @@ def test_gpu_bad_label_raises_after_queueing(bad, weighted):
     bad_labels = labels.clone()
     bad_labels[5] = bad
     with pytest.raises(ValueError, match=f"labels must be in \\[0, {V}\\).*found {bad}"):
-        cross_entropy(x.clone().requires_grad_(), bad_labels, weight=w)
-    out = cross_entropy(x, labels, weight=w)
+        cross_entropy(x.clone().requires_grad_(), bad_labels, weight=w, impl=impl)
+    out = cross_entropy(x, labels, weight=w, impl=impl)
     ref = F.cross_entropy(x.double(), labels, weight=None if w is None else w.double())
     assert abs(out.item() - ref.item()) <= 1e-5 * abs(ref.item())
 

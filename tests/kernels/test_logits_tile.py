@@ -180,6 +180,23 @@ def test_out_buffer_bad_inputs():
         logits_tile(x, labels, grad=False, out=torch.empty(3, 20))
 
 
+@pytest.mark.parametrize("impl", IMPLS)
+def test_out_of_range_labels_count_as_ignored(impl):
+    """Labels outside [0, V) (which callers reject, after queueing the kernel) give the rows of
+    ignored ones -- zero statistics and a zero gradient row -- and nothing is read out of bounds;
+    the other rows are untouched by them (within 1e-5 of float64)."""
+    x, labels = _inputs(5, 40)
+    labels[1], labels[3] = -7, 40
+    tile = x.clone()
+    st = logits_tile(tile, labels, need_entropy=True, impl=impl)
+    for r in (1, 3):
+        assert torch.all(tile[r] == 0) and st.loss[r] == 0 and not st.correct[r]
+    keep = torch.tensor([0, 2, 4])
+    ref = reference(x[keep], labels[keep], "ce", torch.ones(3))
+    assert_close_rel(st.loss[keep], ref["loss"], TOL[torch.float32], "loss")
+    assert_close_rel(tile[keep], ref["grad"], TOL[torch.float32], "grad")
+
+
 def test_triton_and_torch_agree_all_ignored():
     """All rows ignored: zeros everywhere, no NaN, in both implementations."""
     x, _ = _inputs(3, 50)
