@@ -8,9 +8,8 @@ does ``tl.max`` / ``tl.sum`` across them through distributed shared memory (``ma
 from registers -- one read and one write, against the row kernel's two reads.
 
 Session 10: compiles offline with Triton 3.9 (cluster code in the PTX) but fails in Triton 3.6's
-``TritonGPUPlanCTAPass`` for every variant here (1-D, ``[1, C]``, ``[R, C]``, reshaped), so on the
-H200 image only ``num_ctas = 1`` runs (benchmark/results/README.md, session 10). Kept to re-run
-with a newer Triton.
+``TritonGPUPlanCTAPass``; so did ``[1, C]`` / ``[R, C]`` tiles and a reshaped row (commit ec64ea5's
+variants; benchmark/results/README.md, session 10). Kept to re-run with a newer Triton.
 
 Times, alternating over ``--rounds`` (``do_bench`` medians): the row kernel (``logits_tile``,
 gradient into a separate buffer) and the cluster kernel at several (num_ctas, warps), each checked
@@ -56,80 +55,11 @@ def _row_ce_kernel(X, stride_x, G, stride_g, LABELS, LOSS, V, ignore_index, scal
     tl.store(G + row * stride_g + cols, g.to(G.dtype.element_ty), mask=cols < V)
 
 
-@triton.jit
-def _row_ce_kernel_2d(X, stride_x, G, stride_g, LABELS, LOSS, V, ignore_index, scale,
-                      R: tl.constexpr, C: tl.constexpr):
-    """The same on the row as an [R, C] tile with keep_dims reductions (triton 3.6's CTA planning
-    rejects reductions of 1-D tensors over a cluster: 'parent layout must have at least rank >= 2')."""
-    row = tl.program_id(0).to(tl.int64)
-    cols = tl.arange(0, R)[:, None] * C + tl.arange(0, C)[None, :]
-    label = tl.load(LABELS + row + tl.zeros([1, 1], dtype=tl.int64)).to(tl.int64)
-    valid = label != ignore_index
-    # (the mask is the row length only, so that the loads vectorize: ignored rows are read too)
-    x = tl.load(X + row * stride_x + cols, mask=cols < V, other=float("-inf")).to(tl.float32)
-    m = tl.max(tl.max(x, axis=1, keep_dims=True), axis=0, keep_dims=True)
-    m = tl.where(valid, m, 0.0)
-    p = tl.exp(x - m)
-    d = tl.sum(tl.sum(p, axis=1, keep_dims=True), axis=0, keep_dims=True)
-    d = tl.where(valid, d, 1.0)
-    lse = m + tl.log(d)
-    x_y = tl.sum(tl.sum(tl.where(cols == label, x, 0.0), axis=1, keep_dims=True), axis=0, keep_dims=True)
-    tl.store(LOSS + row + tl.zeros([1, 1], dtype=tl.int64), tl.where(valid, lse - x_y, 0.0))
-    coef = tl.where(valid, scale, 0.0)
-    g = p * (coef / d)
-    g = tl.where(cols == label, g - coef, g)
-    tl.store(G + row * stride_g + cols, g.to(G.dtype.element_ty), mask=cols < V)
-
-
-@triton.jit
-def _row_ce_kernel_reshape(X, stride_x, G, stride_g, LABELS, LOSS, V, ignore_index, scale,
-                           C: tl.constexpr, FLAT: tl.constexpr):
-    """[1, C] without expand_dims: the column index is a reshaped 1-D arange (not FLAT), or the row
-    is handled 1-D and only reshaped to [1, C] for the reductions (FLAT); the label's logit is a
-    scalar load."""
-    row = tl.program_id(0).to(tl.int64)
-    label = tl.load(LABELS + row).to(tl.int64)
-    valid = label != ignore_index
-    x_y = tl.load(X + row * stride_x + tl.where(valid, label, 0)).to(tl.float32)
-    cols1 = tl.arange(0, C)
-    if FLAT:
-        x1 = tl.load(X + row * stride_x + cols1, mask=cols1 < V, other=float("-inf")).to(tl.float32)
-        x = tl.reshape(x1, (1, C))
-    else:
-        cols = tl.reshape(cols1, (1, C))
-        x = tl.load(X + row * stride_x + cols, mask=cols < V, other=float("-inf")).to(tl.float32)
-    m = tl.max(x, axis=1, keep_dims=True)
-    m = tl.where(valid, m, 0.0)
-    p = tl.exp(x - m)
-    d = tl.sum(p, axis=1, keep_dims=True)
-    d = tl.where(valid, d, 1.0)
-    lse = m + tl.log(d)
-    tl.store(LOSS + row + tl.zeros([1, 1], dtype=tl.int64), tl.where(valid, lse - x_y, 0.0))
-    coef = tl.where(valid, scale, 0.0)
-    g = p * (coef / d)
-    if FLAT:
-        g1 = tl.reshape(g, (C,))
-        g1 = tl.where(cols1 == label, g1 - coef, g1)
-        tl.store(G + row * stride_g + cols1, g1.to(G.dtype.element_ty), mask=cols1 < V)
-    else:
-        g = tl.where(cols == label, g - coef, g)
-        tl.store(G + row * stride_g + cols, g.to(G.dtype.element_ty), mask=cols < V)
-
-
-def cluster_ce(x, labels, g, ctas, warps, scale, rows_2d=0):
-    """rows_2d = 0: the 1-D kernel; else the [rows_2d, BLOCK / rows_2d] kernel."""
+def cluster_ce(x, labels, g, ctas, warps, scale):
     n, V = x.shape
     loss = torch.empty(n, device=x.device, dtype=torch.float32)
-    block = triton.next_power_of_2(V)
-    if rows_2d in ("reshape", "flat"):
-        _row_ce_kernel_reshape[(n,)](x, x.stride(0), g, g.stride(0), labels, loss, V, -100, scale,
-                                     C=block, FLAT=rows_2d == "flat", num_warps=warps, num_ctas=ctas)
-    elif rows_2d:
-        _row_ce_kernel_2d[(n,)](x, x.stride(0), g, g.stride(0), labels, loss, V, -100, scale,
-                                R=rows_2d, C=block // rows_2d, num_warps=warps, num_ctas=ctas)
-    else:
-        _row_ce_kernel[(n,)](x, x.stride(0), g, g.stride(0), labels, loss, V, -100, scale,
-                             BLOCK=block, num_warps=warps, num_ctas=ctas)
+    _row_ce_kernel[(n,)](x, x.stride(0), g, g.stride(0), labels, loss, V, -100, scale,
+                         BLOCK=triton.next_power_of_2(V), num_warps=warps, num_ctas=ctas)
     return loss
 
 
@@ -150,17 +80,15 @@ def main():
         g_ref = torch.empty_like(x)
         ref = logits_tile(x, y, grad_scale=1.0 / N, out=g_ref, need_logits_sum=False)
         configs = {"row kernel": lambda: logits_tile(x, y, grad_scale=1.0 / N, out=g, need_logits_sum=False)}
-        for ctas, warps, r2 in ((8, 16, "reshape"), (8, 16, "flat"), (8, 8, "reshape"), (8, 8, "flat"),
-                                (4, 16, "reshape"), (4, 16, "flat"), (4, 32, "flat"), (2, 32, "flat"),
-                                (8, 16, 1)):
-            name = f"cluster {ctas} CTAs x {warps} warps, {r2 if isinstance(r2, str) else f'[{r2}, C]'}"
+        for ctas, warps in ((8, 8), (8, 16), (8, 32), (4, 16), (4, 32), (2, 32)):
+            name = f"cluster {ctas} CTAs x {warps} warps"
             try:
-                loss = cluster_ce(x, y, g, ctas, warps, 1.0 / N, r2)
+                loss = cluster_ce(x, y, g, ctas, warps, 1.0 / N)
                 torch.cuda.synchronize()
                 gerr = (g.float() - g_ref.float()).abs().max().item()
                 lerr = ((loss - ref.loss).norm() / ref.loss.norm()).item()
                 print(f"{name}: max|dg| {gerr:.2e}, loss rel {lerr:.1e}", flush=True)
-                configs[name] = (lambda c=ctas, w=warps, r=r2: cluster_ce(x, y, g, c, w, 1.0 / N, r))
+                configs[name] = (lambda c=ctas, w=warps: cluster_ce(x, y, g, c, w, 1.0 / N))
             except Exception as exc:  # noqa: BLE001
                 print(f"{name}: failed: {type(exc).__name__}: {str(exc)[:120]}", flush=True)
         times = {k: [] for k in configs}
