@@ -39,8 +39,8 @@ def _row_ce_kernel(X, stride_x, G, stride_g, LABELS, LOSS, V, ignore_index, scal
     cols = tl.arange(0, BLOCK)
     label = tl.load(LABELS + row).to(tl.int64)
     valid = label != ignore_index
-    mask = cols < tl.where(valid, V, 0)
-    x = tl.load(X + row * stride_x + cols, mask=mask, other=float("-inf")).to(tl.float32)
+    # the mask is the row length only, so that the loads vectorise (ignored rows are read too)
+    x = tl.load(X + row * stride_x + cols, mask=cols < V, other=float("-inf")).to(tl.float32)
     m = tl.max(x, 0)
     m = tl.where(valid, m, 0.0)
     p = tl.exp(x - m)
@@ -52,6 +52,7 @@ def _row_ce_kernel(X, stride_x, G, stride_g, LABELS, LOSS, V, ignore_index, scal
     coef = tl.where(valid, scale, 0.0)
     g = p * (coef / d)
     g = tl.where(cols == label, g - coef, g)
+    g = tl.where(valid, g, 0.0)
     tl.store(G + row * stride_g + cols, g.to(G.dtype.element_ty), mask=cols < V)
 
 
