@@ -36,7 +36,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from liger_losses.kernels.norm_common import (
-    bwd_tiling, check_norm_args, fwd_tiling, norm_impl, partial_rows, sum_partials,
+    bwd_tiling, check_norm_args, fwd_pdl, fwd_tiling, norm_impl, partial_rows, sum_partials,
 )
 from liger_losses.kernels.launch import fast_kernel
 from liger_losses.kernels.pdl import launch_options, pdl_launch
@@ -195,7 +195,7 @@ def _forward(x2, weight, bias, eps, out2):
     mean = torch.empty((n_rows,), dtype=torch.float32, device=x2.device)
     rstd = torch.empty((n_rows,), dtype=torch.float32, device=x2.device)
     block_m, block_n, warps, programs = fwd_tiling(n_rows, n_cols, _KNOBS)
-    pdl = block_m == 1 and pdl_launch(x2.device, "norm_fwd")  # long rows only (pdl.py)
+    pdl = fwd_pdl(x2.device, block_m)
     with device_ctx(x2):
         _layer_norm_fwd_kernel[(programs,)](
             x2, weight if weight is not None else x2, bias if bias is not None else x2,

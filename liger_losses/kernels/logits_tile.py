@@ -362,7 +362,7 @@ def logits_tile(
             raise ValueError(f"grad_scale must be a float, a 1-element or a [{n}] tensor, "
                              f"got {tuple(grad_scale.shape)}")
         grad_scale = grad_scale.float().reshape(-1).contiguous()
-        scale_stride = 0 if one_scale and n != 1 else 1  # stride 0: the kernel reads element 0 per row
+        scale_stride = 0 if one_scale else 1  # stride 0: the kernel reads element 0 for every row
     check_same_device(logits=logits, labels=labels, class_weight=class_weight,
                       grad_scale=grad_scale if per_row else None)
     if out is not None:

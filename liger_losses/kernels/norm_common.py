@@ -179,6 +179,12 @@ def norm_impl(impl: str, hidden: torch.Tensor, **params: Optional[torch.Tensor])
     return triton_fallback(impl, problem)
 
 
+def fwd_pdl(device: torch.device, block_m: int) -> bool:
+    """Whether a norm forward with ``block_m``-row tiles launches with PDL: one-row tiles only (long
+    rows; with multi-row tiles the LayerNorm forward at H = 896 lost 3.3 us, pdl.KERNELS)."""
+    return block_m == 1 and pdl_launch(device, "norm_fwd")
+
+
 def fwd_tiling(n_rows: int, n_cols: int, knobs) -> tuple[int, int, int, int]:
     """(BLOCK_M, BLOCK_N, num_warps, programs) of the forward launch: one program per tile
     (``FWD_NUM_WARPS``, when non-zero, overrides the warps). (Several tiles per program, the next

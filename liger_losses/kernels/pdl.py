@@ -31,7 +31,7 @@ ENABLED = os.environ.get("LIGER_LOSSES_PDL", "1").strip().lower() not in ("0", "
 # CUDA-graph time of forward + backward, bf16): all three norm kernels with PDL save 0.7-1.2 us at
 # 4096-8192 x 4096 (RMSNorm 4096 tokens 0.0555 -> 0.0548 ms, LayerNorm 8192 0.1009 -> 0.0997);
 # at 8192 x 896 the LayerNorm forward (4-row tiles) with PDL lost 3.3 us while the backward and
-# partial sum gained 1.2, so the forwards use it only for one-row tiles (the callers' rule).
+# partial sum gained 1.2, so the forwards use it only for one-row tiles (norm_common.fwd_pdl).
 # RoPE: the same time at the 8B shapes, 25% slower at Qwen2-0.5B's (0.0175 -> 0.0219 ms): off.
 KERNELS = {"norm_fwd", "norm_bwd", "sum"}
 

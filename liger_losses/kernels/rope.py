@@ -250,8 +250,8 @@ def _launch_into(q, k, qo, ko, cos, sin, head_axis: int, backward: bool, copy_pa
     strides = {x.stride(head_axis) for x in (q, k, qo, ko)}
     head_stride = strides.pop() if len(strides) == 1 else 0
     c_sb = 0 if cos.shape[0] == 1 else cos.stride(0)
-    pdl = pdl_launch(q.device, "rope")
     s_sb = 0 if sin.shape[0] == 1 else sin.stride(0)
+    pdl = pdl_launch(q.device, "rope")
     with device_ctx(q):  # Triton launches on the current GPU
         _rope_kernel[(bsz * seq,)](
             q, k, qo, ko, cos, sin,

@@ -188,8 +188,7 @@ def check_labels(
 
 
 def start_label_check(
-    name: str, labels: torch.Tensor, num_classes: int, ignore_index: int,
-    bad: Optional[torch.Tensor] = None,
+    name: str, labels: torch.Tensor, num_classes: int, ignore_index: int, bad: torch.Tensor,
 ) -> Optional[tuple]:
     """The check of :func:`check_labels` without draining the GPU's queue: on a CUDA device the
     range test is queued (its one-byte answer copied to pinned host memory behind an event) and
@@ -197,8 +196,8 @@ def start_label_check(
     event only, so the kernels queued after it keep the GPU busy while the host goes on. On the
     CPU the check runs at once (returns None). While a CUDA graph is being captured (no host
     read is possible) the check is skipped: callers' kernels count out-of-range labels as ignored.
-    ``bad``: the test's answer already on the device (a 1-element integer tensor, nonzero when some
-    label is out of range, e.g. from :func:`kernels.label_stats.label_stats`), else it is computed."""
+    ``bad``: the test's answer on the labels' device (a 1-element integer tensor, nonzero when some
+    label is out of range: :func:`kernels.label_stats.label_stats`' first output)."""
     check_tensor(name, labels, floating=False)
     if labels.numel() == 0:
         return None
@@ -207,8 +206,6 @@ def start_label_check(
         return None
     if torch.cuda.is_current_stream_capturing():
         return None
-    if bad is None:
-        bad = ((labels != ignore_index) & ((labels < 0) | (labels >= num_classes))).any()
     flag = torch.empty(bad.shape, dtype=bad.dtype, pin_memory=True)
     flag.copy_(bad, non_blocking=True)  # queued on the labels' device's current stream
     event = torch.cuda.Event()
@@ -224,7 +221,7 @@ def finish_label_check(pending: Optional[tuple]) -> None:
         return
     name, labels, num_classes, ignore_index, flag, event = pending
     event.synchronize()
-    if bool(flag.any()):
+    if flag.item():
         check_labels(name, labels, num_classes, ignore_index)  # raises, naming an example
 
 
