@@ -30,6 +30,10 @@ This module gives those pieces, each usable on its own:
   module's ``__call__``. Calling the backbone submodule directly would skip that, so the loss
   function is run as the root module's forward for one call (the root's ``forward`` attribute is
   swapped for the call and restored afterwards, also on error).
+* :func:`forward_autocast` -- the mixed-precision autocast accelerate wraps a prepared model's
+  ``forward`` in (``bf16=True``/``fp16=True``); the swapped forward would drop it, so
+  :meth:`~LigerTrainerMixin._liger_run` enters it around the loss function: the backbone (PEFT
+  adapters included) and the head GEMMs run in the precision TRL's own step runs them in.
 * :func:`reference_adapter` -- the PEFT reference: the "ref" adapter when TRL created one (re-training
   an existing adapter), else all adapters disabled (``model.disable_adapter()``).
 * :func:`reject` -- the one way an adapter says "TRL supports this option, use_liger=True does not":
@@ -231,6 +235,25 @@ def run_in_forward(root: nn.Module, fn: Callable[..., Any], *args, **kwargs) -> 
         restore()
 
 
+def forward_autocast(model: nn.Module, accelerator) -> contextlib.AbstractContextManager:
+    """The autocast ``model``'s own forward runs under: accelerate's mixed-precision context when
+    ``accelerator.prepare_model`` wrapped that forward, else a null context.
+
+    With native AMP (``bf16=True`` / ``fp16=True``, not DeepSpeed) ``prepare_model`` replaces the prepared
+    module's ``forward`` by one that runs the original under
+    ``get_mixed_precision_context_manager(native_amp, autocast_handler)`` -- the context
+    ``accelerator.autocast()`` also returns -- and records the original as ``_original_forward``; that
+    attribute is how a wrapped forward is recognised. The prepared module is the innermost one of
+    ``model``'s DDP / FSDP1 / DeepSpeed wrappers (an FSDP2 module, a PEFT model or a plain causal LM is its
+    own). A reference model TRL prepared with ``prepare_fsdp``/``prepare_deepspeed`` has no such wrapper, and
+    TRL's call of it runs without autocast: so does ours.
+    """
+    inner = innermost_module(model)
+    if accelerator is not None and inner.__dict__.get("_original_forward") is not None:
+        return accelerator.autocast()
+    return contextlib.nullcontext()
+
+
 # --------------------------------------------------------------------------- PEFT reference
 
 
@@ -422,10 +445,21 @@ class LigerTrainerMixin:
         return backbone(**model_kwargs).last_hidden_state
 
     def _liger_run(self, model: nn.Module, fn: Callable[..., Any], *args, **kwargs) -> Any:
-        """``fn(*args, **kwargs)``, inside ``model``'s forward when the model is distributed."""
-        if needs_forward_redirect(model):
-            return run_in_forward(model, fn, *args, **kwargs)
-        return fn(*args, **kwargs)
+        """``fn(*args, **kwargs)`` run as ``model``'s forward, in the context TRL's ``model(...)`` call has.
+
+        That context is (1) the hooks of the root module's ``__call__`` -- FSDP unshards, DDP prepares its
+        reducer, DeepSpeed's engine gathers -- so ``fn`` runs through :func:`run_in_forward`; and (2) the
+        mixed-precision autocast accelerate wraps a prepared model's ``forward`` in (:func:`forward_autocast`),
+        which a swapped forward would otherwise drop: with ``bf16=True`` the backbone, PEFT adapters included,
+        and the LM-head GEMMs then run in bf16 as in TRL's step, not in the weights' dtype.
+        """
+        autocast = forward_autocast(model, getattr(self, "accelerator", None))
+
+        def as_forward():
+            with autocast:
+                return fn(*args, **kwargs)
+
+        return run_in_forward(model, as_forward)
 
     def _liger_head(self, model: nn.Module) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
         """(weight, bias) of ``model``'s LM head; DTensor shards are gathered by the loss engine."""

@@ -69,12 +69,16 @@ def test_run_in_forward_restores_on_error():
     assert "forward" not in inner.__dict__
 
 
-def test_needs_forward_redirect_noop_path():
-    """A plain (unwrapped) module takes the direct path; the mixin's _liger_run then just calls fn."""
+def test_liger_run_plain_module_runs_fn_as_its_forward():
+    """A plain (unwrapped) module needs no redirect, yet _liger_run still runs fn through its __call__ (as TRL's
+    ``model(...)`` call does: the module's forward hooks fire) and restores its forward afterwards."""
     model = _Inner()
     assert not base.needs_forward_redirect(model)
+    calls = []
+    model.register_forward_pre_hook(lambda module, args: calls.append("pre-hook"))
     runner = base.LigerTrainerMixin()
     assert runner._liger_run(model, lambda a, b=0: a + b, 1, b=2) == 3
+    assert calls == ["pre-hook"] and "forward" not in model.__dict__
 
 
 def test_model_anatomy_of_tiny_llama():

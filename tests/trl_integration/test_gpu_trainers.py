@@ -38,7 +38,9 @@ from . import test_gkd as gkd_tests
 from . import test_kto as kto_tests
 from . import test_orpo as orpo_tests
 from . import test_sft as sft_tests
-from .utils import build_tokenizer, check_batch_loss_metrics, check_compute_loss, sft_dataset, train_logs
+from .utils import (
+    build_tokenizer, check_batch_loss_metrics, check_compute_loss, record_backbone_autocast, sft_dataset, train_logs,
+)
 
 ON_CPU = os.environ.get("LIGER_TEST_GPU_ON_CPU") == "1"
 USE_CPU = ON_CPU  # TrainingArguments.use_cpu: the trainer places the models
@@ -162,14 +164,19 @@ def _names(logs):
 @pytest.mark.parametrize("name", list(CASES))
 def test_short_run_cuda_bf16(name, tmp_path):
     """3 optimizer steps of trainer.train() (bf16 mixed precision on CUDA, ours with patched layers) for ours and
-    TRL's from the same weights: both log 3 steps, every logged loss is finite, and our logged metric names equal
-    TRL's at every step (no tolerance: a set equality)."""
+    TRL's from the same weights: both log 3 steps, every logged loss is finite, every backbone call runs under the
+    autocast TRL's runs under, and our logged metric names equal TRL's at every step (no tolerance: set
+    equalities)."""
     try:
         theirs, ours = _pair(name, tmp_path, patch=PATCH_IN_RUN, max_steps=STEPS, bf16=BF16)
         _check_placed(name, theirs, ours, patched=PATCH_IN_RUN)
         for trainer in (theirs, ours):
             assert trainer.accelerator.mixed_precision == ("bf16" if BF16 else "no")
+        device_type = "cpu" if ON_CPU else "cuda"
+        seen_t, seen_o = record_backbone_autocast(theirs, device_type), record_backbone_autocast(ours, device_type)
         lo, lt = train_logs(theirs, ours, STEPS, same_names=False)
+        # every backbone call (policy, reference, teacher) under the autocast TRL's runs under: a set equality
+        assert seen_t and seen_o == seen_t, (sorted(map(str, seen_o)), sorted(map(str, seen_t)))
         assert ours.state.global_step == theirs.state.global_step == STEPS
         for logs in (lo, lt):
             assert all(math.isfinite(h["loss"]) for h in logs), [h["loss"] for h in logs]

@@ -182,9 +182,30 @@ def policy_pair(trainer_cls, config, tok, tmp_path, *, liger_kwargs=None, **cfg)
                      lambda: preference_dataset(PAIRS), liger_kwargs=liger_kwargs, processing_class=tok)
 
 
+def record_backbone_autocast(trainer, device_type="cpu"):
+    """Attach forward pre-hooks to the backbones (the decoders under the LM heads) of ``trainer``'s policy, reference
+    and teacher; returns the set they fill, at every call, with ``(role, grad mode on, autocast on for
+    device_type, its dtype or None)``."""
+    from liger_losses.trl_integration.base import backbone_of, unwrap_causal_lm
+
+    seen = set()
+    roles = {"policy": trainer.model, "reference": getattr(trainer, "ref_model", None),
+             "teacher": getattr(trainer, "teacher_model", None)}
+    for role, model in roles.items():
+        if model is None:
+            continue
+
+        def hook(module, args, kwargs, role=role):
+            on = torch.is_autocast_enabled(device_type)
+            seen.add((role, torch.is_grad_enabled(), on, torch.get_autocast_dtype(device_type) if on else None))
+
+        backbone_of(unwrap_causal_lm(model)).register_forward_pre_hook(hook, with_kwargs=True)
+    return seen
+
+
 __all__ = [
     "PAIRS", "build_tiny_model", "build_tokenizer", "preference_dataset", "trl_config", "dpo_config", "sft_config",
     "make_pair", "policy_pair", "student_teacher", "sft_dataset", "first_batch", "step0", "rel",
     "assert_metrics_match", "grads_of", "assert_grads_match", "check_batch_loss_metrics", "check_compute_loss",
-    "train_logs", "lora_config", "copy", "torch",
+    "train_logs", "lora_config", "record_backbone_autocast", "copy", "torch",
 ]
