@@ -18,14 +18,10 @@ from __future__ import annotations
 import argparse
 import inspect
 import math
-import os
-import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import torch
 
-import torch  # noqa: E402
-
-from benchmark.common import MIB, Row, gemm_floor_ms, loss_accuracy_rows, loss_rows, write_results  # noqa: E402
+from benchmark.common import MIB, Row, gemm_floor_ms, loss_accuracy_rows, loss_rows, write_results
 
 BENCH = "distillation"
 BETA = 0.5

@@ -15,7 +15,7 @@ import argparse
 
 import torch
 
-from common import Row, gemm_floor_ms, hbm_floor_ms, time_ms, write_results
+from benchmark.common import Row, gemm_floor_ms, hbm_floor_ms, time_ms, write_results
 
 
 def main() -> None:

@@ -25,7 +25,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from common import Row, write_results  # noqa: E402  (adds repo root)
+from benchmark.common import Row, write_results
 
 from liger_losses.kernels.cross_entropy import cross_entropy
 from liger_losses.kernels.geglu import geglu

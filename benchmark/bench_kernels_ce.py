@@ -18,15 +18,11 @@ At V = 32000 both are bound by the device machine's host time, not the GPU.
 from __future__ import annotations
 
 import argparse
-import os
-import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import torch
+import torch.nn.functional as F
 
-import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
-
-from benchmark.common import MIB, Row, hbm_floor_ms, measure, write_results  # noqa: E402
+from benchmark.common import MIB, Row, hbm_floor_ms, measure, write_results
 
 BENCH = "kernels_ce"
 

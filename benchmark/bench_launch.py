@@ -26,7 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-from common import Row, write_results  # noqa: E402  (adds repo root)
+from benchmark.common import Row, write_results
 
 from liger_losses.kernels.launch import fast_kernel, launch_stats
 

@@ -21,7 +21,7 @@ import argparse
 import torch
 import torch.nn.functional as F
 
-from common import MIB, Row, hbm_floor_ms, measure, write_results, randn  # noqa: E402  (adds repo root)
+from benchmark.common import MIB, Row, hbm_floor_ms, measure, write_results, randn
 
 from liger_losses.kernels.geglu import geglu
 from liger_losses.kernels.swiglu import swiglu
@@ -113,7 +113,7 @@ def sweep(ops, rep, tokens=16384):
     """Forward and backward of ours (fresh-gradient path) per kernel setting; prints a table."""
     import importlib
 
-    from common import print_table
+    from benchmark.common import print_table
 
     inter = SHAPES["llama3-8b"]
     nbytes = tokens * inter * 2

@@ -48,12 +48,9 @@ from __future__ import annotations
 import argparse
 import math
 import os
-import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-import torch  # noqa: E402
+import torch
 
 if not torch.cuda.is_available():  # before liger_losses (hence triton's jit) is imported: CPU smoke runs
     os.environ.setdefault("TRITON_INTERPRET", "1")

@@ -30,17 +30,13 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import os
-import sys
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from benchmark.common import MIB, Row, hbm_floor_ms, measure, print_table, randn, write_results  # noqa: E402
-from liger_losses.kernels import layer_norm as ln_mod  # noqa: E402
-from liger_losses.kernels import norm_common  # noqa: E402
-from liger_losses.kernels import rms_norm as rms_mod  # noqa: E402
+from benchmark.common import MIB, Row, hbm_floor_ms, measure, print_table, randn, write_results
+from liger_losses.kernels import layer_norm as ln_mod
+from liger_losses.kernels import norm_common
+from liger_losses.kernels import rms_norm as rms_mod
 
 DTYPE = torch.bfloat16
 DEVICE = "cuda"

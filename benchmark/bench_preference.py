@@ -20,16 +20,12 @@ from __future__ import annotations
 
 import argparse
 import inspect
-import os
-import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import torch
+import torch.nn.functional as F
 
-import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
-
-from benchmark.common import MIB, Row, gemm_floor_ms, measure, write_results  # noqa: E402
-from liger_losses.chunked.preference import (  # noqa: E402
+from benchmark.common import MIB, Row, gemm_floor_ms, measure, write_results
+from liger_losses.chunked.preference import (
     fused_linear_dpo_loss,
     fused_linear_orpo_loss,
     fused_linear_simpo_loss,

@@ -27,11 +27,10 @@ Usage (GPU): python benchmark/bench_rope.py [--quick]
 from __future__ import annotations
 
 import argparse
-import itertools
 
 import torch
 
-from common import MIB, Row, hbm_floor_ms, measure, print_table, write_results, randn  # noqa: E402  (adds repo root)
+from benchmark.common import MIB, Row, hbm_floor_ms, measure, print_table, write_results, randn
 
 from liger_losses.kernels.rope import apply_rotary_pos_emb
 

@@ -62,7 +62,6 @@ import argparse
 import contextlib
 import gc
 import itertools
-import math
 import os
 import statistics
 import sys
@@ -71,12 +70,10 @@ import time
 import traceback
 import warnings
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import torch
 
-import torch  # noqa: E402
-
-from benchmark.common import MIB, Row, print_table, write_results  # noqa: E402
-from benchmark.trainer_data import LLAMA_3_2_1B, TINY, build_model, build_tokenizer, dpo_dataset, sft_dataset  # noqa: E402
+from benchmark.common import MIB, Row, print_table, write_results
+from benchmark.trainer_data import LLAMA_3_2_1B, TINY, build_model, build_tokenizer, dpo_dataset, sft_dataset
 
 PROVIDERS = ("trl", "trl+liger", "ours")
 # Not run by default: ours with the MLP's down projection fused (gated_down.FUSE_DOWN_PROJ = True).

@@ -17,14 +17,10 @@ host operations that overlapped them, and the CUDA runtime calls that synchroniz
 from __future__ import annotations
 
 import argparse
-import os
-import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import torch
 
-import torch  # noqa: E402
-
-from benchmark.bench_preference import BIG, SMALL, full_step, make_batch, providers_for  # noqa: E402
+from benchmark.bench_preference import BIG, SMALL, full_step, make_batch, providers_for
 
 
 def kernel_table(prof, steps: int, top: int) -> tuple[list, float]:

@@ -23,14 +23,11 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import torch
 
-import torch  # noqa: E402
-
-from benchmark.common import Smi  # noqa: E402
+from benchmark.common import Smi
 
 
 def operands(kind: str, m: int, k: int, n: int, g: torch.Generator):

@@ -24,13 +24,10 @@ import argparse
 import importlib
 import itertools
 import os
-import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import torch
 
-import torch  # noqa: E402
-
-from benchmark.common import hbm_floor_ms, time_ms  # noqa: E402
+from benchmark.common import hbm_floor_ms, time_ms
 
 
 def fwd_bwd_ms(module, x, dy, ref=None):

@@ -21,13 +21,10 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import torch
 
-import torch  # noqa: E402
-
-from benchmark.common import Smi, gemm_floor_ms, gemms_only  # noqa: E402
+from benchmark.common import Smi, gemm_floor_ms, gemms_only
 
 H, V = 4096, 128256
 
@@ -73,7 +70,7 @@ def main() -> None:
         return
     import triton.testing
 
-    from benchmark.diag_profile_loss import kernel_table, print_gaps
+    from benchmark.experiments.diag_profile_loss import kernel_table, print_gaps
 
     n = args.tokens
     g = torch.Generator(device="cuda").manual_seed(0)

@@ -19,12 +19,8 @@ configuration.
 from __future__ import annotations
 
 import argparse
-import os
-import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-import torch  # noqa: E402
+import torch
 
 H, V = 4096, 128256
 
@@ -104,7 +100,7 @@ def main() -> None:
     import triton.testing
 
     from benchmark.common import logits_tiles
-    from benchmark.diag_pass_order import fused_steps
+    from benchmark.experiments.diag_pass_order import fused_steps
     from liger_losses.kernels import divergence_tile as dt
     from liger_losses.kernels import logits_tile as lt
 

@@ -17,15 +17,12 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import torch
 
-import torch  # noqa: E402
-
-from benchmark.common import _graphed, hbm_floor_ms, time_ms  # noqa: E402
-from benchmark.diag_l2_flush import kernel_times, providers  # noqa: E402
-from liger_losses.kernels import pdl  # noqa: E402
+from benchmark.common import _graphed, hbm_floor_ms, time_ms
+from benchmark.experiments.diag_l2_flush import kernel_times, providers
+from liger_losses.kernels import pdl
 
 VARIANTS = {  # name: pdl.KERNELS
     "off": set(),
@@ -55,7 +52,7 @@ def main() -> None:
                     for key, us in kernel_times(_graphed(fn)):
                         print(f"    {us:8.2f} us  {key}")
                 torch.cuda.synchronize()
-    from benchmark.diag_rope import case_fns
+    from benchmark.experiments.diag_rope import case_fns
 
     for shape in ("llama3-8b", "qwen2-0.5b"):
         for variant, kernels in (("off", set()), ("rope", {"rope"})):

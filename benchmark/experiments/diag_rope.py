@@ -18,16 +18,12 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # bench_rope imports `common`
+import torch
 
-import torch  # noqa: E402
-
-from benchmark.bench_rope import SHAPES, cos_sin, providers  # noqa: E402
-from benchmark.common import _graphed, hbm_floor_ms, time_ms  # noqa: E402
-from benchmark.diag_l2_flush import kernel_times  # noqa: E402
+from benchmark.bench_rope import SHAPES, cos_sin, providers
+from benchmark.common import _graphed, hbm_floor_ms, time_ms
+from benchmark.experiments.diag_l2_flush import kernel_times
 
 
 def case_fns(shape: str, tokens: int):

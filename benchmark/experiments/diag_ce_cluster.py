@@ -21,16 +21,12 @@ against the row kernel (max |gradient difference|, loss relative error).
 from __future__ import annotations
 
 import argparse
-import os
-import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import torch
+import triton
+import triton.language as tl
 
-import torch  # noqa: E402
-import triton  # noqa: E402
-import triton.language as tl  # noqa: E402
-
-from benchmark.common import hbm_floor_ms  # noqa: E402
+from benchmark.common import hbm_floor_ms
 
 
 @triton.jit

@@ -26,7 +26,6 @@ import sys
 import tempfile
 
 os.environ.pop("TRITON_INTERPRET", None)  # compile, do not interpret (set before importing triton)
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402

@@ -22,14 +22,10 @@ CPU smoke: python benchmark/diag_mlp_tail_model.py --tiny
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
-import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-import torch  # noqa: E402
+import torch
 
 VARIANTS = {"unfused": (False, None), "fused-whole": (True, 1 << 62), "fused-2^25": (True, 1 << 25)}
 

@@ -15,12 +15,8 @@ This times, alternating the knob in one process (``--rounds`` rounds, ``do_bench
 from __future__ import annotations
 
 import argparse
-import os
-import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-import torch  # noqa: E402
+import torch
 
 H, V = 4096, 128256
 

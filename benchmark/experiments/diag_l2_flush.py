@@ -25,16 +25,12 @@ H = 4096 bf16 for ours, liger-kernel (when importable) and the ``copy`` referenc
 from __future__ import annotations
 
 import argparse
-import os
-import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import torch
 
-import torch  # noqa: E402
-
-from benchmark.bench_norm import copy_fns  # noqa: E402
-from benchmark.common import FLUSHES, _graphed, hbm_floor_ms, l2_state  # noqa: E402
-from benchmark.diag_norm_backward import make_modules  # noqa: E402
+from benchmark.bench_norm import copy_fns
+from benchmark.common import FLUSHES, _graphed, hbm_floor_ms, l2_state
+from benchmark.experiments.diag_norm_backward import make_modules
 
 def graph_ms(replay, mode: str) -> float:
     import triton.testing
