@@ -1,21 +1,29 @@
-"""Diagnostic (GPU): cross-entropy tile with a whole row held by one Triton program that spans a
-thread-block cluster (``num_ctas``), so each logit is read once.
+"""Experiment (GPU): a cross-entropy tile that reads each logit once, the row held by one Triton program
+spread over a thread-block cluster (``num_ctas``) with its reductions on chip.
 
-With ``num_ctas = k`` on Hopper, Triton spreads a program's tensors over ``k`` CTAs of a cluster and
-does ``tl.max`` / ``tl.sum`` across them through distributed shared memory (``mapa``,
-``ld.shared::cluster``, cluster barriers in the PTX). A row of V = 128256 bf16 logits as one
-``[131072]`` block over 8 CTAs is 32 KB per SM: loaded once, reduced on chip, the gradient written
-from registers -- one read and one write, against the row kernel's two reads.
+Question: with ``num_ctas = k`` on Hopper, Triton spreads a program's tensors over ``k`` CTAs of a
+cluster and does ``tl.max`` / ``tl.sum`` across them through distributed shared memory. A row of
+V = 128256 bf16 logits as one ``[131072]`` block over 8 CTAs is 32 KB per SM: loaded once, reduced on
+chip, the gradient written from registers -- one read and one write, against the row kernel's two
+reads (the 1.3x-of-the-floor bar for cross-entropy on given logits needs that).
 
-Session 10: compiles offline with Triton 3.9 (cluster code in the PTX) but fails in Triton 3.6's
-``TritonGPUPlanCTAPass``; so did ``[1, C]`` / ``[R, C]`` tiles and a reshaped row (commit ec64ea5's
-variants; benchmark/results/README.md, session 10). Kept to re-run with a newer Triton.
+Verdict (H200): Triton 3.9 compiles it offline (``mapa``, ``ld.shared::cluster``, cluster barriers and
+vectorised loads in the PTX), but the GPU image's Triton 3.6 rejects every formulation in
+``TritonGPUPlanCTAPass``: 1-D reductions ("parent layout must have at least rank >= 2"), ``[1, C]`` and
+``[R, C]`` tiles built with ``expand_dims`` or ``reshape``, and the 1-D row reshaped for the reductions
+("Result has an invalid layout ... CGALayout"; those variants are in git history, commit ec64ea5).
+Only ``num_ctas = 1`` compiles (a whole row per CTA: 9.09 ms at 8192 x 128256, registers spill). The
+alternative without clusters -- a row split over programs that meet through L2 -- was slower in every
+variant (1.93-2.80x the floor against the row kernel's 1.47x) and was removed.
 
-Times, alternating over ``--rounds`` (``do_bench`` medians): the row kernel (``logits_tile``,
-gradient into a separate buffer) and the cluster kernel at several (num_ctas, warps), each checked
-against the row kernel (max |gradient difference|, loss relative error).
+Status: open, blocked on a GPU image with Triton >= 3.9; the first thing to run there, then a cluster
+path in ``logits_tile`` gated on the Triton version.
 
-    python benchmark/diag_ce_cluster.py [--n 8192] [--vocab 128256] [--rounds 3]
+Times, alternating over ``--rounds`` (``do_bench`` medians): the row kernel (``logits_tile``, gradient
+into a separate buffer) and the cluster kernel at several (num_ctas, warps), each checked against the
+row kernel (max |gradient difference|, loss relative error).
+
+    python -m benchmark.experiments.diag_ce_cluster [--n 8192] [--vocab 128256] [--rounds 3]
 """
 
 from __future__ import annotations

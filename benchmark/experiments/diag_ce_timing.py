@@ -1,11 +1,23 @@
-"""Diagnostic (GPU): what the fused-linear cross-entropy's measured time is made of (issue #3's CE row).
+"""Experiment (GPU): what the fused-linear cross-entropy's measured time is made of, against the GEMMs
+it cannot avoid.
 
-At H=4096, V=128256, bf16 and ``--tokens`` valid tokens (default 8192), times in one process:
+Question: the loss benchmarks put ours at ~1.19x the nominal FLOP floor (790 TFLOP/s); how much of
+that is the loss's own work, and how fast do cuBLAS's GEMMs run by themselves under the same load?
+
+Verdict (H200, 8192 tokens, H=4096, V=128256, bf16): sustained, the card sits at its 692 W software
+power cap (throttle reason ``0x4``) with the SM clock at ~1450-1600 MHz instead of 1980. Ours 38.85 ms
+(1.189x); our chunks' three GEMMs alone 38.84-39.96 ms (1.19-1.22x); the same GEMMs on all tokens at
+once 37.91 ms (1.160x); ours under the profiler on a cool GPU (1906 MHz): kernels 36.57 ms (1.119x).
+So the practical floor is the GEMMs alone timed in the same run, not 790 TFLOP/s (see also
+``diag_gemm_power``), and at the cap only less work (bytes, FLOPs) shortens a step, not overlap.
+
+Status: done. The ``gemms`` provider (``benchmark.common.gemms_only``) is in every loss benchmark.
+
+At H=4096, V=128256, bf16 and ``--tokens`` valid tokens, times in one process:
 
 - ``ours``: ``fused_linear_cross_entropy`` forward + gradients of hidden and weight;
 - ``gemms``: the same three cuBLAS GEMMs per chunk as ours (logits, hidden gradient, weight
-  gradient accumulated with ``beta=1`` after the first chunk), nothing else -- the practical floor
-  of any chunked method that calls cuBLAS, under the same power and clock conditions;
+  gradient accumulated with ``beta=1`` after the first chunk), nothing else;
 - ``gemms-whole``: the three GEMMs on all tokens at once (plain PyTorch's GEMMs);
 
 each with ``do_bench`` at ``rep`` 100 ms (what the benchmarks use: ~3 samples of a 40 ms call) and
@@ -14,7 +26,7 @@ then profiles ``--steps`` calls and prints the kernel time per call and the idle
 kernels. ``nvidia-smi`` samples SM clock, power and throttle reasons every 100 ms in the
 background (``$OUT/smi_ce_timing.csv``); the mean SM clock and power of each phase are printed.
 
-    python benchmark/diag_ce_timing.py [--tokens 8192] [--loop 20] [--steps 3]
+    python -m benchmark.experiments.diag_ce_timing [--tokens 8192] [--loop 20] [--steps 3]
 """
 
 from __future__ import annotations

@@ -1,12 +1,20 @@
-"""Diagnostic (GPU): how the L2 state left by ``do_bench``'s cache flush moves the norms' times.
+"""Experiment (GPU): how the L2 state left by ``do_bench``'s cache flush moves the norms' times.
 
-Why: ``triton.testing.do_bench`` clears the L2 before each timed call with ``cache.zero_()`` on a
+Question: ``triton.testing.do_bench`` clears the L2 before each timed call with ``cache.zero_()`` on a
 256 MB buffer. That leaves the L2 (50 MB on the H200) full of *dirty* lines, so the first ~50 MB
-that the timed kernels touch also cost a write-back of the flush buffer. At 4096 x 4096 bf16 the
-norms move 168 MB (the floor's bytes), so up to ~30% extra traffic falls on the timed call; at
-32768 tokens ~4%. Hypothesis: this is most of why the norms (and the ``copy`` reference) sit
-higher above the HBM floor at 4096 tokens (1.41x / 1.52x / 1.22x) than at 32768 (1.12x / 1.15x /
-~1.03x).
+that the timed kernels touch also pay a write-back of the flush buffer. At 4096 x 4096 bf16 the
+norms move 168 MB, so up to ~30% extra traffic falls on the timed call; at 32768 tokens ~4%. Is that
+why the norms (and the ``copy`` reference) sit higher above the HBM floor at 4096 tokens than at 32768?
+
+Verdict (H200, fwd + bwd, H=4096): partly, ~4-5 us of a 39 us floor. 4096 tokens, ``zero`` ->
+``clean``: RMSNorm 1.424x -> 1.309x, LayerNorm 1.507x -> 1.400x, ``copy`` 1.237x -> 1.150x; at 32768
+tokens RMSNorm 1.121x -> 1.103x. Per kernel (``--profile``, RMSNorm 4096 x 4096): forward 19.9 us
+(PyTorch's copy of the same bytes 18.1), backward 29.0 (PyTorch's add, read two write one, 26.5),
+partial sum of the weight gradient 2.8, graph 55.8. With kernels at the copies' speed and no third
+launch a norm would be ~1.26x: the 1.3x bar at 4096 tokens leaves ~2 us for the row reductions.
+
+Status: done. The official numbers keep do_bench's flush; ``BENCH_FLUSH`` (``benchmark.common.flush_mode``)
+gives any benchmark the other states. ``kernel_times`` here is used by ``diag_norm_launch`` and ``diag_rope``.
 
 Times, as CUDA-graph replays (GPU time alone), forward + backward of RMSNorm / LayerNorm at
 H = 4096 bf16 for ours, liger-kernel (when importable) and the ``copy`` reference of
@@ -15,11 +23,11 @@ H = 4096 bf16 for ours, liger-kernel (when importable) and the ``copy`` referenc
 * ``zero``: do_bench's own flush (``cache.zero_()``): no input in L2, L2 full of dirty lines;
 * ``clean``: ``cache.zero_()`` then a read of the whole buffer (``cache.sum()``): no input in L2,
   L2 full of clean lines (the flush's write-back happens outside the timed call);
-* ``none``: no flush (back-to-back calls; the working set, >= 128 MiB, exceeds the L2).
+* ``none``: no flush (back-to-back calls; the working set, >= 128 MiB, exceeds the L2);
 
-(``benchmark/common.flush_mode``; any benchmark takes them through ``BENCH_FLUSH``) and with ``--profile``, each kernel's mean GPU time within the graph (torch.profiler, ``zero``).
+and with ``--profile``, each kernel's mean GPU time within the graph (torch.profiler, ``zero``).
 
-    python benchmark/diag_l2_flush.py [--tokens 4096 8192 16384 32768] [--kind rms layer] [--profile]
+    python -m benchmark.experiments.diag_l2_flush [--tokens 4096 8192 16384 32768] [--kind rms layer] [--profile]
 """
 
 from __future__ import annotations

@@ -1,4 +1,22 @@
-"""Why is the fused MLP tail slower inside a training step than alone? The model's step without TRL.
+"""Experiment (GPU): why is the fused MLP tail slower inside a training step than alone?
+
+Question: ``gated_down_proj`` (the MLP's product ``act(gate) * up`` never saved) is within +-1% of the
+unfused MLP alone, checkpointed mode included (``bench_mlp_tail``), and takes 864 MiB (DPO) / 416 MiB
+(SFT) off a Llama-3.2-1B trainer step's peak -- yet the step is 2.5-4% slower (``bench_trainer``,
+``results/trainer_b8_fused_mlp.csv``). Where does the time go? This runs the model's step without TRL.
+
+Verdict so far (H200, 16 x 2048 tokens): not the blocking and not the clocks. Step times: unfused 561 ms,
+fused in one block (the unfused MLP's GEMMs exactly, only the product unsaved) 591 ms (+5.2%), blocks
+of 2^25 594 ms (+5.7%). In the profile every layer GEMM is 5-10% slower in the fused steps, even the
+q/o projections the tail does not touch (423 vs 393 us) and gate/up forward (1653 vs 1567 us). SM
+clock (1511-1538 MHz), power (692 W, the cap) and temperature, sampled every 200 ms, are equal across
+variants; ``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True`` leaves the slowdown at 5.6-6.0%. A clue:
+the unfused step's ``[32768, 8192] @ [8192, 2048]`` GEMMs averaged 1113 us (988 TFLOP/s, above what the
+power cap allows on random operands) against 1557-1631 us fused -- operands of different sparsity run
+at different speeds at the cap (``diag_gemm_power``), or the profiler groups two different GEMMs there.
+
+Status: open. Next: time that GEMM alone on the step's real inputs; Nsight per-kernel clocks. The
+tail stays off by default (``gated_down.FUSE_DOWN_PROJ = False``).
 
 A Llama-3.2-1B-shaped model (benchmark/trainer_data.py, bf16, random init), patched with
 ``apply_liger_kernels``, gradient checkpointing (non-reentrant) and bf16 autocast as TRL runs it,
@@ -15,8 +33,8 @@ allocated above the model. With ``--profile``: per variant one profiled step, GE
 input shapes (``aten::mm``/``aten::addmm``, CUDA time and calls), the total CUDA time of the step's
 kernels against its wall time (the idle share), and the host time of our autograd Functions.
 
-Usage (GPU): python benchmark/diag_mlp_tail_model.py [--batch 8 --seq 2048 --steps 5 --profile]
-CPU smoke: python benchmark/diag_mlp_tail_model.py --tiny
+    python -m benchmark.experiments.diag_mlp_tail_model [--batch 8 --seq 2048 --steps 5 --profile]
+    python -m benchmark.experiments.diag_mlp_tail_model --tiny      # CPU smoke run
 """
 
 from __future__ import annotations

@@ -1,15 +1,24 @@
-"""Diagnostic (GPU): RMSNorm / LayerNorm forward and backward at given shapes, ours across the
-tiling knobs beside liger-kernel 0.8.5, as CUDA-graph GPU time with the L2 cleared before each replay.
+"""Experiment (GPU): RMSNorm / LayerNorm forward and backward at given shapes, ours across the tiling
+knobs beside liger-kernel 0.8.5, as CUDA-graph GPU time with the L2 cleared before each replay.
 
-Why: in the session-5 trainer profile (Llama-3.2-1B shape, SFT, batch 8 x 2048: 16384 x 2048 bf16)
-our RMSNorm backward took 0.168 ms per call against liger-kernel's 0.139, ~3.5x the HBM floor for
-both; this script found 4096-element tiles with two programs per SM at 0.060 ms (now the default
-for 1024 < H <= 2048, ``BWD_MID_H``). Forward = the forward's graph; backward = (forward +
-backward) - forward, each captured in a CUDA graph and timed by ``triton.testing.do_bench``
-(which clears the L2 between replays: cold inputs, as in a trainer). Eager timing of these
-~50 us autograd calls measures the host instead (session 5's first run, void).
+Question: which backward tiling (programs per SM, tile elements, prefetch) and forward tile are
+fastest at a given width? It was written when a Llama-3.2-1B SFT step's profile (16384 x 2048 bf16)
+showed our RMSNorm backward at 0.168 ms per call against liger-kernel's 0.139.
 
-    python benchmark/diag_norm_backward.py [--kind rms|layer] [--shape 16384x2048 4096x4096]
+Verdict (H200, bf16): at 16384 x 2048 the H=4096 tiling ran RMSNorm's backward at 0.157 ms (3.35x the
+HBM floor; liger 0.137); 4096-element tiles with two programs per SM: 0.060 ms (1.29x), gradients
+bitwise equal -- now the mid-width rule for 1024 < H <= 2048 (``BWD_MID_H``). LayerNorm at that shape:
+0.2016 -> 0.0626 ms (4.31x -> 1.34x; liger 0.1635) with the same rule. At 4096 and 8192 x 4096, no
+forward warps (2-16), backward warps (4-32) or forward tile (2048-16384) beats the defaults by more
+than 2%.
+
+Status: done; re-run when a new width class or GPU is tuned.
+
+Forward = the forward's graph; backward = (forward + backward) - forward, each captured in a CUDA
+graph and timed by ``triton.testing.do_bench`` (which clears the L2 between replays: cold inputs, as
+in a trainer). Eager timing of these ~50 us autograd calls measures the host instead.
+
+    python -m benchmark.experiments.diag_norm_backward [--kind rms|layer] [--shape 16384x2048 4096x4096]
 
 Prints, per shape: forward and backward ms with their ratios to the HBM floor (forward reads x and
 writes y: 4NH bytes; backward reads x and dy and writes dx: 6NH), for liger-kernel, ours with the

@@ -1,16 +1,25 @@
-"""Diagnostic (GPU): the norms' forward + backward at 4096 and 8192 tokens (H = 4096, bf16) and at
-8192 x 896, with programmatic dependent launch for none, some or all of their kernels
-(``pdl.KERNELS``), and in-place RoPE as patched models run it with and without PDL, as CUDA-graph time (median, L2 flushed as do_bench does) and
-each kernel's mean GPU time in the replay.
+"""Experiment (GPU): programmatic dependent launch (PDL) for none, some or all of the norms' kernels
+(``pdl.KERNELS``), and for in-place RoPE as patched models run it.
 
-Why: at 4096 tokens the three launches' gaps, ramps and tails are a large part of the time above the
-HBM floor (session 9: forward 19.9 us, backward 29.0, partial-sum 2.8, graph 55.6, floor 39.0).
-Session 9, H200: PDL saves 0.7-1.2 us per forward + backward (RMSNorm 4096: 0.0559 -> 0.0552 ms,
-LayerNorm 4096: 0.0597 -> 0.0587, LayerNorm 8192: 0.1019 -> 0.1007); the partial-sum kernel then
-shows ~31 us in the profile: it is resident early, waiting for the backward. (Several forward tiles
-per program with the next load issued first: 0-1% slower, dropped.)
+Question: at 4096 tokens the three launches' gaps, ramps and tails are a large part of the norms'
+time above the HBM floor (RMSNorm 4096 x 4096: forward 19.9 us, backward 29.0, partial sum 2.8,
+graph 55.6, floor 39.0). Does letting each kernel start while the previous one finishes help?
 
-    python benchmark/diag_norm_launch.py [--profile]
+Verdict (H200, bf16): at H = 4096 PDL saves 0.7-1.2 us per forward + backward (RMSNorm 4096 0.0559 ->
+0.0552 ms, LayerNorm 4096 0.0597 -> 0.0587, LayerNorm 8192 0.1019 -> 0.1007); the partial-sum kernel
+then shows ~31 us in the profile: resident early, waiting for the backward. But the LayerNorm forward
+at 8192 x 896 (4-row tiles, 2048 programs) loses 3.3 us, and RoPE at the Qwen2-0.5B shape 25%
+(0.0175 -> 0.0219 ms; neutral at 8B). PDL is on where it was measured to help: the norm backward,
+the partial sum, the norm forward with one-row tiles. (Several forward tiles per program with the
+next load issued first: 0-1% slower, dropped.)
+
+Status: open: why many small programs lose with PDL (the dependents launch only once every program
+has started); next, trigger at the end of each program instead and re-measure.
+
+The norms' forward + backward at 4096 and 8192 tokens (H = 4096, bf16) and at 8192 x 896, as
+CUDA-graph time (median, L2 flushed as do_bench does) and each kernel's mean GPU time in the replay.
+
+    python -m benchmark.experiments.diag_norm_launch [--profile]
 """
 
 from __future__ import annotations

@@ -1,17 +1,29 @@
-"""Diagnostic (GPU): where a fused-linear loss's forward + backward spends GPU time, kernel by kernel,
-for ours beside TRL's fused LM head (or any provider of ``bench_preference.providers_for``; for
-``--loss ce`` / ``distill`` only ``ours``: liger_losses' cross-entropy / generalized JSD with a
-teacher head of the same shape).
+"""Experiment (GPU): where a fused-linear loss's forward + backward spends GPU time, kernel by kernel,
+and where the GPU idles -- ours beside TRL's fused LM head (or any provider of
+``bench_preference.providers_for``; for ``--loss ce`` / ``distill`` only ``ours``: liger_losses'
+cross-entropy / generalized JSD with a teacher head of the same shape).
+
+Question: when a loss is slower than its GEMMs, is it the GEMMs, the tile kernels, or host waits?
+
+Verdict (H200, H=4096, V=128256): the host waits. DPO's kernels took 36.1 ms of a 46.6 ms step because
+the per-chunk pair permutation was built on the host and copied from pageable memory, which waits
+for the stream to drain; built on the device: 42.4 ms (SimPO 35.7 -> 32.5, ORPO 40.5 -> 31.3, the
+H=896 DPO 22.1 -> 14.5). Cross-entropy with a quarter of the tokens ignored: GPU idle per step 1.74 ->
+1.42 ms with the backward's scale on the device, then 1.54 -> 0.60 ms with the first chunk issued
+before the host sync (``engine.SPECULATIVE_FIRST_CHUNK``). DPO 1 x 16384: kernels 187.8 -> 168.4 ms
+with the pair back-propagated in phase 1. After those, the GEMMs alone are at 1.03-1.08x the floor
+and the divergence tile (7.6 ms of a 45 ms JSD step) was the next lever.
+
+Status: a re-usable tool; run it before and after a change to the engine's host work
+(``tests/chunked/test_host_syncs.py`` guards the sync count on the GPU).
 
 Runs ``--steps`` full steps (loss + gradients of hidden and weight) under ``torch.profiler`` after a
 warm-up and prints, per provider, the kernels ranked by total GPU time (per step) and the step's
-total kernel time, so a gap between two providers can be traced to GEMMs, the logits-tile kernel
-or the glue around them.
+total kernel time. ``--gaps`` also records the host and prints the GPU's largest idle gaps between
+kernels with the host operations that overlapped them, and the CUDA runtime calls that synchronize
+or allocate.
 
-``--gaps`` also records the host and prints the GPU's largest idle gaps between kernels with the
-host operations that overlapped them, and the CUDA runtime calls that synchronize or allocate.
-
-    python benchmark/diag_profile_loss.py [--loss dpo] [--shape small|big] [--providers ours trl_fused] [--gaps]
+    python -m benchmark.experiments.diag_profile_loss [--loss dpo] [--shape small|big] [--providers ours trl_fused] [--gaps]
 """
 
 from __future__ import annotations

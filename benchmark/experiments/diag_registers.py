@@ -1,18 +1,23 @@
-"""Registers and spills of our Triton kernels at their default launch configurations, compiled
-offline for an H100/H200 (sm_90) with the ptxas that ships in the triton wheel -- no GPU needed.
+"""Experiment (CPU): registers and spills of our Triton kernels at their default launch configurations,
+compiled offline for an H100/H200 (sm_90) with the ptxas that ships in the triton wheel -- no GPU.
 
-Why: a kernel's register count decides how many programs an SM runs at once (bytes in flight,
-L2 reuse), and a spill (``STACK`` > 0: local-memory traffic) silently costs bandwidth. This gives
-both for every default configuration (and for a few alternatives worth timing), so a change that
-adds live state shows up on the CPU, before a GPU run. (Session 3: the RMSNorm backward default,
-4-row tiles with prefetch, spills 40 bytes per thread and still timed fastest; the CE tile at
-liger-kernel's 32768 / 32-warp shape fits in 64 registers without spills.)
+Question: a kernel's register count decides how many programs an SM runs at once (bytes in flight,
+L2 reuse), and a spill (``STACK`` > 0: local-memory traffic) silently costs bandwidth. Can a change
+that adds live state be caught on the CPU, before a GPU run?
+
+Verdict: yes. The offline counts matched the H200's wherever both were read (triton 3.6 on the GPU;
+the numbers move a little between triton versions). Found with it: the RMSNorm backward default at
+H=4096 (4-row tiles with prefetch, 16 warps) spills 40 B per thread and still times fastest; the CE
+tile fits liger-kernel's 32768 / 32-warp shape in 58 registers without spills; the shared gated
+kernels take 32 registers forward and 36-47 backward, no spills.
+
+Status: a re-usable tool; run it after changing a kernel's live state.
 
 Each case is compiled like a real launch: bf16 tensors, 16-byte aligned pointers and strides
 divisible by 16 (as the 8B shapes give), constexprs and warps from the kernel modules' knobs at the
 8B shapes (H=4096, V=128256, 32/8 heads of 128, intermediate 14336).
 
-    python benchmark/diag_registers.py [--json]
+    python -m benchmark.experiments.diag_registers [--json]
 
 Output per case: name, registers per thread, spill stack bytes per thread, warps.
 """

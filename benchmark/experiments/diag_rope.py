@@ -1,17 +1,25 @@
-"""Diagnostic (GPU): per-kernel GPU times of RoPE forward + backward for each provider of
+"""Experiment (GPU): per-kernel GPU times of RoPE forward + backward for each provider of
 ``bench_rope.py`` (ours out of place, in place, in place with the gradient rotated in its buffer,
 that plus ``repeated_tables=True`` as patched models run it) against liger-kernel 0.8.5.
 
-Session 9 found with it why in-place RoPE trailed liger-kernel by 2% (8B) to 5% (Qwen2-0.5B): the
-kernel read both halves of each cos/sin row (liger-kernel reads one; transformers' tables repeat)
-and computed per-head addresses from a runtime head stride (64 registers against liger-kernel's
-32). With ``repeated_tables`` and a constexpr head stride: 8B 0.0862 ms net vs liger 0.0873.
+Question: why did in-place RoPE trail liger-kernel by 1-2% (8B) to 5% (Qwen2-0.5B) at equal memory?
+
+Verdict (H200, bf16, q-layout gradients): two differences. Ours read both halves of each cos/sin row
+(transformers' tables repeat the first half; liger-kernel reads one: 3% of the bytes at Qwen's head
+size), and computed per-head addresses from a runtime head stride (64 registers against
+liger-kernel's 32). With ``repeated_tables=True`` and a constexpr head stride when q, k and the
+outputs share it (56 registers): 8B 0.0862 ms net vs liger 0.0872 at 8192 tokens, equal at
+16384-32768; Qwen2-0.5B 0.0170 vs 0.0167. Computing in bf16 as liger-kernel does (42 registers): no
+faster; 8 warps at 8B (36 registers): 2-5% slower.
+
+Status: done; patched models use ``repeated_tables=True`` (every family and rope type checked to
+repeat, ``tests/patching/test_rope.py``). ``case_fns`` here is used by ``diag_norm_launch``.
 
 Setup as ``bench_rope.py --grad-layout q`` (batch 1, bf16, fresh projection outputs cloned from
 sources each call, upstream gradients laid out like q/k): CUDA-graph replay time (median, L2 flushed
 as do_bench does) minus the clone's, and the mean GPU time of each kernel in the replay.
 
-    python benchmark/diag_rope.py [--tokens 8192] [--shape llama3-8b qwen2-0.5b] [--warps 0]
+    python -m benchmark.experiments.diag_rope [--tokens 8192] [--shape llama3-8b qwen2-0.5b] [--warps 0]
 """
 
 from __future__ import annotations
