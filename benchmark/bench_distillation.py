@@ -9,7 +9,7 @@ per-token divergence). Extra rows for ours: forward / reverse KL and chunk sizes
 Floors: time (6 N H V student + 2 N H V teacher) / 790 TFLOP/s; memory (V H + N H) * 2 bytes.
 Accuracy: relative error of loss / grad_hidden / grad_weight vs a float64 reference on 1024 tokens.
 
-Run on the GPU: ``python benchmark/bench_distillation.py [--quick]`` (results in $OUT or benchmark/results/:
+Run on the GPU: ``python -m benchmark.bench_distillation [--quick]`` (results in $OUT or benchmark/results/:
 bench_distillation*.csv/png).
 """
 

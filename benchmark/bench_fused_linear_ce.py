@@ -10,7 +10,7 @@ under the same clocks (no loss is computed; not in the accuracy table).
 Floors: time 6*N*H*V / 790 TFLOP/s; memory (V*H + N*H) * 2 bytes (the two bf16 gradients).
 Accuracy: relative error of loss / grad_hidden / grad_weight vs a float64 reference on 1024 tokens.
 
-Run on the GPU: ``python benchmark/bench_fused_linear_ce.py [--quick]`` (results in $OUT or
+Run on the GPU: ``python -m benchmark.bench_fused_linear_ce [--quick]`` (results in $OUT or
 benchmark/results/: bench_fused_linear_ce*.csv/png).
 """
 

@@ -9,7 +9,7 @@ With ``--cprofile`` it also prints the hottest Python functions of our calls.
 
 Columns: ``us_per_call`` (median of 5 repeats of ``n`` calls). No floors: the floor is 0.
 
-Usage (GPU): python benchmark/bench_host.py [--quick] [--cprofile]
+Usage (GPU): python -m benchmark.bench_host [--quick] [--cprofile]
 """
 
 from __future__ import annotations

@@ -11,7 +11,7 @@ Floors (HBM, bf16): forward reads gate, up and writes out (3 N I x 2 B); backwar
 gate, up and writes d_gate, d_up (5 N I x 2 B); full = 8 N I x 2 B. Memory floor: the output
 (forward, full); backward's floor is 0 with in-place gradients.
 
-Usage (GPU): python benchmark/bench_mlp.py [--quick]
+Usage (GPU): python -m benchmark.bench_mlp [--quick]
 """
 
 from __future__ import annotations

@@ -13,7 +13,7 @@ valid tokens, then TRL's formula), if installed.
 Floors: GEMM FLOPs of valid tokens only, ``6 N H V`` for the policy + ``2 N H V`` per reference forward,
 at 790 TFLOP/s; memory floor ``(V H + N_all H) * 2`` bytes (the bf16 gradients of weight and hidden).
 
-    python benchmark/bench_preference.py [--quick]
+    python -m benchmark.bench_preference [--quick]
 """
 
 from __future__ import annotations

@@ -42,10 +42,10 @@ tokens including any padding; for DPO chosen + rejected (here no padding: 2 x S 
 ``tokens_per_s = tokens_per_step / (ms / 1000)``. ``train_loss`` (TRL's mean training loss over all
 steps) is a sanity check that providers train the same thing.
 
-    python benchmark/bench_trainer.py            # full: dpo/sft x seq 2048, 8192 x 3 providers (< 5 min on an H200)
-    python benchmark/bench_trainer.py --quick    # seq 2048 only, 3 timed steps
-    python benchmark/bench_trainer.py --tiny     # CPU smoke run: tiny Llama, seq 64, 1 warm-up + 1 timed step
-    python benchmark/bench_trainer.py --quick --memory-peak   # + memory_peak_<case>_<provider>.txt: where
+    python -m benchmark.bench_trainer            # full: dpo/sft x seq 2048, 8192 x 3 providers (< 5 min on an H200)
+    python -m benchmark.bench_trainer --quick    # seq 2048 only, 3 timed steps
+    python -m benchmark.bench_trainer --tiny     # CPU smoke run: tiny Llama, seq 64, 1 warm-up + 1 timed step
+    python -m benchmark.bench_trainer --quick --memory-peak   # + memory_peak_<case>_<provider>.txt: where
                                                               #   the timed steps' peak allocated memory is
 
 Results: ``trainer.csv`` (+ ``trainer.png``) via ``benchmark.common.write_results`` (in $BENCH_OUT or
