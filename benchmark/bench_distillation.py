@@ -10,7 +10,7 @@ Floors: time (6 N H V student + 2 N H V teacher) / 790 TFLOP/s; memory (V H + N 
 Accuracy: relative error of loss / grad_hidden / grad_weight vs a float64 reference on 1024 tokens.
 
 Run on the GPU: ``python -m benchmark.bench_distillation [--quick]`` (results in $OUT or benchmark/results/:
-bench_distillation*.csv/png).
+distillation*.csv/png).
 """
 
 from __future__ import annotations

@@ -11,7 +11,7 @@ Floors: time 6*N*H*V / 790 TFLOP/s; memory (V*H + N*H) * 2 bytes (the two bf16 g
 Accuracy: relative error of loss / grad_hidden / grad_weight vs a float64 reference on 1024 tokens.
 
 Run on the GPU: ``python -m benchmark.bench_fused_linear_ce [--quick]`` (results in $OUT or
-benchmark/results/: bench_fused_linear_ce*.csv/png).
+benchmark/results/: fused_linear_ce*.csv/png).
 """
 
 from __future__ import annotations

@@ -48,9 +48,9 @@ steps) is a sanity check that providers train the same thing.
     python -m benchmark.bench_trainer --quick --memory-peak   # + memory_peak_<case>_<provider>.txt: where
                                                               #   the timed steps' peak allocated memory is
 
-Results: ``trainer.csv`` (+ ``trainer.png``) via ``benchmark.common.write_results`` (in $BENCH_OUT or
-$OUT when set, else benchmark/results/; ``--tiny`` writes ``trainer_tiny.csv`` to a temporary folder unless
-one of those is set), and a table of ratios ours/trl and ours/trl+liger. ``--budget-s`` (default 270):
+Results: ``trainer.csv`` (``trainer_b<N>.csv`` with ``--batch N``; + PNG) via
+``benchmark.common.write_results`` (in $BENCH_OUT or $OUT when set, else benchmark/results/; ``--tiny``
+writes ``trainer_tiny.csv`` to a temporary folder unless one of those is set), and a table of ratios ours/trl and ours/trl+liger. ``--budget-s`` (default 270):
 no configuration is started after that many seconds (its row gets a "skipped" error), so the CSV is
 written within gpu.sh's 300 s limit. Run it through gpu.sh (which installs the carried wheels):
 ``bash benchmark/gpu.sh bench:trainer [quick]``.
