@@ -9,8 +9,8 @@ per-token divergence). Extra rows for ours: forward / reverse KL and chunk sizes
 Floors: time (6 N H V student + 2 N H V teacher) / 790 TFLOP/s; memory (V H + N H) * 2 bytes.
 Accuracy: relative error of loss / grad_hidden / grad_weight vs a float64 reference on 1024 tokens.
 
-Run on the GPU: ``python benchmark/bench_distillation.py [--quick]`` (results in $OUT or benchmark/results/:
-bench_distillation*.csv/png).
+Run on the GPU: ``python -m benchmark.bench_distillation [--quick]`` (results in $OUT or benchmark/results/:
+distillation*.csv/png).
 """
 
 from __future__ import annotations
@@ -18,14 +18,10 @@ from __future__ import annotations
 import argparse
 import inspect
 import math
-import os
-import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import torch
 
-import torch  # noqa: E402
-
-from benchmark.common import MIB, Row, gemm_floor_ms, loss_accuracy_rows, loss_rows, write_results  # noqa: E402
+from benchmark.common import MIB, Row, gemm_floor_ms, loss_accuracy_rows, loss_rows, write_results
 
 BENCH = "distillation"
 BETA = 0.5

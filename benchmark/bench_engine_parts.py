@@ -6,7 +6,7 @@ For one chunk of ``n`` tokens at H=4096, V=128256 (bf16) this times the logits G
 and, for comparison, the same GEMM without accumulation. Floors: FLOPs / 790 TFLOP/s for GEMMs,
 bytes / 4.3 TB/s for the tile kernel (read the tile twice, write it once).
 
-    python benchmark/bench_engine_parts.py [--quick]
+    python -m benchmark.bench_engine_parts [--quick]
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import argparse
 
 import torch
 
-from common import Row, gemm_floor_ms, hbm_floor_ms, time_ms, write_results
+from benchmark.common import Row, gemm_floor_ms, hbm_floor_ms, time_ms, write_results
 
 
 def main() -> None:

@@ -10,22 +10,18 @@ under the same clocks (no loss is computed; not in the accuracy table).
 Floors: time 6*N*H*V / 790 TFLOP/s; memory (V*H + N*H) * 2 bytes (the two bf16 gradients).
 Accuracy: relative error of loss / grad_hidden / grad_weight vs a float64 reference on 1024 tokens.
 
-Run on the GPU: ``python benchmark/bench_fused_linear_ce.py [--quick]`` (results in $OUT or
-benchmark/results/: bench_fused_linear_ce*.csv/png).
+Run on the GPU: ``python -m benchmark.bench_fused_linear_ce [--quick]`` (results in $OUT or
+benchmark/results/: fused_linear_ce*.csv/png).
 """
 
 from __future__ import annotations
 
 import argparse
-import os
-import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import torch
+import torch.nn.functional as F
 
-import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
-
-from benchmark.common import MIB, Row, gemm_floor_ms, loss_accuracy_rows, loss_rows, write_results  # noqa: E402
+from benchmark.common import MIB, Row, gemm_floor_ms, loss_accuracy_rows, loss_rows, write_results
 
 BENCH = "fused_linear_ce"
 

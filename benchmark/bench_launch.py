@@ -12,7 +12,7 @@ must be equal bit for bit (exits non-zero otherwise).
 
 Columns: ``us_per_launch``; ``ms`` holds the same in milliseconds. CSV: ``launch.csv``.
 
-Usage (GPU): python benchmark/bench_launch.py [--n 2000] [--repeats 5]
+Usage (GPU): python -m benchmark.bench_launch [--n 2000] [--repeats 5]
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-from common import Row, write_results  # noqa: E402  (adds repo root)
+from benchmark.common import Row, write_results
 
 from liger_losses.kernels.launch import fast_kernel, launch_stats
 

@@ -11,7 +11,7 @@ Floors (HBM, bf16): forward reads gate, up and writes out (3 N I x 2 B); backwar
 gate, up and writes d_gate, d_up (5 N I x 2 B); full = 8 N I x 2 B. Memory floor: the output
 (forward, full); backward's floor is 0 with in-place gradients.
 
-Usage (GPU): python benchmark/bench_mlp.py [--quick]
+Usage (GPU): python -m benchmark.bench_mlp [--quick]
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import argparse
 import torch
 import torch.nn.functional as F
 
-from common import MIB, Row, hbm_floor_ms, measure, write_results, randn  # noqa: E402  (adds repo root)
+from benchmark.common import MIB, Row, hbm_floor_ms, measure, write_results, randn
 
 from liger_losses.kernels.geglu import geglu
 from liger_losses.kernels.swiglu import swiglu
@@ -113,7 +113,7 @@ def sweep(ops, rep, tokens=16384):
     """Forward and backward of ours (fresh-gradient path) per kernel setting; prints a table."""
     import importlib
 
-    from common import print_table
+    from benchmark.common import print_table
 
     inter = SHAPES["llama3-8b"]
     nbytes = tokens * inter * 2

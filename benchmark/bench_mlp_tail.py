@@ -36,10 +36,10 @@ Accuracy (first shape only): relative error ``||y - ref|| / ||ref||`` of ``out``
 ``d_Wu``, ``d_Wd`` of every provider against a float64 reference computed (on the GPU) from the
 same bf16 inputs: fused must be as exact as unfused.
 
-Usage (GPU): ``python benchmark/bench_mlp_tail.py [--quick] [--act silu|gelu_tanh|gelu]
+Usage (GPU): ``python -m benchmark.bench_mlp_tail [--quick] [--act silu|gelu_tanh|gelu]
 [--chunk-elems 2^24,2^25,2^26] [--shapes NAME,...] [--providers NAME,...]`` (results in $BENCH_OUT
 or benchmark/results/: mlp_tail.csv/png, mlp_tail_accuracy.csv).
-CPU smoke test: ``python benchmark/bench_mlp_tail.py --tiny`` (N=192, H=32, I=600, fp32, Triton
+CPU smoke test: ``python -m benchmark.bench_mlp_tail --tiny`` (N=192, H=32, I=600, fp32, Triton
 interpreter, one timed call with ``time.perf_counter``, no memory figures, nothing written).
 """
 
@@ -48,12 +48,9 @@ from __future__ import annotations
 import argparse
 import math
 import os
-import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-import torch  # noqa: E402
+import torch
 
 if not torch.cuda.is_available():  # before liger_losses (hence triton's jit) is imported: CPU smoke runs
     os.environ.setdefault("TRITON_INTERPRET", "1")

@@ -13,23 +13,19 @@ valid tokens, then TRL's formula), if installed.
 Floors: GEMM FLOPs of valid tokens only, ``6 N H V`` for the policy + ``2 N H V`` per reference forward,
 at 790 TFLOP/s; memory floor ``(V H + N_all H) * 2`` bytes (the bf16 gradients of weight and hidden).
 
-    python benchmark/bench_preference.py [--quick]
+    python -m benchmark.bench_preference [--quick]
 """
 
 from __future__ import annotations
 
 import argparse
 import inspect
-import os
-import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import torch
+import torch.nn.functional as F
 
-import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
-
-from benchmark.common import MIB, Row, gemm_floor_ms, measure, write_results  # noqa: E402
-from liger_losses.chunked.preference import (  # noqa: E402
+from benchmark.common import MIB, Row, gemm_floor_ms, measure, write_results
+from liger_losses.chunked.preference import (
     fused_linear_dpo_loss,
     fused_linear_orpo_loss,
     fused_linear_simpo_loss,

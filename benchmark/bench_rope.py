@@ -12,7 +12,7 @@ what patched models run), ``hf-torch`` (transformers' llama
 Each timed call starts as a model's step does, from fresh projection outputs: ``q_lin =
 q_src.clone()`` (and k), viewed as HF does, with gradients taken w.r.t. ``q_src``/``k_src``. (Taking
 them w.r.t. a tensor that an in-place provider has just overwritten would return the upstream
-gradient untouched and skip the rotation's backward -- session 3's in-place numbers had that flaw.)
+gradient untouched and skip the rotation's backward: an earlier version of this benchmark had that flaw.)
 The provider ``clone`` is that copy alone; ``net_ms`` is a row's time minus the clone's forward time
 for the same case, i.e. the rotation's own cost, and ``net_over_floor`` its ratio to the floor.
 
@@ -21,17 +21,16 @@ Floors (HBM): forward and backward each read q, k (or their grads) and write as 
 gradients), for full the outputs plus the gradients; an in-place provider can go below it. Peaks
 include the clone of q and k (q + k bytes) for every provider.
 
-Usage (GPU): python benchmark/bench_rope.py [--quick]
+Usage (GPU): python -m benchmark.bench_rope [--quick]
 """
 
 from __future__ import annotations
 
 import argparse
-import itertools
 
 import torch
 
-from common import MIB, Row, hbm_floor_ms, measure, print_table, write_results, randn  # noqa: E402  (adds repo root)
+from benchmark.common import MIB, Row, hbm_floor_ms, measure, print_table, write_results, randn
 
 from liger_losses.kernels.rope import apply_rotary_pos_emb
 

@@ -42,15 +42,15 @@ tokens including any padding; for DPO chosen + rejected (here no padding: 2 x S 
 ``tokens_per_s = tokens_per_step / (ms / 1000)``. ``train_loss`` (TRL's mean training loss over all
 steps) is a sanity check that providers train the same thing.
 
-    python benchmark/bench_trainer.py            # full: dpo/sft x seq 2048, 8192 x 3 providers (< 5 min on an H200)
-    python benchmark/bench_trainer.py --quick    # seq 2048 only, 3 timed steps
-    python benchmark/bench_trainer.py --tiny     # CPU smoke run: tiny Llama, seq 64, 1 warm-up + 1 timed step
-    python benchmark/bench_trainer.py --quick --memory-peak   # + memory_peak_<case>_<provider>.txt: where
+    python -m benchmark.bench_trainer            # full: dpo/sft x seq 2048, 8192 x 3 providers (< 5 min on an H200)
+    python -m benchmark.bench_trainer --quick    # seq 2048 only, 3 timed steps
+    python -m benchmark.bench_trainer --tiny     # CPU smoke run: tiny Llama, seq 64, 1 warm-up + 1 timed step
+    python -m benchmark.bench_trainer --quick --memory-peak   # + memory_peak_<case>_<provider>.txt: where
                                                               #   the timed steps' peak allocated memory is
 
-Results: ``trainer.csv`` (+ ``trainer.png``) via ``benchmark.common.write_results`` (in $BENCH_OUT or
-$OUT when set, else benchmark/results/; ``--tiny`` writes ``trainer_tiny.csv`` to a temporary folder unless
-one of those is set), and a table of ratios ours/trl and ours/trl+liger. ``--budget-s`` (default 270):
+Results: ``trainer.csv`` (``trainer_b<N>.csv`` with ``--batch N``; + PNG) via
+``benchmark.common.write_results`` (in $BENCH_OUT or $OUT when set, else benchmark/results/; ``--tiny``
+writes ``trainer_tiny.csv`` to a temporary folder unless one of those is set), and a table of ratios ours/trl and ours/trl+liger. ``--budget-s`` (default 270):
 no configuration is started after that many seconds (its row gets a "skipped" error), so the CSV is
 written within gpu.sh's 300 s limit. Run it through gpu.sh (which installs the carried wheels):
 ``bash benchmark/gpu.sh bench:trainer [quick]``.
@@ -62,7 +62,6 @@ import argparse
 import contextlib
 import gc
 import itertools
-import math
 import os
 import statistics
 import sys
@@ -71,12 +70,10 @@ import time
 import traceback
 import warnings
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import torch
 
-import torch  # noqa: E402
-
-from benchmark.common import MIB, Row, print_table, write_results  # noqa: E402
-from benchmark.trainer_data import LLAMA_3_2_1B, TINY, build_model, build_tokenizer, dpo_dataset, sft_dataset  # noqa: E402
+from benchmark.common import MIB, Row, print_table, write_results
+from benchmark.trainer_data import LLAMA_3_2_1B, TINY, build_model, build_tokenizer, dpo_dataset, sft_dataset
 
 PROVIDERS = ("trl", "trl+liger", "ours")
 # Not run by default: ours with the MLP's down projection fused (gated_down.FUSE_DOWN_PROJ = True).

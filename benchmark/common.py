@@ -27,8 +27,6 @@ BF16_FLOPS_PER_S = 790e12
 MIB = 1024.0**2
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if ROOT not in sys.path:
-    sys.path.insert(0, ROOT)
 
 
 def results_dir() -> str:
@@ -256,8 +254,9 @@ def print_table(dicts: list[dict], keys: list[str]) -> None:
     sys.stdout.flush()
 
 
-def plot(name: str, rows: list[Row], *, x: Optional[str] = None) -> None:
-    """Bar chart (or line chart over ``extra[x]``) of time and memory per provider and mode."""
+def plot(name: str, rows: list[Row], *, x: Optional[str] = None, directory: Optional[str] = None) -> None:
+    """Bar chart (or line chart over ``extra[x]``) of time and memory per provider and mode, written
+    to ``<directory>/<name>.png`` (default :func:`results_dir`)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -287,8 +286,32 @@ def plot(name: str, rows: list[Row], *, x: Optional[str] = None) -> None:
             ax.set_title(f"{name} — {mode} — {label}", fontsize=9)
             ax.legend(fontsize=7)
     fig.tight_layout()
-    fig.savefig(os.path.join(results_dir(), f"{name}.png"), dpi=110)
+    fig.savefig(os.path.join(directory or results_dir(), f"{name}.png"), dpi=110)
     plt.close(fig)
+
+
+_ROW_COLUMNS = ("bench", "case", "mode", "provider", "ms", "peak_mib", "floor_ms", "time_over_floor",
+                "floor_mib", "peak_over_floor", "error")
+
+
+def rows_from_csv(path: str) -> list[Row]:
+    """The rows of a CSV written by :func:`write_results` (extra columns back into ``extra``)."""
+
+    def num(v):
+        try:
+            return float(v)
+        except (TypeError, ValueError):
+            return float("nan")
+
+    rows = []
+    with open(path, newline="") as f:
+        for d in csv.DictReader(f):
+            extra = {k: v for k, v in d.items() if k not in _ROW_COLUMNS}
+            for k, v in extra.items():
+                extra[k] = num(v) if v not in ("", None) and num(v) == num(v) else v
+            rows.append(Row(d["bench"], d["case"], d["mode"], d["provider"], num(d["ms"]), num(d["peak_mib"]),
+                            num(d.get("floor_ms")), num(d.get("floor_mib")), extra, d.get("error") or None))
+    return rows
 
 
 # --------------------------------------------------------------------------- fused-linear loss benchmarks
@@ -467,3 +490,20 @@ class Smi:
                 pw = sum(r[2] for r in sel) / len(sel)
                 reasons = sorted({r[3] for r in sel})
                 print(f"  smi {name:24s}: SM clock {clk:6.0f} MHz, power {pw:5.0f} W, throttle {reasons} ({len(sel)} samples)")
+
+
+def main() -> None:
+    """``python -m benchmark.common --replot CSV [--x COLUMN]``: redraw a results PNG from its CSV
+    (next to it), e.g. after editing the plot; needs matplotlib only (no GPU)."""
+    import argparse
+
+    ap = argparse.ArgumentParser(description=main.__doc__)
+    ap.add_argument("--replot", required=True, metavar="CSV", help="a CSV written by write_results")
+    ap.add_argument("--x", default=None, help="plot over this extra column (a line chart) instead of bars")
+    args = ap.parse_args()
+    name = os.path.splitext(os.path.basename(args.replot))[0]
+    plot(name, rows_from_csv(args.replot), x=args.x, directory=os.path.dirname(os.path.abspath(args.replot)))
+
+
+if __name__ == "__main__":
+    main()

@@ -5,9 +5,9 @@
 #
 #   bash benchmark/gpu.sh [tests] [bench:NAME ...] [diag:NAME ...] [quick]
 #
-# With no arguments: the GPU tests and every benchmark. `bench:norm` runs benchmark/bench_norm.py
-# (with $BENCH_ARGS); `diag:profile_loss` runs benchmark/diag_profile_loss.py (with $DIAG_ARGS,
-# output appended to $OUT/diag.log); `quick` passes --quick to the benchmarks.
+# With no arguments: the GPU tests and every benchmark. `bench:norm` runs `python -m benchmark.bench_norm`
+# (with $BENCH_ARGS); `diag:profile_loss` runs `python -m benchmark.experiments.diag_profile_loss`
+# (with $DIAG_ARGS, output appended to $OUT/diag.log); `quick` passes --quick to the benchmarks.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/out}
@@ -35,14 +35,15 @@ for a in "${args[@]}"; do
       timeout ${TEST_TIMEOUT:-600} python3 -m pytest -q -m gpu -p no:cacheprovider --timeout=300 ${a#tests:} 2>&1 | tee -a "$OUT/gpu_tests.log" | tail -40 ;;
     all)
       for f in benchmark/bench_*.py; do
-        echo "=== $f"; timeout ${BENCH_TIMEOUT:-300} python3 "$f" $quick 2>&1 | tee -a "$OUT/bench.log"
+        m=benchmark.$(basename "$f" .py)
+        echo "=== $m"; timeout ${BENCH_TIMEOUT:-300} python3 -m "$m" $quick 2>&1 | tee -a "$OUT/bench.log"
       done ;;
     bench:*)
-      f=benchmark/bench_${a#bench:}.py
-      echo "=== $f"; timeout ${BENCH_TIMEOUT:-300} python3 "$f" $quick ${BENCH_ARGS:-} 2>&1 | tee -a "$OUT/bench.log" ;;
+      m=benchmark.bench_${a#bench:}
+      echo "=== $m"; timeout ${BENCH_TIMEOUT:-300} python3 -m "$m" $quick ${BENCH_ARGS:-} 2>&1 | tee -a "$OUT/bench.log" ;;
     diag:*)
-      f=benchmark/diag_${a#diag:}.py
-      echo "=== $f ${DIAG_ARGS:-}"; timeout ${BENCH_TIMEOUT:-300} python3 "$f" ${DIAG_ARGS:-} 2>&1 | grep -v "^WARNING: Target" | tee -a "$OUT/diag.log" ;;
+      m=benchmark.experiments.diag_${a#diag:}
+      echo "=== $m ${DIAG_ARGS:-}"; timeout ${BENCH_TIMEOUT:-300} python3 -m "$m" ${DIAG_ARGS:-} 2>&1 | grep -v "^WARNING: Target" | tee -a "$OUT/diag.log" ;;
     quick) ;;
     *) echo "unknown argument $a" ;;
   esac
