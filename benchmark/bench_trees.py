@@ -120,7 +120,8 @@ def main():
         for name, path in trees:
             env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.abspath(path), here,
                                                                os.environ.get("PYTHONPATH", "")]))
-            cmd = [sys.executable, "-m", "benchmark.bench_trees", "--child", "--tree", "x=.", "--cases", args.cases]
+            # run as a script, not with -m: -m puts the working directory first on sys.path, ahead of the tree
+            cmd = [sys.executable, os.path.abspath(__file__), "--child", "--tree", "x=.", "--cases", args.cases]
             if args.quick:
                 cmd.append("--quick")
             out = subprocess.run(cmd, env=env, capture_output=True, text=True, cwd=here)
