@@ -181,7 +181,7 @@ def norm_impl(impl: str, hidden: torch.Tensor, **params: Optional[torch.Tensor])
 
 def fwd_pdl(device: torch.device, block_m: int) -> bool:
     """Whether a norm forward with ``block_m``-row tiles launches with PDL: one-row tiles only (long
-    rows; with multi-row tiles the LayerNorm forward at H = 896 lost 3.3 us, pdl.KERNELS)."""
+    rows; with multi-row tiles the LayerNorm forward at H = 896 lost 3.3 us, pdl.PDLConfig)."""
     return block_m == 1 and pdl_launch(device, "norm_fwd")
 
 

@@ -1,0 +1,152 @@
+"""Tuning knobs of the kernels: one frozen dataclass per kernel, its current value, and a context
+manager that changes it for a benchmark.
+
+Each kernel module defines its knobs as a frozen dataclass (the fields are the knobs, the defaults
+the measured defaults, each documented where it is defined) and registers one instance::
+
+    @dataclass(frozen=True)
+    class ScaleTuning(Knobs):
+        block: int = knob(8192, minimum=1)
+        ...
+
+    SCALE_TUNING = register("scale", ScaleTuning())
+
+Launch code reads ``SCALE_TUNING.current`` at call time. A benchmark (or a test) changes the knobs
+for a block of code, never by assigning module attributes::
+
+    from liger_losses.kernels.tuning import tuning
+    from liger_losses.kernels.rms_norm import RMSNormTuning
+
+    with tuning(rms_norm=RMSNormTuning(bwd_tile_elems=8192)):   # a whole value
+        ...
+    with tuning(rms_norm={"bwd_tile_elems": 8192}, swiglu={"num_warps": 4}):   # or changes
+        ...
+    with RMS_NORM_TUNING.override(bwd_tile_elems=8192):         # one kernel's slot directly
+        ...
+
+The value is process-wide (a module global, not a context variable): autograd runs backward
+passes on its own threads, which must see the knobs the forward saw. ``registered()`` lists the
+slots by name. Knob values are checked once, when a dataclass is built (``TypeError`` /
+``ValueError`` naming the knob).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from typing import Any, Dict, Generic, Iterator, Mapping, TypeVar, Union
+
+T = TypeVar("T", bound="Knobs")
+
+_REGISTRY: Dict[str, "TuningSlot"] = {}
+
+
+def knob(default: Any, *, minimum: int = 0) -> Any:
+    """A dataclass field for a knob: ``default``, and for integers the smallest accepted value
+    (``None`` is accepted where the default is ``None``: "the compiler's choice")."""
+    return dataclasses.field(default=default, metadata={"minimum": minimum})
+
+
+class Knobs:
+    """Base of the kernels' frozen tuning dataclasses: checks every field once, when built.
+
+    A field whose default is a bool takes a bool; an int default takes an int >= its ``minimum``
+    (``knob(..., minimum=...)``, else 0); a ``None`` default takes None or an int >= minimum (at
+    least 1); a frozenset default takes a frozenset of strings.
+    """
+
+    def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):
+            _check_knob(type(self).__name__, f, getattr(self, f.name))
+
+
+def _check_knob(owner: str, f: dataclasses.Field, value: Any) -> None:
+    name = f"{owner}.{f.name}"
+    default = f.default
+    minimum = f.metadata.get("minimum", 0)
+    if isinstance(default, bool):
+        if not isinstance(value, bool):
+            raise TypeError(f"{name} must be a bool, got {value!r}")
+    elif isinstance(default, frozenset):
+        if not isinstance(value, frozenset) or not all(isinstance(v, str) for v in value):
+            raise TypeError(f"{name} must be a frozenset of str, got {value!r}")
+    elif isinstance(default, int) or default is None:
+        if value is None and default is None:
+            return
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise TypeError(f"{name} must be an int{' or None' if default is None else ''}, got {value!r}")
+        low = max(minimum, 1) if default is None else minimum
+        if value < low:
+            raise ValueError(f"{name} must be >= {low}, got {value}")
+
+
+class TuningSlot(Generic[T]):
+    """The current value of one kernel's knobs (``current``), its default and a context manager
+    (:meth:`override`) that replaces it for a ``with`` block."""
+
+    def __init__(self, name: str, default: T):
+        self.name = name
+        self.default = default
+        self.current = default
+
+    def _resolve(self, value: Union[T, Mapping[str, Any], None], changes: Mapping[str, Any]) -> T:
+        if value is None:
+            value = {}
+        if isinstance(value, Mapping):
+            value = {**value, **changes}
+            unknown = sorted(set(value) - {f.name for f in dataclasses.fields(self.default)})
+            if unknown:
+                raise ValueError(
+                    f"{self.name} has no knob(s) {unknown}; its knobs: "
+                    f"{[f.name for f in dataclasses.fields(self.default)]}"
+                )
+            return dataclasses.replace(self.current, **value)
+        if changes:
+            raise TypeError(f"{self.name}: give a {type(self.default).__name__} or keyword changes, not both")
+        if type(value) is not type(self.default):
+            raise TypeError(f"{self.name} takes a {type(self.default).__name__}, got {type(value).__name__}")
+        return value
+
+    @contextlib.contextmanager
+    def override(self, value: Union[T, Mapping[str, Any], None] = None, /, **changes: Any) -> Iterator[T]:
+        """``with slot.override(KnobsClass(...))`` or ``with slot.override(knob=value, ...)``
+        (changes to the current value): the knobs inside the block; the previous value after it."""
+        new = self._resolve(value, changes)
+        previous = self.current
+        self.current = new
+        try:
+            yield new
+        finally:
+            self.current = previous
+
+    def __repr__(self) -> str:
+        return f"TuningSlot({self.name!r}, current={self.current!r})"
+
+
+def register(name: str, default: T) -> TuningSlot[T]:
+    """The slot of kernel ``name`` with ``default`` as its value (once per name)."""
+    if not isinstance(default, Knobs) or not dataclasses.is_dataclass(default):
+        raise TypeError(f"default must be a Knobs dataclass instance, got {type(default).__name__}")
+    if name in _REGISTRY:
+        raise ValueError(f"a tuning slot named {name!r} is already registered")
+    slot = TuningSlot(name, default)
+    _REGISTRY[name] = slot
+    return slot
+
+
+def registered() -> Dict[str, TuningSlot]:
+    """The registered slots by name (the kernels whose modules have been imported)."""
+    return dict(_REGISTRY)
+
+
+@contextlib.contextmanager
+def tuning(**per_kernel: Union[Knobs, Mapping[str, Any]]) -> Iterator[None]:
+    """``with tuning(rms_norm=RMSNormTuning(...), swiglu={"num_warps": 4})``: several kernels'
+    knobs for a block (each a whole value or a mapping of changes to its current value)."""
+    unknown = sorted(set(per_kernel) - set(_REGISTRY))
+    if unknown:
+        raise ValueError(f"no tuning slot named {unknown}; registered: {sorted(_REGISTRY)}")
+    with contextlib.ExitStack() as stack:
+        for name, value in per_kernel.items():
+            stack.enter_context(_REGISTRY[name].override(value))
+        yield
