@@ -41,18 +41,19 @@ T = TypeVar("T", bound="Knobs")
 _REGISTRY: Dict[str, "TuningSlot"] = {}
 
 
-def knob(default: Any, *, minimum: int = 0) -> Any:
-    """A dataclass field for a knob: ``default``, and for integers the smallest accepted value
-    (``None`` is accepted where the default is ``None``: "the compiler's choice")."""
-    return dataclasses.field(default=default, metadata={"minimum": minimum})
+def knob(default: Any, *, minimum: int = 0, optional: bool = False) -> Any:
+    """A dataclass field for a knob: ``default``, and for integers the smallest accepted value;
+    ``optional``: ``None`` is accepted too (always where the default is ``None``: "the compiler's
+    choice")."""
+    return dataclasses.field(default=default, metadata={"minimum": minimum, "optional": optional})
 
 
 class Knobs:
     """Base of the kernels' frozen tuning dataclasses: checks every field once, when built.
 
     A field whose default is a bool takes a bool; an int default takes an int >= its ``minimum``
-    (``knob(..., minimum=...)``, else 0); a ``None`` default takes None or an int >= minimum (at
-    least 1); a frozenset default takes a frozenset of strings.
+    (``knob(..., minimum=...)``, else 0), or None with ``optional=True``; a ``None`` default takes
+    None or an int >= minimum (at least 1); a frozenset default takes a frozenset of strings.
     """
 
     def __post_init__(self) -> None:
@@ -71,10 +72,11 @@ def _check_knob(owner: str, f: dataclasses.Field, value: Any) -> None:
         if not isinstance(value, frozenset) or not all(isinstance(v, str) for v in value):
             raise TypeError(f"{name} must be a frozenset of str, got {value!r}")
     elif isinstance(default, int) or default is None:
-        if value is None and default is None:
+        optional = default is None or f.metadata.get("optional", False)
+        if value is None and optional:
             return
         if isinstance(value, bool) or not isinstance(value, int):
-            raise TypeError(f"{name} must be an int{' or None' if default is None else ''}, got {value!r}")
+            raise TypeError(f"{name} must be an int{' or None' if optional else ''}, got {value!r}")
         low = max(minimum, 1) if default is None else minimum
         if value < low:
             raise ValueError(f"{name} must be >= {low}, got {value}")
