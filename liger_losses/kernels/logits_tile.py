@@ -76,6 +76,50 @@ if triton is not None:
         return y * inv_temp, t
 
     @triton.jit
+    def _gradient_pass(x_ptr, g_ptr, SCALE, row, scale_stride, scale_value, CW, valid, lse, safe, w_y, w_sum,
+                       V, logit_scale, inv_temp, softcap, eps, z_w, n_blocks, offs,
+                       MODE_CE: tl.constexpr, SCALE_PER_ROW: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+                       HAS_CW: tl.constexpr, BLOCK: tl.constexpr, STAGES2: tl.constexpr, REVERSED: tl.constexpr):
+        """Pass 2: the gradient d loss / d x of one row, times the row scale, written to ``g_ptr``."""
+        if SCALE_PER_ROW:
+            scale = tl.load(SCALE + row * scale_stride).to(tl.float32)
+        else:
+            scale = scale_value
+        lse_s = tl.where(valid, lse, 0.0)
+        zc = 2.0 * z_w * lse_s
+        # per-row scalars, so that an element costs one exp, one fma and one select (few live
+        # registers: large blocks with many warps stay spill-free); coef is 0 on ignored rows
+        coef = tl.where(valid, inv_temp * logit_scale * scale, 0.0)
+        if MODE_CE:
+            a = (1.0 + zc) * coef  # g = p * a - c0, minus c1 at the label
+            c0 = eps / V * coef
+            c1 = (1.0 - eps) * coef
+        else:  # d logp / dz = onehot - p
+            a = -coef
+            c0 = 0.0
+            c1 = -coef
+        v_read = tl.where(valid, V, 0)  # ignored rows: nothing read, x = 0, a zero gradient row
+        # REVERSED: last block first, where pass 1 ended (the row's tail may still be in L2)
+        for b in tl.range(0, n_blocks, num_stages=STAGES2):
+            if REVERSED:
+                cols = (n_blocks - 1 - b) * BLOCK + offs
+            else:
+                cols = b * BLOCK + offs
+            mask = cols < V
+            x = tl.load(x_ptr + cols, mask=cols < v_read, other=0.0).to(tl.float32)
+            z, t = _transform(x, logit_scale, inv_temp, softcap, HAS_SOFTCAP)
+            p = tl.exp(tl.minimum(z - lse_s, 0.0))
+            if HAS_CW and MODE_CE:
+                w = tl.load(CW + cols, mask=mask, other=0.0).to(tl.float32)
+                g = ((1.0 - eps) * w_y * p + eps / V * (w_sum * p - w) + zc * p) * coef
+            else:
+                g = p * a - c0
+            g = tl.where(cols == safe, g - c1 * w_y, g)
+            if HAS_SOFTCAP:
+                g = g * (1.0 - t * t)
+            tl.store(g_ptr + cols, g.to(g_ptr.dtype.element_ty), mask=mask)
+
+    @triton.jit
     def _logits_tile_kernel(
         X, stride_x, G, stride_g, LABELS, SCALE, scale_stride, scale_value, CW,
         LOSS, LSE, LOGP, ENT, CORRECT, LSUM,
@@ -162,43 +206,9 @@ if triton is not None:
 
         # pass 2: gradient d loss / d x, times the row scale, in place
         if WRITE_GRAD:
-            if SCALE_PER_ROW:
-                scale = tl.load(SCALE + row * scale_stride).to(tl.float32)
-            else:
-                scale = scale_value
-            lse_s = tl.where(valid, lse, 0.0)
-            zc = 2.0 * z_w * lse_s
-            # per-row scalars, so that an element costs one exp, one fma and one select (few live
-            # registers: large blocks with many warps stay spill-free); coef is 0 on ignored rows
-            coef = tl.where(valid, inv_temp * logit_scale * scale, 0.0)
-            if MODE_CE:
-                a = (1.0 + zc) * coef  # g = p * a - c0, minus c1 at the label
-                c0 = eps / V * coef
-                c1 = (1.0 - eps) * coef
-            else:  # d logp / dz = onehot - p
-                a = -coef
-                c0 = 0.0
-                c1 = -coef
-            v_read = tl.where(valid, V, 0)  # ignored rows: nothing read, x = 0, a zero gradient row
-            # REVERSED: last block first, where pass 1 ended (the row's tail may still be in L2)
-            for b in tl.range(0, n_blocks, num_stages=STAGES2):
-                if REVERSED:
-                    cols = (n_blocks - 1 - b) * BLOCK + offs
-                else:
-                    cols = b * BLOCK + offs
-                mask = cols < V
-                x = tl.load(x_ptr + cols, mask=cols < v_read, other=0.0).to(tl.float32)
-                z, t = _transform(x, logit_scale, inv_temp, softcap, HAS_SOFTCAP)
-                p = tl.exp(tl.minimum(z - lse_s, 0.0))
-                if HAS_CW and MODE_CE:
-                    w = tl.load(CW + cols, mask=mask, other=0.0).to(tl.float32)
-                    g = ((1.0 - eps) * w_y * p + eps / V * (w_sum * p - w) + zc * p) * coef
-                else:
-                    g = p * a - c0
-                g = tl.where(cols == safe, g - c1 * w_y, g)
-                if HAS_SOFTCAP:
-                    g = g * (1.0 - t * t)
-                tl.store(g_ptr + cols, g.to(G.dtype.element_ty), mask=mask)
+            _gradient_pass(x_ptr, g_ptr, SCALE, row, scale_stride, scale_value, CW, valid, lse, safe, w_y, w_sum,
+                           V, logit_scale, inv_temp, softcap, eps, z_w, n_blocks, offs,
+                           MODE_CE, SCALE_PER_ROW, HAS_SOFTCAP, HAS_CW, BLOCK, STAGES2, REVERSED)
 
     # host launches go through launch.fast_kernel (the compiled launcher after a first launch)
     _logits_tile_kernel = fast_kernel(_logits_tile_kernel)

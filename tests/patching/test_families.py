@@ -181,9 +181,9 @@ def test_unsupported_activation_leaves_mlp_with_warning():
 
 @pytest.mark.parametrize("inplace", [True, False], ids=["inplace-rope", "out-of-place-rope"])
 @pytest.mark.parametrize("model_type", ["llama", "qwen3", "gemma2"])
-def test_patched_family_matches_unpatched_with_inplace_rope(model_type, inplace, monkeypatch):
-    """With the in-place RoPE (``patching.rope.INPLACE``, the default, which also rotates the
-    attention's q/k gradients in their own buffers: ``INPLACE_BACKWARD``) and with it switched off,
+def test_patched_family_matches_unpatched_with_inplace_rope(model_type, inplace):
+    """With the in-place RoPE (``patching.rope.RoPEPatchConfig.inplace``, the default, which also rotates
+    the attention's q/k gradients in their own buffers: ``inplace_backward``) and with it switched off,
     the patched model's loss and every parameter gradient equal the unpatched model's within 1e-5
     (fp32)."""
     import liger_losses.patching.rope as prope
@@ -193,9 +193,8 @@ def test_patched_family_matches_unpatched_with_inplace_rope(model_type, inplace,
     batch = tiny_batch(ref.config)
     _, ref_loss, ref_grads = _reference(ref, batch)
     apply_liger_kernels(model)
-    monkeypatch.setattr(prope, "INPLACE", inplace)
-    monkeypatch.setattr(prope, "INPLACE_BACKWARD", True)
-    out, grads = loss_and_grads(model, batch)
+    with prope.ROPE_PATCH.override(inplace=inplace, inplace_backward=True):
+        out, grads = loss_and_grads(model, batch)
     _assert_loss_and_grads(out, grads, ref_loss, ref_grads)
 
 
