@@ -15,14 +15,21 @@ Launch code reads ``SCALE_TUNING.current`` at call time. A benchmark (or a test)
 for a block of code, never by assigning module attributes::
 
     from liger_losses.kernels.tuning import tuning
-    from liger_losses.kernels.rms_norm import RMSNormTuning
+    from liger_losses.kernels.scale import SCALE_TUNING, ScaleTuning
 
-    with tuning(rms_norm=RMSNormTuning(bwd_tile_elems=8192)):   # a whole value
+    with tuning(scale=ScaleTuning(block=4096)):                  # a whole value
         ...
     with tuning(rms_norm={"bwd_tile_elems": 8192}, swiglu={"num_warps": 4}):   # or changes
         ...
-    with RMS_NORM_TUNING.override(bwd_tile_elems=8192):         # one kernel's slot directly
+    with SCALE_TUNING.override(block=4096):                      # one kernel's slot directly
         ...
+
+The slots (name: knobs class, module): ``rms_norm`` / ``layer_norm``: ``NormTuning``
+(norm_common), ``norm_sum``: ``PartialSumTuning`` (norm_common), ``swiglu`` / ``geglu``:
+``GatedTuning`` (gated), ``gated_down``: ``GatedDownTuning``, ``mlp``: ``MLPTuning`` (the fused
+tail's switch), ``logits_tile``, ``divergence_tile``, ``label_stats``, ``scale``, ``rope``:
+``<Kernel>Tuning`` in their modules, ``pdl``: ``PDLConfig``, ``rope_patch``: ``RoPEPatchConfig``
+(patching/rope.py). The fast launcher's switch stays ``launch.set_fast_launch``.
 
 The value is process-wide (a module global, not a context variable): autograd runs backward
 passes on its own threads, which must see the knobs the forward saw. ``registered()`` lists the
