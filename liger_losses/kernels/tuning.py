@@ -132,12 +132,19 @@ class TuningSlot(Generic[T]):
         return f"TuningSlot({self.name!r}, current={self.current!r})"
 
 
+def _qualname(obj) -> str:
+    return f"{type(obj).__module__}.{type(obj).__qualname__}"
+
+
 def register(name: str, default: T) -> TuningSlot[T]:
-    """The slot of kernel ``name`` with ``default`` as its value (once per name)."""
+    """The slot of kernel ``name`` with ``default`` as its value (one per name: a second kernel
+    taking a registered name is a ValueError; a reloaded module replaces its own slot)."""
     if not isinstance(default, Knobs) or not dataclasses.is_dataclass(default):
         raise TypeError(f"default must be a Knobs dataclass instance, got {type(default).__name__}")
-    if name in _REGISTRY:
-        raise ValueError(f"a tuning slot named {name!r} is already registered")
+    if name in _REGISTRY and _qualname(_REGISTRY[name].default) != _qualname(default):
+        raise ValueError(
+            f"a tuning slot named {name!r} is already registered (for {_qualname(_REGISTRY[name].default)})"
+        )
     slot = TuningSlot(name, default)
     _REGISTRY[name] = slot
     return slot

@@ -14,7 +14,7 @@ import torch
 import liger_losses  # noqa: F401  (registers every kernel's slot)
 from liger_losses.kernels.rms_norm import RMS_NORM_TUNING, rms_norm
 from liger_losses.kernels.scale import SCALE_TUNING, ScaleTuning
-from liger_losses.kernels.tuning import registered, tuning
+from liger_losses.kernels.tuning import Knobs, knob, register, registered, tuning
 
 EXPECTED_SLOTS = {
     "rms_norm", "layer_norm", "norm_sum", "swiglu", "geglu", "gated_down", "mlp", "label_stats",
@@ -113,3 +113,18 @@ def test_knobs_reach_the_launch():
     for u, v, r in zip(a, b, c):
         assert torch.equal(u, v)
         torch.testing.assert_close(u, r, rtol=1e-6, atol=1e-6)
+
+
+def test_a_name_belongs_to_one_kernel():
+    """Registering another kernel's knobs under a taken name is a ValueError naming it; ``default``
+    must be a Knobs dataclass (TypeError)."""
+
+    @dataclasses.dataclass(frozen=True)
+    class OtherTuning(Knobs):
+        block: int = knob(1, minimum=1)
+
+    with pytest.raises(ValueError, match="'scale'"):
+        register("scale", OtherTuning())
+    with pytest.raises(TypeError, match="Knobs"):
+        register("not_knobs", {"block": 1})
+    assert registered()["scale"] is SCALE_TUNING
