@@ -31,11 +31,12 @@ from liger_losses.chunked.preference import (
 from liger_losses.chunked.token_logprobs import fused_linear_token_logprobs
 from liger_losses.kernels.cross_entropy import LigerCrossEntropyLoss, cross_entropy
 from liger_losses.kernels.gated_down import gated_down_proj, gated_down_proj_packed
-from liger_losses.kernels.geglu import LigerGEGLUMLP, geglu
+from liger_losses.kernels.geglu import geglu
 from liger_losses.kernels.layer_norm import LigerLayerNorm, layer_norm
+from liger_losses.kernels.mlp import LigerGEGLUMLP, LigerPhi3SwiGLUMLP, LigerSwiGLUMLP
 from liger_losses.kernels.rms_norm import LigerGemmaRMSNorm, LigerRMSNorm, rms_norm
 from liger_losses.kernels.rope import apply_rotary_pos_emb
-from liger_losses.kernels.swiglu import LigerPhi3SwiGLUMLP, LigerSwiGLUMLP, swiglu
+from liger_losses.kernels.swiglu import swiglu
 from liger_losses.patching import AutoLigerModelForCausalLM, apply_liger_kernels, revert_liger_kernels
 
 __all__ = [

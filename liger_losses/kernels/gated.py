@@ -1,7 +1,7 @@
 """The gated pointwise kernels ``act(gate) * up`` and the host-side pieces shared by
 :mod:`swiglu`, :mod:`geglu` and :mod:`gated_down`: the two Triton kernels (``ACT``: 0 silu,
-1 tanh GELU, 2 erf GELU), input checks, the row-split launch, and the autograd forward/backward
-bodies.
+1 tanh GELU, 2 erf GELU), their launch knobs (:class:`GatedTuning`), input checks, the row-split
+launch, and the autograd forward/backward bodies.
 
     forward:   c = act(a) * b
     backward:  da = dc * b * act'(a),  db = dc * act(a)   (+ c over dc with WRITE_PROD)
@@ -20,10 +20,13 @@ buffers of ``gate`` and ``up`` (only when the caller owns them: see :mod:`swiglu
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 
 from liger_losses.kernels.launch import fast_kernel
+from liger_losses.kernels.tuning import Knobs, knob
 from liger_losses.kernels.utils import (
     MAX_GRID_Y,
     check_no_double_backward,
@@ -39,6 +42,17 @@ triton, tl = import_triton()
 
 # The kernels' ACT constexpr per activation name.
 ACTIVATIONS = {"silu": 0, "gelu_tanh": 1, "gelu": 2}
+
+
+@dataclass(frozen=True)
+class GatedTuning(Knobs):
+    """Launch knobs of the gated kernels: ``block_size`` elements per program (a power of 2) and
+    ``num_warps``. The defaults (4096 / 8: 16 elements, two 16-byte bf16 vectors, per thread) are
+    :mod:`swiglu`'s and :mod:`geglu`'s (each has its slot: ``tuning(swiglu=...)``,
+    ``tuning(geglu=...)``); :mod:`gated_down` sizes them per column block."""
+
+    block_size: int = knob(4096, minimum=1)
+    num_warps: int = knob(8, minimum=1)
 
 
 if triton is not None:
@@ -134,22 +148,21 @@ def check_inplace_backward(inplace_backward) -> None:
         raise TypeError(f"inplace_backward must be a bool, got {type(inplace_backward).__name__}")
 
 
-def launch_rows(kernel, tensors, knobs, **constexprs) -> None:
+def launch_rows(kernel, tensors, knobs: GatedTuning, **constexprs) -> None:
     """Launch ``kernel[(cdiv(I, BLOCK), rows)](*tensors, I, *row_strides, ...)`` over the 2-D
-    ``tensors`` (all ``[rows, I]``), ``BLOCK``/``num_warps`` read from ``knobs.BLOCK_SIZE`` /
-    ``knobs.NUM_WARPS`` at call time (the benchmark sweeps them), in slices of at most
-    ``MAX_GRID_Y`` rows (the grid's second axis holds at most 65535 programs; the usual one flat
-    row takes one launch)."""
+    ``tensors`` (all ``[rows, I]``), ``BLOCK``/``num_warps`` from ``knobs`` (the caller reads its
+    slot's current value at call time), in slices of at most ``MAX_GRID_Y`` rows (the grid's
+    second axis holds at most 65535 programs; the usual one flat row takes one launch)."""
     rows, n_cols = tensors[0].shape
     strides = tuple(t.stride(0) for t in tensors)
-    block = knobs.BLOCK_SIZE
+    block = knobs.block_size
     grid_x = -(-n_cols // block)
     with device_ctx(tensors[0]):
         for r0 in range(0, rows, MAX_GRID_Y):
             r1 = min(rows, r0 + MAX_GRID_Y)
             views = tensors if r1 - r0 == rows else [t[r0:r1] for t in tensors]
             kernel[(grid_x, r1 - r0)](
-                *views, n_cols, *strides, BLOCK=block, num_warps=knobs.NUM_WARPS, **constexprs
+                *views, n_cols, *strides, BLOCK=block, num_warps=knobs.num_warps, **constexprs
             )
 
 

@@ -6,9 +6,9 @@ The tail of a gated MLP (Llama/Qwen/Mistral SwiGLU, Gemma GeGLU, Phi-3's packed 
     out  = prod @ weight.T (+ bias)      [N, H]
 
 The forward runs in token chunks when it records a graph (one ``[rows, I]`` buffer of about
-``FORWARD_CHUNK_ELEMS`` elements, reused; without a graph, as in gradient checkpointing's first
-pass, in one chunk), the backward in blocks of intermediate columns ``[i0, i1)`` (one ``[N, i1 - i0]``
-buffer of about ``CHUNK_ELEMS`` elements, reused):
+``GatedDownTuning.forward_chunk_elems`` elements, reused; without a graph, as in gradient
+checkpointing's first pass, in one chunk), the backward in blocks of intermediate columns
+``[i0, i1)`` (one ``[N, i1 - i0]`` buffer of about ``GatedDownTuning.chunk_elems`` elements, reused):
 
     d_prod = d_out @ weight[:, i0:i1]                   GEMM into the block buffer
     d_gate, d_up, prod = kernel(d_prod, gate, up)       prod written over d_prod in the buffer
@@ -36,24 +36,24 @@ through the same graph then raises a RuntimeError.
 Public API:
     gated_down_proj(gate, up, weight, bias=None, *, activation="silu", inplace_backward=False, impl="auto")
     gated_down_proj_packed(gate_up, weight, bias=None, *, activation="silu", inplace_backward=False, impl="auto")
-    mlp_tail(down_proj, gate, up, *, activation, impl)   what the MLP modules call: fused when
-        ``FUSE_DOWN_PROJ`` (off by default; ``liger_losses.kernels.gated_down.FUSE_DOWN_PROJ = True``
-        turns it on for every patched model) and ``down_proj`` is a plain ``nn.Linear`` (see
-        :func:`fusable_linear`), else ``down_proj(swiglu/geglu(gate, up))``.
+    GATED_DOWN_TUNING   the buffer sizes (a :class:`GatedDownTuning` slot)
+The MLP modules use it through :func:`liger_losses.kernels.mlp.mlp_tail` when
+``MLP_TUNING.current.fuse_down_proj`` is on (off by default; ``with tuning(mlp={"fuse_down_proj":
+True})`` turns it on for every patched model).
 """
 
 from __future__ import annotations
 
 import functools
-import types
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
 import torch.nn.functional as F
-from torch import nn
 
 from liger_losses.kernels.gated import (
     ACTIVATIONS,
+    GatedTuning,
     check_inplace_backward,
     gated_bwd_kernel,
     gated_fwd_kernel,
@@ -62,6 +62,7 @@ from liger_losses.kernels.gated import (
     launch_rows,
     writes_grads_inplace,
 )
+from liger_losses.kernels.tuning import Knobs, knob, register
 from liger_losses.kernels.utils import (
     autocast_dtype,
     check_choice,
@@ -73,35 +74,45 @@ from liger_losses.kernels.utils import (
 )
 
 
-# Elements of the backward's block buffer (64 MiB in bf16) and of the forward's chunk buffer
-# (whose product is freed before the backward: it bounds a transient, not what is saved). Read at
-# call time (the benchmark sweeps them).
-CHUNK_ELEMS = 1 << 25
-FORWARD_CHUNK_ELEMS = 1 << 25
-# Column blocks are multiples of this (GEMM operand alignment, whole vectors per kernel row).
-COL_ALIGN = 256
-ROW_ALIGN = 64
-# The MLP modules fuse the down projection when True (module switch, read per call). Off by
-# default: in a whole training step (Llama-3.2-1B shape, 8 x 2048 tokens, H200) it lowers DPO's
-# peak by 864 MiB (0.90x -> 0.848x TRL's) but costs 2-4% of the step, its blocked GEMMs running
-# slower there than alone (benchmark/results/README.md, Session 7). Turn it on when memory binds.
-FUSE_DOWN_PROJ = False
+@dataclass(frozen=True)
+class GatedDownTuning(Knobs):
+    """Buffer sizes of the fused tail (read at call time; ``benchmark/bench_mlp_tail.py`` sweeps
+    them).
+
+    ``chunk_elems``: elements of the backward's block buffer (64 MiB in bf16).
+    ``forward_chunk_elems``: elements of the forward's chunk buffer (its product is freed before
+    the backward: it bounds a transient, not what is saved).
+    ``col_align`` / ``row_align``: column blocks / token chunks are multiples of these (GEMM
+    operand alignment, whole vectors per kernel row).
+    """
+
+    chunk_elems: int = knob(1 << 25, minimum=1)
+    forward_chunk_elems: int = knob(1 << 25, minimum=1)
+    col_align: int = knob(256, minimum=1)
+    row_align: int = knob(64, minimum=1)
+
+
+GATED_DOWN_TUNING = register("gated_down", GatedDownTuning())
 
 
 @functools.lru_cache(maxsize=None)
-def _knobs(n_cols: int):
+def _knobs(n_cols: int) -> GatedTuning:
     """BLOCK / warps for rows of ``n_cols``: up to 4096 elements per program, 8 per thread."""
     block = min(4096, max(256, next_power_of_2(n_cols)))
-    return types.SimpleNamespace(BLOCK_SIZE=block, NUM_WARPS=max(1, min(8, block // 256)))
+    return GatedTuning(block_size=block, num_warps=max(1, min(8, block // 256)))
 
 
 def _rows_per_chunk(n_rows: int, n_cols: int) -> int:
-    rows = max(ROW_ALIGN, (FORWARD_CHUNK_ELEMS // max(n_cols, 1)) // ROW_ALIGN * ROW_ALIGN)
+    knobs = GATED_DOWN_TUNING.current
+    align = knobs.row_align
+    rows = max(align, (knobs.forward_chunk_elems // max(n_cols, 1)) // align * align)
     return max(1, min(rows, n_rows))
 
 
 def _cols_per_block(n_rows: int, n_cols: int) -> int:
-    cols = max(COL_ALIGN, (CHUNK_ELEMS // max(n_rows, 1)) // COL_ALIGN * COL_ALIGN)
+    knobs = GATED_DOWN_TUNING.current
+    align = knobs.col_align
+    cols = max(align, (knobs.chunk_elems // max(n_rows, 1)) // align * align)
     return max(1, min(cols, n_cols))
 
 
@@ -317,70 +328,3 @@ def gated_down_proj_packed(
         )
     _check(gate_up, None, weight, bias, activation, inplace_backward, inter_name="gate_up")
     return _run(gate_up, None, weight, bias, activation, inplace_backward, impl)
-
-
-# --------------------------------------------------------------------------- the MLP modules' entry
-
-
-def _global_hooks() -> bool:
-    from torch.nn.modules import module as nn_module
-
-    return any(
-        getattr(nn_module, name, None)
-        for name in (
-            "_global_forward_hooks", "_global_forward_pre_hooks",
-            "_global_backward_hooks", "_global_backward_pre_hooks",
-        )
-    )
-
-
-def fusable_linear(module: nn.Module) -> bool:
-    """True when an MLP may read ``module``'s weight and bias directly instead of calling it: a
-    plain ``nn.Linear`` (not a LoRA or quantized subclass) with no forward hooks (ZeRO-3 gathers
-    parameters in one, accelerate moves them in one) and plain tensor parameters (not DTensor)."""
-    if type(module) is not nn.Linear or module._forward_hooks or module._forward_pre_hooks:
-        return False
-    if module._backward_hooks or module._backward_pre_hooks:  # run only by module.__call__
-        return False
-    if _global_hooks():
-        return False
-    params = [p for p in (module.weight, module.bias) if p is not None]
-    return all(type(p) in (nn.Parameter, torch.Tensor) and p.device.type != "meta" for p in params)
-
-
-def mlp_tail(
-    down_proj: nn.Module,
-    gate: torch.Tensor,
-    up: Optional[torch.Tensor],
-    *,
-    activation: str,
-    impl: str = "auto",
-) -> torch.Tensor:
-    """``down_proj(act(gate) * up)`` for the MLP modules, which own ``gate``/``up`` (gradients are
-    written into them). ``up=None``: ``gate`` is Phi-3's packed ``gate_up``. Fused
-    (:func:`gated_down_proj`) when ``FUSE_DOWN_PROJ``, ``down_proj`` is :func:`fusable_linear`
-    and Triton runs on the inputs' device; else the activation kernel, then ``down_proj``."""
-    if FUSE_DOWN_PROJ and fusable_linear(down_proj) and resolve_impl(impl, gate) == "triton":
-        if up is None:
-            return gated_down_proj_packed(
-                gate, down_proj.weight, down_proj.bias, activation=activation,
-                inplace_backward=True, impl=impl,
-            )
-        return gated_down_proj(
-            gate, up, down_proj.weight, down_proj.bias, activation=activation,
-            inplace_backward=True, impl=impl,
-        )
-    if activation == "silu":
-        from liger_losses.kernels.swiglu import swiglu, swiglu_packed
-
-        prod = swiglu_packed(gate, inplace_backward=True, impl=impl) if up is None else swiglu(
-            gate, up, inplace_backward=True, impl=impl
-        )
-    else:
-        from liger_losses.kernels.geglu import geglu
-
-        if up is None:
-            gate, up = gate.chunk(2, dim=-1)
-        approximate = "tanh" if activation == "gelu_tanh" else "none"
-        prod = geglu(gate, up, approximate=approximate, inplace_backward=True, impl=impl)
-    return down_proj(prod)

@@ -17,12 +17,14 @@ the ~10 small PyTorch launches the same statistics take. ``impl="torch"``: the s
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
 from torch import Tensor
 
 from liger_losses.kernels.launch import fast_kernel
+from liger_losses.kernels.tuning import Knobs, knob, register
 from liger_losses.kernels.utils import (
     check_same_device,
     check_tensor,
@@ -34,8 +36,17 @@ from liger_losses.kernels.utils import (
 
 triton, tl = import_triton()
 
-BLOCK = 4096
-NUM_WARPS = 4
+
+@dataclass(frozen=True)
+class LabelStatsTuning(Knobs):
+    """Launch knobs of the one-program label scan (slot ``label_stats``): ``block`` labels per step
+    (256 in the interpreter) and ``num_warps``."""
+
+    block: int = knob(4096, minimum=1)
+    num_warps: int = knob(4, minimum=1)
+
+
+LABEL_STATS_TUNING = register("label_stats", LabelStatsTuning())
 
 if triton is not None:
 
@@ -101,8 +112,9 @@ def label_stats(
     bad = torch.empty(1, dtype=torch.int32, device=flat.device)
     scale = torch.empty(1, dtype=torch.float32, device=flat.device)
     cw = class_weight.contiguous() if class_weight is not None else scale
-    block = 256 if triton_interpret() else BLOCK
+    knobs = LABEL_STATS_TUNING.current
+    block = 256 if triton_interpret() else knobs.block
     with device_ctx(flat):
         _label_stats_kernel[(1,)](flat, cw, bad, scale, flat.numel(), int(num_classes), int(ignore_index),
-                                  HAS_CW=class_weight is not None, BLOCK=block, num_warps=NUM_WARPS)
+                                  HAS_CW=class_weight is not None, BLOCK=block, num_warps=knobs.num_warps)
     return bad, scale

@@ -23,12 +23,12 @@ Public API:
     LayerNormFunction     the torch.autograd.Function of the Triton path
     LigerLayerNorm(normalized_shape, eps=1e-5, elementwise_affine=True, bias=True,
                    device=None, dtype=None, *, impl="auto")   drop-in for nn.LayerNorm (last dim)
+    LAYER_NORM_TUNING     the launch knobs (a norm_common.NormTuning slot, "layer_norm")
 """
 
 from __future__ import annotations
 
 import numbers
-import sys
 from typing import Optional
 
 import torch
@@ -36,10 +36,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from liger_losses.kernels.norm_common import (
-    bwd_tiling, check_norm_args, fwd_pdl, fwd_tiling, norm_impl, partial_rows, sum_partials,
+    NormTuning, bwd_tiling, check_norm_args, fwd_pdl, fwd_tiling, norm_impl, partial_rows, sum_partials,
 )
 from liger_losses.kernels.launch import fast_kernel
 from liger_losses.kernels.pdl import launch_options, pdl_launch
+from liger_losses.kernels.tuning import register
 from liger_losses.kernels.utils import (
     IMPLS, as_rows, check_choice, check_last_dim, check_no_double_backward, check_tensor, device_ctx,
     import_triton,
@@ -51,38 +52,29 @@ if triton is not None:
     from liger_losses.kernels.pdl import pdl_prologue
     from liger_losses.kernels.utils import keep_or_sum, kept_total
 
-# Tuning knobs (module constants so the benchmark can sweep them on the GPU); same meaning as in
-# rms_norm.py: a tile is BLOCK_M whole rows holding about *_TILE_ELEMS elements.
+# The launch knobs (norm_common.NormTuning, as in rms_norm.py: a tile is BLOCK_M whole rows
+# holding about *_tile_elems elements).
 # From CUDA-graph sweeps on the H200 (bench_norm.py --sweep with BENCH_GRAPH=1, GPU time alone):
 # forward one-row tiles (any tile <= 4096 at H=4096; 0.073 ms at N=16384, 1.17x floor);
 # backward one program per SM with 2-row tiles at H=4096 (0.152 ms at N=16384 vs 0.24 with
 # 8/SM, liger-kernel 0.205; 0.285 ms at N=32768, 1.52x floor), and at H <= 1024 4-row tiles
 # with tile-shaped accumulators (0.041 ms at 8192 x 896). One program per SM also keeps the two
 # fp32 partial buffers at 2 x 132 x H x 4 bytes (4.1 MiB at H=4096, as liger-kernel's).
-FWD_TILE_ELEMS = 4096
-BWD_TILE_ELEMS = 8192
-BWD_SMALL_H = 1024
-BWD_SMALL_H_TILE_ELEMS = 4096
-MAX_ROWS_PER_TILE = 16
-BWD_PROGRAMS_PER_SM = 1
-BWD_MIN_ROWS_PER_PROGRAM = 16
-CPU_BWD_PROGRAMS = 4
-# Rows of BWD_SMALL_H < H <= BWD_MID_H: 4096-element tiles, two programs per SM (as rms_norm).
-# H200, session 6 (benchmark/diag_norm_backward.py --kind layer, graph time, L2 cleared), bf16
+# Rows of bwd_small_h < H <= bwd_mid_h: 4096-element tiles, two programs per SM (as rms_norm).
+# H200 (benchmark/diag_norm_backward.py --kind layer, graph time, L2 cleared), bf16
 # 16384 x 2048: backward 0.0625 ms (1.34x the HBM floor) against 0.2016 ms (4.31x) with the
 # H=4096 settings (2-row 8192-element tiles spill with the prefetch) and liger-kernel's 0.1596.
-BWD_MID_H = 2048
-BWD_MID_H_TILE_ELEMS = 4096
-BWD_MID_H_PROGRAMS_PER_SM = 2
-# Warps of the forward / backward launches; 0: from the tile size (benchmark/diag_norm_backward.py
-# sweeps them; session 6: no setting beat the defaults by more than 2%).
-FWD_NUM_WARPS = 0
-BWD_NUM_WARPS = 0
-# Load the next tile while computing this one: H200 sweep (graph time, forward + backward, bf16,
-# H=4096, one program per SM, 2-row tiles): 0.107 / 0.195 / 0.364 ms at 8k / 16k / 32k tokens
-# (1.37x / 1.25x / 1.17x the HBM floor) vs 0.124 / 0.224 / 0.423 without (same tiles).
-BWD_PREFETCH = True
-_KNOBS = sys.modules[__name__]  # read at launch time by norm_common's tiling
+# Warps: 0, from the tile size (benchmark/diag_norm_backward.py sweeps them: no setting beat the
+# defaults by more than 2%).
+# Backward prefetch: H200 sweep (graph time, forward + backward, bf16, H=4096, one program per SM,
+# 2-row tiles): 0.107 / 0.195 / 0.364 ms at 8k / 16k / 32k tokens (1.37x / 1.25x / 1.17x the HBM
+# floor) vs 0.124 / 0.224 / 0.423 without (same tiles).
+LAYER_NORM_TUNING = register("layer_norm", NormTuning(
+    fwd_tile_elems=4096, bwd_tile_elems=8192, bwd_small_h=1024, bwd_small_h_tile_elems=4096,
+    max_rows_per_tile=16, bwd_programs_per_sm=1, bwd_min_rows_per_program=16, cpu_bwd_programs=4,
+    bwd_mid_h=2048, bwd_mid_h_tile_elems=4096, bwd_mid_h_programs_per_sm=2,
+    fwd_num_warps=0, bwd_num_warps=0, bwd_prefetch=True,
+))
 
 
 if triton is not None:
@@ -194,7 +186,7 @@ def _forward(x2, weight, bias, eps, out2):
     n_rows, n_cols = x2.shape
     mean = torch.empty((n_rows,), dtype=torch.float32, device=x2.device)
     rstd = torch.empty((n_rows,), dtype=torch.float32, device=x2.device)
-    block_m, block_n, warps, programs = fwd_tiling(n_rows, n_cols, _KNOBS)
+    block_m, block_n, warps, programs = fwd_tiling(n_rows, n_cols, LAYER_NORM_TUNING.current)
     pdl = fwd_pdl(x2.device, block_m)
     with device_ctx(x2):
         _layer_norm_fwd_kernel[(programs,)](
@@ -212,7 +204,8 @@ def _backward(dy2, x2, weight, mean, rstd, need_dx, need_dw, need_db, sum_dtype=
     parameter gradients in ``sum_dtype``."""
     n_rows, n_cols = x2.shape
     dx = torch.empty_like(x2, memory_format=torch.contiguous_format) if need_dx else None
-    block_m, block_n, warps, n_blocks, programs, blocks_per_program, tile_acc = bwd_tiling(x2, _KNOBS)
+    knobs = LAYER_NORM_TUNING.current
+    block_m, block_n, warps, n_blocks, programs, blocks_per_program, tile_acc = bwd_tiling(x2, knobs)
     n_partial = int(need_dw) + int(need_db)
     partial = partial_rows(n_partial, programs, x2)
     dw_partial = partial[0] if need_dw else x2
@@ -226,7 +219,7 @@ def _backward(dy2, x2, weight, mean, rstd, need_dx, need_dw, need_db, sum_dtype=
             n_blocks, blocks_per_program,
             HAS_WEIGHT=weight is not None, COMPUTE_DX=need_dx,
             COMPUTE_DW=need_dw, COMPUTE_DB=need_db,
-            BLOCK_M=block_m, BLOCK_N=block_n, TILE_ACC=tile_acc, PREFETCH=BWD_PREFETCH,
+            BLOCK_M=block_m, BLOCK_N=block_n, TILE_ACC=tile_acc, PREFETCH=knobs.bwd_prefetch,
             PDL=pdl, num_warps=warps, **launch_options(pdl),
         )
     sums = sum_partials(partial, sum_dtype) if n_partial else None

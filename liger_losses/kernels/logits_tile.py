@@ -23,12 +23,14 @@ blocks (online max / sum-exp, then the gradient). ``impl="torch"``: same semanti
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import NamedTuple, Optional, Union
 
 import torch
 from torch import Tensor
 
 from liger_losses.kernels.launch import fast_kernel
+from liger_losses.kernels.tuning import Knobs, knob, register
 from liger_losses.kernels.utils import (
     check_choice,
     check_range,
@@ -72,6 +74,50 @@ if triton is not None:
             t = tl.where(u < 0, -t, t)
             y = softcap * t
         return y * inv_temp, t
+
+    @triton.jit
+    def _gradient_pass(x_ptr, g_ptr, SCALE, row, scale_stride, scale_value, CW, valid, lse, safe, w_y, w_sum,
+                       V, logit_scale, inv_temp, softcap, eps, z_w, n_blocks, offs,
+                       MODE_CE: tl.constexpr, SCALE_PER_ROW: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+                       HAS_CW: tl.constexpr, BLOCK: tl.constexpr, STAGES2: tl.constexpr, REVERSED: tl.constexpr):
+        """Pass 2: the gradient d loss / d x of one row, times the row scale, written to ``g_ptr``."""
+        if SCALE_PER_ROW:
+            scale = tl.load(SCALE + row * scale_stride).to(tl.float32)
+        else:
+            scale = scale_value
+        lse_s = tl.where(valid, lse, 0.0)
+        zc = 2.0 * z_w * lse_s
+        # per-row scalars, so that an element costs one exp, one fma and one select (few live
+        # registers: large blocks with many warps stay spill-free); coef is 0 on ignored rows
+        coef = tl.where(valid, inv_temp * logit_scale * scale, 0.0)
+        if MODE_CE:
+            a = (1.0 + zc) * coef  # g = p * a - c0, minus c1 at the label
+            c0 = eps / V * coef
+            c1 = (1.0 - eps) * coef
+        else:  # d logp / dz = onehot - p
+            a = -coef
+            c0 = 0.0
+            c1 = -coef
+        v_read = tl.where(valid, V, 0)  # ignored rows: nothing read, x = 0, a zero gradient row
+        # REVERSED: last block first, where pass 1 ended (the row's tail may still be in L2)
+        for b in tl.range(0, n_blocks, num_stages=STAGES2):
+            if REVERSED:
+                cols = (n_blocks - 1 - b) * BLOCK + offs
+            else:
+                cols = b * BLOCK + offs
+            mask = cols < V
+            x = tl.load(x_ptr + cols, mask=cols < v_read, other=0.0).to(tl.float32)
+            z, t = _transform(x, logit_scale, inv_temp, softcap, HAS_SOFTCAP)
+            p = tl.exp(tl.minimum(z - lse_s, 0.0))
+            if HAS_CW and MODE_CE:
+                w = tl.load(CW + cols, mask=mask, other=0.0).to(tl.float32)
+                g = ((1.0 - eps) * w_y * p + eps / V * (w_sum * p - w) + zc * p) * coef
+            else:
+                g = p * a - c0
+            g = tl.where(cols == safe, g - c1 * w_y, g)
+            if HAS_SOFTCAP:
+                g = g * (1.0 - t * t)
+            tl.store(g_ptr + cols, g.to(g_ptr.dtype.element_ty), mask=mask)
 
     @triton.jit
     def _logits_tile_kernel(
@@ -160,43 +206,9 @@ if triton is not None:
 
         # pass 2: gradient d loss / d x, times the row scale, in place
         if WRITE_GRAD:
-            if SCALE_PER_ROW:
-                scale = tl.load(SCALE + row * scale_stride).to(tl.float32)
-            else:
-                scale = scale_value
-            lse_s = tl.where(valid, lse, 0.0)
-            zc = 2.0 * z_w * lse_s
-            # per-row scalars, so that an element costs one exp, one fma and one select (few live
-            # registers: large blocks with many warps stay spill-free); coef is 0 on ignored rows
-            coef = tl.where(valid, inv_temp * logit_scale * scale, 0.0)
-            if MODE_CE:
-                a = (1.0 + zc) * coef  # g = p * a - c0, minus c1 at the label
-                c0 = eps / V * coef
-                c1 = (1.0 - eps) * coef
-            else:  # d logp / dz = onehot - p
-                a = -coef
-                c0 = 0.0
-                c1 = -coef
-            v_read = tl.where(valid, V, 0)  # ignored rows: nothing read, x = 0, a zero gradient row
-            # REVERSED: last block first, where pass 1 ended (the row's tail may still be in L2)
-            for b in tl.range(0, n_blocks, num_stages=STAGES2):
-                if REVERSED:
-                    cols = (n_blocks - 1 - b) * BLOCK + offs
-                else:
-                    cols = b * BLOCK + offs
-                mask = cols < V
-                x = tl.load(x_ptr + cols, mask=cols < v_read, other=0.0).to(tl.float32)
-                z, t = _transform(x, logit_scale, inv_temp, softcap, HAS_SOFTCAP)
-                p = tl.exp(tl.minimum(z - lse_s, 0.0))
-                if HAS_CW and MODE_CE:
-                    w = tl.load(CW + cols, mask=mask, other=0.0).to(tl.float32)
-                    g = ((1.0 - eps) * w_y * p + eps / V * (w_sum * p - w) + zc * p) * coef
-                else:
-                    g = p * a - c0
-                g = tl.where(cols == safe, g - c1 * w_y, g)
-                if HAS_SOFTCAP:
-                    g = g * (1.0 - t * t)
-                tl.store(g_ptr + cols, g.to(G.dtype.element_ty), mask=mask)
+            _gradient_pass(x_ptr, g_ptr, SCALE, row, scale_stride, scale_value, CW, valid, lse, safe, w_y, w_sum,
+                           V, logit_scale, inv_temp, softcap, eps, z_w, n_blocks, offs,
+                           MODE_CE, SCALE_PER_ROW, HAS_SOFTCAP, HAS_CW, BLOCK, STAGES2, REVERSED)
 
     # host launches go through launch.fast_kernel (the compiled launcher after a first launch)
     _logits_tile_kernel = fast_kernel(_logits_tile_kernel)
@@ -268,36 +280,46 @@ def _logits_tile_torch(
     return stats
 
 
-# Columns per block of the row loops, warps per program on the GPU (0: 8 for blocks >= 4096, else
-# 4) and the software-pipelining depth of the pass-1 / pass-2 loops (``tl.range(num_stages=...)``:
-# the next blocks' loads go to shared memory while a block is reduced, so more bytes are in flight
-# per SM without more registers; None: Triton's default loop). Module constants so that
-# ``benchmark/diag_ce_registers.py`` / ``bench_kernels_ce.py --sweep`` can set them.
-# H200, CE on 8192 x 128256 bf16 logits, forward + backward, one eager run (session 4,
-# results/session4/logs/ce_registers_call2.log): 4096 / 8 warps unpipelined 2.37 ms (the former
-# default), 4096 / 8 / 3 stages 2.24, 2048 / 4 / 3 stages 2.16, liger-kernel 2.11. Without
-# pipelining, larger blocks (16384-32768, 16-32 warps, one row per SM like liger-kernel's kernel)
-# were no faster (2.3-2.8 ms); a persistent grid was slower (2.9-6.3 ms, session 3).
-BLOCK_CAP = 2048
-NUM_WARPS = 0
-PASS1_STAGES = 3
-PASS2_STAGES = 3
-# Blocks up to this size keep the pass-1 sums per lane (see the kernel), larger ones per block
-# (fewer live registers: 32768 / 32 warps compiles to 60-64 registers).
-VEC_SUMS_MAX_BLOCK = 4096
-# Pass 2 walks the row from its last block back (pass 1 ended there: the row's tail may still be
-# in L2). The gradient is elementwise, so the order changes no value; False: front to back.
-PASS2_REVERSED = True
-# Register cap per thread for the launch (Triton's ``maxnreg``; None: the compiler's choice). Fewer
-# programs per SM keep fewer rows in flight, so more of a row is still in L2 when pass 2 reads it
-# again; a benchmark sweeps it (``benchmark/diag_tile_occupancy.py``).
-MAXNREG = None
+@dataclass(frozen=True)
+class LogitsTileTuning(Knobs):
+    """Launch knobs of the logits-tile kernel (slot ``logits_tile``; ``benchmark/diag_ce_registers.py``
+    and ``bench_kernels_ce.py --sweep`` sweep them).
+
+    ``block_cap``: columns per block of the row loops on the GPU (1024 in the interpreter).
+    ``num_warps``: warps per program (0: 8 for blocks >= 4096, else 4).
+    ``pass1_stages`` / ``pass2_stages``: software-pipelining depth of the pass-1 / pass-2 loops
+    (``tl.range(num_stages=...)``: the next blocks' loads go to shared memory while a block is
+    reduced, so more bytes are in flight per SM without more registers; None: Triton's default loop).
+    H200, CE on 8192 x 128256 bf16 logits, forward + backward, one eager run (table "Cross-entropy
+    tile kernel" in benchmark/results/README.md): 4096 / 8 warps unpipelined 2.37 ms (the former
+    default), 4096 / 8 / 3 stages 2.24, 2048 / 4 / 3 stages 2.16, liger-kernel 2.11. Without
+    pipelining, larger blocks (16384-32768, 16-32 warps, one row per SM like liger-kernel's kernel)
+    were no faster (2.3-2.8 ms); a persistent grid was slower (2.9-6.3 ms).
+    ``vec_sums_max_block``: blocks up to this size keep the pass-1 sums per lane (see the kernel),
+    larger ones per block (fewer live registers: 32768 / 32 warps compiles to 60-64 registers).
+    ``pass2_reversed``: pass 2 walks the row from its last block back (pass 1 ended there: the row's
+    tail may still be in L2). The gradient is elementwise, so the order changes no value.
+    ``maxnreg``: register cap per thread (Triton's ``maxnreg``; None: the compiler's choice). Fewer
+    programs per SM keep fewer rows in flight, so more of a row is still in L2 when pass 2 reads it
+    again (``benchmark/diag_tile_occupancy.py`` sweeps it).
+    """
+
+    block_cap: int = knob(2048, minimum=1)
+    num_warps: int = knob(0)
+    pass1_stages: Optional[int] = knob(3, minimum=1, optional=True)
+    pass2_stages: Optional[int] = knob(3, minimum=1, optional=True)
+    vec_sums_max_block: int = knob(4096)
+    pass2_reversed: bool = knob(True)
+    maxnreg: Optional[int] = knob(None)
 
 
-def _block_settings(V: int) -> tuple[int, int]:
-    cap = 1024 if triton_interpret() else BLOCK_CAP
+LOGITS_TILE_TUNING = register("logits_tile", LogitsTileTuning())
+
+
+def _block_settings(V: int, knobs: LogitsTileTuning) -> tuple[int, int]:
+    cap = 1024 if triton_interpret() else knobs.block_cap
     block = min(next_power_of_2(V), cap)
-    warps = NUM_WARPS or (8 if block >= 4096 else 4)
+    warps = knobs.num_warps or (8 if block >= 4096 else 4)
     return block, warps
 
 
@@ -402,7 +424,8 @@ def logits_tile(
     cw_arg = cw.float().contiguous() if cw is not None else loss
     scale_ptr = grad_scale if per_row else loss
     scale_value = 0.0 if per_row else float(grad_scale)
-    block, warps = _block_settings(V)
+    knobs = LOGITS_TILE_TUNING.current
+    block, warps = _block_settings(V, knobs)
     g = out if out is not None else x
     with device_ctx(x):  # Triton launches on the current GPU
         _logits_tile_kernel[(n,)](
@@ -412,9 +435,9 @@ def logits_tile(
             float(softcap) if softcap is not None else 1.0, eps, z_w,
             MODE_CE=mode_ce, WRITE_GRAD=bool(grad), SCALE_PER_ROW=per_row,
             HAS_SOFTCAP=softcap is not None, HAS_CW=cw is not None, NEED_ENT=bool(need_entropy),
-            NEED_LSUM=need_lsum, BLOCK=block, VEC_SUMS=block <= VEC_SUMS_MAX_BLOCK,
-            STAGES1=PASS1_STAGES, STAGES2=PASS2_STAGES, REVERSED=PASS2_REVERSED, num_warps=warps,
-            **({} if MAXNREG is None else {"maxnreg": MAXNREG}),
+            NEED_LSUM=need_lsum, BLOCK=block, VEC_SUMS=block <= knobs.vec_sums_max_block,
+            STAGES1=knobs.pass1_stages, STAGES2=knobs.pass2_stages, REVERSED=knobs.pass2_reversed,
+            num_warps=warps, **({} if knobs.maxnreg is None else {"maxnreg": knobs.maxnreg}),
         )
     return TileStats(loss, lse, logp, ent if need_entropy else None, correct,
                      lsum if need_logits_sum else None)

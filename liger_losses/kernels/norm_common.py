@@ -8,23 +8,22 @@ path, the tiling of both launches, and the column sum of the partial rows (:func
 one small Triton launch that reads the fp32 partials once and writes the parameter gradient in its
 dtype, with no reduction workspace).
 
-Tiling reads the tuning knobs from the kernel module passed as ``knobs`` at call time (so that the
-benchmark can sweep them by setting the module's attributes): ``FWD_TILE_ELEMS``,
-``BWD_TILE_ELEMS``, ``BWD_SMALL_H``, ``BWD_SMALL_H_TILE_ELEMS``, ``MAX_ROWS_PER_TILE``,
-``BWD_PROGRAMS_PER_SM``, ``BWD_MIN_ROWS_PER_PROGRAM``, ``CPU_BWD_PROGRAMS``, ``BWD_MID_H``
-(with ``BWD_MID_H_TILE_ELEMS``, ``BWD_MID_H_PROGRAMS_PER_SM``; 0: no mid-width settings),
-``FWD_NUM_WARPS`` and ``BWD_NUM_WARPS`` (0: the warps follow the tile size).
+The tiling takes the norm's knobs (:class:`NormTuning`, the current value of the kernel's slot,
+``tuning(rms_norm=...)`` / ``tuning(layer_norm=...)``), the partial sum its own
+(:class:`PartialSumTuning`, slot ``norm_sum``).
 """
 
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
 
 from liger_losses.kernels.launch import fast_kernel
 from liger_losses.kernels.pdl import launch_options, pdl_launch
+from liger_losses.kernels.tuning import Knobs, knob, register
 from liger_losses.kernels.utils import (
     check_last_dim,
     device_ctx,
@@ -45,14 +44,56 @@ if triton is not None:
     from liger_losses.kernels.pdl import pdl_prologue
 
 TRITON_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-# Partial-sum reduction tiles: BLOCK_C columns per program and up to SUM_TILE_ELEMS elements per
-# tile, so the ~1 x #SMs partial rows of a norm backward are read in one or two steps per program
-# by H / BLOCK_C programs (the former 256 x 32 tiles gave 16 programs at H = 4096, each walking its
-# rows in 5 steps). H200, fwd + bwd at H = 4096 (bench_norm --sweep, session 4): 64 columns saves
-# ~3 us (RMSNorm 4096 tokens 0.0592 -> 0.0560 ms, LayerNorm 0.0633 -> 0.0593); 32 columns about as
-# much.
-SUM_BLOCK_COLS = 64
-SUM_TILE_ELEMS = 8192
+
+
+@dataclass(frozen=True)
+class NormTuning(Knobs):
+    """Launch knobs of a row norm (RMSNorm, LayerNorm: each has its slot and its defaults, set and
+    measured in its module). A program handles a tile of BLOCK_M whole rows x next_pow2(H) columns,
+    BLOCK_M chosen so that the tile holds about ``*_tile_elems`` elements.
+
+    ``fwd_tile_elems``: forward tile. ``bwd_tile_elems``: backward tile for long rows.
+    ``bwd_small_h``: rows of at most this width are short (multi-row backward tiles, a tile-shaped
+    parameter-gradient accumulator) with ``bwd_small_h_tile_elems``-element tiles.
+    ``max_rows_per_tile``: the cap on BLOCK_M.
+    ``bwd_programs_per_sm`` / ``bwd_min_rows_per_program``: backward programs on CUDA (per SM, but
+    at least this many rows each); ``cpu_bwd_programs``: on the CPU interpreter.
+    ``bwd_mid_h``: rows with ``bwd_small_h < H <= bwd_mid_h`` take ``bwd_mid_h_tile_elems`` and
+    ``bwd_mid_h_programs_per_sm`` instead (0: no mid-width settings).
+    ``fwd_num_warps`` / ``bwd_num_warps``: warps of the launches (0: from the tile size).
+    ``bwd_prefetch``: the backward loads the next tile while computing this one.
+    """
+
+    fwd_tile_elems: int = knob(4096, minimum=1)
+    bwd_tile_elems: int = knob(16384, minimum=1)
+    bwd_small_h: int = knob(1024)
+    bwd_small_h_tile_elems: int = knob(8192, minimum=1)
+    max_rows_per_tile: int = knob(16, minimum=1)
+    bwd_programs_per_sm: int = knob(1, minimum=1)
+    bwd_min_rows_per_program: int = knob(16, minimum=1)
+    cpu_bwd_programs: int = knob(4, minimum=1)
+    bwd_mid_h: int = knob(2048)
+    bwd_mid_h_tile_elems: int = knob(4096, minimum=1)
+    bwd_mid_h_programs_per_sm: int = knob(2, minimum=1)
+    fwd_num_warps: int = knob(0)
+    bwd_num_warps: int = knob(0)
+    bwd_prefetch: bool = knob(True)
+
+
+@dataclass(frozen=True)
+class PartialSumTuning(Knobs):
+    """Tiles of the partial-sum reduction (:func:`sum_partials`): ``block_cols`` columns per program
+    and up to ``tile_elems`` elements per tile, so the ~1 x #SMs partial rows of a norm backward are
+    read in one or two steps per program by H / block_cols programs (the former 256 x 32 tiles gave
+    16 programs at H = 4096, each walking its rows in 5 steps). H200, forward + backward at
+    H = 4096 (``bench_norm.py --sweep``): 64 columns saves ~3 us (RMSNorm 4096 tokens 0.0592 ->
+    0.0560 ms, LayerNorm 0.0633 -> 0.0593); 32 columns about as much."""
+
+    block_cols: int = knob(64, minimum=1)
+    tile_elems: int = knob(8192, minimum=1)
+
+
+SUM_TUNING = register("norm_sum", PartialSumTuning())
 
 if triton is not None:
 
@@ -84,7 +125,7 @@ if triton is not None:
         ``dy`` as fp32 ``[BLOCK_M, BLOCK_N]`` and the per-row fp32 statistics (the second one only
         with ``TWO_STATS``, else a copy of the first); zeros where the rows run past ``n_rows`` or
         ``block >= last``, and nothing loaded unless ``ACTIVE``. (Keeping a prefetched tile in its
-        storage dtype until used changed no register count at the 8B shapes: session 9.)"""
+        storage dtype until used changed no register count at the Llama-3-8B shapes.)"""
         rows = (block * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
         if ACTIVE:  # rows of tiles >= last are at or past last * BLOCK_M
             row_mask = rows < tl.minimum(n_rows, last * BLOCK_M)
@@ -132,8 +173,9 @@ def sum_partials(partial: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     p3 = partial.unsqueeze(0) if squeeze else partial
     groups, n_rows, n_cols = p3.shape
     out = torch.empty((groups, n_cols), dtype=dtype, device=partial.device)
-    block_c = min(SUM_BLOCK_COLS, next_power_of_2(n_cols))
-    block_r = max(1, min(next_power_of_2(n_rows), SUM_TILE_ELEMS // block_c))
+    knobs = SUM_TUNING.current
+    block_c = min(knobs.block_cols, next_power_of_2(n_cols))
+    block_r = max(1, min(next_power_of_2(n_rows), knobs.tile_elems // block_c))
     pdl = pdl_launch(partial.device, "sum")
     with device_ctx(partial):
         _sum_partials_kernel[(-(-n_cols // block_c), groups)](
@@ -181,15 +223,15 @@ def norm_impl(impl: str, hidden: torch.Tensor, **params: Optional[torch.Tensor])
 
 def fwd_pdl(device: torch.device, block_m: int) -> bool:
     """Whether a norm forward with ``block_m``-row tiles launches with PDL: one-row tiles only (long
-    rows; with multi-row tiles the LayerNorm forward at H = 896 lost 3.3 us, pdl.KERNELS)."""
+    rows; with multi-row tiles the LayerNorm forward at H = 896 lost 3.3 us, pdl.PDLConfig)."""
     return block_m == 1 and pdl_launch(device, "norm_fwd")
 
 
-def fwd_tiling(n_rows: int, n_cols: int, knobs) -> tuple[int, int, int, int]:
+def fwd_tiling(n_rows: int, n_cols: int, knobs: NormTuning) -> tuple[int, int, int, int]:
     """(BLOCK_M, BLOCK_N, num_warps, programs) of the forward launch: one program per tile
-    (``FWD_NUM_WARPS``, when non-zero, overrides the warps). (Several tiles per program, the next
-    one's load issued before this one is computed, was 0-1% slower at 4096-8192 x 4096: session 9.)"""
-    return _fwd_tiling(n_rows, n_cols, knobs.FWD_TILE_ELEMS, knobs.MAX_ROWS_PER_TILE, knobs.FWD_NUM_WARPS)
+    (``fwd_num_warps``, when non-zero, overrides the warps). (Several tiles per program, the next
+    one's load issued before this one is computed, was 0-1% slower at 4096-8192 x 4096 on the H200.)"""
+    return _fwd_tiling(n_rows, n_cols, knobs.fwd_tile_elems, knobs.max_rows_per_tile, knobs.fwd_num_warps)
 
 
 @functools.lru_cache(maxsize=1024)
@@ -199,20 +241,20 @@ def _fwd_tiling(n_rows: int, n_cols: int, tile_elems: int, max_rows: int,
     return block_m, block_n, num_warps or warps, -(-n_rows // block_m)
 
 
-def bwd_tiling(x2: torch.Tensor, knobs) -> tuple[int, int, int, int, int, int, bool]:
+def bwd_tiling(x2: torch.Tensor, knobs: NormTuning) -> tuple[int, int, int, int, int, int, bool]:
     """(BLOCK_M, BLOCK_N, num_warps, n_blocks, programs, blocks_per_program, TILE_ACC) of the
-    backward launch on ``x2`` ``[rows, H]``: short rows (``H <= BWD_SMALL_H``) take multi-row
+    backward launch on ``x2`` ``[rows, H]``: short rows (``H <= bwd_small_h``) take multi-row
     tiles and a tile-shaped parameter-gradient accumulator (``TILE_ACC``), long rows a row-shaped
     one. Cached per shape, device and knob values (host time per call matters for small steps)."""
     n_rows, n_cols = x2.shape
-    short = n_cols <= knobs.BWD_SMALL_H
-    tile_elems = knobs.BWD_SMALL_H_TILE_ELEMS if short else knobs.BWD_TILE_ELEMS
-    per_sm = knobs.BWD_PROGRAMS_PER_SM
-    if not short and n_cols <= knobs.BWD_MID_H:  # mid-width settings
-        tile_elems, per_sm = knobs.BWD_MID_H_TILE_ELEMS, knobs.BWD_MID_H_PROGRAMS_PER_SM
+    short = n_cols <= knobs.bwd_small_h
+    tile_elems = knobs.bwd_small_h_tile_elems if short else knobs.bwd_tile_elems
+    per_sm = knobs.bwd_programs_per_sm
+    if not short and n_cols <= knobs.bwd_mid_h:  # mid-width settings
+        tile_elems, per_sm = knobs.bwd_mid_h_tile_elems, knobs.bwd_mid_h_programs_per_sm
     return _bwd_tiling(
-        n_rows, n_cols, x2.device, tile_elems, knobs.MAX_ROWS_PER_TILE, per_sm,
-        knobs.BWD_MIN_ROWS_PER_PROGRAM, knobs.CPU_BWD_PROGRAMS, knobs.BWD_NUM_WARPS,
+        n_rows, n_cols, x2.device, tile_elems, knobs.max_rows_per_tile, per_sm,
+        knobs.bwd_min_rows_per_program, knobs.cpu_bwd_programs, knobs.bwd_num_warps,
     ) + (short,)
 
 

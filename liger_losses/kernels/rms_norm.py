@@ -37,21 +37,22 @@ Public API:
                  inplace_backward=False, impl="auto")        drop-in for LlamaRMSNorm
     LigerGemmaRMSNorm(dim, eps=1e-6, *, inplace_backward=False, impl="auto")
                                                              drop-in for GemmaRMSNorm/Gemma2RMSNorm
+    RMS_NORM_TUNING           the launch knobs (a norm_common.NormTuning slot, "rms_norm")
 """
 
 from __future__ import annotations
 
-import sys
 from typing import Optional
 
 import torch
 from torch import nn
 
 from liger_losses.kernels.norm_common import (
-    bwd_tiling, check_norm_args, fwd_pdl, fwd_tiling, norm_impl, partial_rows, sum_partials,
+    NormTuning, bwd_tiling, check_norm_args, fwd_pdl, fwd_tiling, norm_impl, partial_rows, sum_partials,
 )
 from liger_losses.kernels.launch import fast_kernel
 from liger_losses.kernels.pdl import launch_options, pdl_launch
+from liger_losses.kernels.tuning import register
 from liger_losses.kernels.utils import (
     IMPLS, as_rows, check_choice, check_no_double_backward, check_number, device_ctx, import_triton,
 )
@@ -65,47 +66,36 @@ if triton is not None:
 CASTING_MODES = ("llama", "gemma", "none")
 _CASTING_CODE = {"llama": 0, "gemma": 1, "none": 2}
 
-# Tuning knobs (module constants so the benchmark can sweep them on the GPU).
-# A program handles a tile of BLOCK_M rows x next_pow2(H) columns, BLOCK_M chosen so that the
-# tile holds about *_TILE_ELEMS elements (one row when H is large, several when H is small).
-# Set from CUDA-graph sweeps on the H200 (bench_norm.py --sweep with BENCH_GRAPH=1: GPU time
-# alone; the earlier eager sweeps were dominated by host time and misleading). Forward: any tile
+# The launch knobs (norm_common.NormTuning; its defaults are these). A tile holds about
+# *_tile_elems elements (one row when H is large, several when H is small). Set from CUDA-graph
+# sweeps on the H200 (bench_norm.py --sweep with BENCH_GRAPH=1: GPU time alone; the earlier eager sweeps were dominated by host time and misleading). Forward: any tile
 # <= 16384 is within 2% (one row per tile at H=4096). Backward: one program per SM with 4-row
 # tiles (16384 elements) at H=4096: 0.122 ms at N=16384 (1.30x the bytes floor; 8/SM one-row
 # tiles 0.143, liger-kernel 0.189) and 0.227 ms at N=32768 (1.21x); at H=896 one program per SM
 # with a tile-shaped accumulator, 8-row tiles since the prefetch (below; 16-row tiles with it
 # spill: 0.057 vs 0.041 ms forward + backward).
-FWD_TILE_ELEMS = 4096
-BWD_TILE_ELEMS = 16384
-BWD_SMALL_H = 1024
-BWD_SMALL_H_TILE_ELEMS = 8192
-MAX_ROWS_PER_TILE = 16
-# Backward programs on CUDA: BWD_PROGRAMS_PER_SM per SM, but at least BWD_MIN_ROWS_PER_PROGRAM
+# Backward programs on CUDA: bwd_programs_per_sm per SM, but at least bwd_min_rows_per_program
 # rows each. One per SM is fastest (above) and keeps the fp32 partial rows ([programs, H],
 # written then summed by norm_common.sum_partials) at 132 x H x 4 bytes: 2.1 MiB at H=4096.
-BWD_PROGRAMS_PER_SM = 1
-BWD_MIN_ROWS_PER_PROGRAM = 16
-# Rows of BWD_SMALL_H < H <= BWD_MID_H: smaller tiles, two programs per SM. H200, session 5
+# Rows of bwd_small_h < H <= bwd_mid_h: smaller tiles, two programs per SM. H200
 # (benchmark/diag_norm_backward.py: backward = graph time of forward + backward minus forward, L2
 # cleared before each replay), 16384 x 2048 bf16 (Llama-3.2-1B at 8 x 2048 tokens): 0.0602 ms,
 # 1.29x the HBM floor, against 0.157 ms (3.35x) with the H=4096 settings above (our trainer
 # profile: 0.168 per call) and liger-kernel's 0.137; gradients bitwise equal. At 4096 x 4096 the
 # same settings are 6% slower than the defaults (0.0347 vs 0.0327 ms), hence the width bound.
-BWD_MID_H = 2048
-BWD_MID_H_TILE_ELEMS = 4096
-BWD_MID_H_PROGRAMS_PER_SM = 2
-# Warps of the forward / backward launches; 0: from the tile size (benchmark/diag_norm_backward.py
-# sweeps them; session 6: no setting beat the defaults by more than 2%).
-FWD_NUM_WARPS = 0
-BWD_NUM_WARPS = 0
-# Backward: load the next tile while computing this one (see the kernel). H200 sweep (graph time,
-# forward + backward, bf16, H=4096, one program per SM, 4-row tiles): 0.101 / 0.185 / 0.356 ms at
-# 8k / 16k / 32k tokens (1.30x / 1.19x / 1.14x the HBM floor) vs 0.107 / 0.190 / 0.359 without;
-# H=896: 0.041 vs 0.045 ms.
-BWD_PREFETCH = True
-# Backward programs on the CPU interpreter (small: the interpreter is slow per program).
-CPU_BWD_PROGRAMS = 4
-_KNOBS = sys.modules[__name__]  # read at launch time by norm_common's tiling
+# Warps: 0, from the tile size (benchmark/diag_norm_backward.py sweeps them: no setting beat the
+# defaults by more than 2%).
+# Backward prefetch (load the next tile while computing this one; see the kernel). H200 sweep
+# (graph time, forward + backward, bf16, H=4096, one program per SM, 4-row tiles): 0.101 / 0.185 /
+# 0.356 ms at 8k / 16k / 32k tokens (1.30x / 1.19x / 1.14x the HBM floor) vs 0.107 / 0.190 / 0.359
+# without; H=896: 0.041 vs 0.045 ms.
+# Backward programs on the CPU interpreter: 4 (small: the interpreter is slow per program).
+RMS_NORM_TUNING = register("rms_norm", NormTuning(
+    fwd_tile_elems=4096, bwd_tile_elems=16384, bwd_small_h=1024, bwd_small_h_tile_elems=8192,
+    max_rows_per_tile=16, bwd_programs_per_sm=1, bwd_min_rows_per_program=16, cpu_bwd_programs=4,
+    bwd_mid_h=2048, bwd_mid_h_tile_elems=4096, bwd_mid_h_programs_per_sm=2,
+    fwd_num_warps=0, bwd_num_warps=0, bwd_prefetch=True,
+))
 
 
 if triton is not None:
@@ -218,7 +208,7 @@ def _forward(x2, weight, eps, offset, casting_mode, out2):
     contiguous ``[rows, H]`` view of the caller's output); returns rstd ``[rows]`` fp32."""
     n_rows, n_cols = x2.shape
     rstd = torch.empty((n_rows,), dtype=torch.float32, device=x2.device)
-    block_m, block_n, warps, programs = fwd_tiling(n_rows, n_cols, _KNOBS)
+    block_m, block_n, warps, programs = fwd_tiling(n_rows, n_cols, RMS_NORM_TUNING.current)
     pdl = fwd_pdl(x2.device, block_m)
     with device_ctx(x2):
         _rms_norm_fwd_kernel[(programs,)](
@@ -240,7 +230,8 @@ def _backward(dy2, x2, weight, rstd, offset, casting_mode, need_dx, need_dw, inp
             dx = dy2
         else:
             dx = torch.empty_like(x2, memory_format=torch.contiguous_format)
-    block_m, block_n, warps, n_blocks, programs, blocks_per_program, tile_acc = bwd_tiling(x2, _KNOBS)
+    knobs = RMS_NORM_TUNING.current
+    block_m, block_n, warps, n_blocks, programs, blocks_per_program, tile_acc = bwd_tiling(x2, knobs)
     partial = partial_rows(int(need_dw), programs, x2)
     pdl = pdl_launch(x2.device, "norm_bwd")
     with device_ctx(x2):
@@ -251,7 +242,7 @@ def _backward(dy2, x2, weight, rstd, offset, casting_mode, need_dx, need_dw, inp
             float(offset), n_blocks, blocks_per_program,
             CASTING=_CASTING_CODE[casting_mode], HAS_WEIGHT=weight is not None,
             COMPUTE_DX=need_dx, COMPUTE_DW=need_dw,
-            BLOCK_M=block_m, BLOCK_N=block_n, TILE_ACC=tile_acc, PREFETCH=BWD_PREFETCH,
+            BLOCK_M=block_m, BLOCK_N=block_n, TILE_ACC=tile_acc, PREFETCH=knobs.bwd_prefetch,
             PDL=pdl, num_warps=warps, **launch_options(pdl),
         )
     dw = sum_partials(partial, weight.dtype)[0] if need_dw else None

@@ -34,12 +34,15 @@ Public API:
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
 
 from liger_losses.kernels.launch import fast_kernel
+from liger_losses.kernels.layouts import as_geometry, carrier_of, empty_like_layout, overlaps, rebuild
 from liger_losses.kernels.pdl import launch_options, pdl_launch
+from liger_losses.kernels.tuning import Knobs, knob, register
 from liger_losses.kernels.utils import (
     check_no_double_backward,
     check_same_device,
@@ -55,28 +58,38 @@ triton, tl = import_triton()
 if triton is not None:
     from liger_losses.kernels.pdl import pdl_prologue
 
-# Elements of one [heads, R/2] tile the kernel holds per tensor (x1, x2, out1, out2 each), and the
-# warps per program (0: 8 for tiles of >= 2048 elements, else 4). Module constants so that
-# ``benchmark/bench_rope.py --sweep`` can set them.
-# H200 sweep (CUDA-graph GPU time, 8B shapes, out of place, forward + backward): 1024-element tiles
-# with 4 warps 0.099 ms at 8192 tokens (1.23x the HBM floor) and 0.362 at 32768 (1.13x); 2048 with
-# 8 warps (the former default) 0.114 / 0.421; 16 warps 1.6-1.9x.
-TILE_ELEMENTS = 1024
-NUM_WARPS = 0
-# LOADS_FIRST: one tile holds all heads of a token (TILE_ELEMENTS ignored) and the kernel issues
-# the loads of q's and k's halves before any store -- liger-kernel's order, which the compiler
-# cannot reach by itself (a store to q may alias k). H200, q-layout gradients, CUDA graphs
-# (session 5 sweep): 8B shapes 0.0868 ms at 8192 tokens (liger-kernel 0.0868; tiled order 0.0929)
-# and 0.3359 at 32768 (liger 0.3379; tiled 0.3398); Qwen2-0.5B 8192 tokens 0.0239 (liger 0.0166,
-# tiled 0.0273). 8 warps: 10% slower. False: the tiled order.
-LOADS_FIRST = True
-# Warps of the LOADS_FIRST tile (NUM_WARPS = 0): 2 below SMALL_TILE_ELEMS q elements per half
-# (a Qwen2-0.5B token: 14 -> 16 heads x 32), else 4, and 8 from 4096. Session 6 sweep (same
-# timing): Qwen2-0.5B 8192 tokens 0.0192 ms with 2 warps against 0.0244 with 4 (liger-kernel
-# 0.0170; in place with the gradient rotated in its buffer 0.0179); 8B shapes: 2 warps 17% slower
-# than 4. Several tokens per program (2-8, as [tokens, heads, R/2] tiles) were slower at every
-# shape and warp count (Qwen2-0.5B best 0.0219, 8B 0.092-0.123 vs 0.088) and were dropped.
-SMALL_TILE_ELEMS = 1024
+
+@dataclass(frozen=True)
+class RoPETuning(Knobs):
+    """Launch knobs of the RoPE kernel (slot ``rope``; ``benchmark/bench_rope.py --sweep`` and
+    ``benchmark/diag_rope.py`` sweep them). H200, CUDA-graph GPU time, forward + backward.
+
+    ``tile_elements``: elements of one [heads, R/2] tile per tensor (x1, x2, out1, out2 each) in the
+    tiled order. Llama-3-8B shapes, out of place: 1024-element tiles with 4 warps 0.099 ms at 8192
+    tokens (1.23x the HBM floor) and 0.362 at 32768 (1.13x); 2048 with 8 warps (the former
+    default) 0.114 / 0.421; 16 warps 1.6-1.9x.
+    ``num_warps``: warps per program (0: from the tile, see below).
+    ``loads_first``: one tile holds all heads of a token (``tile_elements`` ignored) and the kernel
+    issues the loads of q's and k's halves before any store -- liger-kernel's order, which the
+    compiler cannot reach by itself (a store to q may alias k). q-layout gradients: 8B shapes
+    0.0868 ms at 8192 tokens (liger-kernel 0.0868; tiled order 0.0929) and 0.3359 at 32768 (liger
+    0.3379; tiled 0.3398); Qwen2-0.5B 8192 tokens 0.0239 (liger 0.0166, tiled 0.0273). 8 warps: 10%
+    slower. False: the tiled order.
+    ``small_tile_elems``: with ``loads_first`` and ``num_warps=0``, 2 warps below this many q
+    elements per half (a Qwen2-0.5B token: 14 -> 16 heads x 32), else 4, and 8 from 4096.
+    Qwen2-0.5B 8192 tokens 0.0192 ms with 2 warps against 0.0244 with 4 (liger-kernel 0.0170; in
+    place with the gradient rotated in its buffer 0.0179); 8B shapes: 2 warps 17% slower than 4.
+    Several tokens per program (2-8, as [tokens, heads, R/2] tiles) were slower at every shape and
+    warp count (Qwen2-0.5B best 0.0219, 8B 0.092-0.123 vs 0.088) and were dropped.
+    """
+
+    tile_elements: int = knob(1024, minimum=1)
+    num_warps: int = knob(0)
+    loads_first: bool = knob(True)
+    small_tile_elems: int = knob(1024, minimum=1)
+
+
+ROPE_TUNING = register("rope", RoPETuning())
 
 
 if triton is not None:
@@ -205,9 +218,10 @@ def _unit_last(x: torch.Tensor) -> torch.Tensor:
 
 def _config(rot: int, d: int, n_qh: int, n_kh: int, rotate_pass: bool):
     """(HALF, HALF_BLOCK, PASS, PASS_BLOCK, BLOCK_HQ, BLOCK_HK, num_warps, LOADS_FIRST) for the
-    module knobs as they are now (cached per shape and knob values)."""
-    return _config_cached(rot, d, n_qh, n_kh, rotate_pass, TILE_ELEMENTS, NUM_WARPS, LOADS_FIRST,
-                          SMALL_TILE_ELEMS)
+    current knobs (cached per shape and knob values)."""
+    knobs = ROPE_TUNING.current
+    return _config_cached(rot, d, n_qh, n_kh, rotate_pass, knobs.tile_elements, knobs.num_warps,
+                          knobs.loads_first, knobs.small_tile_elems)
 
 
 @functools.lru_cache(maxsize=256)
@@ -246,7 +260,7 @@ def _launch_into(q, k, qo, ko, cos, sin, head_axis: int, backward: bool, copy_pa
     )
     # one head stride for all four (the usual [B, T, H, D] projections): a constexpr, so the
     # kernel's offsets need no per-head address arithmetic (H200, 8B shapes, with repeat: 59 -> 56
-    # registers, ~1% less time; session 9)
+    # registers, ~1% less time, benchmark/diag_rope.py)
     strides = {x.stride(head_axis) for x in (q, k, qo, ko)}
     head_stride = strides.pop() if len(strides) == 1 else 0
     c_sb = 0 if cos.shape[0] == 1 else cos.stride(0)
@@ -265,31 +279,6 @@ def _launch_into(q, k, qo, ko, cos, sin, head_axis: int, backward: bool, copy_pa
         )
 
 
-def _dense_perm(shape, stride):
-    """Dims ordered by decreasing stride when (shape, stride) is a permutation of a contiguous
-    layout (non-overlapping and dense), else None (cached per layout: called on every step)."""
-    return _dense_perm_cached(tuple(shape), tuple(stride))
-
-
-@functools.lru_cache(maxsize=1024)
-def _dense_perm_cached(shape, stride):
-    perm = sorted(range(len(shape)), key=lambda i: (-stride[i], -shape[i]))
-    expected = 1
-    for i in reversed(perm):
-        if shape[i] != 1 and stride[i] != expected:
-            return None
-        expected *= shape[i]
-    return tuple(perm)
-
-
-def _empty_like_layout(shape, stride, like: torch.Tensor) -> torch.Tensor:
-    """Uninitialised tensor of ``shape`` with ``stride`` when that layout is dense with a unit last
-    stride (the kernel writes the head dim contiguously), else contiguous."""
-    if stride[-1] == 1 and _dense_perm(shape, stride) is not None:
-        return torch.empty_strided(shape, stride, dtype=like.dtype, device=like.device)
-    return torch.empty(shape, dtype=like.dtype, device=like.device)
-
-
 def _launch(q, k, cos, sin, head_axis: int, backward: bool, layouts=None, repeat: bool = False):
     """Rotate q and k (or their gradients) into new tensors laid out like ``layouts`` =
     ((q shape, q stride), (k shape, k stride)) (default: q's and k's own layouts)."""
@@ -297,8 +286,8 @@ def _launch(q, k, cos, sin, head_axis: int, backward: bool, layouts=None, repeat
     cos, sin = _unit_last(cos), _unit_last(sin)
     if layouts is None:
         layouts = ((q.shape, q.stride()), (k.shape, k.stride()))
-    qo = _empty_like_layout(*layouts[0], q)
-    ko = _empty_like_layout(*layouts[1], k)
+    qo = empty_like_layout(*layouts[0], q)
+    ko = empty_like_layout(*layouts[1], k)
     _launch_into(q, k, qo, ko, cos, sin, head_axis, backward, repeat=repeat)
     return qo, ko
 
@@ -332,49 +321,8 @@ class RoPEFunction(torch.autograd.Function):
 # --------------------------------------------------------------------------- in-place path
 
 
-def _carrier(x: torch.Tensor):
-    """(carrier, geometry) for an in-place rotation of ``x``. When ``x`` is a permuted reshape of
-    the whole of its contiguous ``_base`` (HF's ``proj(h).view(B, T, H, D).transpose(1, 2)``),
-    the carrier is that base, so autograd records one in-place op on the base instead of an
-    in-place op on a view (which costs a base-sized copy and a clone in backward); else ``x``.
-    geometry = (shape, stride, offset) of ``x`` relative to the carrier's storage offset."""
-    base = x._base
-    if (
-        base is not None
-        and base.numel() == x.numel()
-        and base.storage_offset() == x.storage_offset()
-        and base.is_contiguous()
-        and (base.requires_grad or not x.requires_grad)  # a view made inside a Function has an untracked base
-        and _dense_perm(x.shape, x.stride()) is not None
-    ):
-        return base, (tuple(x.shape), tuple(x.stride()), 0)
-    return x, None
-
-
-def _rebuild(carrier: torch.Tensor, geom) -> torch.Tensor:
-    """The view of ``carrier`` with ``geom``'s shape and strides, made by view + permute (cheap
-    backward: a reshape and a permute, no zero-filled as_strided buffer)."""
-    view_shape, inverse = _rebuild_plan(*geom[:2])
-    return carrier.view(view_shape).permute(inverse)
-
-
-@functools.lru_cache(maxsize=1024)
-def _rebuild_plan(shape, stride):
-    """(the permuted dense shape, the permutation back to ``shape``) of a dense layout."""
-    perm = _dense_perm(shape, stride)
-    return tuple(shape[i] for i in perm), tuple(perm.index(i) for i in range(len(shape)))
-
-
-def _as_geom(t: torch.Tensor, geom) -> torch.Tensor:
-    """``t`` (a contiguous carrier-shaped tensor) seen with geometry ``geom``."""
-    if geom is None:
-        return t
-    shape, stride, offset = geom
-    return t.as_strided(shape, stride, t.storage_offset() + offset)
-
-
 class RoPEInplaceFunction(torch.autograd.Function):
-    """Rotates q and k IN PLACE (through their carriers, see ``_carrier``) and returns them, marked
+    """Rotates q and k IN PLACE (through their carriers, see ``carrier_of``) and returns them, marked
     dirty, so autograd raises its usual error for a leaf that requires grad or for a tensor some
     other node saved. Saves only cos and sin. Backward rotates a gradient in its own buffer when that
     buffer is a private copy made here (a gradient laid out unlike the carrier), or, with
@@ -384,7 +332,7 @@ class RoPEInplaceFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, qc, kc, cos, sin, q_geom, k_geom, head_axis, inplace_backward=False, repeat=False):
-        q, k = _as_geom(qc, q_geom), _as_geom(kc, k_geom)
+        q, k = as_geometry(qc, q_geom), as_geometry(kc, k_geom)
         _launch_into(q, k, q, k, cos, sin, head_axis, backward=False, copy_pass=False, repeat=repeat)
         ctx.repeat = repeat
         ctx.mark_dirty(qc, kc)
@@ -409,29 +357,22 @@ class RoPEInplaceFunction(torch.autograd.Function):
 
         def out_buffer(grad, given, layout):
             # the gradient's own buffer when it is ours (a copy made above) or may be overwritten
-            if (grad is not given or ctx.inplace_backward) and not _overlaps(grad):
+            if (grad is not given or ctx.inplace_backward) and not overlaps(grad):
                 return grad
-            return _empty_like_layout(*layout, grad)
+            return empty_like_layout(*layout, grad)
 
         outq = out_buffer(dqc, given_q, ctx.layouts[0])
         outk = out_buffer(dkc, given_k, ctx.layouts[1])
         _launch_into(
-            _as_geom(dqc, q_geom), _as_geom(dkc, k_geom), _as_geom(outq, q_geom), _as_geom(outk, k_geom),
+            as_geometry(dqc, q_geom), as_geometry(dkc, k_geom), as_geometry(outq, q_geom), as_geometry(outk, k_geom),
             cos, sin, ctx.head_axis, backward=True, repeat=ctx.repeat,
         )
         return outq, outk, None, None, None, None, None, None, None
 
 
-def _overlaps(x: torch.Tensor) -> bool:
-    """True when two elements of ``x`` share memory (expanded / zero-stride layouts)."""
-    if torch._debug_has_internal_overlap(x) == 1:
-        return True
-    return any(st == 0 and sz > 1 for sz, st in zip(x.shape, x.stride()))
-
-
 def _rope_inplace_triton(q, k, cos, sin, head_axis, inplace_backward=False, repeat=False):
     """In-place Triton rotation of q and k; returns (q, k) (views rebuilt when lifted to a base)."""
-    if _overlaps(q) or _overlaps(k):
+    if overlaps(q) or overlaps(k):
         raise ValueError("q and k must not have overlapping elements (e.g. expanded) with inplace=True")
     if q.untyped_storage().data_ptr() == k.untyped_storage().data_ptr():
         raise ValueError("q and k must not share memory with inplace=True (e.g. slices of one qkv tensor)")
@@ -442,8 +383,8 @@ def _rope_inplace_triton(q, k, cos, sin, head_axis, inplace_backward=False, repe
     if not (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad)):
         _launch_into(q, k, q, k, cos, sin, head_axis, backward=False, copy_pass=False, repeat=repeat)
         return q, k
-    qc, q_geom = _carrier(q)
-    kc, k_geom = _carrier(k)
+    qc, q_geom = carrier_of(q)
+    kc, k_geom = carrier_of(k)
     for name, c in (("q", qc), ("k", kc)):
         if c.is_leaf and c.requires_grad:  # autograd's mark_dirty check would come after the write
             raise RuntimeError(
@@ -457,9 +398,9 @@ def _rope_inplace_triton(q, k, cos, sin, head_axis, inplace_backward=False, repe
         return q.copy_(oq), k.copy_(ok)
     oq, ok = RoPEInplaceFunction.apply(qc, kc, cos, sin, q_geom, k_geom, head_axis, inplace_backward, repeat)
     if q_geom is not None:
-        oq = _rebuild(oq, q_geom)
+        oq = rebuild(oq, q_geom)
     if k_geom is not None:
-        ok = _rebuild(ok, k_geom)
+        ok = rebuild(ok, k_geom)
     return oq, ok
 
 

@@ -13,16 +13,29 @@ Without Triton on ``x``'s device (or for non-contiguous ``x``) the same product 
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from liger_losses.kernels.launch import fast_kernel
+from liger_losses.kernels.tuning import Knobs, knob, register
 from liger_losses.kernels.utils import device_ctx, import_triton, num_sms, triton_runs_on
 
 triton, tl = import_triton()
 
-BLOCK = 8192
-NUM_WARPS = 8
-PROGRAMS_PER_SM = 4  # persistent grid: the early exit costs a few hundred programs, not one per block
+
+@dataclass(frozen=True)
+class ScaleTuning(Knobs):
+    """Launch knobs of the scale kernel (slot ``scale``): ``block`` elements per tile (a power of
+    2), ``num_warps``, and ``programs_per_sm`` of the persistent grid (the early exit then costs a
+    few hundred programs, not one per block)."""
+
+    block: int = knob(8192, minimum=1)
+    num_warps: int = knob(8, minimum=1)
+    programs_per_sm: int = knob(4, minimum=1)
+
+
+SCALE_TUNING = register("scale", ScaleTuning())
 _SLAB = 1 << 20  # elements per step of the PyTorch path's widened multiply
 
 if triton is not None:
@@ -67,9 +80,10 @@ def scale_unless_one_(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
             part.copy_(part.to(s.dtype) * s)
         return x
     n = x.numel()
-    tiles = -(-n // BLOCK)
+    knobs = SCALE_TUNING.current
+    tiles = -(-n // knobs.block)
     on_gpu = x.device.type == "cuda"  # else the interpreter on the CPU
-    programs = min(tiles, PROGRAMS_PER_SM * num_sms(x.device) if on_gpu else 4)
+    programs = min(tiles, knobs.programs_per_sm * num_sms(x.device) if on_gpu else 4)
     with device_ctx(x):
-        _scale_unless_one_kernel[(programs,)](x, scale.reshape(1), n, BLOCK=BLOCK, num_warps=NUM_WARPS)
+        _scale_unless_one_kernel[(programs,)](x, scale.reshape(1), n, BLOCK=knobs.block, num_warps=knobs.num_warps)
     return x

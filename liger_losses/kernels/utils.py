@@ -87,6 +87,23 @@ def triton_interpret() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0", "false", "False")
 
 
+_OFF_WORDS = ("0", "false", "off", "no")
+
+
+def env_switch(name: str, default: bool = True) -> bool:
+    """The on/off switch in environment variable ``name``: off for ``0``/``false``/``off``/``no``
+    (any case, surrounding blanks ignored), on for any other value, ``default`` when unset."""
+    value = os.environ.get(name)
+    if value is None:
+        return default
+    return value.strip().lower() not in _OFF_WORDS
+
+
+# True while torch.compile traces (kernels then take Triton's own launch, with no options the
+# compiler may not know); always False on a torch without torch.compiler.
+is_compiling = getattr(getattr(torch, "compiler", None), "is_compiling", lambda: False)
+
+
 def triton_runs_on(device: torch.device) -> bool:
     """True when a Triton kernel can run on tensors living on ``device``."""
     if not triton_importable():

@@ -12,7 +12,7 @@ from __future__ import annotations
 from torch import nn
 
 from liger_losses.patching.core import patch_family, unwrap_model
-from liger_losses.patching.families import FAMILIES, SUPPORTED_MODEL_TYPES
+from liger_losses.patching.specs import FAMILIES, SUPPORTED_MODEL_TYPES
 
 
 def family_of(model: nn.Module):

@@ -10,7 +10,7 @@ patches it in place. ``from_config(config, **kwargs)`` does the same for a fresh
 from __future__ import annotations
 
 from liger_losses.patching.apply import apply_liger_kernels
-from liger_losses.patching.families import FAMILIES, SUPPORTED_MODEL_TYPES
+from liger_losses.patching.specs import FAMILIES, SUPPORTED_MODEL_TYPES
 
 _CONFIG_KWARGS = (
     "revision",

@@ -38,6 +38,8 @@ from typing import Callable, Optional
 import torch
 import torch.nn.functional as F
 
+from liger_losses.chunked.cross_entropy import fused_linear_cross_entropy
+
 _LIGER_MARK = "_liger_original_forward"
 
 
@@ -124,8 +126,6 @@ def causal_lm_fused_loss(
     num_items_in_batch=None,
 ) -> torch.Tensor:
     """The causal-LM loss of ``model`` (a ``*ForCausalLM``) from last hidden states ``[B, T, H]``."""
-    from liger_losses.chunked.cross_entropy import fused_linear_cross_entropy
-
     hidden = _select_positions(hidden_full, logits_to_keep)
     targets = _targets(labels, shift_labels, hidden_full, hidden, logits_to_keep, ignore_index)
     head = model.lm_head

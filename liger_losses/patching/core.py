@@ -1,6 +1,7 @@
 """The machinery that patches one model family: swap modules in an instance, or patch its module.
 
-A family is described by a ``FamilySpec`` (its modeling module, class names, norm and MLP kinds).
+A family is described by a ``FamilySpec`` (``specs.py``: its modeling module, class names, norm and
+MLP kinds).
 ``patch_family(spec, model, ...)``:
 
 * ``model`` given (an instance of the family, or a PEFT wrapper of one): in place,
@@ -27,37 +28,19 @@ from __future__ import annotations
 import importlib
 import types
 import warnings
-from dataclasses import dataclass
 from typing import Callable, Dict, Optional, Tuple
 
 import torch
 from torch import nn
 
+from liger_losses.kernels.mlp import LigerGEGLUMLP, LigerPhi3SwiGLUMLP, LigerSwiGLUMLP
+from liger_losses.kernels.rms_norm import LigerGemmaRMSNorm, LigerRMSNorm
 from liger_losses.patching.causal_lm import make_causal_lm_forward
 from liger_losses.patching.rope import make_rotary_replacement
+from liger_losses.patching.specs import FAMILIES, MLP_KINDS, NORM_KINDS, FamilySpec  # noqa: F401 (re-exported)
 
-NORM_KINDS = ("llama", "gemma")
-MLP_KINDS = ("swiglu", "phi3", "geglu")
 SILU_ACTS = ("silu", "swish")
 GELU_ACTS = ("gelu_pytorch_tanh", "gelu_new", "gelu_fast", "gelu")
-
-
-@dataclass(frozen=True)
-class FamilySpec:
-    """What differs between families: where the modeling code lives and what it is called."""
-
-    model_type: str
-    module: str  # e.g. "transformers.models.llama.modeling_llama"
-    causal_lm: str  # e.g. "LlamaForCausalLM"
-    rms_norm: str  # e.g. "LlamaRMSNorm"
-    norm_kind: str  # "llama": x_hat * w ; "gemma": x_hat * (1 + w)
-    mlp: str  # e.g. "LlamaMLP"
-    mlp_kind: str  # "swiglu" | "phi3" (fused gate_up_proj) | "geglu"
-
-    @property
-    def mlp_flag(self) -> str:
-        """The name of the ``apply_liger_kernels`` flag that switches this family's MLP."""
-        return "geglu" if self.mlp_kind == "geglu" else "swiglu"
 
 
 # --------------------------------------------------------------------------- patch registry
@@ -87,8 +70,6 @@ def revert_liger_kernels(model_type: Optional[str] = None) -> None:
     ``model_type=None`` reverts every family. Instances whose modules were swapped keep them:
     reload such a model to get the original modules back.
     """
-    from liger_losses.patching.families import FAMILIES
-
     modules = None
     if model_type is not None:
         if model_type not in FAMILIES:
@@ -106,8 +87,6 @@ def revert_liger_kernels(model_type: Optional[str] = None) -> None:
 
 def is_rope_patched(model_type: str) -> bool:
     """True while the family's module-level ``apply_rotary_pos_emb`` is ours."""
-    from liger_losses.patching.families import FAMILIES
-
     return (FAMILIES[model_type].module, "apply_rotary_pos_emb") in _MODULE_PATCHES
 
 
@@ -115,19 +94,11 @@ def is_rope_patched(model_type: str) -> bool:
 
 
 def _norm_class(kind: str):
-    from liger_losses.kernels import rms_norm
-
-    return rms_norm.LigerGemmaRMSNorm if kind == "gemma" else rms_norm.LigerRMSNorm
+    return LigerGemmaRMSNorm if kind == "gemma" else LigerRMSNorm
 
 
 def _mlp_class(kind: str):
-    if kind == "geglu":
-        from liger_losses.kernels.geglu import LigerGEGLUMLP
-
-        return LigerGEGLUMLP
-    from liger_losses.kernels import swiglu
-
-    return swiglu.LigerPhi3SwiGLUMLP if kind == "phi3" else swiglu.LigerSwiGLUMLP
+    return {"geglu": LigerGEGLUMLP, "phi3": LigerPhi3SwiGLUMLP}.get(kind, LigerSwiGLUMLP)
 
 
 def _mlp_parts(kind: str) -> Tuple[str, ...]:

@@ -1,56 +1,21 @@
-"""The supported model families and their one-line patch functions.
+"""The one-line patch functions of the supported model families (the families themselves, as
+data, are ``specs.FAMILIES``).
 
 Each ``apply_liger_kernels_to_<family>(model=None, *, rms_norm=True, rope=True, swiglu|geglu=True,
 cross_entropy=True)`` patches ``model`` in place and returns it, or, with ``model=None``, patches
 the family's modeling module so that models created afterwards use our kernels (and returns
-``None``). See ``core.py`` for what is swapped and the process-wide effect of the RoPE patch.
-
-| model_type | norm                        | MLP                           | notes                     |
-|------------|-----------------------------|-------------------------------|---------------------------|
-| llama      | LigerRMSNorm                | LigerSwiGLUMLP                |                           |
-| mistral    | LigerRMSNorm                | LigerSwiGLUMLP                |                           |
-| qwen2      | LigerRMSNorm                | LigerSwiGLUMLP                |                           |
-| qwen3      | LigerRMSNorm (+ q/k norms)  | LigerSwiGLUMLP                |                           |
-| gemma      | LigerGemmaRMSNorm (1 + w)   | LigerGEGLUMLP (tanh GELU)     |                           |
-| gemma2     | LigerGemmaRMSNorm (sandwich)| LigerGEGLUMLP (tanh GELU)     | final logit softcapping   |
-| phi3       | LigerRMSNorm                | LigerPhi3SwiGLUMLP (gate_up)  | partial rotary supported  |
+``None``). See ``core.py`` for what is swapped and the process-wide effect of the RoPE patch, and
+``specs.py`` for the table of families (norm and MLP kinds).
 """
 
 from __future__ import annotations
 
-from typing import Dict, Optional
+from typing import Optional
 
 from torch import nn
 
-from liger_losses.patching.core import FamilySpec, patch_family
-
-
-def _spec(model_type, stem, norm_kind="llama", mlp_kind="swiglu") -> FamilySpec:
-    return FamilySpec(
-        model_type=model_type,
-        module=f"transformers.models.{model_type}.modeling_{model_type}",
-        causal_lm=f"{stem}ForCausalLM",
-        rms_norm=f"{stem}RMSNorm",
-        norm_kind=norm_kind,
-        mlp=f"{stem}MLP",
-        mlp_kind=mlp_kind,
-    )
-
-
-FAMILIES: Dict[str, FamilySpec] = {
-    s.model_type: s
-    for s in (
-        _spec("llama", "Llama"),
-        _spec("mistral", "Mistral"),
-        _spec("qwen2", "Qwen2"),
-        _spec("qwen3", "Qwen3"),
-        _spec("gemma", "Gemma", "gemma", "geglu"),
-        _spec("gemma2", "Gemma2", "gemma", "geglu"),
-        _spec("phi3", "Phi3", "llama", "phi3"),
-    )
-}
-
-SUPPORTED_MODEL_TYPES = tuple(FAMILIES)
+from liger_losses.patching.core import patch_family
+from liger_losses.patching.specs import FAMILIES, SUPPORTED_MODEL_TYPES, FamilySpec  # noqa: F401 (re-exported)
 
 
 def _patcher(model_type: str, doc: str):

@@ -1,7 +1,7 @@
 """Drop-in replacements for a Hugging Face modeling module's ``apply_rotary_pos_emb``.
 
 ``make_rotary_replacement(original)`` returns a function (in place for ``INPLACE_FAMILIES`` while
-``INPLACE`` is set, else out of place) with the same call signature as ``original`` (either ``(q, k, cos, sin, unsqueeze_dim=1)`` as in transformers 5.x, or the older
+``ROPE_PATCH.current.inplace`` is set, else out of place) with the same call signature as ``original`` (either ``(q, k, cos, sin, unsqueeze_dim=1)`` as in transformers 5.x, or the older
 ``(q, k, cos, sin, position_ids=None, unsqueeze_dim=1)``) that rotates with
 ``liger_losses.kernels.rope.apply_rotary_pos_emb``.
 
@@ -16,13 +16,14 @@ replacement rotates q and k in place (``inplace=True``): their attention builds 
 this is safe and saves the outputs' allocation (Qwen3's q/k are views of its q_norm/k_norm outputs,
 which our RMSNorm returns as plain tensors so that autograd allows it). Phi-3 is excluded (q/k are
 slices of one qkv tensor). The gradients of q_embed/k_embed (fresh buffers from the attention's
-backward, used by nothing else) are rotated in their own buffers too (``INPLACE_BACKWARD``), as
-liger-kernel does: the rotation then allocates nothing, forward or backward. H200, session 6
+backward, used by nothing else) are rotated in their own buffers too (``inplace_backward``), as
+liger-kernel does: the rotation then allocates nothing, forward or backward. H200
 (``bench_rope.py --sweep``, CUDA graphs, q-layout gradients): Llama-3-8B shapes 0.0889 ms at 8192
 tokens (out of place 0.0875, liger-kernel 0.0869) and 0.3464 at 32768 (0.3386, 0.3406), Qwen2-0.5B
 0.0179 (0.0192, 0.0170); host time per call (``bench_host.py``) 108 us forward and 828 us forward
-+ backward, against 126 / 958 out of place. Set ``liger_losses.patching.rope.INPLACE = False`` for
-the out-of-place rotation (read at every call) -- e.g. with a forward hook that keeps ``q_proj``'s or
++ backward, against 126 / 958 out of place. ``with ROPE_PATCH.override(inplace=False)`` (or
+``tuning(rope_patch={"inplace": False})``) gives the out-of-place rotation (read at every call) --
+e.g. with a forward hook that keeps ``q_proj``'s or
 ``k_proj``'s output (activation capture): in place, the tensor it kept is rotated afterwards. The
 model's outputs and gradients are the same either way (``tests/patching/test_inplace_rope_paths.py``:
 eager and SDPA attention, gradient checkpointing, LoRA with dropout, KV-cache generation, an input
@@ -32,19 +33,33 @@ used twice).
 from __future__ import annotations
 
 import inspect
+from dataclasses import dataclass
 from typing import Callable
 
+from liger_losses.kernels.rope import apply_rotary_pos_emb
+from liger_losses.kernels.tuning import Knobs, knob, register
 
-# Module-level switches read at every call of the in-place replacements (see the module docstring).
-INPLACE = True
-INPLACE_BACKWARD = True  # with INPLACE: rotate the incoming gradients in their buffers as well
-# Read only the first half of each cos/sin row (``repeated_tables=True``): the rotary embeddings of
-# every family in ``families.FAMILIES`` build their tables as ``cat(freqs, freqs)``
-# (tests/patching/test_rope.py checks it for each family and rope type). H200, session 9
-# (benchmark/diag_rope.py, in place with the gradients rotated in their buffers, q-layout
-# gradients, 8192 tokens): Llama-3-8B shapes 0.0862 ms (reading both halves 0.0886; liger-kernel
-# 0.0873), Qwen2-0.5B 0.0173 (0.0176; liger-kernel 0.0170), both with the constexpr head stride.
-REPEATED_TABLES = True
+
+@dataclass(frozen=True)
+class RoPEPatchConfig(Knobs):
+    """The switches of the patched RoPE, read at every call (slot ``rope_patch``).
+
+    ``inplace``: the in-place replacements rotate q and k in place (see the module docstring).
+    ``inplace_backward``: with ``inplace``, rotate the incoming gradients in their buffers as well.
+    ``repeated_tables``: read only the first half of each cos/sin row: the rotary embeddings of every
+    family in ``specs.FAMILIES`` build their tables as ``cat(freqs, freqs)``
+    (tests/patching/test_rope.py checks it for each family and rope type). H200
+    (benchmark/diag_rope.py, in place with the gradients rotated in their buffers, q-layout
+    gradients, 8192 tokens): Llama-3-8B shapes 0.0862 ms (reading both halves 0.0886; liger-kernel
+    0.0873), Qwen2-0.5B 0.0173 (0.0176; liger-kernel 0.0170), both with the constexpr head stride.
+    """
+
+    inplace: bool = knob(True)
+    inplace_backward: bool = knob(True)
+    repeated_tables: bool = knob(True)
+
+
+ROPE_PATCH = register("rope_patch", RoPEPatchConfig())
 
 # transformers model families whose attention passes q/k to apply_rotary_pos_emb as fresh views of
 # the projection (or q_norm/k_norm) outputs used by nothing else (checked in transformers 5.x).
@@ -52,11 +67,11 @@ INPLACE_FAMILIES = frozenset({"llama", "mistral", "qwen2", "qwen3", "gemma", "ge
 
 
 def _rotate(q, k, cos, sin, unsqueeze_dim, inplace=False):
-    from liger_losses.kernels.rope import apply_rotary_pos_emb
-
+    config = ROPE_PATCH.current
     # The kernel rotates the first R = cos.shape[-1] features itself (partial rotary).
     return apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=unsqueeze_dim, inplace=inplace,
-                                inplace_backward=inplace and INPLACE_BACKWARD, repeated_tables=REPEATED_TABLES)
+                                inplace_backward=inplace and config.inplace_backward,
+                                repeated_tables=config.repeated_tables)
 
 
 def liger_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1):
@@ -70,13 +85,13 @@ def liger_rotary_pos_emb_with_position_ids(q, k, cos, sin, position_ids=None, un
 
 
 def liger_rotary_pos_emb_inplace(q, k, cos, sin, unsqueeze_dim=1):
-    """As ``liger_rotary_pos_emb`` but rotating q and k in place while ``INPLACE`` is True."""
-    return _rotate(q, k, cos, sin, unsqueeze_dim, INPLACE)
+    """As ``liger_rotary_pos_emb`` but rotating q and k in place while ``ROPE_PATCH.current.inplace``."""
+    return _rotate(q, k, cos, sin, unsqueeze_dim, ROPE_PATCH.current.inplace)
 
 
 def liger_rotary_pos_emb_with_position_ids_inplace(q, k, cos, sin, position_ids=None, unsqueeze_dim=1):
-    """Older signature, in place while ``INPLACE`` is True."""
-    return _rotate(q, k, cos, sin, unsqueeze_dim, INPLACE)
+    """Older signature, in place while ``ROPE_PATCH.current.inplace``."""
+    return _rotate(q, k, cos, sin, unsqueeze_dim, ROPE_PATCH.current.inplace)
 
 
 for _fn in (

@@ -22,12 +22,13 @@ FP32 = TOL[torch.float32]
 
 
 @pytest.fixture(autouse=True, params=[False, True], ids=["block-sums", "lane-sums"])
-def lane_sums(request, monkeypatch):
+def lane_sums(request):
     """Both pass-1 sum layouts of the Triton kernel (the PyTorch path has one: run it once)."""
     callspec = getattr(request.node, "callspec", None)
     if request.param and callspec is not None and callspec.params.get("impl") == "torch":
         pytest.skip("the PyTorch path has no lane sums")
-    monkeypatch.setattr(dt, "LANE_SUMS", request.param)
+    with dt.DIVERGENCE_TILE_TUNING.override(lane_sums=request.param):
+        yield
 
 
 # --------------------------------------------------------------------------- float64 references

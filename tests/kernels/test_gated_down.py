@@ -14,24 +14,19 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-import liger_losses.kernels.gated_down as gd
-from liger_losses.kernels.gated_down import (
-    fusable_linear,
-    gated_down_proj,
-    gated_down_proj_packed,
-    mlp_tail,
-)
+from liger_losses.kernels.gated_down import GATED_DOWN_TUNING, gated_down_proj, gated_down_proj_packed
+from liger_losses.kernels.mlp import MLP_TUNING, fusable_linear, mlp_tail
 from tests.helpers import TOL, assert_close_rel, rel_err
 
 ACTS = ["silu", "gelu_tanh", "gelu"]
 
 
 @pytest.fixture
-def small_chunks(monkeypatch):
+def small_chunks():
     """2048-element buffers: with N=150, I=600 the forward runs 3 chunks of 64 rows (the last 22)
     and the backward 3 column blocks of 256 (the last 88)."""
-    monkeypatch.setattr(gd, "CHUNK_ELEMS", 2048)
-    monkeypatch.setattr(gd, "FORWARD_CHUNK_ELEMS", 2048)
+    with GATED_DOWN_TUNING.override(chunk_elems=2048, forward_chunk_elems=2048):
+        yield
 
 
 def _act_ref(gate, up, activation):
@@ -274,11 +269,10 @@ def _config(**kw):
 
 
 @pytest.mark.parametrize("kind", ["swiglu", "phi3", "geglu"])
-def test_mlp_modules_equal_with_and_without_fusion(kind, small_chunks, monkeypatch):
+def test_mlp_modules_equal_with_and_without_fusion(kind, small_chunks):
     """The MLP drop-ins give the same output and parameter gradients (fp32, 1e-6 relative) with
     the fused tail and with the activation kernel + down_proj."""
-    from liger_losses.kernels.geglu import LigerGEGLUMLP
-    from liger_losses.kernels.swiglu import LigerPhi3SwiGLUMLP, LigerSwiGLUMLP
+    from liger_losses.kernels.mlp import LigerGEGLUMLP, LigerPhi3SwiGLUMLP, LigerSwiGLUMLP
 
     torch.manual_seed(0)
     if kind == "swiglu":
@@ -291,11 +285,11 @@ def test_mlp_modules_equal_with_and_without_fusion(kind, small_chunks, monkeypat
     grad = torch.randn(2, 75, 24)
     results = []
     for fuse in (True, False):
-        monkeypatch.setattr(gd, "FUSE_DOWN_PROJ", fuse)
         mlp.zero_grad(set_to_none=True)
         xi = x.clone().requires_grad_()
-        out = mlp(xi)
-        out.backward(grad)
+        with MLP_TUNING.override(fuse_down_proj=fuse):
+            out = mlp(xi)
+            out.backward(grad)
         results.append([out, xi.grad] + [p.grad for p in mlp.parameters()])
     for a, b in zip(*results):
         assert_close_rel(a, b, 1e-6)
@@ -327,16 +321,22 @@ def test_mlp_tail_calls_a_hooked_down_proj():
     assert_close_rel(out, down(F.silu(gate) * up), 1e-6)
 
 
+@pytest.fixture
+def blocks_of_2_23():
+    """Backward block buffers of 2^23 elements (4 column blocks of 1024 at N=8192)."""
+    with GATED_DOWN_TUNING.override(chunk_elems=1 << 23):
+        yield
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("activation", ["silu", "gelu_tanh"])
-def test_gpu_bf16_accuracy_and_memory(activation, monkeypatch):
-    """CUDA bf16 at N=8192, H=1024, I=4096 with CHUNK_ELEMS = 2^23 (8 token chunks, 4 column
+def test_gpu_bf16_accuracy_and_memory(activation, blocks_of_2_23):
+    """CUDA bf16 at N=8192, H=1024, I=4096 with chunk_elems = 2^23 (8 token chunks, 4 column
     blocks of 1024): every output within the unfused error + 1e-3 of float64, and the step's
     peak at least one [N, I] buffer lower than the unfused path's (measured 72 MiB = 1.1 buffers:
     without the product and its gradient the peak moves to the projections' backward)."""
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
-    monkeypatch.setattr(gd, "CHUNK_ELEMS", 1 << 23)
     from liger_losses.kernels.geglu import geglu
     from liger_losses.kernels.swiglu import swiglu
 

@@ -20,7 +20,8 @@ from torch.utils.checkpoint import checkpoint
 
 import liger_losses.kernels.gated as gated
 import liger_losses.kernels.gated_down as gd
-from liger_losses.kernels.gated_down import gated_down_proj, gated_down_proj_packed, mlp_tail
+from liger_losses.kernels.gated_down import GATED_DOWN_TUNING, gated_down_proj, gated_down_proj_packed
+from liger_losses.kernels.mlp import MLP_TUNING, mlp_tail
 from liger_losses.kernels.geglu import geglu
 from liger_losses.kernels.swiglu import swiglu, swiglu_packed
 from tests.helpers import TOL, assert_close_rel, rel_err
@@ -29,9 +30,10 @@ N, H, I = 30, 8, 300  # 1 token chunk of 64 rows at most; column blocks 256 + 44
 
 
 @pytest.fixture
-def small_chunks(monkeypatch):
-    monkeypatch.setattr(gd, "CHUNK_ELEMS", 2048)
-    monkeypatch.setattr(gd, "FORWARD_CHUNK_ELEMS", 2048)
+def small_chunks():
+    """2048-element buffers: several token chunks and column blocks at these sizes."""
+    with GATED_DOWN_TUNING.override(chunk_elems=2048, forward_chunk_elems=2048):
+        yield
 
 
 def _act(activation):
@@ -386,15 +388,15 @@ def test_inplace_backward_leaves_views_of_leaves_intact(kind):
         assert torch.equal(leaf.detach(), before)
 
 
-def test_fused_tail_runs_down_proj_backward_hooks(monkeypatch):
+def test_fused_tail_runs_down_proj_backward_hooks():
     """A full backward hook on down_proj fires with the fused tail on (mlp_tail must not bypass
     the module when it has one), as it does with the tail off."""
-    monkeypatch.setattr(gd, "FUSE_DOWN_PROJ", True)
     down = nn.Linear(40, 8)
     calls = []
     down.register_full_backward_hook(lambda m, gi, go: calls.append(1))
     x = torch.randn(5, 40, requires_grad=True)
-    mlp_tail(down, x * 1, x * 2, activation="silu", impl="triton").sum().backward()
+    with MLP_TUNING.override(fuse_down_proj=True):
+        mlp_tail(down, x * 1, x * 2, activation="silu", impl="triton").sum().backward()
     assert calls == [1]
 
 

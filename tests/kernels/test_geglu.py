@@ -8,7 +8,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from liger_losses.kernels.geglu import LigerGEGLUMLP, geglu
+from liger_losses.kernels.geglu import geglu
+from liger_losses.kernels.mlp import LigerGEGLUMLP
 from tests.helpers import TOL, assert_close_rel
 
 IMPLS = ["triton", "torch"]

@@ -9,6 +9,7 @@ other argument classes. On the GPU (``-m gpu``): real launches, fast vs slow bit
 """
 
 import inspect
+import itertools
 
 import pytest
 import torch
@@ -98,6 +99,41 @@ def test_env_switch(monkeypatch):
     L.set_fast_launch(None)
     assert L.fast_launch_enabled()
     assert k.off_reason is None or L.ENV_SWITCH not in k.off_reason
+
+
+@pytest.mark.parametrize("version", ["3.5.1", "3.7.0", "3.10.0", "4.0.0"])
+def test_untested_triton_versions_keep_the_slow_path(fake, monkeypatch, version):
+    """On any triton minor version outside TESTED_TRITON_VERSIONS the wrapper refuses the fast path
+    (its reason names the version and the tested ones; LIGER_LOSSES_FAST_LAUNCH=force no longer
+    overrides it) and every launch goes through the JITFunction."""
+    k, ft = fake
+    monkeypatch.setattr(triton, "__version__", version)
+    monkeypatch.setenv(L.ENV_SWITCH, "force")
+    L.set_fast_launch(None)
+    assert k.off_reason is not None and "not tested" in k.off_reason
+    assert version.rsplit(".", 1)[0] in k.off_reason and "3.6" in k.off_reason and "3.9" in k.off_reason
+    x = torch.zeros(16)
+    for _ in range(3):
+        k[(1,)](x, x, 1.0, 16, None, BLOCK=16)
+    assert k.fast_hits == 0 and k.slow_launches == 3 and not ft.wrong
+    assert L.triton_minor_version(triton) == version.rsplit(".", 1)[0]
+
+
+def test_tested_versions_match_pyproject():
+    """pyproject.toml's triton requirement admits exactly the tested minor versions: of every
+    X.Y.0 and X.Y.5 from 3.0 to 4.2, those in TESTED_TRITON_VERSIONS and no other."""
+    import pathlib
+    import re
+
+    from packaging.specifiers import SpecifierSet
+
+    text = (pathlib.Path(__file__).resolve().parents[2] / "pyproject.toml").read_text()
+    spec = SpecifierSet(re.search(r'"triton([^;"]+)', text).group(1))
+    for major, minor, patch in itertools.product((3, 4), range(13), (0, 5)):
+        if (major, minor) > (4, 2):
+            continue
+        admitted = f"{major}.{minor}.{patch}" in spec
+        assert admitted == (f"{major}.{minor}" in L.TESTED_TRITON_VERSIONS), (major, minor, patch)
 
 
 # --------------------------------------------------------------------------- key logic
@@ -357,7 +393,7 @@ def test_torch_compile_tracing_sees_the_jit_function(fake, monkeypatch):
     fast path; the launch still reaches the kernel."""
     k, ft = fake
     x = torch.zeros(32)
-    monkeypatch.setattr(L, "_is_compiling", lambda: True)
+    monkeypatch.setattr(L, "is_compiling", lambda: True)
     before = k.slow_launches + k.fast_hits
     for _ in range(3):
         k[(1,)](x, x, 1.0, 16, None, BLOCK=32)

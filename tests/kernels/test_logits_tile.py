@@ -59,13 +59,13 @@ def _inputs(n, V, dtype=torch.float32):
 
 
 @pytest.fixture(params=[4096, 0], ids=["lane-sums", "block-sums"])
-def vec_sums_max_block(request, monkeypatch):
+def vec_sums_max_block(request):
     """Both pass-1 sum paths of the Triton kernel: per-lane sums (blocks up to
-    VEC_SUMS_MAX_BLOCK, the default) and per-block sums (larger blocks on the GPU)."""
+    ``vec_sums_max_block``, the default) and per-block sums (larger blocks on the GPU)."""
     from liger_losses.kernels import logits_tile as lt
 
-    monkeypatch.setattr(lt, "VEC_SUMS_MAX_BLOCK", request.param)
-    return request.param
+    with lt.LOGITS_TILE_TUNING.override(vec_sums_max_block=request.param):
+        yield request.param
 
 
 @pytest.mark.parametrize("impl", IMPLS)

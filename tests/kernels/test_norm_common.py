@@ -35,37 +35,41 @@ def test_sum_partials_matches_float64(shape, dtype):
 
 
 @pytest.mark.parametrize("block_cols", [32, 256])
-def test_sum_partials_more_rows_than_a_block(block_cols, monkeypatch):
+def test_sum_partials_more_rows_than_a_block(block_cols):
     # 600 rows: with 32-column tiles of <= 8192 elements (256 rows) several BLOCK_R steps of the
     # row loop and a ragged last one; 256 columns: 32-row steps. fp32 sums of 600 terms: 1e-6.
-    monkeypatch.setattr(norm_common, "SUM_BLOCK_COLS", block_cols)
     partial = torch.randn(600, 70, dtype=torch.float32, device=DEVICE)
-    assert_close_rel(sum_partials(partial, torch.float32), partial.double().sum(0), 1e-6, "column sums")
+    with norm_common.SUM_TUNING.override(block_cols=block_cols):
+        out = sum_partials(partial, torch.float32)
+    assert_close_rel(out, partial.double().sum(0), 1e-6, "column sums")
 
 
 @pytest.mark.parametrize("small_h", [1024, 16, "mid"], ids=["tile-acc", "row-acc", "mid-width"])
 @pytest.mark.parametrize("prefetch", [False, True])
 @pytest.mark.parametrize("module", ["rms_norm", "layer_norm"])
-def test_backward_with_and_without_prefetch(module, prefetch, small_h, monkeypatch):
-    """The norm backward kernels with the next-tile prefetch on and off (``BWD_PREFETCH``), with
-    tile-shaped (short rows) and row-shaped (long rows: ``BWD_SMALL_H`` below H) accumulators, and
-    the mid-width settings (``BWD_MID_H``: 2-row tiles here), over programs that walk several tiles
+def test_backward_with_and_without_prefetch(module, prefetch, small_h):
+    """The norm backward kernels with the next-tile prefetch on and off (``bwd_prefetch``), with
+    tile-shaped (short rows) and row-shaped (long rows: ``bwd_small_h`` below H) accumulators, and
+    the mid-width settings (``bwd_mid_h``: 2-row tiles here), over programs that walk several tiles
     (37 rows, 4 programs, tiles of 4 rows: full, partial and empty last tiles): input, weight (and
     LayerNorm bias) gradients within 1e-5 of float64 autograd (fp32)."""
     import importlib
 
     mod = importlib.import_module(f"liger_losses.kernels.{module}")
-    monkeypatch.setattr(mod, "BWD_PREFETCH", prefetch)
-    monkeypatch.setattr(mod, "BWD_SMALL_H_TILE_ELEMS", 4 * 64)
-    monkeypatch.setattr(mod, "BWD_TILE_ELEMS", 4 * 64)
+    changes = dict(bwd_prefetch=prefetch, bwd_small_h_tile_elems=4 * 64, bwd_tile_elems=4 * 64)
     if small_h == "mid":
-        monkeypatch.setattr(mod, "BWD_SMALL_H", 16)
-        monkeypatch.setattr(mod, "BWD_MID_H", 64)
-        monkeypatch.setattr(mod, "BWD_MID_H_TILE_ELEMS", 2 * 64)
-        monkeypatch.setattr(mod, "BWD_MID_H_PROGRAMS_PER_SM", 2)
+        changes.update(bwd_small_h=16, bwd_mid_h=64, bwd_mid_h_tile_elems=2 * 64, bwd_mid_h_programs_per_sm=2)
     else:
-        monkeypatch.setattr(mod, "BWD_SMALL_H", small_h)
-        monkeypatch.setattr(mod, "BWD_MID_H", 0)
+        changes.update(bwd_small_h=small_h, bwd_mid_h=0)
+    slot = mod.RMS_NORM_TUNING if module == "rms_norm" else mod.LAYER_NORM_TUNING
+    with slot.override(**changes):
+        grads, ref_grads = _norm_grads(mod, module)
+    for name, g, r in zip(("hidden", "weight", "bias"), grads, ref_grads):
+        assert_close_rel(g, r, TOL[torch.float32], f"grad {name}")
+
+
+def _norm_grads(mod, module):
+    """(Triton gradients, float64 autograd gradients) of a 37 x 50 norm (fp32)."""
     x = torch.randn(37, 50, device=DEVICE, requires_grad=True)
     w = (torch.rand(50, device=DEVICE) + 0.5).requires_grad_()
     b = torch.randn(50, device=DEVICE, requires_grad=True)
@@ -79,7 +83,4 @@ def test_backward_with_and_without_prefetch(module, prefetch, small_h, monkeypat
         inputs, ref_inputs = (x, w, b), (xd, wd, bd)
         out = mod.layer_norm(x, w, b, eps=1e-5, impl="triton")
         ref = torch.nn.functional.layer_norm(xd, (50,), wd, bd, 1e-5)
-    grads = torch.autograd.grad(out, inputs, dy)
-    ref_grads = torch.autograd.grad(ref, ref_inputs, dy.double())
-    for name, g, r in zip(("hidden", "weight", "bias"), grads, ref_grads):
-        assert_close_rel(g, r, TOL[torch.float32], f"grad {name}")
+    return torch.autograd.grad(out, inputs, dy), torch.autograd.grad(ref, ref_inputs, dy.double())

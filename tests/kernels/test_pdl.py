@@ -16,18 +16,17 @@ from liger_losses.kernels.rope import apply_rotary_pos_emb
 
 def test_pdl_only_on_cuda_and_when_enabled(monkeypatch):
     """Never on the CPU (or in the interpreter); off everywhere with the switch off, for kernels not
-    in KERNELS and while torch.compile traces; the launch options carry launch_pdl only when PDL is
-    used."""
+    in PDLConfig.kernels and while torch.compile traces; the launch options carry launch_pdl only
+    when PDL is used."""
     assert not pdl.pdl_launch(torch.device("cpu"), "norm_fwd")
-    monkeypatch.setattr(pdl, "ENABLED", False)
-    assert not pdl.pdl_launch(torch.device("cuda", 0), "norm_fwd")
-    monkeypatch.setattr(pdl, "ENABLED", True)
-    monkeypatch.setattr(pdl, "KERNELS", set())
-    assert not pdl.pdl_launch(torch.device("cuda", 0), "norm_fwd")
-    monkeypatch.setattr(pdl, "KERNELS", {"norm_fwd"})
+    with pdl.PDL_CONFIG.override(enabled=False):
+        assert not pdl.pdl_launch(torch.device("cuda", 0), "norm_fwd")
+    with pdl.PDL_CONFIG.override(enabled=True, kernels=frozenset()):
+        assert not pdl.pdl_launch(torch.device("cuda", 0), "norm_fwd")
     monkeypatch.setattr(pdl, "triton_interpret", lambda: False)  # so that only tracing says no
-    monkeypatch.setattr(pdl, "_is_compiling", lambda: True)  # torch.compile tracing: never
-    assert not pdl.pdl_launch(torch.device("cuda", 0), "norm_fwd")
+    monkeypatch.setattr(pdl, "is_compiling", lambda: True)  # torch.compile tracing: never
+    with pdl.PDL_CONFIG.override(enabled=True, kernels=frozenset({"norm_fwd"})):
+        assert not pdl.pdl_launch(torch.device("cuda", 0), "norm_fwd")
     assert pdl.launch_options(True) == {"launch_pdl": True}
     assert pdl.launch_options(False) == {}
 
@@ -45,16 +44,24 @@ def _norm_and_rope_step(x, w, b, q_lin, k_lin, cos, sin, dy):
     return (y1, y2, oq.detach(), ok.detach(), *grads)
 
 
+_EVERY = frozenset({"norm_fwd", "norm_bwd", "sum", "rope"})
+
+
+@pytest.fixture
+def pdl_everywhere():
+    """PDL on for every kernel that can take it (RoPE too), for the test's duration."""
+    with pdl.PDL_CONFIG.override(enabled=True, kernels=_EVERY):
+        yield
+
+
 @pytest.mark.gpu
-def test_pdl_results_bitwise_equal_eager_and_graph(monkeypatch):
+def test_pdl_results_bitwise_equal_eager_and_graph(pdl_everywhere):
     """H200 (capability 9): RMSNorm, LayerNorm and in-place RoPE at 4096 x 4096 bf16, forward +
     backward, with PDL equal bitwise to without, eagerly and in a CUDA graph replay (each with its
     own inputs refilled before the replay)."""
     if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 9:
         pytest.skip("needs a CUDA GPU of capability >= 9")
-    every = {"norm_fwd", "norm_bwd", "sum", "rope"}
-    monkeypatch.setattr(pdl, "KERNELS", every)
-    assert all(pdl.pdl_launch(torch.device("cuda"), k) for k in every)
+    assert all(pdl.pdl_launch(torch.device("cuda"), k) for k in _EVERY)
     torch.manual_seed(0)
     dev, dt = "cuda", torch.bfloat16
     x = torch.randn(4096, 4096, device=dev, dtype=dt, requires_grad=True)
@@ -68,9 +75,8 @@ def test_pdl_results_bitwise_equal_eager_and_graph(monkeypatch):
     cos, sin = emb.cos().to(dt), emb.sin().to(dt)
     args = (x, w, b, q_lin, k_lin, cos, sin, dy)
 
-    monkeypatch.setattr(pdl, "ENABLED", False)
-    want = _norm_and_rope_step(*args)
-    monkeypatch.setattr(pdl, "ENABLED", True)
+    with pdl.PDL_CONFIG.override(enabled=False):
+        want = _norm_and_rope_step(*args)
     got = _norm_and_rope_step(*args)
     for i, (g, r) in enumerate(zip(got, want)):
         assert torch.equal(g, r), f"eager output {i} differs with PDL"

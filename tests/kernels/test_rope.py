@@ -279,17 +279,17 @@ def test_bad_inputs_raise_clear_errors():
 @pytest.mark.gpu
 @pytest.mark.parametrize("loads_first", [False, True], ids=["tiled", "loads-first"])
 @pytest.mark.parametrize("seq", [4096, 8192])
-def test_rope_llama3_8b_shape_gpu(seq, loads_first, monkeypatch):
+def test_rope_llama3_8b_shape_gpu(seq, loads_first):
     """Llama-3-8B attention (32 q / 8 kv heads of 128, bf16, HF transpose layout) on the GPU:
     q_embed, k_embed and their grads within 1e-2 of float64 (both kernel variants)."""
     from liger_losses.kernels import rope as rope_mod
 
-    monkeypatch.setattr(rope_mod, "LOADS_FIRST", loads_first)
     torch.manual_seed(0)
     q = torch.randn(1, seq, 32, 128, device="cuda", dtype=torch.bfloat16).transpose(1, 2)
     k = torch.randn(1, seq, 8, 128, device="cuda", dtype=torch.bfloat16).transpose(1, 2)
     cos, sin = _cos_sin(torch.arange(seq, device="cuda")[None], 128, torch.bfloat16)
-    _run_and_check(q, k, cos, sin, 1, "triton", torch.bfloat16)
+    with rope_mod.ROPE_TUNING.override(loads_first=loads_first):
+        _run_and_check(q, k, cos, sin, 1, "triton", torch.bfloat16)
 
 
 # --------------------------------------------------------------------------- inplace=True
@@ -425,11 +425,12 @@ def test_rope_inplace_llama3_8b_shape_gpu(inplace_backward, repeated_tables):
 
 
 @pytest.fixture
-def loads_first(monkeypatch):
-    """rope.LOADS_FIRST on: one tile per tensor, q's and k's loads before any store."""
+def loads_first():
+    """RoPETuning.loads_first on: one tile per tensor, q's and k's loads before any store."""
     from liger_losses.kernels import rope as rope_mod
 
-    monkeypatch.setattr(rope_mod, "LOADS_FIRST", True)
+    with rope_mod.ROPE_TUNING.override(loads_first=True):
+        yield
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -443,12 +444,11 @@ def test_loads_first_matches_float64(case, dtype, loads_first):
 
 
 @pytest.mark.parametrize("case", ["gqa", "partial_rotary", "many_heads"])
-def test_loads_first_in_place_equals_tiled(case, monkeypatch):
+def test_loads_first_in_place_equals_tiled(case):
     """In place, the LOADS_FIRST variant gives bitwise the tiled variant's outputs and gradients
     (the same per-element fp32 math, only the order of loads and stores differs)."""
     from liger_losses.kernels import rope as rope_mod
 
-    monkeypatch.setattr(rope_mod, "LOADS_FIRST", False)
     bsz, seq, n_qh, n_kh, head_dim, rot, cos_batch, ud = CASES[case]
     _, _, cos, sin = _make(bsz, seq, n_qh, n_kh, head_dim, rot, cos_batch, ud, torch.float32)
     leaf_q = torch.randn(bsz, seq, n_qh * head_dim).requires_grad_()
@@ -462,9 +462,10 @@ def test_loads_first_in_place_equals_tiled(case, monkeypatch):
         grads = torch.autograd.grad((oq, ok), (leaf_q, leaf_k), (gq, gk))
         return oq.detach().clone(), ok.detach().clone(), *grads
 
-    tiled = run()
-    monkeypatch.setattr(rope_mod, "LOADS_FIRST", True)
-    first = run()
+    with rope_mod.ROPE_TUNING.override(loads_first=False):
+        tiled = run()
+    with rope_mod.ROPE_TUNING.override(loads_first=True):
+        first = run()
     for a, b in zip(first, tiled):
         assert torch.equal(a, b)
 
@@ -512,7 +513,7 @@ def test_inplace_backward_argument_errors():
 
 def test_loads_first_warps_rule():
     """Warps of the LOADS_FIRST tile: 2 for a Qwen2-0.5B token (16 x 32 q elements per half), 4 for
-    Llama-3.2-1B's (32 x 32) and Llama-3-8B's (32 x 64), 8 from 4096 elements; NUM_WARPS overrides."""
+    Llama-3.2-1B's (32 x 32) and Llama-3-8B's (32 x 64), 8 from 4096 elements; num_warps overrides."""
     from liger_losses.kernels import rope as rope_mod
 
     warps = lambda rot, n_qh, n_kh: rope_mod._config(rot, rot, n_qh, n_kh, True)[6]  # noqa: E731

@@ -43,13 +43,13 @@ def test_matches_mul_bitwise(value, dtype, n):
         assert torch.equal(x, expected)
 
 
-def test_several_tiles_per_program(monkeypatch):
+def test_several_tiles_per_program():
     # a small tile: 4 interpreter programs stride over 25 tiles (the persistent loop)
-    monkeypatch.setattr(scale_mod, "BLOCK", 64)
     x = torch.randn(1600 + 3, device=DEVICE)
     s = torch.tensor(0.3, device=DEVICE)
     expected = x.clone().mul_(s)
-    assert torch.equal(scale_unless_one_(x, s), expected)
+    with scale_mod.SCALE_TUNING.override(block=64):
+        assert torch.equal(scale_unless_one_(x, s), expected)
 
 
 def test_non_contiguous_and_empty():

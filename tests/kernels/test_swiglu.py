@@ -8,12 +8,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from liger_losses.kernels.swiglu import (
-    LigerPhi3SwiGLUMLP,
-    LigerSwiGLUMLP,
-    swiglu,
-    swiglu_packed,
-)
+from liger_losses.kernels.mlp import LigerPhi3SwiGLUMLP, LigerSwiGLUMLP
+from liger_losses.kernels.swiglu import swiglu, swiglu_packed
 from tests.helpers import TOL, assert_close_rel
 
 IMPLS = ["triton", "torch"]

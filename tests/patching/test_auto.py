@@ -17,7 +17,7 @@ def test_from_pretrained_patches_saved_model(tmp_path):
     offline): modules are ours, weights are the saved ones, and the training-mode loss equals the
     original model's HF loss within 1e-5."""
     from liger_losses.kernels.rms_norm import LigerRMSNorm
-    from liger_losses.kernels.swiglu import LigerSwiGLUMLP
+    from liger_losses.kernels.mlp import LigerSwiGLUMLP
 
     ref = tiny_model("qwen3")
     batch = tiny_batch(ref.config)
@@ -57,7 +57,7 @@ def test_flags_and_unsupported_type(tmp_path):
 
 def test_from_config():
     """from_config builds a fresh random model of the config, patched."""
-    from liger_losses.kernels.geglu import LigerGEGLUMLP
+    from liger_losses.kernels.mlp import LigerGEGLUMLP
 
     model = AutoLigerModelForCausalLM.from_config(tiny_config("gemma"))
     assert isinstance(model.model.layers[0].mlp, LigerGEGLUMLP)

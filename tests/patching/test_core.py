@@ -31,7 +31,7 @@ def test_class_level_patch_and_revert():
     from transformers.models.llama import modeling_llama as ml
 
     from liger_losses.kernels.rms_norm import LigerRMSNorm
-    from liger_losses.kernels.swiglu import LigerSwiGLUMLP
+    from liger_losses.kernels.mlp import LigerSwiGLUMLP
 
     hf_norm, hf_mlp, hf_rope = ml.LlamaRMSNorm, ml.LlamaMLP, ml.apply_rotary_pos_emb
     hf_forward = ml.LlamaForCausalLM.forward

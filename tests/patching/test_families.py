@@ -48,9 +48,8 @@ def _assert_loss_and_grads(out, grads, ref_loss, ref_grads):
 
 
 def _modules_swapped(model, spec):
-    from liger_losses.kernels.geglu import LigerGEGLUMLP
+    from liger_losses.kernels.mlp import LigerGEGLUMLP, LigerPhi3SwiGLUMLP, LigerSwiGLUMLP
     from liger_losses.kernels.rms_norm import LigerGemmaRMSNorm, LigerRMSNorm
-    from liger_losses.kernels.swiglu import LigerPhi3SwiGLUMLP, LigerSwiGLUMLP
 
     modeling = importlib.import_module(spec.module)
     hf_norm, hf_mlp = getattr(modeling, spec.rms_norm), getattr(modeling, spec.mlp)
@@ -182,9 +181,9 @@ def test_unsupported_activation_leaves_mlp_with_warning():
 
 @pytest.mark.parametrize("inplace", [True, False], ids=["inplace-rope", "out-of-place-rope"])
 @pytest.mark.parametrize("model_type", ["llama", "qwen3", "gemma2"])
-def test_patched_family_matches_unpatched_with_inplace_rope(model_type, inplace, monkeypatch):
-    """With the in-place RoPE (``patching.rope.INPLACE``, the default, which also rotates the
-    attention's q/k gradients in their own buffers: ``INPLACE_BACKWARD``) and with it switched off,
+def test_patched_family_matches_unpatched_with_inplace_rope(model_type, inplace):
+    """With the in-place RoPE (``patching.rope.RoPEPatchConfig.inplace``, the default, which also rotates
+    the attention's q/k gradients in their own buffers: ``inplace_backward``) and with it switched off,
     the patched model's loss and every parameter gradient equal the unpatched model's within 1e-5
     (fp32)."""
     import liger_losses.patching.rope as prope
@@ -194,36 +193,34 @@ def test_patched_family_matches_unpatched_with_inplace_rope(model_type, inplace,
     batch = tiny_batch(ref.config)
     _, ref_loss, ref_grads = _reference(ref, batch)
     apply_liger_kernels(model)
-    monkeypatch.setattr(prope, "INPLACE", inplace)
-    monkeypatch.setattr(prope, "INPLACE_BACKWARD", True)
-    out, grads = loss_and_grads(model, batch)
+    with prope.ROPE_PATCH.override(inplace=inplace, inplace_backward=True):
+        out, grads = loss_and_grads(model, batch)
     _assert_loss_and_grads(out, grads, ref_loss, ref_grads)
 
 
 @pytest.mark.parametrize("model_type", ["llama", "phi3", "gemma"])
 def test_patched_family_matches_unpatched_with_fused_mlp_tail(model_type, monkeypatch):
-    """With the fused MLP tail on (``kernels.gated_down.FUSE_DOWN_PROJ``: the down projection
+    """With the fused MLP tail on (``kernels.mlp.MLPTuning.fuse_down_proj``: the down projection
     computed in blocks, the product never saved) for the three MLP kinds (SwiGLU, Phi-3's packed
     gate_up, GeGLU), the patched model's loss, logits and every parameter gradient equal the
     unpatched model's within 1e-5 (fp32); small buffers force several chunks and blocks."""
     import liger_losses.kernels.gated_down as gd
+    from liger_losses.kernels.tuning import tuning
 
     ref = tiny_model(model_type)
     model = copy.deepcopy(ref)
     batch = tiny_batch(ref.config)
     ref_logits, ref_loss, ref_grads = _reference(ref, batch)
     apply_liger_kernels(model)
-    monkeypatch.setattr(gd, "FUSE_DOWN_PROJ", True)
-    monkeypatch.setattr(gd, "CHUNK_ELEMS", 512)
-    monkeypatch.setattr(gd, "FORWARD_CHUNK_ELEMS", 512)
     used = []
     monkeypatch.setattr(gd.GatedDownFunction, "apply", _counting(gd.GatedDownFunction.apply, used))
-    out, grads = loss_and_grads(model, batch)
-    assert used, "the fused tail was not used"
-    _assert_loss_and_grads(out, grads, ref_loss, ref_grads)
-    model.eval()
-    with torch.no_grad():
-        logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+    with tuning(mlp={"fuse_down_proj": True}, gated_down={"chunk_elems": 512, "forward_chunk_elems": 512}):
+        out, grads = loss_and_grads(model, batch)
+        assert used, "the fused tail was not used"
+        _assert_loss_and_grads(out, grads, ref_loss, ref_grads)
+        model.eval()
+        with torch.no_grad():
+            logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
     assert_close_rel(logits, ref_logits, FP32, "logits")
 
 

@@ -1,12 +1,12 @@
-"""Audit of the in-place RoPE default (``patching.rope.INPLACE``) along every code path of the
+"""Audit of the in-place RoPE default (``patching.rope.RoPEPatchConfig.inplace``) along every code path of the
 families in ``INPLACE_FAMILIES``: the patched model computes what the unpatched model computes.
 
 The in-place replacement of ``apply_rotary_pos_emb`` rotates q and k in their own memory and (with
-``INPLACE_BACKWARD``) rotates the incoming q/k gradients in their own buffers. That is only correct
+``inplace_backward``) rotates the incoming q/k gradients in their own buffers. That is only correct
 if q/k are fresh tensors that nothing else reads and their gradients are buffers nobody else reads.
 Each test runs an unpatched model first (the reference: the RoPE patch is process-wide, so it is
 computed before patching; ``tests/patching/conftest.py`` reverts every patch around each test),
-then a deep copy patched by ``apply_liger_kernels`` with ``INPLACE`` at its default, and checks the
+then a deep copy patched by ``apply_liger_kernels`` with ``inplace`` at its default, and checks the
 loss / logits and every parameter gradient within 1e-5 relative error (fp32, tests/helpers.TOL:
 only the summation order differs) in these configurations:
 
@@ -92,9 +92,8 @@ def spy(monkeypatch):
 
     monkeypatch.setattr(krope, "_rope_inplace_triton", counted_fn)
     monkeypatch.setattr(krope.RoPEInplaceFunction, "backward", staticmethod(counted_bwd))
-    monkeypatch.setattr(prope, "INPLACE", True)
-    monkeypatch.setattr(prope, "INPLACE_BACKWARD", True)
-    yield counts
+    with prope.ROPE_PATCH.override(inplace=True, inplace_backward=True):
+        yield counts
     revert_liger_kernels()
 
 
@@ -335,13 +334,13 @@ def test_backward_twice_through_one_graph(model_type, spy):
 
 
 @pytest.mark.xfail(strict=True, reason="in-place RoPE rotates q_proj's returned tensor: a forward "
-                   "hook that keeps it sees rotated values (set patching.rope.INPLACE = False)")
+                   "hook that keeps it sees rotated values (ROPE_PATCH.override(inplace=False))")
 def test_q_proj_output_kept_by_a_hook_is_not_modified(spy):
     """Documents a side effect (strict xfail): the in-place rotation writes into the tensor that
     ``q_proj`` returned (its view is HF's q), so a forward hook that keeps q_proj's output (an
     activation-capture tool) sees the rotated values after the attention ran; the model's own
     outputs and gradients are unaffected (tests above). Would hold (exact equality) with
-    ``INPLACE = False``."""
+    ``inplace=False``."""
     ref = tiny_model("llama")
     model = copy.deepcopy(ref)
     batch = tiny_batch(ref.config)

@@ -47,9 +47,10 @@ def test_partial_rotary_matches_phi3():
         assert_close_rel(got_k, want_k, TOL[torch.float32], "k")
 
 
-def test_inplace_families_and_switch(monkeypatch):
+def test_inplace_families_and_switch():
     """Llama-like families get the in-place replacement, Phi-3 (q/k slices of one qkv) does not; the
-    in-place replacement rotates in the projection's memory while INPLACE is True and out of place
+    in-place replacement rotates in the projection's memory while ``ROPE_PATCH.current.inplace`` is
+    True and out of place
     when it is switched off, with the same values as HF's llama function (fp32, 1e-5)."""
     import liger_losses.patching.rope as prope
     from transformers.models.llama.modeling_llama import apply_rotary_pos_emb as hf_llama
@@ -61,11 +62,11 @@ def test_inplace_families_and_switch(monkeypatch):
     angles = torch.randn(2, 5, 8).repeat(1, 1, 2)
     cos, sin = angles.cos(), angles.sin()
     for inplace in (True, False):
-        monkeypatch.setattr(prope, "INPLACE", inplace)
         lin_q, lin_k = torch.randn(2, 5, 4 * 16), torch.randn(2, 5, 2 * 16)
         q, k = lin_q.view(2, 5, 4, 16).transpose(1, 2), lin_k.view(2, 5, 2, 16).transpose(1, 2)
         want_q, want_k = hf_llama(q, k, cos, sin)
-        got_q, got_k = fn(q, k, cos, sin)
+        with prope.ROPE_PATCH.override(inplace=inplace):
+            got_q, got_k = fn(q, k, cos, sin)
         assert (got_q.data_ptr() == lin_q.data_ptr()) == inplace
         assert_close_rel(got_q, want_q, TOL[torch.float32], "q")
         assert_close_rel(got_k, want_k, TOL[torch.float32], "k")
@@ -86,7 +87,7 @@ ROPE_TYPES = {  # rope_scaling of the config (None: the default rotary)
 @pytest.mark.parametrize("rope_type", list(ROPE_TYPES))
 @pytest.mark.parametrize("model_type", sorted(FAMILIES))
 def test_family_tables_repeat_their_first_half(model_type, rope_type):
-    """The patched models rotate with repeated_tables=True (REPEATED_TABLES), which reads only the
+    """The patched models rotate with repeated_tables=True (RoPEPatchConfig.repeated_tables), which reads only the
     first half of each cos/sin row: that is exact only because every family's rotary embedding builds
     cos/sin as cat(freqs, freqs). Checked here on each family's own rotary module, for each rope type
     (positions past the original context included): the halves are bitwise equal."""
@@ -94,7 +95,7 @@ def test_family_tables_repeat_their_first_half(model_type, rope_type):
 
     import liger_losses.patching.rope as prope
 
-    assert prope.REPEATED_TABLES is True
+    assert prope.ROPE_PATCH.current.repeated_tables is True
     overrides = {} if ROPE_TYPES[rope_type] is None else {"rope_scaling": dict(ROPE_TYPES[rope_type])}
     if rope_type == "longrope":
         base = tiny_config(model_type)
