@@ -85,6 +85,7 @@ import argparse
 import contextlib
 import fnmatch
 import gc
+import io
 import os
 import statistics
 import sys
@@ -692,7 +693,9 @@ def pick_cases(patterns: Optional[list], full: bool) -> list[Case]:
 
 
 def run_matrix(cases: list[Case], providers: list[str], *, rounds: int, warmup: int, timed: int, tiny: bool,
-               budget_s: float, diag: dict) -> list[Row]:
+               budget_s: float, diag: dict, name: str) -> list[Row]:
+    """Every round runs every case and provider; after each round the CSV holds the rounds so far (a run
+    killed from outside still leaves its results)."""
     bank = WeightBank(tiny=tiny)
     runs = {(c.name, p): [] for c in cases for p in providers}
     skipped: dict = {}
@@ -712,6 +715,12 @@ def run_matrix(cases: list[Case], providers: list[str], *, rounds: int, warmup: 
                     skipped[(case.name, p)] = f"time budget {budget_s:.0f} s: {elapsed:.0f} s used"
                     continue
                 done.append(run_one(case, p, bank, rnd=rnd, warmup=warmup, timed=timed, tiny=tiny, diag=diag))
+        if rnd + 1 < rounds:
+            partial = [case_row(c, p, runs[(c.name, p)], rounds=rounds, skip_reason=skipped.get((c.name, p), f"{rnd + 1} rounds run so far"))
+                       for c in cases for p in providers]
+            add_ratios(partial)
+            with contextlib.redirect_stdout(io.StringIO()):
+                write_results(name, partial)
     print(f"bench_trainer: {sum(map(len, runs.values()))} runs in {time.perf_counter() - t0:.0f} s", flush=True)
     rows = [case_row(c, p, runs[(c.name, p)], rounds=rounds, skip_reason=skipped.get((c.name, p), ""))
             for c in cases for p in providers]
@@ -729,8 +738,11 @@ def main(argv=None) -> int:
     ap.add_argument("--rounds", type=int, default=None, help="rounds (default 3; --tiny 2)")
     ap.add_argument("--warmup", type=int, default=None, help="warm-up steps per run (default 1; --full 2)")
     ap.add_argument("--steps", type=int, default=None, help="timed steps per run (default 3; --full 5; --tiny 1)")
-    ap.add_argument("--budget-s", type=float, default=450.0,
-                    help="start no run that would end past this many seconds (by its last wall time); default 450")
+    ap.add_argument("--budget-s", type=float, default=None,
+                    help="start no run that would end past this many seconds (by its last wall time); default 450 "
+                         "(--quick 240)")
+    ap.add_argument("--quick", action="store_true",
+                    help="2 rounds and a 240 s budget (fits gpu.sh's default 300 s limit)")
     ap.add_argument("--name", default=None, help="results name (default trainer_matrix; --tiny trainer_matrix_tiny)")
     ap.add_argument("--ours-chunk-tokens", type=int, default=None,
                     help="liger_chunk_tokens of our trainers (default: the engine's tile budget)")
@@ -745,7 +757,8 @@ def main(argv=None) -> int:
             print(f"{c.name:34s} {c.family:13s} {c.task:5s} {'lora' if c.lora else 'full'} "
                   f"{'fp32' if c.fp32_weights else 'bf16'} weights, {c.tokens_per_step} tokens/step")
         return 0
-    rounds = a.rounds if a.rounds is not None else (2 if a.tiny else 3)
+    rounds = a.rounds if a.rounds is not None else (2 if a.tiny or a.quick else 3)
+    budget_s = a.budget_s if a.budget_s is not None else (240.0 if a.quick else 450.0)
     warmup = a.warmup if a.warmup is not None else (2 if a.full else 1)
     timed = a.steps if a.steps is not None else (1 if a.tiny else (5 if a.full else 3))
     if rounds < 1 or warmup < 1 or timed < 1:
@@ -770,11 +783,11 @@ def main(argv=None) -> int:
     except Exception:  # noqa: BLE001
         versions += ", liger-kernel not installed"
     print(f"bench_trainer: {versions}; {len(cases)} cases x {len(a.providers)} providers x {rounds} rounds, "
-          f"{warmup} warm-up + {timed} timed steps, budget {a.budget_s:.0f} s", flush=True)
+          f"{warmup} warm-up + {timed} timed steps, budget {budget_s:.0f} s", flush=True)
     diag = dict(profile=a.profile, cprofile=a.cprofile, memory_peak=a.memory_peak, chunk_tokens=a.ours_chunk_tokens)
-    rows = run_matrix(cases, a.providers, rounds=rounds, warmup=warmup, timed=timed, tiny=a.tiny,
-                      budget_s=a.budget_s, diag=diag)
     name = a.name or ("trainer_matrix_tiny" if a.tiny else "trainer_matrix")
+    rows = run_matrix(cases, a.providers, rounds=rounds, warmup=warmup, timed=timed, tiny=a.tiny,
+                      budget_s=budget_s, diag=diag, name=name)
     path = write_results(name, rows)
     try:
         plot_matrix(name, rows)

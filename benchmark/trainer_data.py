@@ -324,8 +324,7 @@ def snapshot_weights(model, *, pin: bool = False) -> dict:
     """A CPU copy of ``model.state_dict()`` (pinned when ``pin``, for fast reloads)."""
     out = {}
     for name, tensor in model.state_dict().items():
-        cpu = tensor.detach().to("cpu", copy=True)
-        out[name] = cpu.pin_memory() if pin else cpu
+        out[name] = torch.empty_like(tensor, device="cpu", pin_memory=pin).copy_(tensor.detach())
     return out
 
 
