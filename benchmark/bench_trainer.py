@@ -10,7 +10,7 @@ three *providers*:
   ``ours``       ``liger_losses.trl_integration.<Task>Trainer(use_liger=True)``: chunked loss from the
                  backbone's hidden states + our layer kernels.
 
-Cases (``--list`` prints them; ``--cases`` picks some by name or glob; the name says family, task, full/LoRA,
+Cases (``--list`` prints them; ``--cases`` picks some by name or glob over the full list; the name says family, task, full/LoRA,
 sequences x tokens, and ``-L<n>`` where the depth is cut, ``-fp32w`` for fp32 weights). Default matrix:
 
   llama1b_sft_full_2x2048        Llama-3.2-1B, SFT, 4k tokens (host-bound step)
@@ -34,10 +34,11 @@ Economy: each model is built (random init, seed 0) once per (family, depth, dtyp
 pinned CPU copy (``benchmark.trainer_data.snapshot_weights``); every run loads that copy into a skeleton
 built without initialisation (``model_from_snapshot``), DPO's reference model too. Rounds: round r runs
 every case, and within a case every provider, before round r+1 (``--rounds``, default 3), so slow drift of
-the machine falls on all providers alike. ``--budget-s`` (default 450): a run is not started when the time
-used plus that run's own last wall time would pass the budget; its round is missing from the row (``rounds``
-says how many ran, ``note`` why) and a row with no round gets ``error = "skipped: ..."``; the CSV and PNG are
-always written.
+the machine falls on all providers alike. ``--budget-s`` (default 450; ``--quick``: 240 and 2 rounds, for
+gpu.sh's default 300 s limit): a run is not started when the time used plus that run's expected wall time
+(its own last run, else the case's slowest provider's) would pass the budget; its round is missing from the
+row (``rounds`` says how many ran, ``note`` why) and a row with no round gets ``error = "skipped: ..."``. The
+CSV is rewritten after every run (a command killed from outside keeps what ran) and the PNG at the end.
 
 Training settings (all providers): bf16=True (autocast), gradient_checkpointing=True
 (``use_reentrant=False``), ``optim="adamw_torch_fused"``, lr 1e-6 constant, gradient accumulation 1, no
@@ -83,9 +84,9 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import csv
 import fnmatch
 import gc
-import io
 import os
 import statistics
 import sys
@@ -682,6 +683,16 @@ def plot_matrix(name: str, rows: list[Row]) -> None:
     plt.close(fig)
 
 
+def write_partial(name: str, rows: list[Row]) -> None:
+    """The CSV alone (no table, no plot) of the rows so far."""
+    dicts = [r.as_dict() for r in rows]
+    keys = list(dict.fromkeys(k for d in dicts for k in d))
+    with open(os.path.join(results_dir(), f"{name}.csv"), "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=keys)
+        w.writeheader()
+        w.writerows(dicts)
+
+
 def pick_cases(patterns: Optional[list], full: bool) -> list[Case]:
     pool = list(DEFAULT_CASES + FULL_EXTRA_CASES) if (full or patterns) else list(DEFAULT_CASES)
     if not patterns:
@@ -694,8 +705,8 @@ def pick_cases(patterns: Optional[list], full: bool) -> list[Case]:
 
 def run_matrix(cases: list[Case], providers: list[str], *, rounds: int, warmup: int, timed: int, tiny: bool,
                budget_s: float, diag: dict, name: str) -> list[Row]:
-    """Every round runs every case and provider; after each round the CSV holds the rounds so far (a run
-    killed from outside still leaves its results)."""
+    """Every round runs every case and provider; after each run the CSV holds the runs so far (a command
+    killed from outside still leaves its results; the final write adds the PNG)."""
     bank = WeightBank(tiny=tiny)
     runs = {(c.name, p): [] for c in cases for p in providers}
     skipped: dict = {}
@@ -710,17 +721,17 @@ def run_matrix(cases: list[Case], providers: list[str], *, rounds: int, warmup: 
             for p in providers:
                 done = runs[(case.name, p)]
                 elapsed = time.perf_counter() - t0
-                expected = done[-1].wall_s if done else 0.0
+                # this run's cost: its own last wall time, else the longest of the case's other providers'
+                others = [r.wall_s for q in providers for r in runs[(case.name, q)][-1:]]
+                expected = done[-1].wall_s if done else max(others, default=0.0)
                 if elapsed + expected > budget_s:
                     skipped[(case.name, p)] = f"time budget {budget_s:.0f} s: {elapsed:.0f} s used"
                     continue
                 done.append(run_one(case, p, bank, rnd=rnd, warmup=warmup, timed=timed, tiny=tiny, diag=diag))
-        if rnd + 1 < rounds:
-            partial = [case_row(c, p, runs[(c.name, p)], rounds=rounds, skip_reason=skipped.get((c.name, p), f"{rnd + 1} rounds run so far"))
-                       for c in cases for p in providers]
-            add_ratios(partial)
-            with contextlib.redirect_stdout(io.StringIO()):
-                write_results(name, partial)
+                partial = [case_row(c, q, runs[(c.name, q)], rounds=rounds,
+                                    skip_reason=skipped.get((c.name, q), "not run yet")) for c in cases for q in providers]
+                add_ratios(partial)
+                write_partial(name, partial)
     print(f"bench_trainer: {sum(map(len, runs.values()))} runs in {time.perf_counter() - t0:.0f} s", flush=True)
     rows = [case_row(c, p, runs[(c.name, p)], rounds=rounds, skip_reason=skipped.get((c.name, p), ""))
             for c in cases for p in providers]
