@@ -99,8 +99,8 @@ from typing import Optional
 
 import torch
 
-from benchmark.common import MIB, Row, print_table, results_dir, write_results
 from benchmark import trainer_data as data
+from benchmark.common import MIB, Row, print_table, results_dir, write_results
 
 PROVIDERS = ("trl", "trl+liger", "ours")
 TASKS = ("sft", "dpo", "orpo", "grpo")
