@@ -14,7 +14,7 @@ active ids; a random-init policy learns to prefer the rule (reference = the init
 
 Model: Llama-family, hidden 512, 4 layers, 8 heads / 4 KV heads, MLP 1536, vocab 128256, tied embeddings
 (the head is most of the parameters, as in small real models), bf16 weights, ``bf16=True``, AdamW (fused),
-lr 3e-4 (SFT) / 1e-4 (DPO, beta 0.1) with 10 warm-up steps then constant, grad clipping 1.0, 200 steps of
+lr 1e-3 (SFT) / 1e-4 (DPO, beta 0.1) with 10 warm-up steps then constant, grad clipping 1.0, 200 steps of
 8 x 512 tokens (SFT) / 4 pairs x 512 (DPO), no gradient checkpointing. Our paths use
 ``liger_chunk_tokens=512`` (``--chunk-tokens``): 8 chunks per step, as many as the engine's default tile
 makes at 16k tokens on a Llama-3-sized head, so the bf16 accumulation has as many roundings as in a real
@@ -134,7 +134,7 @@ def make_args(task: str, path: str, *, steps: int, out_dir: str, tiny: bool):
 
     kwargs = dict(
         output_dir=out_dir, max_steps=steps, per_device_train_batch_size=batch_size(task, tiny),
-        gradient_accumulation_steps=1, learning_rate=3e-4 if task == "sft" else 1e-4,
+        gradient_accumulation_steps=1, learning_rate=1e-3 if task == "sft" else 1e-4,
         lr_scheduler_type="constant_with_warmup", warmup_steps=min(10, steps // 4), max_grad_norm=1.0,
         bf16=True, optim="adamw_torch_fused", logging_steps=1, save_strategy="no", eval_strategy="no",
         report_to="none", dataloader_num_workers=0, disable_tqdm=True, seed=0,
