@@ -64,11 +64,14 @@ the 1B full step is ~24 us/token for TRL (392 ms at 16k SFT tokens, 918 ms at 32
 for ours, and host-bound steps do not shrink below ~150 ms; scaled by parameters x tokens the default cases'
 steps average ~0.55 s (4k-token cases ~0.2 s, 16-32k cases 0.5-1.3 s). 1 warm-up + 3 timed steps x 3
 providers x 3 rounds x 9 cases = 324 steps ~ 180 s, plus ~3-4 s per run for model load, trainer setup and
-teardown (81 runs ~ 270 s) and ~30 s of first-round Triton compilation: ~7.5 min, inside the default budget
-of 450 s plus the last run (run it with a 600 s command limit). Without GRPO (8 cases) ~6.7 min. ``--full``
+teardown (81 runs ~ 270 s; not measured on the GPU: the CPU smoke run spends ~1.2 s per run outside its
+steps) and ~30 s of first-round Triton compilation: ~8 min with the start-up. The 450 s budget holds the
+command under ~8.5 min whatever the overheads turn out to be; if they are larger it trims the last round's
+last cases (their rows say "2 of 3 rounds"), so run it with a 600 s command limit and read ``wall_s`` to
+plan the next run. Without GRPO (8 cases) ~7 min. ``--full``
 (15 cases, 7 steps per run) is ~17 min: run it with ``--budget-s 540`` in pieces (``--cases``).
 
-    python -m benchmark.bench_trainer                      # default matrix -> trainer_matrix.csv + .png (~7.5 min)
+    python -m benchmark.bench_trainer                      # default matrix -> trainer_matrix.csv + .png (~8 min)
     python -m benchmark.bench_trainer --full --cases 'llama1b_*' --budget-s 540
     python -m benchmark.bench_trainer --tiny               # CPU smoke run: tiny models of each family, seq 64
     python -m benchmark.bench_trainer --cases qwen1.5b_dpo_lora_8x1024 --rounds 1 --profile   # + profile_*.txt
