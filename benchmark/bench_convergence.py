@@ -34,8 +34,9 @@ Paths (``path`` column):
 Outputs (``$BENCH_OUT`` / ``$OUT`` / benchmark/results/): ``convergence_curves.csv`` (task, path, step and
 every metric TRL logs per step: loss, entropy, grad_norm, mean_token_accuracy / rewards/*),
 ``convergence_summary.csv`` (per task and path: the means of loss, entropy and grad_norm over the last
-``--window`` steps (default 50), and each path's difference from ``ours``, beside the noise ``ours-seed1 -
-ours``) and ``convergence.png`` (curves, smoothed over 10 steps). ``--tiny``: a CPU smoke run (a 2-layer
+``--window`` steps (default 50) and their step-to-step standard deviation, each path's difference from
+``ours`` beside the noise ``ours-seed1 - ours``, and a ``spread:...`` row per task: max - min of the means
+over the compared paths beside ``|noise|``) and ``convergence.png`` (curves, smoothed over 10 steps). ``--tiny``: a CPU smoke run (a 2-layer
 model of width 64, vocabulary 600, 12 steps of 2 x 64 tokens) writing ``convergence_tiny_*`` to a temporary
 folder unless one of those variables is set.
 
@@ -195,8 +196,10 @@ def summarize(curves: list[dict], window: int) -> list[dict]:
         means = {}
         for path in dict.fromkeys(r["path"] for r in curves if r["task"] == task):
             rows = [r for r in curves if r["task"] == task and r["path"] == path][-window:]
-            means[path] = {k: statistics.mean(r[k] for r in rows) if rows and all(k in r for r in rows)
-                           else float("nan") for k in CURVE_KEYS}
+            full = rows and all(k in r for r in rows for k in CURVE_KEYS)
+            means[path] = {k: statistics.mean(r[k] for r in rows) if full else float("nan") for k in CURVE_KEYS}
+            means[path].update({f"{k}_std": statistics.pstdev(r[k] for r in rows) if full else float("nan")
+                                for k in CURVE_KEYS})
             means[path]["steps"] = max((r["step"] for r in rows), default=0)
         base = means.get("ours")
         noise = means.get("ours-seed1")
@@ -204,8 +207,17 @@ def summarize(curves: list[dict], window: int) -> list[dict]:
             d = {"task": task, "path": path, "last_step": m["steps"], "window": window}
             for k in CURVE_KEYS:
                 d[f"{k}_mean"] = round(m[k], 5)
+                d[f"{k}_std"] = round(m[f"{k}_std"], 5)  # step-to-step spread inside the window
                 d[f"{k}_minus_ours"] = round(m[k] - base[k], 5) if base else ""
                 d[f"noise_{k}"] = round(noise[k] - base[k], 5) if base and noise else ""
+            out.append(d)
+        compared = [p for p in means if p != "ours-seed1"]
+        if len(compared) > 1:  # the spread between the paths, beside the noise
+            d = {"task": task, "path": "spread:" + "/".join(compared), "last_step": "", "window": window}
+            for k in CURVE_KEYS:
+                vals = [means[p][k] for p in compared]
+                d[f"{k}_mean"] = round(max(vals) - min(vals), 5)
+                d[f"noise_{k}"] = round(abs(noise[k] - base[k]), 5) if base and noise else ""
             out.append(d)
     return out
 
@@ -305,7 +317,7 @@ def main(argv=None) -> int:
     except Exception as exc:  # noqa: BLE001 - the plot is a convenience
         print(f"(plot skipped: {exc})")
     print()
-    keys = ["task", "path", "last_step"] + [f"{k}_{s}" for k in CURVE_KEYS for s in ("mean", "minus_ours")] + \
+    keys = ["task", "path", "last_step"] + [f"{k}_{s}" for k in CURVE_KEYS for s in ("mean", "std", "minus_ours")] + \
         [f"noise_{k}" for k in CURVE_KEYS]
     print_table(summary, keys=keys)
     for e in errors:
