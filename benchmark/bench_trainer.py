@@ -1,67 +1,95 @@
-"""Training-step throughput and peak memory of whole trainers: TRL 1.16 vs TRL + liger-kernel vs ours (issue #4 item 5).
+"""Training-step throughput and peak memory of whole trainers over a matrix of models, tasks and batches:
+TRL 1.16 vs TRL + liger-kernel vs ours (issue 18 item 1).
 
-Model: a Llama-3.2-1B-shaped ``LlamaForCausalLM`` (hidden 2048, 16 layers, 32 heads / 8 KV heads, MLP
-8192, vocab 128256, tied embeddings, llama3 RoPE), random init, bf16 weights, sdpa attention, built
-locally (offline) -- see ``benchmark/trainer_data.py`` for the model, the numeric word-level tokenizer
-and the synthetic datasets. Every configuration starts from a freshly built model (same seed, so the
-same weights and data for every provider), and the patched ``transformers`` Llama module is restored
-between configurations (liger-kernel and our patching both swap module/class attributes).
+Each *case* is a model family, a task, full fine-tuning or LoRA, a batch and a weight dtype; each is run by
+three *providers*:
+  ``trl``        TRL's trainer as shipped (``use_liger_kernel=False``). TRL 1.16's DPO/GRPO already compute
+                 the LM-head log-probs with their own chunked fused LM head; its SFT/ORPO hold whole logits.
+  ``trl+liger``  the same with ``use_liger_kernel=True`` (TRL 1.16: deprecated; for SFT/DPO liger-kernel then
+                 only swaps the policy's layer kernels). An error (e.g. liger-kernel missing) is the row's ``error``.
+  ``ours``       ``liger_losses.trl_integration.<Task>Trainer(use_liger=True)``: chunked loss from the
+                 backbone's hidden states + our layer kernels.
 
-Cases (``case`` column): ``dpo_seq{S}`` -- DPO, 1 pair per step (chosen + rejected, each S tokens, the
-first S/4 of which are the shared prompt), with a separate frozen reference model (the same weights);
-``sft_seq{S}`` -- SFT, 1 sequence of S tokens per step, loss on every token. S = 2048 and 8192.
+Cases (``--list`` prints them; ``--cases`` picks some by name or glob over the full list; the name says family, task, full/LoRA,
+sequences x tokens, and ``-L<n>`` where the depth is cut, ``-fp32w`` for fp32 weights). Default matrix:
 
-Providers:
-  ``trl``        ``trl.DPOTrainer`` / ``trl.SFTTrainer`` as shipped (``use_liger_kernel=False``). Note: TRL
-                 1.16 already computes the LM-head log-probs with its own chunked fused LM head.
-  ``trl+liger``  the same with ``use_liger_kernel=True``: in TRL 1.16 this is deprecated (FutureWarning,
-                 "removed in v2.0.0") and TRL forces ``fused_linear_cross_entropy=False``, so liger-kernel
-                 only swaps the layer kernels (RMSNorm, RoPE, SwiGLU) of the policy model; an error
-                 (e.g. liger-kernel not installed) is recorded in the row's ``error``.
-  ``ours``       ``liger_losses.trl_integration.DPOTrainer`` / ``SFTTrainer`` with ``use_liger=True``
-                 (chunked loss from the backbone's hidden states + our layer kernels).
+  llama1b_sft_full_2x2048        Llama-3.2-1B, SFT, 4k tokens (host-bound step)
+  llama1b_dpo_full_4x2048        Llama-3.2-1B, DPO with a reference model, 4 pairs = 16k tokens
+  llama1b-fp32w_sft_full_4x2048  Llama-3.2-1B in fp32 weights, bf16=True (autocast), SFT, 8k tokens
+  qwen1.5b_dpo_full_2x1024       Qwen2.5-1.5B (tied, 28 x 1536, GQA 12:2, V 151936), DPO, 4k tokens (host-bound)
+  qwen1.5b_dpo_lora_8x1024       same model, DPO, LoRA r=16 all-linear (frozen head; reference = adapter off), 16k
+  gemma2b_sft_full_8x2048        Gemma-2-2B (final logit softcap 30, V 256000, eager attention), SFT, 16k tokens
+  llama8b-L8_orpo_full_4x2048    Llama-3-8B widths and head (H 4096, V 128256, untied), 8 of 32 layers, ORPO, 16k
+  llama8b-L8_sft_lora_4x8192     same model, SFT, LoRA r=16, 4 x 8192 = 32k tokens (GPU-bound)
+  qwen1.5b_grpo_full_16x1024     Qwen2.5-1.5B, GRPO optimization step on a pre-generated batch (16 sequences
+                                 of 256 prompt + 768 completion tokens, 4 generations per prompt, beta=0);
+                                 run only when ``liger_losses.trl_integration.GRPOTrainer`` is importable,
+                                 else its rows say "skipped: ..." (no device time spent)
 
-Training settings (all providers): bf16=True (autocast; weights already bf16), gradient_checkpointing=True
-with ``gradient_checkpointing_kwargs={"use_reentrant": False}`` (set explicitly so every transformers
-version does the same; recorded in the ``grad_ckpt_kwargs`` column),
-``optim="adamw_torch_fused"``, lr 1e-6 constant, per_device_train_batch_size=1 (``--batch``), gradient accumulation 1,
-no eval, no saving, ``report_to="none"``, huge ``logging_steps``, ``dataloader_num_workers=0``, one process.
+``--full`` adds: qwen1.5b_sft_full_2x4096 (issue 18's SFT row), llama1b_{dpo,sft}_full_8x2048 (the earlier
+single-shape benchmark's cases, ``trainer_b8.csv``), llama1b_sft_lora_8x2048, gemma2b_dpo_lora_4x1024 and
+llama8b_sft_lora_2x4096 (the full 32-layer 8B) -- and 2 warm-up + 5 timed steps per run instead of 1 + 3.
 
-Measurement: a ``TrainerCallback`` records ``torch.cuda.synchronize(); time.perf_counter()`` at every
-``on_step_end``; the time of step i is end(i) - end(i-1) (so it includes data collation, forward,
-backward, optimizer step and TRL's per-step metric bookkeeping). ``ms`` is the median over the timed
-steps after ``--warmup`` warm-up steps (default 2 warm-up + 5 timed; ``--quick``: seq 2048 only, 3
-timed). ``peak_mib`` is ``torch.cuda.max_memory_allocated()`` over the timed steps (stats reset at the
-end of the last warm-up step): absolute, i.e. weights + reference model + gradients + AdamW state +
-activations. ``resident_mib`` is the least ``torch.cuda.memory_allocated()`` at the start of a timed
-step (what stays allocated between steps: weights, reference model, AdamW state -- the step's
-inputs; HF's ``zero_grad`` frees the gradients) and ``step_peak_mib = peak_mib - resident_mib`` the
-peak of the step above its inputs (gradients + activations + the loss), the measure of the guide's
-"max_memory_allocated above the inputs". ``tokens_per_step`` is ``input_ids.numel()`` of the collated batch -- prompt + completion
-tokens including any padding; for DPO chosen + rejected (here no padding: 2 x S for DPO, S for SFT);
-``tokens_per_s = tokens_per_step / (ms / 1000)``. ``train_loss`` (TRL's mean training loss over all
-steps) is a sanity check that providers train the same thing.
+Economy: each model is built (random init, seed 0) once per (family, depth, dtype) and its weights kept as a
+pinned CPU copy (``benchmark.trainer_data.snapshot_weights``); every run loads that copy into a skeleton
+built without initialisation (``model_from_snapshot``), DPO's reference model too. Rounds: round r runs
+every case, and within a case every provider, before round r+1 (``--rounds``, default 3), so slow drift of
+the machine falls on all providers alike. ``--budget-s`` (default 450; ``--quick``: 240 and 2 rounds, for
+gpu.sh's default 300 s limit): a run is not started when the time used plus that run's expected wall time
+(its own last run, else the case's slowest provider's) would pass the budget; its round is missing from the
+row (``rounds`` says how many ran, ``note`` why) and a row with no round gets ``error = "skipped: ..."``. The
+CSV is rewritten after every run (a command killed from outside keeps what ran) and the PNG at the end.
 
-    python -m benchmark.bench_trainer            # full: dpo/sft x seq 2048, 8192 x 3 providers (< 5 min on an H200)
-    python -m benchmark.bench_trainer --quick    # seq 2048 only, 3 timed steps
-    python -m benchmark.bench_trainer --tiny     # CPU smoke run: tiny Llama, seq 64, 1 warm-up + 1 timed step
-    python -m benchmark.bench_trainer --quick --memory-peak   # + memory_peak_<case>_<provider>.txt: where
-                                                              #   the timed steps' peak allocated memory is
+Training settings (all providers): bf16=True (autocast), gradient_checkpointing=True
+(``use_reentrant=False``), ``optim="adamw_torch_fused"``, lr 1e-6 constant, gradient accumulation 1, no
+eval/saving/logging, one process; LoRA: PEFT ``LoraConfig(r=16, lora_alpha=32, lora_dropout=0,
+target_modules="all-linear")`` passed as ``peft_config`` (TRL wraps the model; adapters fp32 under autocast).
+The transformers modeling modules are restored after every run (liger-kernel and our patching swap module
+and class attributes).
 
-Results: ``trainer.csv`` (``trainer_b<N>.csv`` with ``--batch N``; + PNG) via
-``benchmark.common.write_results`` (in $BENCH_OUT or $OUT when set, else benchmark/results/; ``--tiny``
-writes ``trainer_tiny.csv`` to a temporary folder unless one of those is set), and a table of ratios ours/trl and ours/trl+liger. ``--budget-s`` (default 270):
-no configuration is started after that many seconds (its row gets a "skipped" error), so the CSV is
-written within gpu.sh's 300 s limit. Run it through gpu.sh (which installs the carried wheels):
-``bash benchmark/gpu.sh bench:trainer [quick]``.
+Measurement (a ``TrainerCallback``): ``torch.cuda.synchronize(); time.perf_counter()`` at every
+``on_step_end``; step i's time is end(i) - end(i-1) (collation, forward, backward, optimizer, TRL's metric
+bookkeeping). A round's time is the median of its timed steps after the warm-up steps; ``ms`` is the median
+over rounds, ``ms_min``/``ms_max`` the extreme rounds, ``tokens_per_s`` (``_min``/``_max``) the same as
+throughput with ``tokens_per_step`` = the case's nominal tokens (2 x pairs x seq for DPO/ORPO, sequences x seq
+otherwise; prompt tokens included; no padding in these datasets). ``peak_mib``: ``max_memory_allocated``
+over the timed steps (absolute: weights, reference, optimizer state, activations), the highest round;
+``resident_mib``: the least ``memory_allocated`` at a timed step's start (what stays between steps);
+``step_peak_mib = peak_mib - resident_mib`` (the step's peak above its inputs). ``speed_vs_trl`` /
+``speed_vs_trl_liger``: tokens/s over that provider's on the same case; ``step_peak_vs_trl`` likewise.
+``wall_s``: seconds all of the row's runs took (build, trainer setup, steps), to plan GPU time.
+
+GPU time (one H200, estimated, not measured as a whole): from ``trainer_b8.csv`` / ``trainer_seq8192_b2.csv``
+the 1B full step is ~24 us/token for TRL (392 ms at 16k SFT tokens, 918 ms at 32k DPO tokens), ~0.75x that
+for ours, and host-bound steps do not shrink below ~150 ms; scaled by parameters x tokens the default cases'
+steps average ~0.55 s (4k-token cases ~0.2 s, 16-32k cases 0.5-1.3 s). 1 warm-up + 3 timed steps x 3
+providers x 3 rounds x 9 cases = 324 steps ~ 180 s, plus ~3-4 s per run for model load, trainer setup and
+teardown (81 runs ~ 270 s; not measured on the GPU: the CPU smoke run spends ~1.2 s per run outside its
+steps) and ~30 s of first-round Triton compilation: ~8 min with the start-up. The 450 s budget holds the
+command under ~8.5 min whatever the overheads turn out to be; if they are larger it trims the last round's
+last cases (their rows say "2 of 3 rounds"), so run it with a 600 s command limit and read ``wall_s`` to
+plan the next run. Without GRPO (8 cases) ~7 min. ``--full``
+(15 cases, 7 steps per run) is ~17 min: run it with ``--budget-s 540`` in pieces (``--cases``).
+
+    python -m benchmark.bench_trainer                      # default matrix -> trainer_matrix.csv + .png (~8 min)
+    python -m benchmark.bench_trainer --full --cases 'llama1b_*' --budget-s 540
+    python -m benchmark.bench_trainer --tiny               # CPU smoke run: tiny models of each family, seq 64
+    python -m benchmark.bench_trainer --cases qwen1.5b_dpo_lora_8x1024 --rounds 1 --profile   # + profile_*.txt
+
+``--profile`` (torch.profiler over two timed steps), ``--cprofile`` (host profile) and ``--memory-peak``
+(allocator history: where the timed steps' peak is) write ``<kind>_<case>_<provider>_r<round>.txt`` next to
+the CSV. Results go to $BENCH_OUT or $OUT when set, else benchmark/results/ (``--tiny``: a temporary folder
+unless one of those is set), named ``--name`` (default ``trainer_matrix``; ``--tiny``: ``trainer_matrix_tiny``).
+Through gpu.sh: ``BENCH_TIMEOUT=600 bash benchmark/gpu.sh bench:trainer``.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import csv
+import fnmatch
 import gc
-import itertools
 import os
 import statistics
 import sys
@@ -69,16 +97,84 @@ import tempfile
 import time
 import traceback
 import warnings
+from dataclasses import dataclass, field
+from typing import Optional
 
 import torch
 
-from benchmark.common import MIB, Row, print_table, write_results
-from benchmark.trainer_data import LLAMA_3_2_1B, TINY, build_model, build_tokenizer, dpo_dataset, sft_dataset
+from benchmark import trainer_data as data
+from benchmark.common import MIB, Row, print_table, results_dir, write_results
 
 PROVIDERS = ("trl", "trl+liger", "ours")
-# Not run by default: ours with the MLP's down projection fused (gated_down.FUSE_DOWN_PROJ = True).
-EXTRA_PROVIDERS = ("ours-fused-mlp",)
-TASKS = ("dpo", "sft")
+TASKS = ("sft", "dpo", "orpo", "grpo")
+PAIRED = ("dpo", "orpo")
+GRPO_GENERATIONS = 4  # completions per prompt in the GRPO case (TRL's num_generations)
+
+
+# --------------------------------------------------------------------------- cases
+
+
+@dataclass(frozen=True)
+class Case:
+    """One cell of the matrix: ``batch`` sequences (pairs for DPO/ORPO) of ``seq`` tokens each."""
+
+    name: str
+    family: str  # key of benchmark.trainer_data.SHAPES
+    task: str  # one of TASKS
+    batch: int
+    seq: int
+    lora: bool = False
+    fp32_weights: bool = False  # fp32 weights (master weights) trained with bf16=True autocast
+    layers: Optional[int] = None  # cut depth (None: the family's own)
+
+    @property
+    def tokens_per_step(self) -> int:
+        return (2 if self.task in PAIRED else 1) * self.batch * self.seq
+
+    @property
+    def weight_dtype(self) -> torch.dtype:
+        return torch.float32 if self.fp32_weights else torch.bfloat16
+
+    def tiny(self) -> "Case":
+        """The CPU smoke version: the family's tiny shape, 2 layers, batch 2 (GRPO 4), seq 64."""
+        return Case(self.name, self.family, self.task, 4 if self.task == "grpo" else 2, 64, self.lora,
+                    self.fp32_weights, None)
+
+
+DEFAULT_CASES = (
+    Case("llama1b_sft_full_2x2048", "llama3.2-1b", "sft", 2, 2048),
+    Case("llama1b_dpo_full_4x2048", "llama3.2-1b", "dpo", 4, 2048),
+    Case("llama1b-fp32w_sft_full_4x2048", "llama3.2-1b", "sft", 4, 2048, fp32_weights=True),
+    Case("qwen1.5b_dpo_full_2x1024", "qwen2.5-1.5b", "dpo", 2, 1024),
+    Case("qwen1.5b_dpo_lora_8x1024", "qwen2.5-1.5b", "dpo", 8, 1024, lora=True),
+    Case("gemma2b_sft_full_8x2048", "gemma2-2b", "sft", 8, 2048),
+    Case("llama8b-L8_orpo_full_4x2048", "llama3-8b", "orpo", 4, 2048, layers=8),
+    Case("llama8b-L8_sft_lora_4x8192", "llama3-8b", "sft", 4, 8192, lora=True, layers=8),
+    Case("qwen1.5b_grpo_full_16x1024", "qwen2.5-1.5b", "grpo", 16, 1024),
+)
+FULL_EXTRA_CASES = (
+    Case("qwen1.5b_sft_full_2x4096", "qwen2.5-1.5b", "sft", 2, 4096),
+    Case("llama1b_dpo_full_8x2048", "llama3.2-1b", "dpo", 8, 2048),
+    Case("llama1b_sft_full_8x2048", "llama3.2-1b", "sft", 8, 2048),
+    Case("llama1b_sft_lora_8x2048", "llama3.2-1b", "sft", 8, 2048, lora=True),
+    Case("gemma2b_dpo_lora_4x1024", "gemma2-2b", "dpo", 4, 1024, lora=True),
+    Case("llama8b_sft_lora_2x4096", "llama3-8b", "sft", 2, 4096, lora=True),
+)
+ALL_CASES = {c.name: c for c in DEFAULT_CASES + FULL_EXTRA_CASES}
+
+
+def grpo_available() -> str:
+    """"" when ``liger_losses.trl_integration.GRPOTrainer`` imports, else why not."""
+    try:
+        from liger_losses.trl_integration import GRPOTrainer  # noqa: F401
+    except Exception as exc:  # noqa: BLE001 - any import failure means: skip the case
+        return f"{type(exc).__name__}: {exc}"[:160]
+    return ""
+
+
+def grpo_lengths(case: Case) -> tuple[int, int]:
+    """(prompt, completion) tokens of a GRPO case's sequences: a quarter prompt, the rest completion."""
+    return case.seq // 4, case.seq - case.seq // 4
 
 
 # --------------------------------------------------------------------------- timing
@@ -221,14 +317,22 @@ def write_memory_peak(path: str, model, ref_model, optimizer) -> None:
     print("\n".join(text.splitlines()[:14]) + f"\n... (memory peak breakdown in {path})", flush=True)
 
 
-# --------------------------------------------------------------------------- isolation between configurations
+# --------------------------------------------------------------------------- isolation between runs
+
+MODELING_MODULES = {
+    "llama": "transformers.models.llama.modeling_llama",
+    "qwen2": "transformers.models.qwen2.modeling_qwen2",
+    "gemma2": "transformers.models.gemma2.modeling_gemma2",
+}
 
 
 @contextlib.contextmanager
-def restored_llama_module():
-    """Undo module- and class-level patches of ``transformers``' Llama module made inside the block."""
-    import transformers.models.llama.modeling_llama as ml
+def restored_modeling_module(model_type: str):
+    """Undo module- and class-level patches of the family's ``transformers`` modeling module made inside
+    the block (liger-kernel's and ours; ours is reverted by ``revert_liger_kernels`` first)."""
+    import importlib
 
+    ml = importlib.import_module(MODELING_MODULES[model_type])
     mod_snapshot = dict(vars(ml))
     classes = {name: obj for name, obj in mod_snapshot.items() if isinstance(obj, type) and obj.__module__ == ml.__name__}
     cls_snapshot = {name: dict(vars(cls)) for name, cls in classes.items()}
@@ -266,180 +370,261 @@ def free_memory(cuda: bool) -> None:
         torch.cuda.empty_cache()
 
 
-# --------------------------------------------------------------------------- one configuration
+# --------------------------------------------------------------------------- trainers
 
 
-def make_config(task: str, provider: str, *, seq: int, steps: int, out_dir: str, tiny: bool, batch: int = 1):
+def make_config(case: Case, provider: str, *, steps: int, out_dir: str, tiny: bool):
     import trl
 
     kwargs = dict(
-        output_dir=out_dir,
-        max_steps=steps,
-        per_device_train_batch_size=batch,
-        gradient_accumulation_steps=1,
-        learning_rate=1e-6,
-        lr_scheduler_type="constant",
-        warmup_steps=0,
-        bf16=True,
-        fp16=False,
-        gradient_checkpointing=True,
-        gradient_checkpointing_kwargs={"use_reentrant": False},
-        optim="adamw_torch_fused",
-        logging_steps=10**6,
-        save_strategy="no",
-        eval_strategy="no",
-        report_to="none",
-        dataloader_num_workers=0,
-        disable_tqdm=True,
-        seed=0,
-        data_seed=0,
-        max_length=seq,
+        output_dir=out_dir, max_steps=steps, per_device_train_batch_size=case.batch, gradient_accumulation_steps=1,
+        learning_rate=1e-6, lr_scheduler_type="constant", warmup_steps=0, bf16=True, fp16=False,
+        gradient_checkpointing=True, gradient_checkpointing_kwargs={"use_reentrant": False},
+        optim="adamw_torch_fused", logging_steps=10**6, save_strategy="no", eval_strategy="no", report_to="none",
+        dataloader_num_workers=0, disable_tqdm=True, seed=0, data_seed=0,
         use_liger_kernel=(provider == "trl+liger"),
     )
     if tiny:
         kwargs["use_cpu"] = True
-    return (trl.DPOConfig if task == "dpo" else trl.SFTConfig)(**kwargs)
+    if case.task == "sft":
+        return trl.SFTConfig(max_length=case.seq, **kwargs)
+    if case.task == "dpo":
+        return trl.DPOConfig(max_length=case.seq, **kwargs)
+    if case.task == "orpo":
+        from trl.experimental.orpo import ORPOConfig
+
+        # room for a BOS the ORPO tokenizer may prepend: nothing is truncated
+        return ORPOConfig(max_length=case.seq + 8, **kwargs)
+    _, completion = grpo_lengths(case)
+    return trl.GRPOConfig(num_generations=GRPO_GENERATIONS, max_completion_length=completion, steps_per_generation=1,
+                          num_iterations=1, beta=0.0, log_completions=False, **kwargs)
 
 
-OURS_CHUNK_TOKENS = None  # --ours-chunk-tokens: liger_chunk_tokens of our trainers (None: the engine's budget)
+def _zero_reward(completions, **kwargs):
+    return [0.0] * len(completions)
 
 
-def make_trainer(task: str, provider: str, model, ref_model, args, dataset, tokenizer, callback):
+def _pregenerated(trainer_cls, batch: dict):
+    """``trainer_cls`` whose generation step returns ``batch`` (a fresh dict of the same tensors) every time:
+    the optimization step of GRPO alone, on the same completions for every provider."""
+
+    class Pregenerated(trainer_cls):
+        def _generate_and_score_completions(self, inputs):
+            return dict(batch)
+
+    Pregenerated.__name__ = f"Pregenerated{trainer_cls.__name__}"
+    return Pregenerated
+
+
+def make_dataset(case: Case, vocab: int, n: int):
+    if case.task == "sft":
+        return data.sft_dataset(n, case.seq, vocab, seed=1)
+    if case.task == "grpo":
+        return data.prompt_dataset(n, grpo_lengths(case)[0], vocab, seed=1)
+    return data.dpo_dataset(n, case.seq, vocab, seed=1)
+
+
+def make_trainer(case: Case, provider: str, model, ref_model, args, dataset, tokenizer, callback, *,
+                 peft_config=None, grpo_inputs=None, chunk_tokens=None):
     common = dict(args=args, train_dataset=dataset, processing_class=tokenizer, callbacks=[callback])
-    if provider.startswith("ours"):
-        from liger_losses.trl_integration.dpo import DPOTrainer as OursDPO
-        from liger_losses.trl_integration.sft import SFTTrainer as OursSFT
+    if peft_config is not None:
+        common["peft_config"] = peft_config
+    ours = provider == "ours"
+    liger = dict(use_liger=True, liger_chunk_tokens=chunk_tokens) if ours else {}
+    if case.task == "sft":
+        import trl
 
-        if task == "dpo":
-            return OursDPO(model, ref_model, use_liger=True, liger_chunk_tokens=OURS_CHUNK_TOKENS, **common)
-        return OursSFT(model, use_liger=True, liger_chunk_tokens=OURS_CHUNK_TOKENS, **common)
+        from liger_losses.trl_integration import SFTTrainer
+
+        return (SFTTrainer if ours else trl.SFTTrainer)(model, **common, **liger)
+    if case.task == "dpo":
+        import trl
+
+        from liger_losses.trl_integration import DPOTrainer
+
+        return (DPOTrainer if ours else trl.DPOTrainer)(model, ref_model, **common, **liger)
+    if case.task == "orpo":
+        from trl.experimental.orpo import ORPOTrainer as TRLORPO
+
+        from liger_losses.trl_integration import ORPOTrainer
+
+        return (ORPOTrainer if ours else TRLORPO)(model, **common, **liger)
     import trl
 
-    if task == "dpo":
-        return trl.DPOTrainer(model, ref_model, **common)
-    return trl.SFTTrainer(model, **common)
+    if ours:
+        from liger_losses.trl_integration import GRPOTrainer as cls
+    else:
+        cls = trl.GRPOTrainer
+    return _pregenerated(cls, grpo_inputs)(model, _zero_reward, **common, **liger)
 
 
-def run_one(task: str, provider: str, *, seq: int, warmup: int, timed: int, tiny: bool, profile: bool = False,
-            cprofile: bool = False, batch: int = 1, memory_peak: bool = False) -> Row:
-    case = f"{task}_seq{seq}" + (f"_b{batch}" if batch > 1 else "")
+# --------------------------------------------------------------------------- one run
+
+
+@dataclass
+class RunResult:
+    """One provider's run of one case in one round."""
+
+    step_ms: list = field(default_factory=list)
+    issue_ms: list = field(default_factory=list)
+    peak_mib: float = float("nan")
+    peak_warmup_mib: float = float("nan")
+    resident_mib: float = float("nan")
+    train_loss: float = float("nan")
+    launches: tuple = (0, 0)
+    wall_s: float = 0.0
+    notes: list = field(default_factory=list)
+    error: str = ""
+
+    @property
+    def ms(self) -> float:
+        return statistics.median(self.step_ms) if self.step_ms else float("nan")
+
+
+class WeightBank:
+    """One pinned CPU copy of each (family, depth, dtype) model's weights, built on first use."""
+
+    def __init__(self, *, tiny: bool):
+        self.tiny = tiny
+        self.snapshots: dict = {}
+
+    def shape(self, case: Case) -> dict:
+        return (data.TINY_SHAPES if self.tiny else data.SHAPES)[case.family]
+
+    def model(self, case: Case, device: str):
+        key = (case.family, case.layers, case.weight_dtype)
+        shape = self.shape(case)
+        if key not in self.snapshots:
+            model = data.build_model(shape, device=device, dtype=case.weight_dtype, seed=0, layers=case.layers)
+            self.snapshots[key] = data.snapshot_weights(model, pin=device == "cuda")
+            return model
+        return data.model_from_snapshot(shape, self.snapshots[key], device=device, dtype=case.weight_dtype,
+                                        layers=case.layers)
+
+
+def run_one(case: Case, provider: str, bank: WeightBank, *, rnd: int, warmup: int, timed: int, tiny: bool,
+            diag: dict) -> RunResult:
+    """One provider's run of ``case``: fresh model from the bank, a trainer, warmup + timed steps."""
     cuda = not tiny
     device = "cpu" if tiny else "cuda"
-    shape = TINY if tiny else LLAMA_3_2_1B
-    vocab = shape["vocab_size"]
     steps = warmup + timed
-    extra = dict(seq=seq, tokens_per_s=float("nan"), tokens_per_step=float("nan"), train_loss=float("nan"),
-                 grad_ckpt=True, grad_ckpt_kwargs="", peak_warmup_mib=float("nan"), resident_mib=float("nan"),
-                 step_peak_mib=float("nan"), step_ms_all="", issue_ms_all="",
-                 launches_fast=0, launches_slow=0, note="")
-    row = Row(bench="trainer", case=case, mode="step", provider=provider, ms=float("nan"), peak_mib=float("nan"),
-              extra=extra)
+    res = RunResult()
     model = ref_model = trainer = None
     t_start = time.perf_counter()
-    with restored_llama_module(), tempfile.TemporaryDirectory() as out_dir, warnings.catch_warnings(record=True) as caught:
+    tag = f"{case.name}_{provider.replace('+', '_')}_r{rnd}"
+    out_path = {kind: (os.path.join(results_dir(), f"{kind}_{tag}.txt") if diag.get(kind) else "")
+                for kind in ("profile", "cprofile", "memory_peak")}
+    if not cuda:
+        out_path["memory_peak"] = out_path["profile"] = ""
+    model_type = bank.shape(case)["model_type"]
+    with (restored_modeling_module(model_type), tempfile.TemporaryDirectory() as out_dir,
+          warnings.catch_warnings(record=True) as caught):
         warnings.simplefilter("always")
         try:
-            tokenizer = build_tokenizer(vocab)
-            dataset = (dpo_dataset if task == "dpo" else sft_dataset)(steps * batch, seq, vocab, seed=1)
-            model = build_model(shape, device=device, dtype=torch.bfloat16, seed=0)
-            if task == "dpo":
-                ref_model = build_model(shape, device=device, dtype=torch.bfloat16, seed=0).eval()
-                ref_model.requires_grad_(False)
-            args = make_config(task, provider, seq=seq, steps=steps, out_dir=out_dir, tiny=tiny, batch=batch)
-            extra["grad_ckpt_kwargs"] = str(args.gradient_checkpointing_kwargs)
-            def out_path(kind: str, wanted: bool) -> str:  # "" when not wanted
-                from benchmark.common import results_dir
+            vocab = bank.shape(case)["vocab_size"]
+            tokenizer = data.build_tokenizer(vocab)
+            dataset = make_dataset(case, vocab, steps * case.batch)
+            model = bank.model(case, device)
+            peft_config = None
+            if case.lora:
+                from peft import LoraConfig
 
-                return os.path.join(results_dir(), f"{kind}_{case}_{provider.replace('+', '_')}.txt") if wanted else ""
-
-            timer = _make_timer_callback(warmup, cuda, out_path("profile", profile), out_path("cprofile", cprofile),
-                                         out_path("memory_peak", memory_peak and cuda))
+                peft_config = LoraConfig(r=16, lora_alpha=32, lora_dropout=0.0, target_modules="all-linear",
+                                         task_type="CAUSAL_LM")
+            elif case.task == "dpo":  # full fine-tuning: a separate frozen reference (LoRA: the adapter off)
+                ref_model = bank.model(case, device).eval().requires_grad_(False)
+            grpo_inputs = None
+            if case.task == "grpo":
+                prompt, completion = grpo_lengths(case)
+                grpo_inputs = data.grpo_batch(case.batch, prompt, completion, vocab, device=device, seed=2)
+            args = make_config(case, provider, steps=steps, out_dir=out_dir, tiny=tiny)
+            timer = _make_timer_callback(warmup, cuda, out_path["profile"], out_path["cprofile"],
+                                         out_path["memory_peak"])
             timer.ref_model = ref_model
-            trainer = make_trainer(task, provider, model, ref_model, args, dataset, tokenizer, timer)
-            batch = next(iter(trainer.get_train_dataloader()))
-            extra["tokens_per_step"] = int(batch["input_ids"].numel())
-            del batch
+            torch.manual_seed(0)  # the LoRA adapters' init: the same for every provider
+            trainer = make_trainer(case, provider, model, ref_model, args, dataset, tokenizer, timer,
+                                   peft_config=peft_config, grpo_inputs=grpo_inputs,
+                                   chunk_tokens=diag.get("chunk_tokens"))
             from liger_losses.kernels.launch import launch_stats
 
             launch_stats(reset=True)
-            import liger_losses.kernels.gated_down as gated_down
-
-            fuse = gated_down.FUSE_DOWN_PROJ
-            gated_down.FUSE_DOWN_PROJ = provider == "ours-fused-mlp" or (fuse and provider == "ours")
-            try:
-                out = trainer.train()
-            finally:
-                gated_down.FUSE_DOWN_PROJ = fuse
-            # Triton launches of our kernels over the whole run: compiled-launcher hits vs
-            # JITFunction.run (first launch per specialization, or a fallback; "off" says why)
+            out = trainer.train()
+            # Triton launches of our kernels over the whole run: compiled-launcher hits vs JITFunction.run
             stats = launch_stats(reset=True)
-            extra["launches_fast"], extra["launches_slow"] = stats["fast"], stats["slow"]
+            res.launches = (stats["fast"], stats["slow"])
             if stats["off"]:
-                extra["note"] = f"fast launch off: {stats['off']}"[:200]
-            extra["train_loss"] = round(float(out.training_loss), 5)
-            step_ms = timer.step_ms()
-            if len(step_ms) != timed:
-                raise RuntimeError(f"expected {timed} timed steps, got {len(step_ms)} (step ends: {len(timer.ends)})")
-            row.ms = statistics.median(step_ms)
-            row.peak_mib = timer.peak_timed_mib
-            extra["peak_warmup_mib"] = round(timer.peak_warmup_mib, 1)
-            extra["resident_mib"] = round(timer.resident_mib, 1)
-            extra["step_peak_mib"] = round(timer.peak_timed_mib - timer.resident_mib, 1)
-            extra["step_ms_all"] = " ".join(f"{t:.1f}" for t in step_ms)
-            extra["issue_ms_all"] = " ".join(f"{t:.1f}" for t in timer.issue_ms())
-            extra["tokens_per_s"] = round(extra["tokens_per_step"] / (row.ms / 1e3), 1)
-        except Exception as exc:  # noqa: BLE001 - a provider failing must not stop the table
-            row.error = f"{type(exc).__name__}: {str(exc)[:300]}".replace("\n", " ")
+                res.notes.append(f"fast launch off: {stats['off']}"[:200])
+            res.train_loss = float(out.training_loss)
+            res.step_ms = timer.step_ms()
+            res.issue_ms = timer.issue_ms()
+            if len(res.step_ms) != timed:
+                raise RuntimeError(f"expected {timed} timed steps, got {len(res.step_ms)} (step ends: {len(timer.ends)})")
+            res.peak_mib, res.peak_warmup_mib = timer.peak_timed_mib, timer.peak_warmup_mib
+            res.resident_mib = timer.resident_mib
+        except Exception as exc:  # noqa: BLE001 - a provider failing must not stop the matrix
+            res.error = f"{type(exc).__name__}: {str(exc)[:300]}".replace("\n", " ")
+            res.step_ms = []
             traceback.print_exc()
         finally:
-            notes = sorted({str(w.message).split(".")[0][:120] for w in caught if "liger" in str(w.message).lower()})
-            if cprofile:
-                notes.insert(0, "timed under cProfile (slower than a plain run)")
-            if memory_peak and cuda:
-                notes.insert(0, "timed under memory-history recording (slower than a plain run)")
+            res.notes += sorted({str(w.message).split(".")[0][:100] for w in caught if "liger" in str(w.message).lower()})
+            if diag.get("cprofile"):
+                res.notes.insert(0, "timed under cProfile (slower than a plain run)")
+            if out_path["memory_peak"]:
+                res.notes.insert(0, "timed under memory-history recording (slower than a plain run)")
                 with contextlib.suppress(Exception):  # never leave the recording on after an error
                     from benchmark.memory_peak import stop_recording
 
                     stop_recording()
-            if extra["note"]:
-                notes.insert(0, extra["note"])
-            extra["note"] = " | ".join(notes)[:400]
             del trainer, model, ref_model
             free_memory(cuda)
-    print(f"[{case} {provider}] {row.ms:.1f} ms/step, {extra['tokens_per_s']} tok/s, peak {row.peak_mib:.0f} MiB, "
-          f"loss {extra['train_loss']}, wall {time.perf_counter() - t_start:.1f} s"
-          + (f", ERROR {row.error}" if row.error else ""), flush=True)
-    return row
+    res.wall_s = time.perf_counter() - t_start
+    print(f"[r{rnd} {case.name} {provider}] {res.ms:.1f} ms/step, {case.tokens_per_step / res.ms * 1e3:.0f} tok/s, "
+          f"peak {res.peak_mib:.0f} MiB (step {res.peak_mib - res.resident_mib:.0f}), loss {res.train_loss:.4f}, "
+          f"wall {res.wall_s:.1f} s" + (f", ERROR {res.error}" if res.error else ""), flush=True)
+    return res
 
 
-# --------------------------------------------------------------------------- main
+# --------------------------------------------------------------------------- the matrix
 
 
-def merge_rounds(rows: list[Row]) -> list[Row]:
-    """One row per (case, provider): median step time over every round's timed steps, the
-    highest peak memory; an error in any round is kept."""
-    merged: dict = {}
-    for r in rows:
-        key = (r.case, r.provider)
-        if key not in merged:
-            merged[key] = r
-            continue
-        m = merged[key]
-        if r.error or m.error:
-            m.error = m.error or r.error
-            continue
-        m.extra["step_ms_all"] = f"{m.extra['step_ms_all']} {r.extra['step_ms_all']}".strip()
-        m.extra["issue_ms_all"] = f"{m.extra.get('issue_ms_all', '')} {r.extra.get('issue_ms_all', '')}".strip()
-        for k in ("launches_fast", "launches_slow"):
-            m.extra[k] = m.extra.get(k, 0) + r.extra.get(k, 0)
-        m.peak_mib = max(m.peak_mib, r.peak_mib)
-        m.extra["step_peak_mib"] = max(m.extra.get("step_peak_mib", float("nan")), r.extra.get("step_peak_mib", float("nan")))
-    for m in merged.values():
-        steps = [float(t) for t in str(m.extra.get("step_ms_all", "")).split()]
-        if steps and not m.error:
-            m.ms = statistics.median(steps)
-            m.extra["tokens_per_s"] = round(m.extra["tokens_per_step"] / (m.ms / 1e3), 1)
-    return list(merged.values())
+def case_row(case: Case, provider: str, runs: list, *, rounds: int, skip_reason: str) -> Row:
+    """One CSV row: the median over rounds and the extreme rounds, the highest peaks."""
+    ok = [r for r in runs if not r.error]
+    tokens = case.tokens_per_step
+    round_ms = [r.ms for r in ok]
+    ms = statistics.median(round_ms) if ok else float("nan")
+    nan = float("nan")
+
+    def tps(v):
+        return round(tokens / v * 1e3, 1) if v == v and v > 0 else nan
+
+    step_peaks = [r.peak_mib - r.resident_mib for r in ok]
+    notes = []
+    if len(runs) < rounds:
+        notes.append(f"{len(runs)} of {rounds} rounds ({skip_reason})")
+    for r in runs:
+        notes += [n for n in r.notes if n not in notes]
+    errors = [r.error for r in runs if r.error]
+    error = errors[0] if errors else ("" if runs else f"skipped: {skip_reason}")
+    extra = dict(
+        family=case.family, task=case.task, tuning="lora" if case.lora else "full",
+        weights="fp32" if case.fp32_weights else "bf16", layers=case.layers or "", batch=case.batch, seq=case.seq,
+        tokens_per_step=tokens, tokens_per_s=tps(ms), tokens_per_s_min=tps(max(round_ms)) if ok else nan,
+        tokens_per_s_max=tps(min(round_ms)) if ok else nan, ms_min=round(min(round_ms), 2) if ok else nan,
+        ms_max=round(max(round_ms), 2) if ok else nan, rounds=len(ok),
+        step_peak_mib=round(max(step_peaks), 1) if ok else nan,
+        resident_mib=round(min(r.resident_mib for r in ok), 1) if ok else nan,
+        peak_warmup_mib=round(max(r.peak_warmup_mib for r in ok), 1) if ok else nan,
+        train_loss=round(statistics.mean(r.train_loss for r in ok), 5) if ok else nan,
+        speed_vs_trl="", speed_vs_trl_liger="", step_peak_vs_trl="",
+        round_ms=" ".join(f"{v:.1f}" for v in round_ms),
+        step_ms_all=" | ".join(" ".join(f"{t:.1f}" for t in r.step_ms) for r in ok),
+        issue_ms_all=" | ".join(" ".join(f"{t:.1f}" for t in r.issue_ms) for r in ok),
+        launches_fast=sum(r.launches[0] for r in runs), launches_slow=sum(r.launches[1] for r in runs),
+        wall_s=round(sum(r.wall_s for r in runs), 1), note=" | ".join(notes)[:400],
+    )
+    return Row(bench="trainer_matrix", case=case.name, mode="step", provider=provider, ms=ms,
+               peak_mib=max((r.peak_mib for r in ok), default=nan), extra=extra, error=error or None)
 
 
 def _ratio(a, b):
@@ -448,86 +633,162 @@ def _ratio(a, b):
     return round(a / b, 3) if numbers and b > 0 else ""
 
 
-def ratio_table(rows: list[Row]) -> list[dict]:
-    out = []
-    for case in dict.fromkeys(r.case for r in rows):
-        by = {r.provider: r for r in rows if r.case == case}
-        d = {"case": case}
-        for p in PROVIDERS:
-            r = by.get(p)
-            d[f"{p} tok/s"] = "" if r is None or r.error else r.extra["tokens_per_s"]
-            d[f"{p} MiB"] = "" if r is None or r.error or r.peak_mib != r.peak_mib else round(r.peak_mib)
-        ours = by.get("ours")
-        for base in ("trl", "trl+liger"):
-            b = by.get(base)
-            ok = ours is not None and b is not None and not ours.error and not b.error
-            d[f"speed ours/{base}"] = round(ours.extra["tokens_per_s"] / b.extra["tokens_per_s"], 3) if ok else ""
-            d[f"mem ours/{base}"] = _ratio(ours.peak_mib, b.peak_mib) if ok else ""
-            d[f"step mem ours/{base}"] = _ratio(ours.extra.get("step_peak_mib"), b.extra.get("step_peak_mib")) if ok else ""
-        out.append(d)
-    return out
+def add_ratios(rows: list[Row]) -> None:
+    by = {(r.case, r.provider): r for r in rows}
+    for r in rows:
+        for base, key in (("trl", "speed_vs_trl"), ("trl+liger", "speed_vs_trl_liger")):
+            b = by.get((r.case, base))
+            if b is not None and not r.error and not b.error:
+                r.extra[key] = _ratio(r.extra["tokens_per_s"], b.extra["tokens_per_s"])
+        b = by.get((r.case, "trl"))
+        if b is not None and not r.error and not b.error:
+            r.extra["step_peak_vs_trl"] = _ratio(r.extra["step_peak_mib"], b.extra["step_peak_mib"])
+
+
+def plot_matrix(name: str, rows: list[Row]) -> None:
+    """Two panels per case: tokens/s relative to TRL (bars = median round, whiskers = extreme rounds) and
+    the step peak above the resident memory (MiB)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    cases = list(dict.fromkeys(r.case for r in rows))
+    providers = list(dict.fromkeys(r.provider for r in rows))
+    by = {(r.case, r.provider): r for r in rows}
+    fig, axes = plt.subplots(2, 1, figsize=(max(8.0, 1.3 * len(cases)), 8.5))
+    width = 0.8 / max(1, len(providers))
+    nan = float("nan")
+    for k, p in enumerate(providers):
+        xs = [c + k * width for c in range(len(cases))]
+        rel, lo, hi, mem = [], [], [], []
+        for c in cases:
+            r, base = by.get((c, p)), by.get((c, "trl"))
+            ok = r is not None and base is not None and not r.error and not base.error
+            b = base.extra["tokens_per_s"] if ok else nan
+            med = r.extra["tokens_per_s"] / b if ok else nan
+            rel.append(med)
+            lo.append(med - r.extra["tokens_per_s_min"] / b if ok else 0.0)
+            hi.append(r.extra["tokens_per_s_max"] / b - med if ok else 0.0)
+            mem.append(r.extra["step_peak_mib"] if r is not None and not r.error else nan)
+        axes[0].bar(xs, rel, width=width, label=p, yerr=[lo, hi], capsize=2)
+        axes[1].bar(xs, mem, width=width, label=p)
+    axes[0].axhline(1.0, color="gray", lw=0.8)
+    axes[0].set_ylabel("tokens/s relative to trl")
+    axes[1].set_ylabel("step peak above resident (MiB)")
+    for ax in axes:
+        ax.set_xticks([c + 0.4 - width / 2 for c in range(len(cases))])
+        ax.set_xticklabels(cases, rotation=25, ha="right", fontsize=7)
+        ax.legend(fontsize=7)
+    axes[0].set_title(f"{name}: training-step throughput (median of rounds, whiskers: extreme rounds)", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(os.path.join(results_dir(), f"{name}.png"), dpi=100)
+    plt.close(fig)
+
+
+def write_partial(name: str, rows: list[Row]) -> None:
+    """The CSV alone (no table, no plot) of the rows so far."""
+    dicts = [r.as_dict() for r in rows]
+    keys = list(dict.fromkeys(k for d in dicts for k in d))
+    with open(os.path.join(results_dir(), f"{name}.csv"), "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=keys)
+        w.writeheader()
+        w.writerows(dicts)
+
+
+def pick_cases(patterns: Optional[list], full: bool) -> list[Case]:
+    pool = list(DEFAULT_CASES + FULL_EXTRA_CASES) if (full or patterns) else list(DEFAULT_CASES)
+    if not patterns:
+        return pool
+    chosen = [c for c in pool if any(fnmatch.fnmatchcase(c.name, p) for p in patterns)]
+    if not chosen:
+        raise ValueError(f"--cases {patterns} matches none of: {', '.join(ALL_CASES)}")
+    return chosen
+
+
+def run_matrix(cases: list[Case], providers: list[str], *, rounds: int, warmup: int, timed: int, tiny: bool,
+               budget_s: float, diag: dict, name: str) -> list[Row]:
+    """Every round runs every case and provider; after each run the CSV holds the runs so far (a command
+    killed from outside still leaves its results; the final write adds the PNG)."""
+    bank = WeightBank(tiny=tiny)
+    runs = {(c.name, p): [] for c in cases for p in providers}
+    skipped: dict = {}
+    grpo_missing = grpo_available()
+    t0 = time.perf_counter()
+    for rnd in range(rounds):
+        for case in cases:
+            if case.task == "grpo" and grpo_missing:
+                for p in providers:
+                    skipped[(case.name, p)] = f"GRPOTrainer not importable ({grpo_missing})"
+                continue
+            for p in providers:
+                done = runs[(case.name, p)]
+                elapsed = time.perf_counter() - t0
+                # this run's cost: its own last wall time, else the longest of the case's other providers'
+                others = [r.wall_s for q in providers for r in runs[(case.name, q)][-1:]]
+                expected = done[-1].wall_s if done else max(others, default=0.0)
+                if elapsed + expected > budget_s:
+                    skipped[(case.name, p)] = f"time budget {budget_s:.0f} s: {elapsed:.0f} s used"
+                    continue
+                done.append(run_one(case, p, bank, rnd=rnd, warmup=warmup, timed=timed, tiny=tiny, diag=diag))
+                partial = [case_row(c, q, runs[(c.name, q)], rounds=rounds,
+                                    skip_reason=skipped.get((c.name, q), "not run yet")) for c in cases for q in providers]
+                add_ratios(partial)
+                write_partial(name, partial)
+    print(f"bench_trainer: {sum(map(len, runs.values()))} runs in {time.perf_counter() - t0:.0f} s", flush=True)
+    rows = [case_row(c, p, runs[(c.name, p)], rounds=rounds, skip_reason=skipped.get((c.name, p), ""))
+            for c in cases for p in providers]
+    add_ratios(rows)
+    return rows
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--quick", action="store_true", help="seq 2048 only, 3 timed steps")
-    ap.add_argument("--tiny", action="store_true", help="CPU smoke run: tiny Llama, seq 64, 1 warm-up + 1 timed step")
-    ap.add_argument("--seqs", type=int, nargs="+", default=None, help="sequence lengths (default 2048 8192)")
-    ap.add_argument("--tasks", nargs="+", choices=TASKS, default=list(TASKS))
-    ap.add_argument("--providers", nargs="+", choices=PROVIDERS + EXTRA_PROVIDERS, default=list(PROVIDERS))
-    ap.add_argument("--warmup", type=int, default=None, help="warm-up steps (default 2; --tiny 1)")
-    ap.add_argument("--steps", type=int, default=None, help="timed steps (default 5; --quick 3; --tiny 1)")
-    ap.add_argument("--budget-s", type=float, default=270.0,
-                    help="start no new configuration after this many seconds (its row says so); default 270 so "
-                         "the CSV is written inside gpu.sh's 300 s limit")
-    ap.add_argument("--rounds", type=int, default=1,
-                    help="run every provider this many times, alternating (the host's speed drifts between "
-                         "runs); a row's ms is the median over all rounds' timed steps")
-    ap.add_argument("--profile", action="store_true",
-                    help="torch.profiler summary of two timed steps per configuration (profile_<case>_<provider>.txt)")
-    ap.add_argument("--batch", type=int, default=1,
-                    help="per_device_train_batch_size (default 1; 8 is the TrainingArguments default); cases "
-                         "with batch > 1 are named <task>_seq<S>_b<batch>")
-    ap.add_argument("--ours-mlp-chunk-elems", type=int, default=None,
-                    help="gated_down.CHUNK_ELEMS and FORWARD_CHUNK_ELEMS for ours (the fused MLP tail's buffers)")
+    ap.add_argument("--tiny", action="store_true", help="CPU smoke run: tiny models of each family, seq 64, 2 rounds")
+    ap.add_argument("--full", action="store_true", help="every case (15), 2 warm-up + 5 timed steps")
+    ap.add_argument("--cases", nargs="+", default=None, help="case names or globs (from the full list)")
+    ap.add_argument("--list", action="store_true", help="print the cases and exit")
+    ap.add_argument("--providers", nargs="+", choices=PROVIDERS, default=list(PROVIDERS))
+    ap.add_argument("--rounds", type=int, default=None, help="rounds (default 3; --tiny 2)")
+    ap.add_argument("--warmup", type=int, default=None, help="warm-up steps per run (default 1; --full 2)")
+    ap.add_argument("--steps", type=int, default=None, help="timed steps per run (default 3; --full 5; --tiny 1)")
+    ap.add_argument("--budget-s", type=float, default=None,
+                    help="start no run that would end past this many seconds (by its last wall time); default 450 "
+                         "(--quick 240)")
+    ap.add_argument("--quick", action="store_true",
+                    help="2 rounds and a 240 s budget (fits gpu.sh's default 300 s limit)")
+    ap.add_argument("--name", default=None, help="results name (default trainer_matrix; --tiny trainer_matrix_tiny)")
     ap.add_argument("--ours-chunk-tokens", type=int, default=None,
-                    help="liger_chunk_tokens for our trainers (default: the engine's tile budget)")
-    ap.add_argument("--cprofile", action="store_true",
-                    help="cProfile of the timed steps per configuration (cprofile_<case>_<provider>.txt)")
+                    help="liger_chunk_tokens of our trainers (default: the engine's tile budget)")
+    ap.add_argument("--profile", action="store_true", help="torch.profiler summary of two timed steps per run")
+    ap.add_argument("--cprofile", action="store_true", help="cProfile of the timed steps per run")
     ap.add_argument("--memory-peak", action="store_true",
-                    help="record the CUDA allocator history over the timed steps and write where their peak "
-                         "allocated memory is, by source line (memory_peak_<case>_<provider>.txt); slows the steps")
+                    help="allocator history over the timed steps: where their peak is, by source line (slower)")
     a = ap.parse_args(argv)
-    global OURS_CHUNK_TOKENS
-    OURS_CHUNK_TOKENS = a.ours_chunk_tokens
-    if a.ours_mlp_chunk_elems:
-        import liger_losses.kernels.gated_down as gated_down
-
-        gated_down.CHUNK_ELEMS = gated_down.FORWARD_CHUNK_ELEMS = a.ours_mlp_chunk_elems
-
+    cases = pick_cases(a.cases, a.full)
+    if a.list:
+        for c in cases:
+            print(f"{c.name:34s} {c.family:13s} {c.task:5s} {'lora' if c.lora else 'full'} "
+                  f"{'fp32' if c.fp32_weights else 'bf16'} weights, {c.tokens_per_step} tokens/step")
+        return 0
+    rounds = a.rounds if a.rounds is not None else (2 if a.tiny or a.quick else 3)
+    budget_s = a.budget_s if a.budget_s is not None else (240.0 if a.quick else 450.0)
+    warmup = a.warmup if a.warmup is not None else (2 if a.full else 1)
+    timed = a.steps if a.steps is not None else (1 if a.tiny else (5 if a.full else 3))
+    if rounds < 1 or warmup < 1 or timed < 1:
+        raise ValueError(f"--rounds, --warmup and --steps must be >= 1, got {rounds}, {warmup}, {timed}")
     if a.tiny:
-        seqs, warmup, timed = [64], 1, 1
+        cases = [c.tiny() for c in cases]
         if not (os.environ.get("BENCH_OUT") or os.environ.get("OUT")):  # keep smoke results out of the repo
             os.environ["BENCH_OUT"] = tempfile.mkdtemp(prefix="bench_trainer_tiny_")
-    else:
-        if not torch.cuda.is_available():
-            print("bench_trainer: no CUDA device (use --tiny for a CPU smoke run)")
-            return 0
-        seqs, warmup, timed = ([2048] if a.quick else [2048, 8192]), 2, (3 if a.quick else 5)
-    seqs = a.seqs or seqs
-    warmup = a.warmup if a.warmup is not None else warmup
-    timed = a.steps if a.steps is not None else timed
-    if warmup < 1 or timed < 1:
-        raise ValueError(f"--warmup and --steps must be >= 1, got {warmup} and {timed}")
-    if a.memory_peak and (a.tiny or not torch.cuda.is_available()):
-        print("bench_trainer: --memory-peak needs CUDA (allocator history); ignored on this CPU run", flush=True)
-
+    elif not torch.cuda.is_available():
+        print("bench_trainer: no CUDA device (use --tiny for a CPU smoke run)")
+        return 0
     import datasets
     import transformers
     import trl
 
     datasets.disable_progress_bars()
-
     versions = f"torch {torch.__version__}, transformers {transformers.__version__}, trl {trl.__version__}"
     try:
         import importlib.metadata as md
@@ -535,41 +796,26 @@ def main(argv=None) -> int:
         versions += f", liger-kernel {md.version('liger-kernel')}"
     except Exception:  # noqa: BLE001
         versions += ", liger-kernel not installed"
-    print(f"bench_trainer: {versions}; seqs {seqs}, {warmup} warm-up + {timed} timed steps", flush=True)
-
-    t0 = time.perf_counter()
-    rows = []
-    for seq in seqs:  # short sequences first: they matter most if the budget runs out
-        for task, _round, provider in itertools.product(a.tasks, range(a.rounds), a.providers):
-            elapsed = time.perf_counter() - t0
-            if elapsed > a.budget_s:
-                rows.append(Row(bench="trainer", case=f"{task}_seq{seq}" + (f"_b{a.batch}" if a.batch > 1 else ""),
-                                mode="step", provider=provider,
-                                ms=float("nan"), peak_mib=float("nan"),
-                                extra=dict(seq=seq, tokens_per_s=float("nan"), tokens_per_step=float("nan"),
-                                           train_loss=float("nan"), note=""),
-                                error=f"skipped: time budget {a.budget_s:.0f} s used ({elapsed:.0f} s)"))
-                continue
-            rows.append(run_one(task, provider, seq=seq, warmup=warmup, timed=timed, tiny=a.tiny,
-                                profile=a.profile, cprofile=a.cprofile, batch=a.batch,
-                                memory_peak=a.memory_peak))
-    print(f"bench_trainer: all configurations in {time.perf_counter() - t0:.0f} s", flush=True)
-    rows = merge_rounds(rows)
-
-    name = "trainer_tiny" if a.tiny else ("trainer" if a.batch == 1 else f"trainer_b{a.batch}")
-    write_results(name, rows)
+    print(f"bench_trainer: {versions}; {len(cases)} cases x {len(a.providers)} providers x {rounds} rounds, "
+          f"{warmup} warm-up + {timed} timed steps, budget {budget_s:.0f} s", flush=True)
+    diag = dict(profile=a.profile, cprofile=a.cprofile, memory_peak=a.memory_peak, chunk_tokens=a.ours_chunk_tokens)
+    name = a.name or ("trainer_matrix_tiny" if a.tiny else "trainer_matrix")
+    rows = run_matrix(cases, a.providers, rounds=rounds, warmup=warmup, timed=timed, tiny=a.tiny,
+                      budget_s=budget_s, diag=diag, name=name)
+    path = write_results(name, rows)
+    try:
+        plot_matrix(name, rows)
+    except Exception as exc:  # noqa: BLE001 - the plot is a convenience; the CSV is written
+        print(f"(matrix plot skipped: {exc})")
     print()
-    print_table([{"case": r.case, "provider": r.provider, "ms": round(r.ms, 1), "tokens_per_step": r.extra["tokens_per_step"],
-                  "tokens_per_s": r.extra["tokens_per_s"], "peak_mib": round(r.peak_mib, 1),
-                  "resident_mib": r.extra.get("resident_mib"), "step_peak_mib": r.extra.get("step_peak_mib"),
-                  "train_loss": r.extra["train_loss"], "launches fast/slow": f"{r.extra['launches_fast']}/{r.extra['launches_slow']}",
-                  "note": r.extra["note"][:60]} for r in rows],
-                keys=["case", "provider", "ms", "tokens_per_step", "tokens_per_s", "peak_mib", "resident_mib",
-                      "step_peak_mib", "train_loss",
-                      "launches fast/slow", "note"])
-    print()
-    ratios = ratio_table(rows)
-    print_table(ratios, keys=list(ratios[0]) if ratios else [])
+    keys = ["case", "provider", "tokens_per_s", "tokens_per_s_min", "tokens_per_s_max", "rounds", "peak_mib",
+            "step_peak_mib", "speed_vs_trl", "speed_vs_trl_liger", "step_peak_vs_trl", "train_loss", "wall_s", "error"]
+    print_table([{**r.extra, "case": r.case, "provider": r.provider, "peak_mib": round(r.peak_mib, 1),
+                  "error": (r.error or "")[:60]} for r in rows], keys=keys)
+    ours = [r.extra["speed_vs_trl"] for r in rows if r.provider == "ours" and r.extra["speed_vs_trl"] != ""]
+    if ours:
+        print(f"\nours / trl tokens/s: median {statistics.median(ours):.3f}, min {min(ours):.3f} over {len(ours)} cases")
+    print(f"results: {path}")
     return 0
 
 
