@@ -34,18 +34,15 @@ def ours(inplace=False):
 
 
 def ours_pass2_forward():
-    """Ours with the tile's gradient pass walking each row front to back (``PASS2_REVERSED=False``,
-    the other order), to tell whether the reversed pass costs the stand-alone kernel."""
-    from liger_losses.kernels import logits_tile
+    """Ours with the tile's gradient pass walking each row front to back
+    (``logits_tile`` knob ``pass2_reversed=False``, the other order), to tell whether the reversed
+    pass costs the stand-alone kernel."""
     from liger_losses.kernels.cross_entropy import cross_entropy
+    from liger_losses.kernels.logits_tile import LOGITS_TILE_TUNING
 
     def loss(x, y):
-        saved = logits_tile.PASS2_REVERSED
-        logits_tile.PASS2_REVERSED = False
-        try:
+        with LOGITS_TILE_TUNING.override(pass2_reversed=False):
             return cross_entropy(x, y)
-        finally:
-            logits_tile.PASS2_REVERSED = saved
 
     return loss
 
@@ -77,38 +74,39 @@ PROVIDERS = {
 
 
 def sweep() -> None:
-    """Ours at a few (BLOCK_CAP, NUM_WARPS, loop stages, reversed pass 2) settings of
-    kernels.logits_tile, 8192 x 128256, full step (GPU-bound since cross_entropy stopped
+    """Ours at a few (block_cap, num_warps, loop stages, pass2_reversed) settings of the
+    ``logits_tile`` tuning slot, 8192 x 128256, full step (GPU-bound since cross_entropy stopped
     synchronising the host), alternating the settings over 3 rounds; liger-kernel as the reference."""
     from benchmark.common import print_table
-    from liger_losses.kernels import logits_tile as lt
+    from liger_losses.kernels.logits_tile import LOGITS_TILE_TUNING
 
     N, V = 8192, 128256
     base = torch.randn(N, V, device="cuda", dtype=torch.bfloat16) * 2
     y = torch.randint(0, V, (N,), device="cuda")
     y[::10] = -100
     fn_loss = ours()
-    defaults = lt.BLOCK_CAP, lt.NUM_WARPS, lt.PASS1_STAGES, lt.PASS2_STAGES, lt.PASS2_REVERSED
-    settings = [defaults[:3] + (defaults[4],), (2048, 4, 3, False), (1024, 4, 3, True), (4096, 8, 3, True),
+    d = LOGITS_TILE_TUNING.current
+    settings = [(d.block_cap, d.num_warps, d.pass1_stages, d.pass2_reversed), (2048, 4, 3, False), (1024, 4, 3, True), (4096, 8, 3, True),
                 (4096, 8, 2, True), (2048, 8, 3, True), (2048, 4, 4, True), (8192, 16, None, True),
                 (32768, 32, None, True), (16384, 16, None, False)]
     times: dict = {s: [] for s in settings}
     errors: dict = {}
     for _ in range(3):
         for st in settings:
-            lt.BLOCK_CAP, lt.NUM_WARPS, stages, lt.PASS2_REVERSED = st
-            lt.PASS1_STAGES = lt.PASS2_STAGES = stages
+            block, warps, stages, rev = st
+            knobs = dict(block_cap=block, num_warps=warps, pass1_stages=stages, pass2_stages=stages,
+                         pass2_reversed=rev)
 
             def step():
                 leaf = base.detach().requires_grad_()
                 loss = fn_loss(leaf, y)
                 return torch.autograd.grad(loss, (leaf,))
 
-            m = measure(step, warmup=5, rep=30)
+            with LOGITS_TILE_TUNING.override(**knobs):
+                m = measure(step, warmup=5, rep=30)
             times[st].append(m.ms)
             if m.error:
                 errors[st] = m.error[:60]
-    lt.BLOCK_CAP, lt.NUM_WARPS, lt.PASS1_STAGES, lt.PASS2_STAGES, lt.PASS2_REVERSED = defaults
     floor = hbm_floor_ms(2 * N * V * 2)
     results = []
     for st in settings:

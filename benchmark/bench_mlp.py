@@ -114,6 +114,7 @@ def sweep(ops, rep, tokens=16384):
     import importlib
 
     from benchmark.common import print_table
+    from liger_losses.kernels.tuning import tuning
 
     inter = SHAPES["llama3-8b"]
     nbytes = tokens * inter * 2
@@ -123,22 +124,21 @@ def sweep(ops, rep, tokens=16384):
     b = randn(tokens, inter, device=DEVICE, dtype=torch.bfloat16, requires_grad=True).clone()
     grad = randn(tokens, inter, device=DEVICE, dtype=torch.bfloat16)
     for op in ops:
-        mod = importlib.import_module(f"liger_losses.kernels.{op}")
-        defaults = (mod.BLOCK_SIZE, mod.NUM_WARPS)
+        importlib.import_module(f"liger_losses.kernels.{op}")  # registers the op's tuning slot
         fn = providers(op)["ours"]
         for block in (1024, 2048, 4096, 8192):
             for warps in (4, 8, 16):
-                mod.BLOCK_SIZE, mod.NUM_WARPS = block, warps
-                kept = fn(a, b)
-                for mode, run, floor in (
-                    ("forward", lambda: fn(a.detach(), b.detach()), 3 * nbytes),
-                    ("backward", lambda: torch.autograd.grad(kept, (a, b), grad, retain_graph=True), 5 * nbytes),
-                ):
-                    m = measure(run, rep=rep)
-                    out.append(dict(op=op, block=block, warps=warps, mode=mode, ms=round(m.ms, 4),
-                                    over_floor=round(m.ms / hbm_floor_ms(floor), 3), error=m.error or ""))
-                del kept
-        mod.BLOCK_SIZE, mod.NUM_WARPS = defaults
+                with tuning(**{op: {"block_size": block, "num_warps": warps}}):
+                    kept = fn(a, b)
+                    for mode, run, floor in (
+                        ("forward", lambda: fn(a.detach(), b.detach()), 3 * nbytes),
+                        ("backward", lambda: torch.autograd.grad(kept, (a, b), grad, retain_graph=True),
+                         5 * nbytes),
+                    ):
+                        m = measure(run, rep=rep)
+                        out.append(dict(op=op, block=block, warps=warps, mode=mode, ms=round(m.ms, 4),
+                                        over_floor=round(m.ms / hbm_floor_ms(floor), 3), error=m.error or ""))
+                    del kept
     print_table(out, keys=list(out[0]))
 
 
@@ -147,7 +147,7 @@ def main():
     parser.add_argument("--quick", action="store_true", help="one 8B size + the small model, fewer reps")
     parser.add_argument("--ops", default="swiglu,geglu")
     parser.add_argument("--sweep", action="store_true",
-                        help="time our kernels at several BLOCK_SIZE x NUM_WARPS settings (8B shape, 16384 tokens)")
+                        help="time our kernels at several block_size x num_warps settings (8B shape, 16384 tokens)")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("bench_mlp needs a CUDA GPU")

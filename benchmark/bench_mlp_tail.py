@@ -14,7 +14,7 @@ Providers (``act`` = silu by default; ``--act gelu_tanh`` / ``gelu`` for GeGLU):
                 path; ``geglu(..., approximate=...)`` for the GELUs): ``act(gate) * up`` [N, I] is
                 stored whole for down_proj's backward
     fused-2^k   ``gated_down_proj(gate, up, Wd, activation=act, inplace_backward=True)`` with
-                ``gated_down.CHUNK_ELEMS = 2^k`` (k = 24, 25, 26; ``--chunk-elems`` overrides):
+                ``gated_down={"chunk_elems": 2^k, "forward_chunk_elems": 2^k}`` (k = 24, 25, 26; ``--chunk-elems`` overrides):
                 forward in token chunks, backward in intermediate-column blocks, never the whole
                 product
     liger       liger-kernel 0.8.5 ``LigerSiLUMulFunction`` / ``LigerGELUMulFunction`` (tanh only)
@@ -77,7 +77,7 @@ SHAPES = {  # name: (N tokens, H hidden, I intermediate)
 }
 QUICK_SHAPES = ("llama1b-16k", "llama1b-32k")
 # Tiny: gated_down aligns chunks to 64 rows and blocks to 256 columns, so N=192, I=600 gives 3 token
-# chunks and 3 column blocks at CHUNK_ELEMS=2^10, 1 chunk and 2 blocks at 2^17.
+# chunks and 3 column blocks at chunk_elems=2^10, 1 chunk and 2 blocks at 2^17.
 TINY_SHAPE = ("tiny", (192, 32, 600))
 CHUNK_ELEMS = (2**24, 2**25, 2**26)
 TINY_CHUNK_ELEMS = (2**10, 2**17)
@@ -126,7 +126,8 @@ def torch_act(act):
 
 
 def providers(act: str, chunk_elems: tuple) -> dict:
-    """name -> ``tail(gate, up, weight) -> out``; the fused providers set ``CHUNK_ELEMS`` at each call."""
+    """name -> ``tail(gate, up, weight) -> out``; a fused provider's ``gated_down`` knobs are in its
+    ``gated_down_knobs`` attribute, which :func:`make_step` applies around the forward and backward."""
     import liger_losses.kernels.gated_down as gd
 
     if act == "silu":
@@ -142,26 +143,18 @@ def providers(act: str, chunk_elems: tuple) -> dict:
         def unfused(g, u, w):
             return F.linear(geglu(g, u, approximate=approximate, inplace_backward=True, impl="triton"), w)
 
-    def fused(v):
+    def fused(chunk, forward_chunk):
         def tail(g, u, w):
-            gd.CHUNK_ELEMS = gd.FORWARD_CHUNK_ELEMS = v
             return gd.gated_down_proj(g, u, w, activation=act, inplace_backward=True, impl="triton")
 
+        tail.gated_down_knobs = {"chunk_elems": chunk, "forward_chunk_elems": forward_chunk}
         return tail
 
     provs = {"unfused": unfused}
     for v in chunk_elems:
-        provs[f"fused-{chunk_label(v)}"] = fused(v)
-
-    def fused_whole_forward(g, u, w):  # backward blocks at the default, forward in one chunk
-        fwd = gd.FORWARD_CHUNK_ELEMS
-        gd.CHUNK_ELEMS, gd.FORWARD_CHUNK_ELEMS = 1 << 25, 1 << 62
-        try:
-            return gd.gated_down_proj(g, u, w, activation=act, inplace_backward=True, impl="triton")
-        finally:
-            gd.FORWARD_CHUNK_ELEMS = fwd
-
-    provs["fused-fwd-whole"] = fused_whole_forward
+        provs[f"fused-{chunk_label(v)}"] = fused(v, v)
+    # backward blocks at the default, forward in one chunk
+    provs["fused-fwd-whole"] = fused(gd.GatedDownTuning().chunk_elems, 1 << 62)
     lig = _liger(act)
     if lig is not None:
         provs["liger"] = lambda g, u, w: F.linear(lig(g, u), w)
@@ -197,7 +190,22 @@ def make_step(tail, x, wg, wu, wd, d_out, mode="full"):
     ``(out, (d_x, d_Wg, d_Wu, d_Wd))`` so that the measured peak includes the output and the
     gradients; ``forward``: the forward with autograd recording (what a training step's forward
     costs); ``nograd``: the forward under ``torch.no_grad`` (gradient checkpointing's first pass);
-    ``ckpt``: ``nograd`` then ``full`` (one checkpointed layer's MLP in a training step)."""
+    ``ckpt``: ``nograd`` then ``full`` (one checkpointed layer's MLP in a training step).
+    The tail's ``gated_down_knobs`` (if any) hold for the whole call: the backward reads them too."""
+    step = _make_step(tail, x, wg, wu, wd, d_out, mode)
+    knobs = getattr(tail, "gated_down_knobs", None)
+    if not knobs:
+        return step
+    from liger_losses.kernels.gated_down import GATED_DOWN_TUNING
+
+    def tuned():
+        with GATED_DOWN_TUNING.override(**knobs):
+            return step()
+
+    return tuned
+
+
+def _make_step(tail, x, wg, wu, wd, d_out, mode):
 
     def mlp():
         return tail(F.linear(x, wg), F.linear(x, wu), wd)
@@ -326,7 +334,7 @@ def main():
     ap.add_argument("--quick", action="store_true", help=f"only {', '.join(QUICK_SHAPES)}; fewer repetitions")
     ap.add_argument("--act", default="silu", choices=ACTS, help="activation of the gate (default silu)")
     ap.add_argument("--chunk-elems", default=None,
-                    help="comma-separated CHUNK_ELEMS values for the fused providers, e.g. 2^24,2^25,2^26")
+                    help="comma-separated chunk_elems values for the fused providers, e.g. 2^24,2^25,2^26")
     ap.add_argument("--shapes", default=None, help=f"comma-separated subset of {', '.join(SHAPES)}")
     ap.add_argument("--providers", default=None,
                     help="comma-separated subset of unfused, fused-2^k, liger, torch")
@@ -359,29 +367,23 @@ def main():
         shapes = [(n, SHAPES[n]) for n in names]
     rep = 200 if args.quick else 400  # ms of timed runs for do_bench: >= 10 runs of the 8B steps
 
-    import liger_losses.kernels.gated_down as gd
-
-    default_chunk, default_forward = gd.CHUNK_ELEMS, gd.FORWARD_CHUNK_ELEMS
     rows: list[Row] = []
-    try:
-        for shape_name, shape in shapes:
-            bench_case(rows, shape_name, shape, provs, args.act, rep=rep, tiny=tiny, modes=args.modes.split(","))
-        add_ratios(rows)
-        if tiny:
-            print_table([r.as_dict() for r in rows], keys=SUMMARY_KEYS)
-        else:
-            write_results(BENCH, rows)
-            print("\nratios (time and peak) vs unfused and vs liger:")
-            print_table([r.as_dict() for r in rows], keys=SUMMARY_KEYS)
+    for shape_name, shape in shapes:
+        bench_case(rows, shape_name, shape, provs, args.act, rep=rep, tiny=tiny, modes=args.modes.split(","))
+    add_ratios(rows)
+    if tiny:
+        print_table([r.as_dict() for r in rows], keys=SUMMARY_KEYS)
+    else:
+        write_results(BENCH, rows)
+        print("\nratios (time and peak) vs unfused and vs liger:")
+        print_table([r.as_dict() for r in rows], keys=SUMMARY_KEYS)
 
-        if not args.no_accuracy:
-            acc = accuracy_rows(*shapes[0], provs, args.act, tiny=tiny)
-            print("\naccuracy vs float64 (||y - ref|| / ||ref||):")
-            if not tiny:
-                write_results(BENCH + "_accuracy", acc)
-            print_table([r.as_dict() for r in acc], keys=ACCURACY_KEYS)
-    finally:
-        gd.CHUNK_ELEMS, gd.FORWARD_CHUNK_ELEMS = default_chunk, default_forward
+    if not args.no_accuracy:
+        acc = accuracy_rows(*shapes[0], provs, args.act, tiny=tiny)
+        print("\naccuracy vs float64 (||y - ref|| / ||ref||):")
+        if not tiny:
+            write_results(BENCH + "_accuracy", acc)
+        print_table([r.as_dict() for r in acc], keys=ACCURACY_KEYS)
 
 
 if __name__ == "__main__":

@@ -35,8 +35,8 @@ import torch
 
 from benchmark.common import MIB, Row, hbm_floor_ms, measure, print_table, randn, write_results
 from liger_losses.kernels import layer_norm as ln_mod
-from liger_losses.kernels import norm_common
 from liger_losses.kernels import rms_norm as rms_mod
+from liger_losses.kernels.tuning import tuning
 
 DTYPE = torch.bfloat16
 DEVICE = "cuda"
@@ -191,14 +191,10 @@ def bench(kind: str, cases, rep: int) -> list[Row]:
 
 def sweep(rep: int) -> None:
     """Time our forward + backward at a few knob settings: backward programs per SM x backward tile
-    size x the partial-sum reduction's tile (``norm_common.SUM_BLOCK_COLS``; 256 columns x 32 rows
-    was the setting before 64-column tiles over all rows measured 3 us faster at 4096 tokens)."""
+    size x the partial-sum reduction's tile (slot ``norm_sum``, knob ``block_cols``; 256 columns x
+    32 rows was the setting before 64-column tiles over all rows measured 3 us faster at 4096 tokens)."""
     results = []
-    knobs = ("BWD_PROGRAMS_PER_SM", "BWD_TILE_ELEMS", "BWD_SMALL_H_TILE_ELEMS", "BWD_PREFETCH", "BWD_SMALL_H",
-             "BWD_MIN_ROWS_PER_PROGRAM")
-    sum_defaults = norm_common.SUM_BLOCK_COLS, norm_common.SUM_TILE_ELEMS
-    for kind, mod in (("rms", rms_mod), ("layer", ln_mod)):
-        defaults = {k: getattr(mod, k) for k in knobs}
+    for kind, slot in (("rms", "rms_norm"), ("layer", "layer_norm")):
         for N, H in SWEEP_CASES:
             x = randn(N, H, device=DEVICE, dtype=DTYPE).requires_grad_()
             dy = randn(N, H, device=DEVICE, dtype=DTYPE)
@@ -206,19 +202,16 @@ def sweep(rep: int) -> None:
             fns = mode_fns(module, x, dy)
             fl = floors(N, H)
             for pps, tile, sum_cfg in itertools.product((1, 2), (8192, 16384), ((256, 8192), (32, 8192), (64, 8192))):
-                mod.BWD_PROGRAMS_PER_SM, mod.BWD_TILE_ELEMS = pps, tile
-                mod.BWD_MIN_ROWS_PER_PROGRAM = 4
-                norm_common.SUM_BLOCK_COLS, norm_common.SUM_TILE_ELEMS = sum_cfg
-                if sum_cfg[0] == 256:
-                    norm_common.SUM_TILE_ELEMS = 256 * 32  # the former 32-row tiles
-                m = measure(fns["full"], rep=rep)
+                block_cols, tile_elems = sum_cfg
+                if block_cols == 256:
+                    tile_elems = 256 * 32  # the former 32-row tiles
+                norm = {"bwd_programs_per_sm": pps, "bwd_tile_elems": tile, "bwd_min_rows_per_program": 4}
+                with tuning(**{slot: norm}, norm_sum={"block_cols": block_cols, "tile_elems": tile_elems}):
+                    m = measure(fns["full"], rep=rep)
                 results.append(dict(kind=kind, N=N, H=H, mode="full", programs_per_sm=pps, tile=tile,
                                     sum_cols=sum_cfg[0], ms=round(m.ms, 4),
                                     over_floor=round(m.ms / fl["full"][0], 3),
                                     peak_mib=round(m.peak_mib, 1), error=(m.error or "")[:60]))
-            for k, v in defaults.items():
-                setattr(mod, k, v)
-            norm_common.SUM_BLOCK_COLS, norm_common.SUM_TILE_ELEMS = sum_defaults
     print_table(results, keys=list(results[0]))
 
 

@@ -154,31 +154,26 @@ def bench_case(shape_name, tokens, modes, rows, rep, only=None):
 
 def sweep(rep: int) -> None:
     """Our forward + backward (out of place, and in place with the gradients rotated in their
-    buffers) over the kernel's knobs (``LOADS_FIRST``, ``NUM_WARPS``, and ``TILE_ELEMENTS`` of the
-    tiled order), net of the projection clone, beside liger-kernel's, at
+    buffers) over the kernel's knobs (slot ``rope``: ``loads_first``, ``num_warps``, and
+    ``tile_elements`` of the tiled order), net of the projection clone, beside liger-kernel's, at
     the 8B and the Qwen2-0.5B shapes."""
-    from liger_losses.kernels import rope as rope_mod
+    from liger_losses.kernels.rope import ROPE_TUNING
 
-    knobs = ("TILE_ELEMENTS", "NUM_WARPS", "LOADS_FIRST")
-    defaults = {k: getattr(rope_mod, k) for k in knobs}
-    settings = [dict(LOADS_FIRST=False, TILE_ELEMENTS=1024, NUM_WARPS=4)]
-    settings += [dict(LOADS_FIRST=True, NUM_WARPS=warps) for warps in (1, 2, 4, 8)]
+    settings = [dict(loads_first=False, tile_elements=1024, num_warps=4)]
+    settings += [dict(loads_first=True, num_warps=warps) for warps in (1, 2, 4, 8)]
     results = []
     cases = [("llama3-8b", 8192), ("llama3-8b", 8192), ("llama3-8b", 32768), ("qwen2-0.5b", 8192)]
     for shape, tokens in cases:  # the first case warms up the graph captures
         for setting in settings:
-            for k, v in {**defaults, **setting}.items():
-                setattr(rope_mod, k, v)
             for prov in ("ours", "ours-inplace-bwd"):
                 rows: list[Row] = []
-                bench_case(shape, tokens, ("full",), rows, rep, only=prov)
+                with ROPE_TUNING.override(**setting):
+                    bench_case(shape, tokens, ("full",), rows, rep, only=prov)
                 r = rows[-1]
                 results.append(dict(shape=shape, tokens=tokens, provider=prov,
-                                    setting=" ".join(f"{k.lower()}={int(v)}" for k, v in setting.items()),
+                                    setting=" ".join(f"{k}={int(v)}" for k, v in setting.items()),
                                     net_ms=r.extra["net_ms"], net_over_floor=r.extra["net_over_floor"],
                                     error=(r.error or "")[:60]))
-        for k, v in defaults.items():
-            setattr(rope_mod, k, v)
         for prov in ("ours", "ours-inplace-bwd", "liger"):
             rows = []
             bench_case(shape, tokens, ("full",), rows, rep, only=prov)
@@ -187,8 +182,6 @@ def sweep(rep: int) -> None:
                 results.append(dict(shape=shape, tokens=tokens, provider=prov, setting="defaults",
                                     net_ms=r.extra["net_ms"], net_over_floor=r.extra["net_over_floor"],
                                     error=(r.error or "")[:60]))
-    for k, v in defaults.items():
-        setattr(rope_mod, k, v)
     print_table(results, keys=list(results[0]))
 
 

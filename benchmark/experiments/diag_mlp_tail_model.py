@@ -16,17 +16,18 @@ power cap allows on random operands) against 1557-1631 us fused -- operands of d
 at different speeds at the cap (``diag_gemm_power``), or the profiler groups two different GEMMs there.
 
 Status: open. Next: time that GEMM alone on the step's real inputs; Nsight per-kernel clocks. The
-tail stays off by default (``gated_down.FUSE_DOWN_PROJ = False``).
+tail stays off by default (``mlp={"fuse_down_proj": False}``, kernels/mlp.py).
 
 A Llama-3.2-1B-shaped model (benchmark/trainer_data.py, bf16, random init), patched with
 ``apply_liger_kernels``, gradient checkpointing (non-reentrant) and bf16 autocast as TRL runs it,
 a batch of ``--batch`` x ``--seq`` random tokens as labels: forward (chunked cross-entropy in the
 patched forward), backward, gradients set to None -- no optimizer, no trainer. Variants:
 
-    unfused      gated_down.FUSE_DOWN_PROJ = False (the default)
-    fused-whole  FUSE_DOWN_PROJ = True, CHUNK_ELEMS = FORWARD_CHUNK_ELEMS = 2^62 (one block: the
-                 unfused MLP's GEMMs exactly, the product not saved)
-    fused-2^25   FUSE_DOWN_PROJ = True at the default buffers (token chunks / column blocks)
+    unfused      mlp knob fuse_down_proj=False (the default)
+    fused-whole  fuse_down_proj=True, gated_down knobs chunk_elems = forward_chunk_elems = 2^62 (one
+                 block: the unfused MLP's GEMMs exactly, the product not saved)
+    fused-2^25   fuse_down_proj=True with both gated_down buffers at 2^25 elements (token chunks /
+                 column blocks)
 
 Per variant: median ms per step over ``--steps`` (CUDA-synchronised wall time) and the peak
 allocated above the model. With ``--profile``: per variant one profiled step, GEMMs grouped by
@@ -48,6 +49,17 @@ import torch
 VARIANTS = {"unfused": (False, None), "fused-whole": (True, 1 << 62), "fused-2^25": (True, 1 << 25)}
 
 
+def variant_tuning(fuse: bool, chunk):
+    """The knobs of one variant for a ``with`` block: the MLP's fused-tail switch and, unless
+    ``chunk`` is None (the defaults), both of ``gated_down``'s buffer sizes."""
+    import liger_losses.kernels.gated_down  # noqa: F401 - registers the gated_down slot
+    import liger_losses.kernels.mlp  # noqa: F401 - registers the mlp slot
+    from liger_losses.kernels.tuning import tuning
+
+    buffers = {} if chunk is None else {"chunk_elems": chunk, "forward_chunk_elems": chunk}
+    return tuning(mlp={"fuse_down_proj": fuse}, gated_down=buffers)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--batch", type=int, default=8)
@@ -59,7 +71,6 @@ def main() -> None:
     args = ap.parse_args()
 
     from benchmark.trainer_data import LLAMA_3_2_1B, TINY, build_model
-    import liger_losses.kernels.gated_down as gd
     from liger_losses.patching import apply_liger_kernels
 
     tiny = args.tiny
@@ -86,14 +97,11 @@ def main() -> None:
         if not tiny:
             torch.cuda.synchronize()
 
-    defaults = (gd.FUSE_DOWN_PROJ, gd.CHUNK_ELEMS, gd.FORWARD_CHUNK_ELEMS)
     results: dict = {name: [] for name in VARIANTS}
     peaks: dict = {}
-    try:
-        for _ in range(1 if tiny else args.rounds):
-            for name, (fuse, chunk) in VARIANTS.items():
-                gd.FUSE_DOWN_PROJ = fuse
-                gd.CHUNK_ELEMS = gd.FORWARD_CHUNK_ELEMS = chunk or defaults[1]
+    for _ in range(1 if tiny else args.rounds):
+        for name, (fuse, chunk) in VARIANTS.items():
+            with variant_tuning(fuse, chunk):
                 step()
                 step() if not tiny else None
                 sync()
@@ -108,17 +116,16 @@ def main() -> None:
                     results[name].append((time.perf_counter() - t0) * 1e3)
                 peaks[name] = (torch.cuda.max_memory_allocated() - base) / 2**20 if not tiny else float("nan")
                 print(f"{name} timed steps to {time.time():.2f}", flush=True)
-        ref = statistics.median(results["unfused"])
-        print(f"{batch} x {seq} tokens, {'tiny' if tiny else 'Llama-3.2-1B shape'}: ms per step (median) and peak above the model")
-        for name, ms in results.items():
-            med = statistics.median(ms)
-            print(f"  {name:12s} {med:8.1f} ms  ({med / ref:.3f}x unfused)  peak {peaks[name]:8.0f} MiB   all: {' '.join(f'{t:.1f}' for t in ms)}")
+    ref = statistics.median(results["unfused"])
+    print(f"{batch} x {seq} tokens, {'tiny' if tiny else 'Llama-3.2-1B shape'}: ms per step (median) and peak above the model")
+    for name, ms in results.items():
+        med = statistics.median(ms)
+        print(f"  {name:12s} {med:8.1f} ms  ({med / ref:.3f}x unfused)  peak {peaks[name]:8.0f} MiB   all: {' '.join(f'{t:.1f}' for t in ms)}")
 
-        if args.profile and not tiny:
-            acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
-            for name, (fuse, chunk) in VARIANTS.items():
-                gd.FUSE_DOWN_PROJ = fuse
-                gd.CHUNK_ELEMS = gd.FORWARD_CHUNK_ELEMS = chunk or defaults[1]
+    if args.profile and not tiny:
+        acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+        for name, (fuse, chunk) in VARIANTS.items():
+            with variant_tuning(fuse, chunk):
                 step()
                 sync()
                 with torch.profiler.profile(activities=acts, record_shapes=True) as prof:
@@ -126,25 +133,23 @@ def main() -> None:
                     step()
                     sync()
                     wall = (time.perf_counter() - t0) * 1e3
-                events = prof.key_averages(group_by_input_shape=True)
-                try:
-                    kernel_ms = sum(e.device_time_total for e in prof.events()
-                                    if e.device_type == torch.autograd.DeviceType.CUDA) / 1e3
-                except Exception:  # noqa: BLE001 - profiler API differences between torch versions
-                    kernel_ms = float("nan")
-                print(f"\n== {name}: profiled step wall {wall:.1f} ms, CUDA kernels {kernel_ms:.1f} ms")
-                gemms = [e for e in events if e.key in ("aten::mm", "aten::addmm", "aten::addmm_")]
-                gemms.sort(key=lambda e: -e.device_time_total)
-                for e in gemms[:24]:
-                    print(f"  {e.key:12s} calls {e.count:4d}  cuda {e.device_time_total / 1e3:8.2f} ms  "
-                          f"avg {e.device_time_total / max(e.count, 1):8.1f} us  shapes {e.input_shapes}")
-                ours = [e for e in prof.key_averages() if "Function" in e.key]
-                ours.sort(key=lambda e: -e.cpu_time_total)
-                for e in ours[:8]:
-                    print(f"  host {e.key:36s} calls {e.count:4d}  self cpu {e.self_cpu_time_total / 1e3:7.2f} ms  "
-                          f"cuda {e.device_time_total / 1e3:7.2f} ms")
-    finally:
-        gd.FUSE_DOWN_PROJ, gd.CHUNK_ELEMS, gd.FORWARD_CHUNK_ELEMS = defaults
+            events = prof.key_averages(group_by_input_shape=True)
+            try:
+                kernel_ms = sum(e.device_time_total for e in prof.events()
+                                if e.device_type == torch.autograd.DeviceType.CUDA) / 1e3
+            except Exception:  # noqa: BLE001 - profiler API differences between torch versions
+                kernel_ms = float("nan")
+            print(f"\n== {name}: profiled step wall {wall:.1f} ms, CUDA kernels {kernel_ms:.1f} ms")
+            gemms = [e for e in events if e.key in ("aten::mm", "aten::addmm", "aten::addmm_")]
+            gemms.sort(key=lambda e: -e.device_time_total)
+            for e in gemms[:24]:
+                print(f"  {e.key:12s} calls {e.count:4d}  cuda {e.device_time_total / 1e3:8.2f} ms  "
+                      f"avg {e.device_time_total / max(e.count, 1):8.1f} us  shapes {e.input_shapes}")
+            ours = [e for e in prof.key_averages() if "Function" in e.key]
+            ours.sort(key=lambda e: -e.cpu_time_total)
+            for e in ours[:8]:
+                print(f"  host {e.key:36s} calls {e.count:4d}  self cpu {e.self_cpu_time_total / 1e3:7.2f} ms  "
+                      f"cuda {e.device_time_total / 1e3:7.2f} ms")
 
 
 if __name__ == "__main__":

@@ -7,7 +7,7 @@ showed our RMSNorm backward at 0.168 ms per call against liger-kernel's 0.139.
 
 Verdict (H200, bf16): at 16384 x 2048 the H=4096 tiling ran RMSNorm's backward at 0.157 ms (3.35x the
 HBM floor; liger 0.137); 4096-element tiles with two programs per SM: 0.060 ms (1.29x), gradients
-bitwise equal -- now the mid-width rule for 1024 < H <= 2048 (``BWD_MID_H``). LayerNorm at that shape:
+bitwise equal -- now the mid-width rule for 1024 < H <= 2048 (knob ``bwd_mid_h``). LayerNorm at that shape:
 0.2016 -> 0.0626 ms (4.31x -> 1.34x; liger 0.1635) with the same rule. At 4096 and 8192 x 4096, no
 forward warps (2-16), backward warps (4-32) or forward tile (2048-16384) beats the defaults by more
 than 2%.
@@ -30,6 +30,7 @@ tile elements; each with the relative difference of its gradients to the default
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib
 import itertools
 import os
@@ -60,7 +61,7 @@ def fwd_bwd_ms(module, x, dy, ref=None):
 
 
 def make_modules(kind: str, H: int):
-    """(ours, liger-kernel's or an error string) in bf16 on CUDA."""
+    """(the kernel's tuning slot, ours, liger-kernel's or an error string) in bf16 on CUDA."""
     mod = importlib.import_module(f"liger_losses.kernels.{'rms_norm' if kind == 'rms' else 'layer_norm'}")
     if kind == "rms":
         ours = mod.LigerRMSNorm(H, eps=1e-6)
@@ -75,7 +76,8 @@ def make_modules(kind: str, H: int):
         theirs = Theirs(H, eps=1e-6).cuda().to(torch.bfloat16)
     except Exception as exc:  # noqa: BLE001
         theirs = f"{type(exc).__name__}: {exc}"
-    return mod, ours, theirs
+    slot = mod.RMS_NORM_TUNING if kind == "rms" else mod.LAYER_NORM_TUNING
+    return slot, ours, theirs
 
 
 def main() -> None:
@@ -88,12 +90,12 @@ def main() -> None:
     if not torch.cuda.is_available():
         print("diag_norm_backward: needs a CUDA GPU")
         return
-    knobs = ("BWD_PROGRAMS_PER_SM", "BWD_TILE_ELEMS", "BWD_PREFETCH", "BWD_MIN_ROWS_PER_PROGRAM", "BWD_MID_H",
-             "FWD_TILE_ELEMS", "FWD_NUM_WARPS", "BWD_NUM_WARPS")
+    knobs = ("bwd_programs_per_sm", "bwd_tile_elems", "bwd_prefetch", "bwd_min_rows_per_program", "bwd_mid_h",
+             "fwd_tile_elems", "fwd_num_warps", "bwd_num_warps")
     for shape in args.shape:
         N, H = (int(v) for v in shape.split("x"))
-        mod, ours, theirs = make_modules(args.kind, H)
-        defaults = {k: getattr(mod, k) for k in knobs if hasattr(mod, k)}
+        slot, ours, theirs = make_modules(args.kind, H)
+        defaults = {k: v for k, v in dataclasses.asdict(slot.current).items() if k in knobs}
         print(f"{args.kind} defaults: {defaults}")
         x = torch.randn(N, H, device="cuda", dtype=torch.bfloat16).requires_grad_()
         dy = torch.randn(N, H, device="cuda", dtype=torch.bfloat16)
@@ -113,29 +115,22 @@ def main() -> None:
         show("ours (defaults)", fwd, bwd)
         settings = []
         if "bwd" in args.sets:
-            settings += [dict(BWD_MID_H=0, BWD_PROGRAMS_PER_SM=pps, BWD_TILE_ELEMS=tile, BWD_PREFETCH=prefetch)
+            settings += [dict(bwd_mid_h=0, bwd_programs_per_sm=pps, bwd_tile_elems=tile, bwd_prefetch=prefetch)
                          for pps, tile, prefetch in itertools.product((1, 2, 4), (4096, 8192, 16384), (True, False))]
         if "fwd" in args.sets:
-            settings += [dict(FWD_TILE_ELEMS=tile) for tile in (2048, 8192, 16384) if tile != defaults["FWD_TILE_ELEMS"]]
+            settings += [dict(fwd_tile_elems=tile) for tile in (2048, 8192, 16384) if tile != defaults["fwd_tile_elems"]]
         if "warps" in args.sets:
-            settings += [dict(FWD_NUM_WARPS=warps) for warps in (2, 4, 8, 16)]
-            settings += [dict(FWD_TILE_ELEMS=8192, FWD_NUM_WARPS=warps) for warps in (4, 8, 16)]
-            settings += [dict(BWD_NUM_WARPS=warps) for warps in (4, 8, 16, 32)]
+            settings += [dict(fwd_num_warps=warps) for warps in (2, 4, 8, 16)]
+            settings += [dict(fwd_tile_elems=8192, fwd_num_warps=warps) for warps in (4, 8, 16)]
+            settings += [dict(bwd_num_warps=warps) for warps in (4, 8, 16, 32)]
         for setting in settings:
-            label = "ours " + " ".join(f"{k.lower()}={int(v)}" for k, v in setting.items())
+            label = "ours " + " ".join(f"{k}={int(v)}" for k, v in setting.items())
             try:
-                for k, v in setting.items():
-                    setattr(mod, k, v)
-                fwd, bwd, _, err = fwd_bwd_ms(ours, x, dy, ref)
+                with slot.override(**setting):
+                    fwd, bwd, _, err = fwd_bwd_ms(ours, x, dy, ref)
                 show(label, fwd, bwd, err)
             except Exception as exc:  # noqa: BLE001
                 print(f"{shape} {label}: {type(exc).__name__}: {exc}")
-            finally:
-                for k in setting:
-                    if k in defaults:
-                        setattr(mod, k, defaults[k])
-                    elif hasattr(mod, k):
-                        delattr(mod, k)
 
 
 if __name__ == "__main__":

@@ -1,5 +1,5 @@
 """Experiment (GPU): programmatic dependent launch (PDL) for none, some or all of the norms' kernels
-(``pdl.KERNELS``), and for in-place RoPE as patched models run it.
+(``pdl`` slot, knob ``kernels``), and for in-place RoPE as patched models run it.
 
 Question: at 4096 tokens the three launches' gaps, ramps and tails are a large part of the norms'
 time above the HBM floor (RMSNorm 4096 x 4096: forward 19.9 us, backward 29.0, partial sum 2.8,
@@ -31,13 +31,13 @@ import torch
 
 from benchmark.common import _graphed, hbm_floor_ms, time_ms
 from benchmark.experiments.diag_l2_flush import kernel_times, providers
-from liger_losses.kernels import pdl
+from liger_losses.kernels.pdl import PDL_CONFIG
 
-VARIANTS = {  # name: pdl.KERNELS
-    "off": set(),
-    "fwd+bwd+sum": {"norm_fwd", "norm_bwd", "sum"},
-    "bwd+sum": {"norm_bwd", "sum"},
-    "sum": {"sum"},
+VARIANTS = {  # name: the pdl slot's kernels
+    "off": frozenset(),
+    "fwd+bwd+sum": frozenset({"norm_fwd", "norm_bwd", "sum"}),
+    "bwd+sum": frozenset({"norm_bwd", "sum"}),
+    "sum": frozenset({"sum"}),
 }
 SHAPES = [(4096, 4096), (8192, 4096), (8192, 896)]
 
@@ -47,32 +47,30 @@ def main() -> None:
     ap.add_argument("--profile", action="store_true", help="also each kernel's GPU time")
     args = ap.parse_args()
     os.environ["BENCH_GRAPH"] = "1"
-    saved = set(pdl.KERNELS)
     for kind in ("rms", "layer"):
         for N, H in SHAPES:
             floor = hbm_floor_ms(10 * N * H)
             for variant, kernels in VARIANTS.items():
-                pdl.KERNELS = kernels
-                fn = providers(kind, N, H)["ours"]
-                fn()
-                ms = time_ms(fn, warmup=10, rep=60)
-                print(f"{kind} N={N} H={H} {variant:12s} {ms:.4f} ms  {ms / floor:.3f}x floor", flush=True)
-                if args.profile:
-                    for key, us in kernel_times(_graphed(fn)):
-                        print(f"    {us:8.2f} us  {key}")
-                torch.cuda.synchronize()
+                with PDL_CONFIG.override(kernels=kernels):
+                    fn = providers(kind, N, H)["ours"]
+                    fn()
+                    ms = time_ms(fn, warmup=10, rep=60)
+                    print(f"{kind} N={N} H={H} {variant:12s} {ms:.4f} ms  {ms / floor:.3f}x floor", flush=True)
+                    if args.profile:
+                        for key, us in kernel_times(_graphed(fn)):
+                            print(f"    {us:8.2f} us  {key}")
+                    torch.cuda.synchronize()
     from benchmark.experiments.diag_rope import case_fns
 
     for shape in ("llama3-8b", "qwen2-0.5b"):
-        for variant, kernels in (("off", set()), ("rope", {"rope"})):
-            pdl.KERNELS = kernels
-            fns, floor = case_fns(shape, 8192)
-            clone_ms = time_ms(fns.pop("clone"), warmup=10, rep=60)
-            fn = fns["ours-patched"]
-            fn()
-            ms = time_ms(fn, warmup=10, rep=60) - clone_ms
+        for variant, kernels in (("off", frozenset()), ("rope", frozenset({"rope"}))):
+            with PDL_CONFIG.override(kernels=kernels):
+                fns, floor = case_fns(shape, 8192)
+                clone_ms = time_ms(fns.pop("clone"), warmup=10, rep=60)
+                fn = fns["ours-patched"]
+                fn()
+                ms = time_ms(fn, warmup=10, rep=60) - clone_ms
             print(f"rope {shape} 8192 ours-patched {variant:5s} net {ms:.4f} ms  {ms / floor:.3f}x floor", flush=True)
-    pdl.KERNELS = saved
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""Experiment (GPU): does walking the gradient pass from the row's end (``PASS2_REVERSED``) help?
+"""Experiment (GPU): does walking the gradient pass from the row's end (knob ``pass2_reversed``) help?
 
 Question: the tile kernels read each row two (cross-entropy) or three (JSD) times. Rows are 256 KB at
 V=128256 in bf16 and several programs per SM are in flight, so a later pass mostly misses L2; but
@@ -60,6 +60,7 @@ def main() -> None:
     from benchmark.common import logits_tiles
     from liger_losses.kernels import divergence_tile as dt
     from liger_losses.kernels import logits_tile as lt
+    from liger_losses.kernels.tuning import tuning
 
     tile, student, teacher, labels, scale = logits_tiles(args.rows, args.vocab)
     cases = {
@@ -74,10 +75,10 @@ def main() -> None:
     for r in range(args.rounds):
         for name, fn in cases.items():
             for rev in ((True, False) if r % 2 == 0 else (False, True)):
-                lt.PASS2_REVERSED = dt.PASS2_REVERSED = rev
-                fn()
-                torch.cuda.synchronize()
-                ms = triton.testing.do_bench(fn, warmup=25, rep=300, return_mode="median")
+                with tuning(logits_tile={"pass2_reversed": rev}, divergence_tile={"pass2_reversed": rev}):
+                    fn()
+                    torch.cuda.synchronize()
+                    ms = triton.testing.do_bench(fn, warmup=25, rep=300, return_mode="median")
                 results.setdefault((name, rev), []).append(ms)
                 print(f"round {r} {name:22s} reversed={rev!s:5s} {ms:8.4f} ms", flush=True)
     print("medians over rounds (ms): name, reversed, front-to-back, ratio")
@@ -85,7 +86,6 @@ def main() -> None:
         a = sorted(results[(name, True)])[len(results[(name, True)]) // 2]
         b = sorted(results[(name, False)])[len(results[(name, False)]) // 2]
         print(f"  {name:22s} {a:8.4f} {b:8.4f} {a / b:6.3f}")
-    lt.PASS2_REVERSED = dt.PASS2_REVERSED = True
 
 
 if __name__ == "__main__":

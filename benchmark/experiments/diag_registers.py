@@ -14,7 +14,7 @@ kernels take 32 registers forward and 36-47 backward, no spills.
 Status: a re-usable tool; run it after changing a kernel's live state.
 
 Each case is compiled like a real launch: bf16 tensors, 16-byte aligned pointers and strides
-divisible by 16 (as the 8B shapes give), constexprs and warps from the kernel modules' knobs at the
+divisible by 16 (as the 8B shapes give), constexprs and warps from the kernels' tuning slots at the
 8B shapes (H=4096, V=128256, 32/8 heads of 128, intermediate 14336).
 
     python -m benchmark.experiments.diag_registers [--json]
@@ -37,7 +37,7 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
 from liger_losses.kernels import (  # noqa: E402
-    divergence_tile, gated, geglu, layer_norm, logits_tile, norm_common, rms_norm, rope, swiglu,
+    divergence_kernel, divergence_tile, gated, geglu, layer_norm, logits_tile, norm_common, rms_norm, rope, swiglu,
 )
 from liger_losses.kernels.utils import row_tile  # noqa: E402
 
@@ -103,11 +103,11 @@ def _resources(cubin: bytes) -> dict:
 def _logits_case(block: int, warps: int, vec_sums: bool, **flags) -> dict:
     pointers = {n: "*fp32" for n in ("SCALE", "CW", "LOSS", "LSE", "LOGP", "ENT", "LSUM")}
     pointers.update(X="*bf16", G="*bf16", LABELS="*i64", CORRECT="*i8")
+    knobs = logits_tile.LOGITS_TILE_TUNING.current
     const = dict(MODE_CE=True, WRITE_GRAD=True, SCALE_PER_ROW=True, HAS_SOFTCAP=False, HAS_CW=False,
                  NEED_ENT=False, NEED_LSUM=False, BLOCK=block, VEC_SUMS=vec_sums,
-                 STAGES1=logits_tile.PASS1_STAGES, STAGES2=logits_tile.PASS2_STAGES,
-                 REVERSED=logits_tile.PASS2_REVERSED)
-    maxnreg = flags.pop("maxnreg", logits_tile.MAXNREG)
+                 STAGES1=knobs.pass1_stages, STAGES2=knobs.pass2_stages, REVERSED=knobs.pass2_reversed)
+    maxnreg = flags.pop("maxnreg", knobs.maxnreg)
     const.update(flags)
     return compile_case(logits_tile._logits_tile_kernel, constexprs=const, num_warps=warps, pointers=pointers,
                         maxnreg=maxnreg,
@@ -115,35 +115,37 @@ def _logits_case(block: int, warps: int, vec_sums: bool, **flags) -> dict:
 
 
 def _divergence_case(**flags) -> dict:
-    block, warps = divergence_tile._block_settings(V)
+    knobs = divergence_tile.DIVERGENCE_TILE_TUNING.current
+    block, warps = divergence_tile._block_settings(V, knobs)
     const = dict(MODE=divergence_tile.divergence_mode("jsd", 0.5), TOPK=False, TAIL=False, HAS_LABELS=False,
                  SEP_RAW=False, WRITE_GRAD=True, ROW_SCALE=True, BLOCK=block, BLOCK_K=2,
-                 STAGES=divergence_tile.LOOP_STAGES, LANE_SUMS=divergence_tile.LANE_SUMS,
-                 REVERSED=divergence_tile.PASS2_REVERSED)
+                 STAGES=knobs.loop_stages, LANE_SUMS=knobs.lane_sums, REVERSED=knobs.pass2_reversed)
     warps = flags.pop("num_warps", warps)
-    maxnreg = flags.pop("maxnreg", divergence_tile.MAXNREG)
+    maxnreg = flags.pop("maxnreg", knobs.maxnreg)
     const.update(flags)
-    return compile_case(divergence_tile._divergence_tile_kernel, constexprs=const, num_warps=warps, maxnreg=maxnreg,
+    return compile_case(divergence_kernel._divergence_tile_kernel, constexprs=const, num_warps=warps, maxnreg=maxnreg,
                         pointers={n: "*fp32" for n in ("scale_ptr", "loss_ptr", "div_ptr", "ce_ptr", "ent_ptr",
                                                        "correct_ptr", "tk_lp_ptr")} | {"labels_ptr": "*i64",
                                                                                       "tk_idx_ptr": "*i64"},
-                        floats=("scale_value", "inv_t", "beta", "log_1m_beta", "log_beta", "w_hard", "w_soft"))
+                        floats=("scale_value", "inv_t", "one_m_beta", "log_1m_beta", "log_beta", "w_hard", "w_soft"))
 
 
 def default_cases() -> dict:
     """name -> thunk compiling one default launch configuration."""
     cases = {}
-    block_d, warps_d = divergence_tile._block_settings(V)
+    block_d, warps_d = divergence_tile._block_settings(V, divergence_tile.DIVERGENCE_TILE_TUNING.current)
     cases[f"divergence_tile jsd {block_d}/{warps_d}"] = _divergence_case
     cases[f"divergence_tile jsd+labels {block_d}/{warps_d}"] = lambda: _divergence_case(HAS_LABELS=True)
-    block_v, warps_v = logits_tile._block_settings(V)
-    vec = block_v <= logits_tile.VEC_SUMS_MAX_BLOCK
+    logits_knobs = logits_tile.LOGITS_TILE_TUNING.current
+    block_v, warps_v = logits_tile._block_settings(V, logits_knobs)
+    vec = block_v <= logits_knobs.vec_sums_max_block
     for name, flags in (("ce", {}), ("ce+entropy", {"NEED_ENT": True}), ("logp+entropy", {"MODE_CE": False, "NEED_ENT": True}),
                         ("ce+softcap", {"HAS_SOFTCAP": True}), ("stats only", {"WRITE_GRAD": False})):
         cases[f"logits_tile {name} {block_v}/{warps_v}"] = (lambda f=flags: _logits_case(block_v, warps_v, vec, **f))
 
     for mod, kernel, extra in ((rms_norm, "_rms_norm", dict(CASTING=0)), (layer_norm, "_layer_norm", {})):
-        bm, bn, w = row_tile(H, N_TOKENS, mod.FWD_TILE_ELEMS, mod.MAX_ROWS_PER_TILE)
+        knobs = (rms_norm.RMS_NORM_TUNING if mod is rms_norm else layer_norm.LAYER_NORM_TUNING).current
+        bm, bn, w = row_tile(H, N_TOKENS, knobs.fwd_tile_elems, knobs.max_rows_per_tile)
         fwd = dict(extra, HAS_WEIGHT=True, BLOCK_M=bm, BLOCK_N=bn, PDL=True)
         if mod is layer_norm:
             fwd["HAS_BIAS"] = True
@@ -151,10 +153,10 @@ def default_cases() -> dict:
             lambda k=getattr(mod, kernel + "_fwd_kernel"), c=fwd, w=w:
             compile_case(k, constexprs=c, num_warps=w, pointers={"mean_ptr": "*fp32", "rstd_ptr": "*fp32"},
                          floats=("eps", "offset")))
-        for h, tile in ((H, mod.BWD_TILE_ELEMS), (896, mod.BWD_SMALL_H_TILE_ELEMS)):
-            bm, bn, w = row_tile(h, N_TOKENS, tile, mod.MAX_ROWS_PER_TILE)
+        for h, tile in ((H, knobs.bwd_tile_elems), (896, knobs.bwd_small_h_tile_elems)):
+            bm, bn, w = row_tile(h, N_TOKENS, tile, knobs.max_rows_per_tile)
             bwd = dict(extra, HAS_WEIGHT=True, COMPUTE_DX=True, COMPUTE_DW=True, BLOCK_M=bm, BLOCK_N=bn,
-                       TILE_ACC=h <= mod.BWD_SMALL_H, PREFETCH=mod.BWD_PREFETCH, PDL=True)
+                       TILE_ACC=h <= knobs.bwd_small_h, PREFETCH=knobs.bwd_prefetch, PDL=True)
             if mod is layer_norm:
                 bwd["COMPUTE_DB"] = True
             cases[f"{kernel}_bwd H={h} {bm}x{bn}/{w}"] = (
@@ -162,10 +164,11 @@ def default_cases() -> dict:
                 compile_case(k, constexprs=c, num_warps=w,
                              pointers={n: "*fp32" for n in ("mean_ptr", "rstd_ptr", "dw_partial_ptr", "db_partial_ptr")},
                              floats=("offset",)))
+    sums = norm_common.SUM_TUNING.current
     cases["sum_partials"] = lambda: compile_case(
         norm_common._sum_partials_kernel, num_warps=4, default_ptr="*fp32",
-        constexprs=dict(BLOCK_R=norm_common.SUM_TILE_ELEMS // norm_common.SUM_BLOCK_COLS,  # >= 132 rows: one tile
-                        BLOCK_C=norm_common.SUM_BLOCK_COLS, PDL=True))
+        constexprs=dict(BLOCK_R=sums.tile_elems // sums.block_cols,  # >= 132 rows: one tile
+                        BLOCK_C=sums.block_cols, PDL=True))
 
     half, half_block, pass_dims, pass_block, bhq, bhk, w, lf = rope._config(HEAD_DIM, HEAD_DIM, N_QH, N_KH, True)
     for backward in (False, True):
@@ -175,19 +178,20 @@ def default_cases() -> dict:
                 constexprs=dict(HALF=half, HALF_BLOCK=half_block, PASS=pass_dims, PASS_BLOCK=pass_block,
                                 BLOCK_HQ=bhq, BLOCK_HK=bhk, BACKWARD=b, LOADS_FIRST=lf, REPEAT_TABLES=True,
                                 HEAD_STRIDE=HEAD_DIM, PDL=True)))
-    for mod, name, act in ((swiglu, "swiglu", 0), (geglu, "geglu", 1)):
+    for slot, name, act in ((swiglu.SWIGLU_TUNING, "swiglu", 0), (geglu.GEGLU_TUNING, "geglu", 1)):
+        knobs = slot.current
         for part in ("fwd", "bwd"):
             extra = {"ACT": act} if part == "fwd" else {"ACT": act, "WRITE_PROD": False}
-            cases[f"{name}_{part} {mod.BLOCK_SIZE}/{mod.NUM_WARPS}"] = (
-                lambda k=getattr(gated, f"gated_{part}_kernel"), m=mod, e=extra:
-                compile_case(k, constexprs=dict(e, BLOCK=m.BLOCK_SIZE), num_warps=m.NUM_WARPS))
+            cases[f"{name}_{part} {knobs.block_size}/{knobs.num_warps}"] = (
+                lambda k=getattr(gated, f"gated_{part}_kernel"), g=knobs, e=extra:
+                compile_case(k, constexprs=dict(e, BLOCK=g.block_size), num_warps=g.num_warps))
     return cases
 
 
 def alternative_cases() -> dict:
     """Configurations worth timing on a GPU (not defaults): CE tile at liger-kernel's shape, RMSNorm
     backward with 2-row tiles (the 4-row default spills a little yet timed fastest on the H200)."""
-    bm, bn, w = row_tile(H, N_TOKENS, 8192, rms_norm.MAX_ROWS_PER_TILE)
+    bm, bn, w = row_tile(H, N_TOKENS, 8192, rms_norm.RMS_NORM_TUNING.current.max_rows_per_tile)
     return {
         "divergence_tile jsd 2048/8 lane sums": lambda: _divergence_case(BLOCK=2048, num_warps=8, LANE_SUMS=True),
         "divergence_tile jsd 4096/8 lane sums": lambda: _divergence_case(BLOCK=4096, num_warps=8, LANE_SUMS=True),

@@ -70,12 +70,17 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--tokens", type=int, default=8192)
     ap.add_argument("--shape", nargs="+", default=list(SHAPES))
-    ap.add_argument("--warps", type=int, default=0, help="rope.NUM_WARPS (0: the default rule)")
+    ap.add_argument("--warps", type=int, default=0, help="the rope slot's num_warps (0: the default rule)")
     args = ap.parse_args()
-    from liger_losses.kernels import rope
+    from liger_losses.kernels.rope import ROPE_TUNING
 
-    rope.NUM_WARPS = args.warps
     os.environ["BENCH_GRAPH"] = "1"
+    with ROPE_TUNING.override(num_warps=args.warps):
+        run_shapes(args)
+
+
+def run_shapes(args) -> None:
+    """Each shape's providers: full and net-of-clone ms, and the RoPE kernels' GPU times."""
     for shape in args.shape:
         fns, floor = case_fns(shape, args.tokens)
         clone_ms = time_ms(fns.pop("clone"), warmup=10, rep=60)

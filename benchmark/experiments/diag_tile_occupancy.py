@@ -12,7 +12,7 @@ tile: default (4096 / 8 warps) 1.8045 ms; an 80-register cap (3 programs per SM)
 4 warps, 3 stages) 0.4082 ms, every alternative 0.996-1.131x. In the fused losses the fastest
 alternatives measured 0.966x (JSD, 2048 / 4) and 0.988x (CE, 4096 / 8), inside the runs' spread.
 
-Status: done; the defaults stay. ``MAXNREG`` (off by default) remains a knob for this sweep.
+Status: done; the defaults stay. ``maxnreg`` (off by default) remains a knob for this sweep.
 
 Sweeps (block, warps, maxnreg, stages) for
 
@@ -34,8 +34,8 @@ import torch
 
 H, V = 4096, 128256
 
-# (BLOCK_CAP, NUM_WARPS, MAXNREG, stages) per kernel; stages: LOOP_STAGES (divergence) or
-# PASS1_STAGES = PASS2_STAGES (CE). None entries keep the module's default.
+# (block_cap, num_warps, maxnreg, stages) per kernel; stages: loop_stages (divergence_tile slot) or
+# pass1_stages = pass2_stages (logits_tile slot). None entries keep the slot's default (maxnreg: off).
 DIVERGENCE = [
     (None, None, None, None),  # default: 4096 / 8 warps, compiler's registers (64, 8-byte spill)
     (4096, 8, 80, None),       # no spill, 3 programs per SM
@@ -55,41 +55,33 @@ LOGITS = [
 ]
 
 
-def _set(mod, cfg, stages_names):
+def _knobs(cfg, stages_names) -> dict:
+    """The knob changes of one (block, warps, maxnreg, stages) configuration."""
     block, warps, maxnreg, stages = cfg
-    saved = {k: getattr(mod, k) for k in ("BLOCK_CAP", "NUM_WARPS", "MAXNREG", *stages_names)}
+    knobs = {"maxnreg": maxnreg}
     if block is not None:
-        mod.BLOCK_CAP = block
+        knobs["block_cap"] = block
     if warps is not None:
-        mod.NUM_WARPS = warps
-    mod.MAXNREG = maxnreg
+        knobs["num_warps"] = warps
     if stages is not None:
-        for k in stages_names:
-            setattr(mod, k, stages)
-    return saved
+        knobs.update((k, stages) for k in stages_names)
+    return knobs
 
 
-def _restore(mod, saved):
-    for k, v in saved.items():
-        setattr(mod, k, v)
-
-
-def sweep(name, mod, stages_names, configs, fn, rounds):
+def sweep(name, slot, stages_names, configs, fn, rounds):
     import triton.testing
 
     res: dict = {}
     for r in range(rounds):
         for cfg in (configs if r % 2 == 0 else configs[::-1]):
-            saved = _set(mod, cfg, stages_names)
             try:
-                fn()
-                torch.cuda.synchronize()
-                ms = triton.testing.do_bench(fn, warmup=10, rep=200, return_mode="median")
+                with slot.override(**_knobs(cfg, stages_names)):
+                    fn()
+                    torch.cuda.synchronize()
+                    ms = triton.testing.do_bench(fn, warmup=10, rep=200, return_mode="median")
             except Exception as exc:  # noqa: BLE001 - a configuration that does not compile
                 print(f"  {name} {cfg}: {type(exc).__name__}: {str(exc)[:100]}")
                 ms = float("inf")
-            finally:
-                _restore(mod, saved)
             res.setdefault(cfg, []).append(ms)
     print(f"{name} (block, warps, maxnreg, stages): median ms over {rounds} rounds")
     base = min(res[configs[0]])
@@ -115,27 +107,28 @@ def main() -> None:
     from liger_losses.kernels import logits_tile as lt
 
     tile, student, teacher, labels, scale = logits_tiles(args.rows, V)
-    best_div = sweep("divergence_tile jsd", dt, ("LOOP_STAGES",), DIVERGENCE,
+    best_div = sweep("divergence_tile jsd", dt.DIVERGENCE_TILE_TUNING, ("loop_stages",), DIVERGENCE,
                      lambda: dt.divergence_tile(student, teacher, grad_scale=scale, check_inputs=False),
                      args.rounds)
-    best_ce = sweep("logits_tile ce", lt, ("PASS1_STAGES", "PASS2_STAGES"), LOGITS,
+    best_ce = sweep("logits_tile ce", lt.LOGITS_TILE_TUNING, ("pass1_stages", "pass2_stages"), LOGITS,
                     lambda: lt.logits_tile(tile, labels, grad=True, grad_scale=scale, need_logits_sum=False),
                     args.rounds)
     steps = fused_steps(8192)
     jsd, ce = steps["jsd"], steps["ce"]
-    for name, mod, names, best, fn in (("fused JSD 8192", dt, ("LOOP_STAGES",), best_div, jsd),
-                                       ("fused CE 8192", lt, ("PASS1_STAGES", "PASS2_STAGES"), best_ce, ce)):
+    for name, slot, names, best, fn in (
+            ("fused JSD 8192", dt.DIVERGENCE_TILE_TUNING, ("loop_stages",), best_div, jsd),
+            ("fused CE 8192", lt.LOGITS_TILE_TUNING, ("pass1_stages", "pass2_stages"), best_ce, ce)):
         if best == (None, None, None, None):
             print(f"{name}: the default is fastest alone")
             continue
         res: dict = {}
         for r in range(2 * args.rounds):
             for cfg in ((None, None, None, None), best) if r % 2 == 0 else (best, (None, None, None, None)):
-                saved = _set(mod, cfg, names)
-                fn()
-                torch.cuda.synchronize()
-                res.setdefault(cfg, []).append(triton.testing.do_bench(fn, warmup=5, rep=300, return_mode="median"))
-                _restore(mod, saved)
+                with slot.override(**_knobs(cfg, names)):
+                    fn()
+                    torch.cuda.synchronize()
+                    res.setdefault(cfg, []).append(
+                        triton.testing.do_bench(fn, warmup=5, rep=300, return_mode="median"))
         d, b = sorted(res[(None, None, None, None)]), sorted(res[best])
         print(f"{name}: default {d[len(d) // 2]:.3f} ms, {best} {b[len(b) // 2]:.3f} ms "
               f"({b[len(b) // 2] / d[len(d) // 2]:.3f}x)  all: {d} / {b}", flush=True)

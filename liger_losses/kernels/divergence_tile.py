@@ -78,7 +78,8 @@ TEACHER_VOCAB_MODES = ("renormalize", "full")
 @dataclass(frozen=True)
 class DivergenceTileTuning(Knobs):
     """Launch knobs of the divergence kernel (slot ``divergence_tile``;
-    ``benchmark/diag_ce_registers.py --kernel divergence`` sweeps them).
+    ``benchmark/experiments/diag_tile_occupancy.py`` times them, ``diag_registers.py`` there
+    counts their registers).
 
     ``block_cap``: columns per block of the row loops on the GPU (capped at the row width; 1024
     on the CPU). ``num_warps``: warps per program (0: 8 for blocks >= 2048, else 4).

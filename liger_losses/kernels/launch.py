@@ -28,7 +28,9 @@ argument classes share one entry. The fast path is therefore on only for the min
 ``tests/kernels/test_launch_contract.py`` (GPU: for a grid of argument specializations, the kernel
 each key maps to is the one ``JITFunction``'s own cache holds for those arguments). To admit a new
 version, run that test with ``TESTED_TRITON_VERSIONS`` extended (the test shows how) and add it
-here and to ``pyproject.toml``'s triton range. The fast path saves host time only: ~7 us per
+here; ``pyproject.toml``'s triton range spans the lowest to the highest tested minor (the minors
+between run on the JITFunction launches; ``tests/kernels/test_launch.py`` holds the range to that
+rule). The fast path saves host time only: ~7 us per
 launch on the H200 machine's CPU (``benchmark/bench_launch.py``; table "Host time per launch" in
 ``benchmark/results/README.md``), ~1.6 ms of a ~140 ms 2048-token training step.
 

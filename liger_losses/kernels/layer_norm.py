@@ -61,11 +61,11 @@ if triton is not None:
 # with tile-shaped accumulators (0.041 ms at 8192 x 896). One program per SM also keeps the two
 # fp32 partial buffers at 2 x 132 x H x 4 bytes (4.1 MiB at H=4096, as liger-kernel's).
 # Rows of bwd_small_h < H <= bwd_mid_h: 4096-element tiles, two programs per SM (as rms_norm).
-# H200 (benchmark/diag_norm_backward.py --kind layer, graph time, L2 cleared), bf16
+# H200 (benchmark/experiments/diag_norm_backward.py --kind layer, graph time, L2 cleared), bf16
 # 16384 x 2048: backward 0.0625 ms (1.34x the HBM floor) against 0.2016 ms (4.31x) with the
 # H=4096 settings (2-row 8192-element tiles spill with the prefetch) and liger-kernel's 0.1596.
-# Warps: 0, from the tile size (benchmark/diag_norm_backward.py sweeps them: no setting beat the
-# defaults by more than 2%).
+# Warps: 0, from the tile size (benchmark/experiments/diag_norm_backward.py sweeps them: no setting
+# beat the defaults by more than 2%).
 # Backward prefetch: H200 sweep (graph time, forward + backward, bf16, H=4096, one program per SM,
 # 2-row tiles): 0.107 / 0.195 / 0.364 ms at 8k / 16k / 32k tokens (1.37x / 1.25x / 1.17x the HBM
 # floor) vs 0.124 / 0.224 / 0.423 without (same tiles).

@@ -282,8 +282,9 @@ def _logits_tile_torch(
 
 @dataclass(frozen=True)
 class LogitsTileTuning(Knobs):
-    """Launch knobs of the logits-tile kernel (slot ``logits_tile``; ``benchmark/diag_ce_registers.py``
-    and ``bench_kernels_ce.py --sweep`` sweep them).
+    """Launch knobs of the logits-tile kernel (slot ``logits_tile``;
+    ``benchmark/experiments/diag_tile_occupancy.py`` and ``benchmark/bench_kernels_ce.py --sweep``
+    time them, ``benchmark/experiments/diag_registers.py`` counts their registers).
 
     ``block_cap``: columns per block of the row loops on the GPU (1024 in the interpreter).
     ``num_warps``: warps per program (0: 8 for blocks >= 4096, else 4).
@@ -301,7 +302,7 @@ class LogitsTileTuning(Knobs):
     tail may still be in L2). The gradient is elementwise, so the order changes no value.
     ``maxnreg``: register cap per thread (Triton's ``maxnreg``; None: the compiler's choice). Fewer
     programs per SM keep fewer rows in flight, so more of a row is still in L2 when pass 2 reads it
-    again (``benchmark/diag_tile_occupancy.py`` sweeps it).
+    again (``benchmark/experiments/diag_tile_occupancy.py`` sweeps it).
     """
 
     block_cap: int = knob(2048, minimum=1)

@@ -35,8 +35,8 @@ class PDLConfig(Knobs):
     """Where PDL is used.
 
     ``enabled``: the switch for every kernel (the default instance reads ``LIGER_LOSSES_PDL``).
-    ``kernels``: the kernels launched with PDL. H200 (benchmark/diag_norm_launch.py, CUDA-graph
-    time of forward + backward, bf16): all three norm kernels with PDL save 0.7-1.2 us at
+    ``kernels``: the kernels launched with PDL. H200 (benchmark/experiments/diag_norm_launch.py,
+    CUDA-graph time of forward + backward, bf16): all three norm kernels with PDL save 0.7-1.2 us at
     4096-8192 x 4096 (RMSNorm 4096 tokens 0.0555 -> 0.0548 ms, LayerNorm 8192 0.1009 -> 0.0997);
     at 8192 x 896 the LayerNorm forward (4-row tiles) with PDL lost 3.3 us while the backward and
     partial sum gained 1.2, so the forwards use it only for one-row tiles (norm_common.fwd_pdl).

@@ -78,13 +78,14 @@ _CASTING_CODE = {"llama": 0, "gemma": 1, "none": 2}
 # rows each. One per SM is fastest (above) and keeps the fp32 partial rows ([programs, H],
 # written then summed by norm_common.sum_partials) at 132 x H x 4 bytes: 2.1 MiB at H=4096.
 # Rows of bwd_small_h < H <= bwd_mid_h: smaller tiles, two programs per SM. H200
-# (benchmark/diag_norm_backward.py: backward = graph time of forward + backward minus forward, L2
-# cleared before each replay), 16384 x 2048 bf16 (Llama-3.2-1B at 8 x 2048 tokens): 0.0602 ms,
-# 1.29x the HBM floor, against 0.157 ms (3.35x) with the H=4096 settings above (our trainer
-# profile: 0.168 per call) and liger-kernel's 0.137; gradients bitwise equal. At 4096 x 4096 the
-# same settings are 6% slower than the defaults (0.0347 vs 0.0327 ms), hence the width bound.
-# Warps: 0, from the tile size (benchmark/diag_norm_backward.py sweeps them: no setting beat the
-# defaults by more than 2%).
+# (benchmark/experiments/diag_norm_backward.py: backward = graph time of forward + backward minus
+# forward, L2 cleared before each replay), 16384 x 2048 bf16 (Llama-3.2-1B at 8 x 2048 tokens):
+# 0.0602 ms, 1.29x the HBM floor, against 0.157 ms (3.35x) with the H=4096 settings above (our
+# trainer profile: 0.168 per call) and liger-kernel's 0.137; gradients bitwise equal. At 4096 x
+# 4096 the same settings are 6% slower than the defaults (0.0347 vs 0.0327 ms), hence the width
+# bound.
+# Warps: 0, from the tile size (benchmark/experiments/diag_norm_backward.py sweeps them: no setting
+# beat the defaults by more than 2%).
 # Backward prefetch (load the next tile while computing this one; see the kernel). H200 sweep
 # (graph time, forward + backward, bf16, H=4096, one program per SM, 4-row tiles): 0.101 / 0.185 /
 # 0.356 ms at 8k / 16k / 32k tokens (1.30x / 1.19x / 1.14x the HBM floor) vs 0.107 / 0.190 / 0.359

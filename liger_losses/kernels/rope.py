@@ -62,7 +62,8 @@ if triton is not None:
 @dataclass(frozen=True)
 class RoPETuning(Knobs):
     """Launch knobs of the RoPE kernel (slot ``rope``; ``benchmark/bench_rope.py --sweep`` and
-    ``benchmark/diag_rope.py`` sweep them). H200, CUDA-graph GPU time, forward + backward.
+    ``benchmark/experiments/diag_rope.py`` sweep them). H200, CUDA-graph GPU time, forward +
+    backward.
 
     ``tile_elements``: elements of one [heads, R/2] tile per tensor (x1, x2, out1, out2 each) in the
     tiled order. Llama-3-8B shapes, out of place: 1024-element tiles with 4 warps 0.099 ms at 8192
@@ -260,7 +261,7 @@ def _launch_into(q, k, qo, ko, cos, sin, head_axis: int, backward: bool, copy_pa
     )
     # one head stride for all four (the usual [B, T, H, D] projections): a constexpr, so the
     # kernel's offsets need no per-head address arithmetic (H200, 8B shapes, with repeat: 59 -> 56
-    # registers, ~1% less time, benchmark/diag_rope.py)
+    # registers, ~1% less time, benchmark/experiments/diag_rope.py)
     strides = {x.stride(head_axis) for x in (q, k, qo, ko)}
     head_stride = strides.pop() if len(strides) == 1 else 0
     c_sb = 0 if cos.shape[0] == 1 else cos.stride(0)

@@ -49,9 +49,10 @@ class RoPEPatchConfig(Knobs):
     ``repeated_tables``: read only the first half of each cos/sin row: the rotary embeddings of every
     family in ``specs.FAMILIES`` build their tables as ``cat(freqs, freqs)``
     (tests/patching/test_rope.py checks it for each family and rope type). H200
-    (benchmark/diag_rope.py, in place with the gradients rotated in their buffers, q-layout
-    gradients, 8192 tokens): Llama-3-8B shapes 0.0862 ms (reading both halves 0.0886; liger-kernel
-    0.0873), Qwen2-0.5B 0.0173 (0.0176; liger-kernel 0.0170), both with the constexpr head stride.
+    (benchmark/experiments/diag_rope.py, in place with the gradients rotated in their buffers,
+    q-layout gradients, 8192 tokens): Llama-3-8B shapes 0.0862 ms (reading both halves 0.0886;
+    liger-kernel 0.0873), Qwen2-0.5B 0.0173 (0.0176; liger-kernel 0.0170), both with the constexpr
+    head stride.
     """
 
     inplace: bool = knob(True)

@@ -3,9 +3,10 @@
 The syncs a loss needs (token counts and compaction before the chunk loop, the metrics after it)
 do not depend on the number of chunks; a sync inside the loop (a tensor made from host data, an
 ``.item()``) drains the stream once per chunk and leaves the GPU idle while the host issues the next
-chunk -- on the H200 that cost DPO ~10 ms of a 47 ms step (session 4). Counted with
-``torch.cuda.set_sync_debug_mode`` for forward + backward at 24-token chunks (several per pair)
-against 4096-token chunks (one), after a warm-up call. Small shapes, fp32: exact counts, not speed.
+chunk -- on the H200 that cost DPO ~10 ms of a 47 ms step (benchmark/NOTES.md, "One host sync
+per loss"). Counted with ``torch.cuda.set_sync_debug_mode`` for forward + backward at 24-token
+chunks (several per pair) against 4096-token chunks (one), after a warm-up call. Small shapes,
+fp32: exact counts, not speed.
 """
 
 import pytest

@@ -119,9 +119,12 @@ def test_untested_triton_versions_keep_the_slow_path(fake, monkeypatch, version)
     assert L.triton_minor_version(triton) == version.rsplit(".", 1)[0]
 
 
-def test_tested_versions_match_pyproject():
-    """pyproject.toml's triton requirement admits exactly the tested minor versions: of every
-    X.Y.0 and X.Y.5 from 3.0 to 4.2, those in TESTED_TRITON_VERSIONS and no other."""
+def test_pyproject_triton_range_spans_the_tested_versions(monkeypatch):
+    """pyproject.toml's triton requirement is the span of the tested minor versions: of every X.Y.0
+    and X.Y.5 from 3.0 to 4.2 it admits exactly those from the lowest tested minor up to the
+    highest (the minors between them too: the kernels run there through ``JITFunction``), and
+    the launcher's fast path is refused, naming the version, on every admitted minor that is not
+    in TESTED_TRITON_VERSIONS. Exact comparisons of version sets (no tolerance)."""
     import pathlib
     import re
 
@@ -129,11 +132,24 @@ def test_tested_versions_match_pyproject():
 
     text = (pathlib.Path(__file__).resolve().parents[2] / "pyproject.toml").read_text()
     spec = SpecifierSet(re.search(r'"triton([^;"]+)', text).group(1))
+    tested = sorted(tuple(int(p) for p in v.split(".")) for v in L.TESTED_TRITON_VERSIONS)
+    lowest, highest = tested[0], tested[-1]
+    admitted_minors = set()
     for major, minor, patch in itertools.product((3, 4), range(13), (0, 5)):
         if (major, minor) > (4, 2):
             continue
         admitted = f"{major}.{minor}.{patch}" in spec
-        assert admitted == (f"{major}.{minor}" in L.TESTED_TRITON_VERSIONS), (major, minor, patch)
+        assert admitted == (lowest <= (major, minor) <= highest), (major, minor, patch)
+        if admitted:
+            admitted_minors.add(f"{major}.{minor}")
+    assert set(L.TESTED_TRITON_VERSIONS) <= admitted_minors
+    for version in sorted(admitted_minors):
+        monkeypatch.setattr(triton, "__version__", f"{version}.0")
+        reason = L._triton_unsupported_reason()
+        if version in L.TESTED_TRITON_VERSIONS:
+            assert reason is None or "not tested" not in reason, (version, reason)
+        else:
+            assert reason is not None and f"triton {version} not tested" in reason, (version, reason)
 
 
 # --------------------------------------------------------------------------- key logic

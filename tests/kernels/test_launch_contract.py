@@ -10,7 +10,7 @@ counts. Identity of kernel objects (not a tolerance): a wrong entry is a differe
 
 The test runs on whatever Triton is installed, with that minor version admitted for the test's
 duration: a pass on a version outside ``launch.TESTED_TRITON_VERSIONS`` is what it takes to add it
-there (and to ``pyproject.toml``'s triton range).
+there (and, above the highest tested minor, to widen ``pyproject.toml``'s triton range).
 """
 
 import itertools
