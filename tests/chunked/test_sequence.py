@@ -257,7 +257,7 @@ def dpo_objective_no_nll(stats):
 def test_gpu_host_syncs_do_not_grow_with_chunks(separable):
     """GPU: the host syncs of a forward + backward (the token count and compaction before the chunk
     loop) are as many with 8 chunks as with 1. A sync inside the loop (e.g. a tensor copied from
-    host memory, which drains the stream) left the H200 idle ~10 ms per DPO step (session 4)."""
+    host memory, which drains the stream) left the H200 idle ~10 ms per DPO step."""
     from tests.helpers import count_host_syncs
 
     dev = "cuda"
