@@ -286,13 +286,19 @@ def _check_smoothing_for(types, label_smoothing: float) -> None:
 
 
 def ld_token_weights(labels: torch.Tensor, ld_alpha: float, ignore_index: int = -100) -> torch.Tensor:
-    """LD-DPO token weights ``[2P, T]`` float32 from the labels mask.
+    """LD-DPO token weights ``[2P, T]`` float32 from the labels mask (:func:`ld_mask_weights` of
+    ``labels != ignore_index``)."""
+    return ld_mask_weights(labels != ignore_index, ld_alpha)
+
+
+def ld_mask_weights(mask: torch.Tensor, ld_alpha: float) -> torch.Tensor:
+    """LD-DPO token weights ``[2P, T]`` float32 from the bool ``mask [2P, T]`` of valid tokens of a
+    ``[chosen; rejected]`` batch.
 
     The k-th valid token (k = 1, 2, ...) of a sequence gets weight 1 when ``k <= min(len_chosen,
-    len_rejected)`` of its pair, ``ld_alpha`` beyond; ignored positions 0. TRL applies the same
-    weights to the reference log-probs, and so does the engine.
+    len_rejected)`` of its pair, ``ld_alpha`` beyond; invalid positions 0. TRL applies the same
+    weights to the reference log-probs, and so does the engine (and the TRL adapter's precompute).
     """
-    mask = labels != ignore_index
     pos = mask.cumsum(dim=1)
     lens = mask.sum(dim=1)
     c_len, r_len = split_pairs(lens)
