@@ -6,7 +6,14 @@ the whole loss; the engine (``fused_linear_sequence_objective`` with ``group_siz
 chunking, the reference-free statistics and the backward through the LM head. Checked against the
 same formula on float64 logits: loss, gradients and metrics within 1e-5 relative error (the fp32
 bar), in one pass and with 5-token chunks that cut every pair (two phases with recompute).
+
+Part 2 registers it as a loss module like the built-in ones: a frozen options dataclass (validated
+once, at construction), a runner on the package's sequence driver, and a ``ChunkedLossModule``
+subclass with explicit keyword options (unknown ones raise ``TypeError``).
 """
+
+from dataclasses import dataclass
+from typing import Optional
 
 import pytest
 import torch
@@ -14,6 +21,10 @@ import torch.nn.functional as F
 
 import liger_losses as ll
 from liger_losses.chunked.objective import Objective
+from liger_losses.chunked.options import HeadOptions, check_real
+from liger_losses.chunked.output import LossOutput
+from liger_losses.chunked.preference.common import PreferenceLossModule
+from liger_losses.chunked.sequence import check_sequence_inputs, run_sequence_objective
 from liger_losses.chunked.preference.common import average_logps, split_pairs
 from liger_losses.chunked.preference.orpo import orpo_log_odds
 from tests.helpers import TOL, lm_head_inputs, rel_err
@@ -72,3 +83,50 @@ def test_odds_ratio_with_margin_matches_float64(chunk_tokens):
     assert rel_err(loss, ref_loss) <= FP32
     assert rel_err(gw, rw) <= FP32 and rel_err(gh, rh) <= FP32
     assert rel_err(unit_metrics["log_odds"], ref_odds) <= FP32
+
+
+# --- part 2: the same objective registered as a loss module ---------------------------------
+@dataclass(frozen=True)
+class OddsRatioMarginOptions:
+    beta: float = 0.5
+    margin: float = 0.2
+
+    def __post_init__(self):
+        check_real("beta", self.beta, 0.0, None, low_inclusive=False)  # names the option
+        check_real("margin", self.margin)
+
+
+def run_odds_ratio_margin(weight, hidden, labels, *, head: HeadOptions, options: OddsRatioMarginOptions,
+                          bias=None) -> LossOutput:
+    check_sequence_inputs(weight, hidden, labels, head, group_size=2, bias=bias)
+    objective = OddsRatioMarginObjective(options.beta, options.margin)
+    loss, unit_metrics, _ = run_sequence_objective(weight, hidden, labels, objective, head, group_size=2, bias=bias)
+    return LossOutput(loss, {"log_odds": unit_metrics["log_odds"].mean()})
+
+
+class LigerFusedLinearOddsRatioMarginLoss(PreferenceLossModule):
+    runner = staticmethod(run_odds_ratio_margin)
+    REPR_KEYS = ("beta", "margin")
+
+    def __init__(self, beta: float = 0.5, margin: float = 0.2, *, chunk_tokens: Optional[int] = None,
+                 impl: str = "auto"):
+        super().__init__(HeadOptions(chunk_tokens=chunk_tokens, impl=impl), OddsRatioMarginOptions(beta, margin))
+# ----------------------------------------------------------------------------------------------
+
+
+def test_registered_module_equals_the_objective_and_validates_its_options():
+    """The module gives the functional form's loss bitwise and the mean log odds; a non-finite
+    margin and an unknown option raise naming them."""
+    g = torch.Generator().manual_seed(1)
+    weight, hidden, _, labels = lm_head_inputs(g, 2 * P, T, H, V)
+    labels[:, :2] = -100
+    module = LigerFusedLinearOddsRatioMarginLoss(chunk_tokens=5, impl="torch")
+    out = module(weight, hidden, labels)
+    loss, unit_metrics = odds_ratio_margin_loss(weight, hidden, labels, chunk_tokens=5, impl="torch")
+    assert torch.equal(out.loss, loss)
+    assert torch.equal(out.metrics["log_odds"], unit_metrics["log_odds"].mean())
+    assert "margin=0.2" in repr(module)
+    with pytest.raises(ValueError, match="margin"):
+        LigerFusedLinearOddsRatioMarginLoss(margin=float("inf"))
+    with pytest.raises(TypeError, match="marginn"):
+        LigerFusedLinearOddsRatioMarginLoss(marginn=0.1)
