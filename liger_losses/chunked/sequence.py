@@ -147,17 +147,15 @@ def check_sequence_inputs(
         if tuple(labels.shape) != tuple(hidden.shape[:2]):
             raise ValueError(f"{labels_name} must have shape {tuple(hidden.shape[:2])} ({hidden_name}'s "
                              f"[B, T]), got {tuple(labels.shape)}")
+        _check_vocab_rows("bias", bias, 1, weight.shape[0])
         check_same_device(weight=weight, **{hidden_name: hidden, labels_name: labels}, bias=bias)
     B, T, _ = hidden.shape
     V = weight.shape[0]
     if group_size == 2 and B % 2 != 0:
         raise ValueError(f"{hidden_name} must hold an even number of sequences laid out [chosen; rejected] "
                          f"on dim 0 (group_size=2), got batch size {B}")
-    for name, value, ndim in (("bias", bias, 1), ("ref_weight", ref_weight, 2), ("ref_bias", ref_bias, 1)):
-        if value is not None:
-            check_tensor(name, value, ndim=ndim, floating=True)
-            if value.shape[0] != V:
-                raise ValueError(f"{name} must have {V} rows (weight's vocab size), got shape {tuple(value.shape)}")
+    _check_vocab_rows("ref_weight", ref_weight, 2, V)
+    _check_vocab_rows("ref_bias", ref_bias, 1, V)
     if ref_hidden is not None:
         check_tensor(ref_hidden_name, ref_hidden, ndim=3, floating=True)
         Hr = (ref_weight if ref_weight is not None else weight).shape[1]
@@ -176,6 +174,14 @@ def check_sequence_inputs(
             raise ValueError(f"token_weights must have shape {(B, T)} (as labels), got {tuple(token_weights.shape)}")
     check_same_device(hidden=hidden, ref_hidden=ref_hidden, ref_weight=ref_weight,
                       ref_bias=ref_bias, ref_logps=ref_logps, token_weights=token_weights)
+
+
+def _check_vocab_rows(name: str, value: Optional[Tensor], ndim: int, vocab: int) -> None:
+    """An optional float ``ndim``-d head tensor whose dim 0 is the vocabulary."""
+    if value is not None:
+        check_tensor(name, value, ndim=ndim, floating=True)
+        if value.shape[0] != vocab:
+            raise ValueError(f"{name} must have {vocab} rows (weight's vocab size), got shape {tuple(value.shape)}")
 
 
 def _detached(t: Optional[Tensor]) -> Optional[Tensor]:
