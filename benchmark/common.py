@@ -418,17 +418,18 @@ class _GemmsOnly(torch.autograd.Function):
 def gemms_only(weight, hidden, *, valid=None, extra_hidden=None, extra_weight=None, chunk_tokens=None):
     """The practical floor of a chunked loss that calls cuBLAS: its GEMMs alone (see
     :class:`_GemmsOnly`), on the rows where ``valid`` (``[...]`` bool, default all), in the chunks
-    our engine would use for this head (``engine._token_chunks``; ``chunk_tokens`` fixes their size). Timed in the same run as the
-    losses, it carries the same clocks: under the H200's power cap the GEMMs alone run well below
+    our engine would use for this head (``chunked.planning.token_chunks``; ``chunk_tokens`` fixes their
+    size). Timed in the same run as the losses, it carries the same clocks: under the H200's power cap the GEMMs alone run well below
     the nominal 790 TFLOP/s of the floor."""
-    from liger_losses.chunked.engine import _token_chunks
+    from liger_losses.chunked.gemm import itemsize
+    from liger_losses.chunked.planning import token_chunks
 
     index = None
     n = hidden.numel() // hidden.shape[-1]
     if valid is not None:
         index = valid.reshape(-1).nonzero().squeeze(1)
         n = int(index.numel())
-    chunks = _token_chunks(weight, n, chunk_tokens)
+    chunks = token_chunks(weight.shape[0], weight.shape[1], itemsize(weight.dtype), n, chunk_tokens)
     return _GemmsOnly.apply(weight, hidden, index, extra_hidden,
                             extra_weight if extra_weight is not None else weight, chunks)
 

@@ -108,18 +108,19 @@ def main() -> None:
     ap.add_argument("--providers", nargs="+", default=["ours", "trl_fused"])
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--top", type=int, default=14)
-    ap.add_argument("--device-scale", action="store_true",
-                    help="liger_losses.chunked.engine.DEVICE_SCALE = True (backward scales on the device, no sync)")
+    ap.add_argument("--host-scale", action="store_true",
+                    help="engine_config(device_scale=False): the backward reads the upstream scale on the host "
+                         "(one sync) instead of scaling on the device (the default)")
     ap.add_argument("--gaps", action="store_true",
                     help="also record the host (CPU activity) and print the GPU's idle gaps and what the host did then")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         print("diag_profile_loss: needs a CUDA GPU")
         return
-    if args.device_scale:
-        import liger_losses.chunked.engine as engine
+    if args.host_scale:
+        from liger_losses.chunked.config import engine_config
 
-        engine.DEVICE_SCALE = True
+        engine_config(device_scale=False).__enter__()  # for the whole script: left on exit
     shape = SMALL if args.shape == "small" else BIG
     weight, hidden, ref_hidden, labels = make_batch(args.pairs, args.seq, **shape, ref=args.loss == "dpo")
     if args.loss in ("ce", "distill"):

@@ -6,7 +6,7 @@ JSD / forward KL / reverse KL of TRL 1.16 (``GKDTrainer.generalized_jsd_loss``, 
 KL(student || teacher), otherwise ``beta KL(p_t || m) + (1 - beta) KL(p_s || m)`` with
 ``m = (1 - beta) p_s + beta p_t``; both models' logits divided by ``temperature``. Heads with a logit
 transform (Gemma-style): ``logit_scale`` then ``softcap`` turn each head's logits ``x`` into
-``softcap * tanh(logit_scale * x / softcap)`` (``softcap=None``: no tanh) before the temperature, for the student
+``softcap * tanh(logit_scale * x / softcap)`` (``softcap=None``: no tanh; ``softcap=inf`` is rejected) before the temperature, for the student
 AND the teacher tile (not the teacher top-k log-probs, which are given); the CE term is on the transformed student
 logits and the gradient flows through the transform. ``soft_label_weight`` defaults
 to ``1 - hard_label_weight`` (so the default, ``hard_label_weight=0``, is TRL's pure divergence). The CE is on the
@@ -27,7 +27,8 @@ tiles and GEMMs run in each head's compute dtype (autocast-aware), the kernel ma
 Reductions (TRL's ``generalized_jsd_loss`` over the valid tokens): ``"batchmean"`` (default) divergence summed
 over tokens / number of valid tokens (0 when there is none); ``"sum"``; ``"mean"``: divided by
 ``tokens * Vs`` (TRL's element mean over ``[tokens, V]``). ``num_items_in_batch`` (HF gradient accumulation)
-overrides them: ``sum / num_items_in_batch``. The CE part is the mean over valid tokens (``sum`` for ``"sum"``,
+overrides them: ``sum / num_items_in_batch`` (a number must be ``> 0``; a tensor's value is not read on the
+host, so it is not checked). The CE part is the mean over valid tokens (``sum`` for ``"sum"``,
 ``/ num_items_in_batch`` when given).
 
 One pass: per chunk of valid tokens, the student tile is projected, the teacher tile projected under no grad,
@@ -42,32 +43,35 @@ argmax == label), ``num_tokens``. :data:`TRL_METRIC_NAMES` maps them to the name
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
 from torch import Tensor
 
-from liger_losses.chunked.engine import (
-    DEFAULT_BUDGET_BYTES,
-    HeadGrads,
-    _check_common,
-    _needs_input_grads,
-    _scaled_grads,
-    chunk_bounds,
-    compute_dtype,
-    gather_weight,
-    grad_like,
-    project,
-    token_rows,
+from liger_losses.chunked.autograd import needs_head_grads, save_forward_grads, scaled_grads
+from liger_losses.chunked.config import get_engine_config
+from liger_losses.chunked.gemm import HeadGrads, compute_dtype, itemsize, project
+from liger_losses.chunked.module import ChunkedLossModule
+from liger_losses.chunked.options import (
+    HeadOptions,
+    check_flag,
+    check_head_inputs,
+    check_num_items,
+    check_real,
+    set_fields,
 )
 from liger_losses.chunked.output import LossOutput
+from liger_losses.chunked.planning import chunk_bounds
+from liger_losses.chunked.tokens import grad_like, token_rows
+from liger_losses.chunked.weights import gather_weight, head_in_dtype
 from liger_losses.kernels.divergence_tile import (
     DIVERGENCES,
     TEACHER_VOCAB_MODES,
     check_topk,
     divergence_tile,
 )
-from liger_losses.kernels.utils import check_choice, check_range, check_same_device, check_tensor
+from liger_losses.kernels.utils import check_choice, check_same_device, check_tensor
 
 REDUCTIONS = ("batchmean", "mean", "sum")
 
@@ -79,30 +83,65 @@ TRL_METRIC_NAMES = {
 }
 
 
-def _check(weight, hidden, teacher_hidden, labels, o):
-    """The engine's common checks (student head, hidden, labels, shared options), then the
-    distillation-specific ones (options, teacher tensors); returns whether the teacher is top-k."""
-    Vs = _check_common(weight, hidden, labels, o["bias"], o["ignore_index"], o["temperature"], o["softcap"],
-                       o["logit_scale"], o["chunk_tokens"], o["accum_dtype"], o["impl"])
-    lead = tuple(hidden.shape[:-1])
-    check_choice("divergence", o["divergence"], DIVERGENCES)
-    check_choice("reduction", o["reduction"], REDUCTIONS)
-    check_choice("teacher_vocab", o["teacher_vocab"], TEACHER_VOCAB_MODES)
-    check_range("beta", float(o["beta"]), 0.0, 1.0)
-    check_range("hard_label_weight", float(o["hard_label_weight"]), 0.0, None)
-    if o["soft_label_weight"] is not None:
-        check_range("soft_label_weight", float(o["soft_label_weight"]), 0.0, None)
-    nib = o["num_items_in_batch"]
-    if nib is not None and not isinstance(nib, (int, float, Tensor)):
-        raise TypeError(f"num_items_in_batch must be a number or a tensor, got {type(nib).__name__}")
-    if isinstance(nib, Tensor) and nib.numel() != 1:
-        raise ValueError(f"num_items_in_batch must hold one number, got shape {tuple(nib.shape)}")
+@dataclass(frozen=True)
+class DistillationOptions:
+    """Distillation's own options: ``divergence`` in ``DIVERGENCES``, ``beta`` in ``[0, 1]``,
+    ``hard_label_weight`` and ``soft_label_weight`` (None: ``1 - hard_label_weight``) finite
+    ``>= 0``, ``teacher_vocab`` in ``TEACHER_VOCAB_MODES``, ``topk_tail`` a bool, ``reduction`` in
+    :data:`REDUCTIONS`."""
 
-    topk_lp, topk_idx = o["teacher_topk_logprobs"], o["teacher_topk_indices"]
-    topk = topk_lp is not None or topk_idx is not None
-    tw, tb = o["teacher_weight"], o["teacher_bias"]
-    if topk:
-        if teacher_hidden is not None:
+    divergence: str = "jsd"
+    beta: float = 0.5
+    hard_label_weight: float = 0.0
+    soft_label_weight: Optional[float] = None
+    teacher_vocab: str = "renormalize"
+    topk_tail: bool = True
+    reduction: str = "batchmean"
+
+    def __post_init__(self):
+        check_choice("divergence", self.divergence, DIVERGENCES)
+        check_choice("reduction", self.reduction, REDUCTIONS)
+        check_choice("teacher_vocab", self.teacher_vocab, TEACHER_VOCAB_MODES)
+        soft = self.soft_label_weight
+        set_fields(
+            self, beta=check_real("beta", self.beta, 0.0, 1.0),
+            hard_label_weight=check_real("hard_label_weight", self.hard_label_weight, 0.0, None),
+            soft_label_weight=None if soft is None else check_real("soft_label_weight", soft, 0.0, None),
+            topk_tail=check_flag("topk_tail", self.topk_tail),
+        )
+
+    def term_weights(self) -> tuple[float, float]:
+        """``(hard, soft)`` weights of the CE and divergence terms before the reduction."""
+        hard = self.hard_label_weight
+        return hard, (self.soft_label_weight if self.soft_label_weight is not None else 1.0 - hard)
+
+
+@dataclass(frozen=True)
+class Teacher:
+    """The teacher's inputs (detached): its hidden states and head, or its top-k log-probs."""
+
+    hidden: Optional[Tensor] = None
+    weight: Optional[Tensor] = None
+    bias: Optional[Tensor] = None
+    topk_logprobs: Optional[Tensor] = None
+    topk_indices: Optional[Tensor] = None
+
+    @property
+    def topk(self) -> bool:
+        return self.topk_logprobs is not None or self.topk_indices is not None
+
+    def detached(self) -> "Teacher":
+        return Teacher(*(None if t is None else t.detach() for t in
+                         (self.hidden, self.weight, self.bias, self.topk_logprobs, self.topk_indices)))
+
+
+def _check(weight, hidden, labels, bias, teacher: Teacher, head: HeadOptions) -> None:
+    """The engine's checks of the student head, then those of the teacher's tensors."""
+    Vs = check_head_inputs(weight, hidden, labels, bias, head)
+    lead = tuple(hidden.shape[:-1])
+    topk_lp, topk_idx, tw, tb = teacher.topk_logprobs, teacher.topk_indices, teacher.weight, teacher.bias
+    if teacher.topk:
+        if teacher.hidden is not None:
             raise ValueError("give either teacher_hidden or teacher_topk_logprobs/teacher_topk_indices, not both")
         if topk_lp is None or topk_idx is None:
             raise ValueError("teacher top-k mode needs both teacher_topk_logprobs and teacher_topk_indices")
@@ -114,9 +153,9 @@ def _check(weight, hidden, teacher_hidden, labels, o):
             raise ValueError(f"teacher_topk_indices must have the shape of teacher_topk_logprobs "
                              f"{tuple(topk_lp.shape)}, got {tuple(topk_idx.shape)}")
     else:
-        if teacher_hidden is None:
+        if teacher.hidden is None:
             raise ValueError("teacher_hidden is required (or teacher_topk_logprobs and teacher_topk_indices)")
-        check_tensor("teacher_hidden", teacher_hidden, floating=True)
+        check_tensor("teacher_hidden", teacher.hidden, floating=True)
         if tw is not None:
             check_tensor("teacher_weight", tw, ndim=2, floating=True)
         t_w = weight if tw is None else tw
@@ -124,18 +163,17 @@ def _check(weight, hidden, teacher_hidden, labels, o):
         if Vt < Vs:
             raise ValueError(f"teacher_weight must have at least the student's vocabulary: shape [Vt >= {Vs}, Ht], "
                              f"got {tuple(t_w.shape)}")
-        if tuple(teacher_hidden.shape) != lead + (Ht,):
+        if tuple(teacher.hidden.shape) != lead + (Ht,):
             raise ValueError(f"teacher_hidden must have shape {lead + (Ht,)} (hidden.shape[:-1] and the "
-                             f"teacher_weight's hidden size {Ht}), got {tuple(teacher_hidden.shape)}")
+                             f"teacher_weight's hidden size {Ht}), got {tuple(teacher.hidden.shape)}")
         if tb is not None:
             check_tensor("teacher_bias", tb, ndim=1, floating=True)
             if tb.shape[0] != Vt:
                 raise ValueError(f"teacher_bias must have shape [{Vt}] (vocab of teacher_weight), got "
                                  f"{tuple(tb.shape)}")
-    check_same_device(weight=weight, hidden=hidden, labels=labels, bias=o["bias"], teacher_hidden=teacher_hidden,
+    check_same_device(weight=weight, hidden=hidden, labels=labels, bias=bias, teacher_hidden=teacher.hidden,
                       teacher_weight=tw, teacher_bias=tb, teacher_topk_logprobs=topk_lp,
                       teacher_topk_indices=topk_idx)
-    return topk
 
 
 _TRANSFORM_ROWS = 256  # rows per fp32 slice of the softcap transform (bounds its temporary memory)
@@ -160,83 +198,98 @@ def _head_transform(tile: Tensor, logit_scale: float, softcap: Optional[float], 
     return factor
 
 
-def _run(weight, hidden, bias, teacher_hidden, labels, o, needs_h, needs_w, needs_b, sink):
+@dataclass
+class _TeacherHead:
+    """The teacher per chunk: top-k rows ``[N, k]`` or its rows and head in its compute dtype."""
+
+    columns: int = 0  # teacher logits columns per tile
+    item: int = 0  # bytes per teacher tile element
+    rows: object = None
+    weight: Optional[Tensor] = None
+    bias: Optional[Tensor] = None
+    topk_logprobs: Optional[Tensor] = None
+    topk_indices: Optional[Tensor] = None
+
+
+def _teacher_head(teacher: Teacher, opts: DistillationOptions, h_rows, index, w_c, bias, Vs, cdt) -> _TeacherHead:
+    if teacher.topk:
+        k = teacher.topk_logprobs.shape[-1]
+        lp_valid = teacher.topk_logprobs.reshape(-1, k).index_select(0, index).contiguous()
+        idx_valid = teacher.topk_indices.reshape(-1, k).index_select(0, index).contiguous()
+        check_topk(lp_valid, idx_valid, Vs)
+        return _TeacherHead(topk_logprobs=lp_valid, topk_indices=idx_valid)
+    tw_given = teacher.weight is not None
+    tb = teacher.bias if (tw_given or teacher.bias is not None) else bias
+    tb = None if tb is None else tb.detach()
+    if tw_given:
+        tw_full = gather_weight(teacher.weight)  # detached by the caller
+        n_t_cols = Vs if opts.teacher_vocab == "renormalize" else tw_full.shape[0]
+        tdt = compute_dtype(tw_full)
+        tw_c = tw_full[:n_t_cols]
+        tw_c = tw_c if tw_c.dtype == tdt else tw_c.to(tdt)
+    else:  # the student's head, already gathered and cast (all Vs columns, in cdt)
+        n_t_cols, tdt, tw_c = Vs, cdt, w_c.detach()
+    rows = h_rows.like(teacher.hidden.reshape(-1, teacher.hidden.shape[-1]))
+    return _TeacherHead(columns=n_t_cols, item=itemsize(tdt), rows=rows, weight=tw_c,
+                        bias=None if tb is None else tb[:n_t_cols])
+
+
+def _upstream(opts: DistillationOptions, num_items, N: int, Vs: int, dev):
+    """``(hard_weight, soft_weight, scale)``: the kernel's term weights after the reduction and the
+    per-row upstream factor (``1 / num_items_in_batch``: a float, or an ``[N]`` tensor)."""
+    w_hard, w_soft = opts.term_weights()
+    scale: object = 1.0
+    if num_items is not None:
+        if isinstance(num_items, Tensor):
+            scale = (1.0 / num_items.to(device=dev, dtype=torch.float32)).reshape(1).expand(max(N, 1)).contiguous()
+        else:
+            scale = 1.0 / float(num_items)
+    elif opts.reduction == "batchmean":
+        w_hard, w_soft = w_hard / max(N, 1), w_soft / max(N, 1)
+    elif opts.reduction == "mean":
+        w_hard, w_soft = w_hard / max(N, 1), w_soft / max(N * Vs, 1)
+    return w_hard, w_soft, scale
+
+
+def _run(weight, hidden, bias, labels, teacher: Teacher, head: HeadOptions, opts: DistillationOptions,
+         num_items, needs_h, needs_w, needs_b, metrics: dict):
     """The chunk loop. Returns (loss 0-d fp32, grad_hidden | None, grad_weight | None, grad_bias | None)."""
     dev = hidden.device
     Vs = weight.shape[0]
-    w_full = gather_weight(weight)
-    cdt = o["compute_dtype"]
-    w_c = w_full if w_full.dtype == cdt else w_full.to(cdt)
-    h_rows, l_valid, index = token_rows(hidden, labels, o["ignore_index"], num_classes=Vs)  # one host sync
+    cdt = compute_dtype(weight)
+    w_full, w_c = head_in_dtype(weight, cdt)
+    h_rows, l_valid, index = token_rows(hidden, labels, head.ignore_index, num_classes=Vs)  # one host sync
     N = l_valid.shape[0]
-
-    topk = o["topk"]
-    if topk:
-        k = o["teacher_topk_logprobs"].shape[-1]
-        lp_valid = o["teacher_topk_logprobs"].reshape(-1, k).index_select(0, index).contiguous()
-        idx_valid = o["teacher_topk_indices"].reshape(-1, k).index_select(0, index).contiguous()
-        check_topk(lp_valid, idx_valid, Vs)
-        n_t_cols, t_item = 0, 0
-    else:
-        tw_given = o["teacher_weight"] is not None
-        tb = o["teacher_bias"] if (tw_given or o["teacher_bias"] is not None) else bias
-        tb = None if tb is None else tb.detach()
-        if tw_given:
-            tw_full = gather_weight(o["teacher_weight"])  # detached by the caller
-            n_t_cols = Vs if o["teacher_vocab"] == "renormalize" else tw_full.shape[0]
-            tdt = compute_dtype(tw_full)
-            tw_c = tw_full[:n_t_cols]
-            tw_c = tw_c if tw_c.dtype == tdt else tw_c.to(tdt)
-        else:  # the student's head, already gathered and cast (all Vs columns, in cdt)
-            n_t_cols, tdt, tw_c = Vs, cdt, w_c.detach()
-        tb_c = None if tb is None else tb[:n_t_cols]
-        th_rows = h_rows.like(teacher_hidden.detach().reshape(-1, teacher_hidden.shape[-1]))
-        t_item = torch.finfo(tdt).bits // 8
-
-    # weights of the two terms and the per-row upstream factor (see the module docstring)
-    red = o["reduction"]
-    w_hard = float(o["hard_label_weight"])
-    w_soft = float(o["soft_label_weight"]) if o["soft_label_weight"] is not None else 1.0 - w_hard
-    nib = o["num_items_in_batch"]
-    scale: object = 1.0
-    if nib is not None:
-        if isinstance(nib, Tensor):
-            scale = (1.0 / nib.to(device=dev, dtype=torch.float32)).reshape(1).expand(max(N, 1)).contiguous()
-        else:
-            scale = 1.0 / float(nib)
-    elif red == "batchmean":
-        w_hard, w_soft = w_hard / max(N, 1), w_soft / max(N, 1)
-    elif red == "mean":
-        w_hard, w_soft = w_hard / max(N, 1), w_soft / max(N * Vs, 1)
+    th = _teacher_head(teacher, opts, h_rows, index, w_c, bias, Vs, cdt)
+    w_hard, w_soft, scale = _upstream(opts, num_items, N, Vs, dev)
     grad = needs_h or needs_w or needs_b
 
-    s_item = torch.finfo(cdt).bits // 8
-    width = Vs + (n_t_cols * t_item + s_item - 1) // s_item
+    s_item = itemsize(cdt)
+    width = Vs + (th.columns * th.item + s_item - 1) // s_item
     H = w_c.shape[1]
-    grads = HeadGrads(h_rows, Vs, H, dtype=cdt, weight_dtype=o["accum_dtype"] or w_full.dtype, device=dev,
+    grads = HeadGrads(h_rows, Vs, H, dtype=cdt, weight_dtype=head.accum_dtype or w_full.dtype, device=dev,
                       hidden=grad and needs_h, weight=grad and needs_w, bias=grad and needs_b)
     sums = torch.zeros(5, dtype=torch.float32, device=dev)  # loss, divergence, ce, entropy, correct
-    kopts = dict(divergence=o["divergence"], beta=float(o["beta"]), temperature=float(o["temperature"]),
-                 teacher_vocab=o["teacher_vocab"], topk_tail=o["topk_tail"], hard_weight=w_hard,
-                 soft_weight=w_soft, ignore_index=o["ignore_index"], check_inputs=False, impl=o["impl"])
-    softcap = None if o["softcap"] is None else float(o["softcap"])
-    logit_scale = float(o["logit_scale"])
+    kopts = dict(divergence=opts.divergence, beta=opts.beta, temperature=head.temperature,
+                 teacher_vocab=opts.teacher_vocab, topk_tail=opts.topk_tail, hard_weight=w_hard,
+                 soft_weight=w_soft, ignore_index=head.ignore_index, check_inputs=False, impl=head.impl)
+    softcap, logit_scale = head.softcap, head.logit_scale
     if softcap is not None:
         width += Vs  # the transform's derivative tile
     # two tiles (student, teacher) live per chunk: each gets the engine's default tile budget
     # (measured on the H200 at 8192 x 128256: 1024-token chunks 64.7 ms / 1.47x the memory floor,
     # against 70.8 ms / 1.24x with the budget shared)
-    budget = 2 * DEFAULT_BUDGET_BYTES
-    for ts, te in chunk_bounds(N, width, chunk_tokens=o["chunk_tokens"], budget_bytes=budget, itemsize=s_item):
+    budget = 2 * get_engine_config().default_budget_bytes
+    for ts, te in chunk_bounds(N, width, chunk_tokens=head.chunk_tokens, budget_bytes=budget, itemsize=s_item):
         h = h_rows(ts, te)
         s_tile = project(h, w_c, bias)
         d_head = _head_transform(s_tile, logit_scale, softcap, want_factor=grad)
-        if topk:
+        if th.topk_logprobs is not None:
             t_tile = None
-            extra = dict(topk_logprobs=lp_valid[ts:te], topk_indices=idx_valid[ts:te])
+            extra = dict(topk_logprobs=th.topk_logprobs[ts:te], topk_indices=th.topk_indices[ts:te])
         else:
             with torch.no_grad():
-                t_tile = project(th_rows(ts, te), tw_c, tb_c)
+                t_tile = project(th.rows(ts, te), th.weight, th.bias)
                 _head_transform(t_tile, logit_scale, softcap, want_factor=False)
             extra = {}
         row_scale = scale[ts:te] if isinstance(scale, Tensor) else scale
@@ -258,13 +311,13 @@ def _run(weight, hidden, bias, teacher_hidden, labels, o, needs_h, needs_w, need
         gh = grad_like(gh, hidden)
     loss = sums[0] if not isinstance(scale, float) or scale == 1.0 else sums[0] * scale
     n = max(N, 1)
-    sink["metrics"] = {
+    metrics.update({
         "divergence": sums[1] / n,
         "nll": sums[2] / n,
         "entropy": sums[3] / n,
         "token_accuracy": sums[4] / n,
         "num_tokens": torch.full((), float(N), dtype=torch.float32, device=dev),
-    }
+    })
     return loss, gh, gw, gb
 
 
@@ -272,22 +325,34 @@ class _FusedLinearDistillationFunction(torch.autograd.Function):
     """Gradients of the student head computed in forward; backward scales them by ``grad_output``."""
 
     @staticmethod
-    def forward(ctx, weight, hidden, bias, teacher_hidden, labels, o, sink):
-        needs_w, needs_h, needs_b = _needs_input_grads(ctx, o["grad_enabled"])
+    def forward(ctx, weight, hidden, bias, labels, teacher, head, opts, num_items, grad_enabled, metrics):
+        needs_w, needs_h, needs_b = needs_head_grads(ctx, grad_enabled)
         needs_b = needs_b and bias is not None
-        loss, gh, gw, gb = _run(weight, hidden, bias, teacher_hidden, labels, o, needs_h, needs_w, needs_b, sink)
-        ctx.save_for_backward(gh, gw, gb)
-        ctx.weight_ref = weight if needs_w else None
+        loss, gh, gw, gb = _run(weight, hidden, bias, labels, teacher, head, opts, num_items,
+                                needs_h, needs_w, needs_b, metrics)
+        save_forward_grads(ctx, weight, gh, gw, gb, needs_w)
         ctx.bias_dtype = None if bias is None else bias.dtype
-        ctx.has = (gh is not None, gw is not None, gb is not None)
         return loss
 
     @staticmethod
     def backward(ctx, grad_loss):
-        gh, gw, gb = _scaled_grads(ctx, grad_loss)
+        gh, gw, gb = scaled_grads(ctx, grad_loss)
         if gb is not None:
             gb = gb.to(ctx.bias_dtype)
-        return gw, gh, gb, None, None, None, None
+        return (gw, gh, gb) + (None,) * 7
+
+
+def run_distillation(weight, hidden, teacher_hidden, labels, *, head: HeadOptions, options: DistillationOptions,
+                     bias=None, teacher_weight=None, teacher_bias=None, teacher_topk_logprobs=None,
+                     teacher_topk_indices=None, num_items_in_batch=None) -> LossOutput:
+    """:func:`fused_linear_distillation_loss` with its options already validated."""
+    num_items = check_num_items(num_items_in_batch)
+    teacher = Teacher(teacher_hidden, teacher_weight, teacher_bias, teacher_topk_logprobs, teacher_topk_indices)
+    _check(weight, hidden, labels, bias, teacher, head)
+    metrics: dict = {}
+    loss = _FusedLinearDistillationFunction.apply(weight, hidden, bias, labels, teacher.detached(), head, options,
+                                                  num_items, torch.is_grad_enabled(), metrics)
+    return LossOutput(loss, metrics)
 
 
 def fused_linear_distillation_loss(
@@ -319,49 +384,47 @@ def fused_linear_distillation_loss(
 ) -> LossOutput:
     """Distillation loss of the student head ``(weight, bias)`` on ``hidden`` against the teacher head on
     ``teacher_hidden`` (or teacher top-k log-probs); see the module docstring. Returns
-    ``LossOutput(loss 0-d fp32, metrics)``; ``loss`` is differentiable w.r.t. ``hidden``, ``weight``, ``bias``."""
-    o = dict(
-        teacher_weight=teacher_weight, teacher_bias=teacher_bias, bias=bias,
-        teacher_topk_logprobs=teacher_topk_logprobs, teacher_topk_indices=teacher_topk_indices,
-        divergence=divergence, beta=beta, temperature=temperature, softcap=softcap, logit_scale=logit_scale,
-        hard_label_weight=hard_label_weight,
-        soft_label_weight=soft_label_weight, teacher_vocab=teacher_vocab, topk_tail=bool(topk_tail),
-        ignore_index=ignore_index, reduction=reduction, num_items_in_batch=num_items_in_batch,
-        chunk_tokens=chunk_tokens, accum_dtype=accum_dtype, impl=impl,
+    ``LossOutput(loss 0-d fp32, metrics)``; ``loss`` is differentiable w.r.t. ``hidden``, ``weight``, ``bias``.
+    Options: :class:`DistillationOptions` and :class:`~liger_losses.chunked.options.HeadOptions`."""
+    options = DistillationOptions(divergence=divergence, beta=beta, hard_label_weight=hard_label_weight,
+                                  soft_label_weight=soft_label_weight, teacher_vocab=teacher_vocab,
+                                  topk_tail=topk_tail, reduction=reduction)
+    head = HeadOptions(ignore_index=ignore_index, temperature=temperature, softcap=softcap, logit_scale=logit_scale,
+                       chunk_tokens=chunk_tokens, accum_dtype=accum_dtype, impl=impl)
+    return run_distillation(
+        weight, hidden, teacher_hidden, labels, head=head, options=options, bias=bias, teacher_weight=teacher_weight,
+        teacher_bias=teacher_bias, teacher_topk_logprobs=teacher_topk_logprobs,
+        teacher_topk_indices=teacher_topk_indices, num_items_in_batch=num_items_in_batch,
     )
-    o["topk"] = _check(weight, hidden, teacher_hidden, labels, o)
-    o["compute_dtype"] = compute_dtype(weight)
-    for key in ("teacher_weight", "teacher_bias", "teacher_topk_logprobs", "teacher_topk_indices"):
-        if o[key] is not None:
-            o[key] = o[key].detach()
-    o["grad_enabled"] = torch.is_grad_enabled()
-    sink: dict = {}
-    loss = _FusedLinearDistillationFunction.apply(weight, hidden, bias, teacher_hidden, labels, o, sink)
-    return LossOutput(loss, sink["metrics"])
 
 
-class LigerFusedLinearDistillationLoss(torch.nn.Module):
-    """Module form of :func:`fused_linear_distillation_loss`; the constructor takes its keyword options
-    (``divergence``, ``beta``, ``temperature``, ``softcap``, ``logit_scale``, ``hard_label_weight``, ``soft_label_weight``, ``teacher_vocab``,
-    ``topk_tail``, ``ignore_index``, ``reduction``, ``chunk_tokens``, ``accum_dtype``, ``impl``)."""
+class LigerFusedLinearDistillationLoss(ChunkedLossModule):
+    """Module form of :func:`fused_linear_distillation_loss`; the constructor takes its keyword options."""
 
-    _OPTIONS = ("divergence", "beta", "temperature", "softcap", "logit_scale", "hard_label_weight", "soft_label_weight", "teacher_vocab",
-                "topk_tail", "ignore_index", "reduction", "chunk_tokens", "accum_dtype", "impl")
+    runner = staticmethod(run_distillation)
+    TRL_METRIC_NAMES = TRL_METRIC_NAMES
+    REPR_KEYS = ("divergence", "beta", "temperature", "softcap", "logit_scale", "hard_label_weight",
+                 "soft_label_weight", "teacher_vocab", "topk_tail", "ignore_index", "reduction", "chunk_tokens",
+                 "accum_dtype", "impl")
 
-    def __init__(self, **options):
-        super().__init__()
-        unknown = sorted(set(options) - set(self._OPTIONS))
-        if unknown:
-            raise TypeError(f"unknown option(s) {unknown}; expected some of {self._OPTIONS}")
-        self.options = dict(options)
+    def __init__(self, *, divergence: str = "jsd", beta: float = 0.5, temperature: float = 1.0,
+                 softcap: Optional[float] = None, logit_scale: float = 1.0, hard_label_weight: float = 0.0,
+                 soft_label_weight: Optional[float] = None, teacher_vocab: str = "renormalize",
+                 topk_tail: bool = True, ignore_index: int = -100, reduction: str = "batchmean",
+                 chunk_tokens: Optional[int] = None, accum_dtype: Optional[torch.dtype] = None,
+                 impl: str = "auto"):
+        super().__init__(
+            HeadOptions(ignore_index=ignore_index, temperature=temperature, softcap=softcap,
+                        logit_scale=logit_scale, chunk_tokens=chunk_tokens, accum_dtype=accum_dtype, impl=impl),
+            DistillationOptions(divergence=divergence, beta=beta, hard_label_weight=hard_label_weight,
+                                soft_label_weight=soft_label_weight, teacher_vocab=teacher_vocab,
+                                topk_tail=topk_tail, reduction=reduction),
+        )
 
     def forward(self, weight, hidden, teacher_hidden, labels, *, teacher_weight=None, teacher_bias=None, bias=None,
                 teacher_topk_logprobs=None, teacher_topk_indices=None, num_items_in_batch=None) -> LossOutput:
-        return fused_linear_distillation_loss(
+        return self.run(
             weight, hidden, teacher_hidden, labels, teacher_weight=teacher_weight, teacher_bias=teacher_bias,
             bias=bias, teacher_topk_logprobs=teacher_topk_logprobs, teacher_topk_indices=teacher_topk_indices,
-            num_items_in_batch=num_items_in_batch, **self.options,
+            num_items_in_batch=num_items_in_batch,
         )
-
-    def extra_repr(self) -> str:
-        return ", ".join(f"{k}={v!r}" for k, v in self.options.items())

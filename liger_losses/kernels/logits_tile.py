@@ -23,6 +23,7 @@ blocks (online max / sum-exp, then the gradient). ``impl="torch"``: same semanti
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import NamedTuple, Optional, Union
 
@@ -326,11 +327,15 @@ def _block_settings(V: int, knobs: LogitsTileTuning) -> tuple[int, int]:
 
 def check_ce_options(*, label_smoothing: float, z_loss_weight: float, softcap: Optional[float]) -> None:
     """Raise ``ValueError`` unless ``label_smoothing`` is in [0, 1], ``z_loss_weight`` >= 0 and
-    ``softcap`` is ``None`` or > 0 (the cross-entropy options shared with :mod:`cross_entropy`)."""
+    ``softcap`` is ``None`` (no cap) or a finite number > 0 (the cross-entropy options shared with
+    :mod:`cross_entropy`); ``softcap=inf`` is rejected: the cap's ``x / softcap`` then rounds every
+    logit's gradient to 0 * inf = NaN instead of meaning "no cap"."""
     check_range("label_smoothing", float(label_smoothing), 0.0, 1.0)
     check_range("z_loss_weight", float(z_loss_weight), 0.0, None)
     if softcap is not None:
         check_range("softcap", float(softcap), 0.0, None, low_inclusive=False)
+        if not math.isfinite(float(softcap)):
+            raise ValueError(f"softcap must be a finite number > 0, or None for no cap, got {softcap!r}")
 
 
 def logits_tile(

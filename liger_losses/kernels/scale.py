@@ -5,7 +5,7 @@ float tensor on ``x``'s device), computed in fp32 and rounded once to ``x``'s dt
 ``x.mul_(scale)`` gives. Every program of the Triton kernel reads ``scale`` first and returns when
 it is exactly 1, so the usual upstream gradient of a loss (1) costs one launch instead of a read and
 a write of ``x``, and the host never reads the value (no device-to-host sync). Used by the chunked
-engine's backward to scale gradients computed in the forward (``engine.DEVICE_SCALE``).
+engine's backward to scale gradients computed in the forward (``EngineConfig.device_scale``).
 
 Without Triton on ``x``'s device (or for non-contiguous ``x``) the same product in PyTorch (in
 ``scale``'s dtype when it is wider than ``x``'s, slab by slab).

@@ -28,7 +28,7 @@ from typing import Optional
 import torch
 import trl
 
-from ..chunked.preference.dpo import TRL_METRIC_NAMES, LigerFusedLinearDPOLoss
+from ..chunked.preference.dpo import TRL_METRIC_NAMES, LigerFusedLinearDPOLoss, ld_mask_weights
 from .base import build_config_loss, completion_labels
 from .reference import LigerReferenceTrainerMixin
 
@@ -57,17 +57,10 @@ def build_dpo_loss(args, *, chunk_tokens: Optional[int] = None, softcap=None, lo
 
 def _ld_alpha_sums(per_token: torch.Tensor, shift_completion_mask: torch.Tensor, ld_alpha) -> torch.Tensor:
     """Per-sequence sums of ``per_token [2P, T]``; with LD-DPO, tokens beyond the pair's shared
-    completion length weighted by ``ld_alpha`` (TRL 1.16's rule)."""
+    completion length weighted by ``ld_alpha`` (the loss's own weights, ``ld_mask_weights``)."""
     if ld_alpha is None:
         return per_token.sum(dim=1)
-    pos = shift_completion_mask.cumsum(dim=1)
-    lens = shift_completion_mask.sum(dim=1).long()
-    c_len, r_len = lens.chunk(2, dim=0)
-    shared = torch.minimum(c_len, r_len)
-    shared = torch.cat([shared, shared], dim=0).unsqueeze(1)
-    shared_mask = (pos > 0) & (pos <= shared)
-    tail_mask = pos > shared
-    return (per_token * shared_mask).sum(dim=1) + ld_alpha * (per_token * tail_mask).sum(dim=1)
+    return (per_token * ld_mask_weights(shift_completion_mask != 0, ld_alpha)).sum(dim=1)
 
 
 class DPOTrainer(LigerReferenceTrainerMixin, trl.DPOTrainer):

@@ -228,14 +228,18 @@ def test_gpu_bf16_accuracy_vs_plain():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("speculative", [True, False], ids=["first-chunk-early", "plain"])
-def test_gpu_peak_is_gradients_plus_one_tile(speculative, monkeypatch):
+def test_gpu_peak_is_gradients_plus_one_tile(speculative):
     """GPU, bf16, 4 chunks of 512 tokens (V=32000, H=1024): the peak allocated above the inputs
     during forward + backward is the two gradients plus one [512, V] logits tile, within 2 MiB
     (issue #3's memory bar sits 1.5x the gradients; a buffer kept alive across chunks -- the first
     chunk's rows and hidden-gradient rows once did -- shows up here)."""
-    import liger_losses.chunked.engine as engine
+    from liger_losses.chunked.config import engine_config
 
-    monkeypatch.setattr(engine, "SPECULATIVE_FIRST_CHUNK", speculative)
+    with engine_config(speculative_first_chunk=speculative):
+        _gpu_peak_check()
+
+
+def _gpu_peak_check():
     dev, N, Hs, Vs, chunk = "cuda", 2048, 1024, 32000, 512
     w = (torch.randn(Vs, Hs, device=dev) * 0.02).bfloat16().requires_grad_()
     h = torch.randn(N, Hs, device=dev).bfloat16().requires_grad_()
@@ -269,7 +273,7 @@ def _labels_with(valid_count, total=64, seed=3):
                          ids=["none-ignored", "chunk1-full", "exactly-chunk1", "chunk1-padded", "all-ignored"])
 @pytest.mark.parametrize("options", ["plain", "smoothing-zloss-items-bias"])
 def test_speculative_first_chunk_equals_plain_path(valid_count, options, monkeypatch):
-    """engine.SPECULATIVE_FIRST_CHUNK (the first 16-token chunk issued before the labels' host sync,
+    """EngineConfig.speculative_first_chunk (the first 16-token chunk issued before the labels' host sync,
     padded with ignored rows when fewer tokens are valid) gives bitwise the loss, the gradients of
     hidden, weight and bias, and the metrics of the plain path (same fixed chunks, fp32), with every
     token valid, more or fewer valid tokens than one chunk, and none; within 1e-6 when the first
@@ -312,28 +316,28 @@ def test_speculative_first_chunk_rejects_labels_out_of_range():
 
 
 def _speculated(monkeypatch):
-    """A list that grows by one each time a call takes the speculative path (engine.PendingScan)."""
-    import liger_losses.chunked.engine as engine
+    """A list that grows by one each time a call takes the speculative path (token_passes.PendingLabelScan)."""
+    import liger_losses.chunked.token_passes as token_passes
 
     calls = []
 
-    class Counted(engine.PendingScan):
+    class Counted(token_passes.PendingLabelScan):
         def __init__(self, *args, **kwargs):
             calls.append(1)
             super().__init__(*args, **kwargs)
 
-    monkeypatch.setattr(engine, "PendingScan", Counted)
+    monkeypatch.setattr(token_passes, "PendingLabelScan", Counted)
     return calls
 
 
 def _both_paths(monkeypatch, fn):
-    """``[fn() with SPECULATIVE_FIRST_CHUNK on, fn() with it off]``."""
-    import liger_losses.chunked.engine as engine
+    """``[fn() with speculative_first_chunk on, fn() with it off]``."""
+    from liger_losses.chunked.config import engine_config
 
     out = []
     for speculate in (True, False):
-        monkeypatch.setattr(engine, "SPECULATIVE_FIRST_CHUNK", speculate)
-        out.append(fn())
+        with engine_config(speculative_first_chunk=speculate):
+            out.append(fn())
     return out
 
 
@@ -410,9 +414,12 @@ def test_speculative_first_chunk_variants(case, valid_count, monkeypatch):
     """Frozen weight, hidden without grad, int32 1-D labels, non-contiguous shifted views
     (hidden[:, :-1], labels[:, 1:]), an fp64 accumulator, budget-derived chunks: the speculative
     path (taken: asserted) equals the plain path within 1e-6 in the loss and each gradient asked for."""
-    import liger_losses.chunked.engine as engine
+    import contextlib
+
+    from liger_losses.chunked.config import engine_config
 
     calls = _speculated(monkeypatch)
+    budget = contextlib.nullcontext()
     w, _, _, _ = _inputs(seed=6)
     kw = dict(chunk_tokens=16)
     hfull = torch.randn(4, 17, H)
@@ -433,8 +440,7 @@ def test_speculative_first_chunk_variants(case, valid_count, monkeypatch):
         h = h.clone().requires_grad_()
         kw["accum_dtype"], leaves = torch.float64, (w, h)
     else:  # budget-derived chunks of 16 rows
-        monkeypatch.setattr(engine, "DEFAULT_BUDGET_BYTES", 16 * V * 4)
-        monkeypatch.setattr(engine, "WEIGHT_BUDGET_FRACTION", 0.0)
+        budget = engine_config(default_budget_bytes=16 * V * 4, weight_budget_fraction=0.0)
         kw, h = {}, h.clone().requires_grad_()
         leaves = (w, h)
 
@@ -442,7 +448,8 @@ def test_speculative_first_chunk_variants(case, valid_count, monkeypatch):
         loss = fused_linear_cross_entropy(w, h, labels, **kw)
         return (loss.detach(), *torch.autograd.grad(loss, leaves))
 
-    fast, plain = _both_paths(monkeypatch, run)
+    with budget:
+        fast, plain = _both_paths(monkeypatch, run)
     assert calls
     for f, p in zip(fast, plain):
         assert_close_rel(f, p, 1e-6, case)

@@ -1,4 +1,5 @@
-"""Tests of liger_losses/chunked/engine.py: chunking, compaction, projection, gradient GEMMs and
+"""Tests of the engine primitives (liger_losses/chunked/engine.py indexes them): chunking, compaction,
+projection, gradient GEMMs and
 sharded weights, each against a plain PyTorch formula (fp32 1e-5 relative error, or exact where
 the operation is a copy). The sequence-objective driver: tests/chunked/test_sequence.py.
 """
@@ -31,10 +32,10 @@ def test_chunk_bounds():
     assert chunk_bounds(0, 100) == []
     b = chunk_bounds(8192, 128256, budget_bytes=512 * 2**20, itemsize=2)
     assert b[0] == (0, 2048) and b[-1][1] == 8192 and len(b) == 4
-    from liger_losses.chunked.engine import DEFAULT_BUDGET_BYTES
+    from liger_losses.chunked.config import get_engine_config
 
     for s, e in chunk_bounds(5000, 128256):
-        assert (e - s) * 128256 * 2 <= DEFAULT_BUDGET_BYTES
+        assert (e - s) * 128256 * 2 <= get_engine_config().default_budget_bytes
     with pytest.raises(ValueError, match="chunk_tokens"):
         chunk_bounds(10, 10, chunk_tokens=0)
 

@@ -78,18 +78,18 @@ def test_host_syncs_do_not_grow_with_chunks(name):
 def test_one_host_sync_per_step(name):
     """Cross-entropy and the pair losses synchronize exactly once per forward + backward: the labels'
     range check, the valid-token count and the per-sequence counts are read back together
-    (engine._scan_labels), compaction uses the known count (``nonzero_static``), and the backward
-    scales on the device (engine.DEVICE_SCALE)."""
+    (tokens.scan_labels), compaction uses the known count (``nonzero_static``), and the backward
+    scales on the device (EngineConfig.device_scale)."""
     run = make_step(name)(None)
     run()  # warm-up: compilation and caches
     assert count_host_syncs(run) == 1
 
 
-def test_speculative_first_chunk_on_the_gpu(monkeypatch):
+def test_speculative_first_chunk_on_the_gpu():
     """Cross-entropy with its first chunk issued before the host sync (24-token chunks, 8 of 32
     tokens per row ignored): no sync reported (the wait is on a CUDA event after a non-blocking copy
     of the counts to pinned memory), and the loss and gradients equal the plain path's bitwise."""
-    import liger_losses.chunked.engine as engine
+    from liger_losses.chunked.config import engine_config
 
     step = make_step("cross_entropy")
     torch.manual_seed(1)
@@ -105,18 +105,18 @@ def test_speculative_first_chunk_on_the_gpu(monkeypatch):
     step(24)()  # warm-up
     assert count_host_syncs(step(24)) == 0
     fast = run()
-    monkeypatch.setattr(engine, "SPECULATIVE_FIRST_CHUNK", False)
-    plain = run()
+    with engine_config(speculative_first_chunk=False):
+        plain = run()
     for a, b in zip(fast, plain):
         assert torch.equal(a, b)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs 2 GPUs")
-def test_speculative_first_chunk_on_a_non_current_gpu(monkeypatch):
+def test_speculative_first_chunk_on_a_non_current_gpu():
     """Inputs on cuda:1 while cuda:0 is current (device_map model parallelism): the wait on the
     counts' copy covers the copy (the event is recorded on the labels' device's stream); loss and
     gradients equal the plain path's bitwise, 20 times, so that a stale pinned read would show."""
-    import liger_losses.chunked.engine as engine
+    from liger_losses.chunked.config import engine_config
 
     dev = torch.device("cuda", 1)
     torch.cuda.set_device(0)
@@ -133,7 +133,7 @@ def test_speculative_first_chunk_on_a_non_current_gpu(monkeypatch):
     for _ in range(20):
         out = []
         for speculate in (True, False):
-            monkeypatch.setattr(engine, "SPECULATIVE_FIRST_CHUNK", speculate)
-            out.append(run())
+            with engine_config(speculative_first_chunk=speculate):
+                out.append(run())
         for a, b in zip(*out):
             assert torch.equal(a, b)

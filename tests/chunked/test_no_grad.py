@@ -11,7 +11,7 @@ The pure-PyTorch path (``impl="torch"``) keeps this fast; grad mode is independe
 import pytest
 import torch
 
-import liger_losses.chunked.engine as engine_module
+import liger_losses.chunked.gemm as gemm_module
 from liger_losses.chunked.cross_entropy import fused_linear_cross_entropy
 from liger_losses.chunked.distillation import fused_linear_distillation_loss
 from liger_losses.chunked.preference.dpo import fused_linear_dpo_loss
@@ -23,8 +23,7 @@ B, T, H, V = 4, 7, 16, 40
 
 @pytest.fixture
 def backprop_calls(monkeypatch):
-    """Counts the calls of ``backprop_tile`` (the engine's; distillation reaches it through
-    ``engine.HeadGrads``)."""
+    """Counts the calls of ``backprop_tile`` (every loss reaches it through ``gemm.HeadGrads``)."""
     calls = [0]
 
     def wrap(fn):
@@ -34,7 +33,7 @@ def backprop_calls(monkeypatch):
 
         return counted
 
-    monkeypatch.setattr(engine_module, "backprop_tile", wrap(engine_module.backprop_tile))
+    monkeypatch.setattr(gemm_module, "backprop_tile", wrap(gemm_module.backprop_tile))
     return calls
 
 

@@ -280,3 +280,38 @@ def test_gpu_host_syncs_do_not_grow_with_chunks(separable):
 
     syncs(None)  # warm-up (compilation)
     assert syncs(24) == syncs(1024)
+
+
+# ----------------------------------------------------------------------------- the Objective protocol
+
+
+def test_objective_declarations_choose_the_path():
+    """An Objective subclass declares how it may run: separable -> called once per chunk of units
+    (one pass); separable=False -> called once on the whole batch (two phases); its
+    pair_gradient_ratio is asked for the longest pair's lengths. The loss is the same either way
+    (fp32 1e-5: other chunk orders); a plain callable works as a separable objective."""
+    from liger_losses.chunked.objective import Objective
+
+    class Margin(Objective):
+        def __init__(self, separable):
+            self.separable, self.calls, self.asked = separable, [], []
+
+        def pair_gradient_ratio(self, chosen_tokens, rejected_tokens):
+            self.asked.append((chosen_tokens, rejected_tokens))
+            return -1.0
+
+        def __call__(self, stats):
+            self.calls.append(stats.logps.shape[0])
+            chosen, rejected = stats.logps.chunk(2)
+            return -F.logsigmoid(0.1 * (chosen - rejected)), {}
+
+    w, h, b, labels, _, _ = _inputs(seed=2)
+    one, whole = Margin(True), Margin(False)
+    loss1, _, _ = fused_linear_sequence_objective(w, h, labels, one, group_size=2, chunk_tokens=8, impl="torch")
+    loss2, _, _ = fused_linear_sequence_objective(w, h, labels, whole, group_size=2, chunk_tokens=8, impl="torch")
+    assert one.calls == [2, 2] and one.asked == []  # one pair (<= 8 tokens) per chunk
+    assert whole.calls == [4] and len(whole.asked) == 1
+    assert_close_rel(loss1, loss2, FP32, "one pass vs two phases")
+    plain, _, _ = fused_linear_sequence_objective(w, h, labels, one.__call__, group_size=2, chunk_tokens=8,
+                                                  impl="torch")
+    assert_close_rel(plain, loss1, FP32, "plain callable")

@@ -85,11 +85,11 @@ def test_bad_inputs():
 
 
 @pytest.mark.parametrize("valid_count", [64, 40, 5, 0], ids=["none-ignored", "chunk1-full", "chunk1-padded", "all-ignored"])
-def test_speculative_first_chunk_equals_plain_path(valid_count, monkeypatch):
-    """The forward's first chunk issued before the labels' host sync (engine.SPECULATIVE_FIRST_CHUNK,
+def test_speculative_first_chunk_equals_plain_path(valid_count):
+    """The forward's first chunk issued before the labels' host sync (EngineConfig.speculative_first_chunk,
     16-token chunks over 64 tokens) gives the plain path's log-probs, entropy and recomputed
     gradients bitwise (within 1e-6 when the first chunk is padded: its GEMM's row count differs)."""
-    import liger_losses.chunked.engine as engine
+    from liger_losses.chunked.config import engine_config
 
     g = torch.Generator().manual_seed(7)
     w = torch.randn(V, H, generator=g).requires_grad_()
@@ -100,9 +100,9 @@ def test_speculative_first_chunk_equals_plain_path(valid_count, monkeypatch):
     up = torch.randn(4, 16, generator=g)
     results = []
     for speculate in (True, False):
-        monkeypatch.setattr(engine, "SPECULATIVE_FIRST_CHUNK", speculate)
-        logps, entropy = fused_linear_token_logprobs(w, h, labels, chunk_tokens=16, return_entropy=True)
-        results.append((logps.detach(), entropy, *torch.autograd.grad((logps * up).sum(), (w, h))))
+        with engine_config(speculative_first_chunk=speculate):
+            logps, entropy = fused_linear_token_logprobs(w, h, labels, chunk_tokens=16, return_entropy=True)
+            results.append((logps.detach(), entropy, *torch.autograd.grad((logps * up).sum(), (w, h))))
     for got, want in zip(*results):
         if 0 < valid_count < 16:
             assert_close_rel(got, want, 1e-6, "speculative vs plain")

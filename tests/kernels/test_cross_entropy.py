@@ -131,6 +131,8 @@ def test_bad_inputs():
         cross_entropy(x, labels, weight=torch.ones(3))
     with pytest.raises(ValueError, match="impl"):
         cross_entropy(x, labels, impl="cuda")
+    with pytest.raises(ValueError, match="softcap"):  # inf would give NaN gradients, not "no cap"
+        cross_entropy(x, labels, softcap=float("inf"))
 
 
 @pytest.mark.gpu

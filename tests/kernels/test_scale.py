@@ -1,5 +1,5 @@
 """Tests of liger_losses/kernels/scale.py's ``scale_unless_one_`` and of the chunked engine's
-backward with ``engine.DEVICE_SCALE`` on.
+backward with ``engine_config(device_scale=True)``.
 
 Held bitwise to ``x`` times ``scale`` in fp32, rounded once to x's dtype (so any difference is a
 bug, not rounding; ``x.mul_(scale)`` would first round an fp32 scale to a bf16 ``x``'s dtype): scales 1 (the kernel's early exit: x untouched), 0.5, -3.25 and
@@ -12,7 +12,7 @@ kernel (the interpreter on the CPU). On the GPU also: no host sync.
 import pytest
 import torch
 
-import liger_losses.chunked.engine as engine
+from liger_losses.chunked.config import engine_config
 from liger_losses.chunked.cross_entropy import fused_linear_cross_entropy
 from liger_losses.chunked.preference.dpo import fused_linear_dpo_loss
 from liger_losses.kernels import scale as scale_mod
@@ -73,8 +73,8 @@ def test_bad_arguments():
 
 @pytest.mark.parametrize("upstream", [1.0, 0.37])
 @pytest.mark.parametrize("loss", ["cross_entropy", "dpo"])
-def test_engine_backward_with_device_scale(loss, upstream, monkeypatch):
-    """Gradients of hidden and weight with DEVICE_SCALE on equal (bitwise) those with it off, for an
+def test_engine_backward_with_device_scale(loss, upstream):
+    """Gradients of hidden and weight with ``device_scale`` on equal (bitwise) those with it off, for an
     upstream gradient of 1 (no pass) and 0.37 (a pass): the same fp32 multiply either way."""
     torch.manual_seed(0)
     w = (torch.randn(50, 16, device=DEVICE) * 0.1).requires_grad_()
@@ -90,10 +90,10 @@ def test_engine_backward_with_device_scale(loss, upstream, monkeypatch):
             out = fused_linear_dpo_loss(w, h, ref_h, labels).loss
         return torch.autograd.grad(out * upstream, (w, h))
 
-    monkeypatch.setattr(engine, "DEVICE_SCALE", False)
-    off = grads()
-    monkeypatch.setattr(engine, "DEVICE_SCALE", True)
-    on = grads()
+    with engine_config(device_scale=False):
+        off = grads()
+    with engine_config(device_scale=True):
+        on = grads()
     for a, b in zip(on, off):
         assert torch.equal(a, b)
 

@@ -4,8 +4,8 @@ Every preference loss is a small formula on per-sequence statistics (``SequenceS
 chunked engine: ``[S]`` float32 tensors). This module holds what the DPO/ORPO/CPO/SimPO/KTO modules
 share:
 
-* :func:`check_inputs` -- shape/dtype/device checks of ``weight [V, H]``, ``hidden [B, T, H]``,
-  ``labels [B, T]`` (and the reference tensors) with errors that name the argument;
+* :func:`check_sequence_values` -- a per-sequence float tensor such as precomputed reference
+  log-probs (the other input checks are the driver's, ``sequence.check_sequence_inputs``);
 * :func:`split_pairs` -- ``[chosen; rejected]`` halves of a ``[2P]`` tensor (TRL's layout);
 * :func:`token_mean` -- ``sum(num) / sum(den)`` with 0 for an empty denominator (no NaN);
 * :func:`chosen_nll_per_unit` -- the per-pair share of a batch-token-averaged NLL term on the
@@ -14,9 +14,9 @@ share:
   sequences, read off the (detached) whole-batch stats: no extra GEMM;
 * :func:`pair_reward_metrics` -- the reward/log-prob/logit means every paired loss logs
   (``PAIR_TRL_METRIC_NAMES``), and :func:`detached`;
-* :class:`StoredOptions` -- base of the engine objectives (options kept as attributes);
-* :class:`PreferenceLossModule` -- base of the ``nn.Module`` twins (options fixed at construction,
-  ``forward(weight, hidden, labels, *, bias=None)`` calling the functional, ``extra_repr``).
+* :class:`PreferenceLossModule` -- base of the reference-free ``nn.Module`` twins
+  (``forward(weight, hidden, labels, *, bias=None)``), on ``chunked.module.ChunkedLossModule``;
+* :func:`zero_objective` (forward-only passes) and :func:`log1mexp`.
 """
 
 from __future__ import annotations
@@ -25,74 +25,11 @@ import math
 from typing import Dict, Optional
 
 import torch
-from torch import nn
-
-from ...kernels.utils import check_last_dim, check_same_device, check_tensor
+from ...kernels.utils import check_tensor
+from ..module import ChunkedLossModule
+from ..objective import Objective
 
 # All preference logps/ratios are float32 [S] tensors from the engine; formulas run in that dtype.
-
-
-def check_inputs(
-    weight: torch.Tensor,
-    hidden: torch.Tensor,
-    labels: torch.Tensor,
-    *,
-    paired: bool,
-    bias: Optional[torch.Tensor] = None,
-    ref_hidden: Optional[torch.Tensor] = None,
-    ref_weight: Optional[torch.Tensor] = None,
-    ref_bias: Optional[torch.Tensor] = None,
-    hidden_name: str = "hidden",
-    labels_name: str = "labels",
-    ref_hidden_name: str = "ref_hidden",
-) -> None:
-    """Raise ``TypeError``/``ValueError`` naming the argument when the inputs don't fit together.
-
-    weight ``[V, H]`` float; hidden ``[B, T, H]`` float; labels ``[B, T]`` integer; bias ``[V]``;
-    ref_hidden ``[B, T, H_ref]`` with ``H_ref`` the last dim of ``ref_weight`` (default ``weight``);
-    ``paired`` requires an even ``B`` (``[chosen; rejected]`` on dim 0). Label values are checked by
-    the engine (one host sync).
-    """
-    check_tensor("weight", weight, ndim=2, floating=True)
-    check_tensor(hidden_name, hidden, ndim=3, floating=True)
-    check_tensor(labels_name, labels, ndim=2, floating=False)
-    vocab, hdim = weight.shape
-    check_last_dim(hidden_name, hidden, hdim, "the hidden size of weight [V, H]")
-    if tuple(labels.shape) != tuple(hidden.shape[:2]):
-        raise ValueError(
-            f"{labels_name} must have shape {tuple(hidden.shape[:2])} ({hidden_name}'s [B, T]), "
-            f"got {tuple(labels.shape)}"
-        )
-    if paired and hidden.shape[0] % 2 != 0:
-        raise ValueError(
-            f"{hidden_name} must hold an even number of sequences laid out [chosen; rejected] on dim 0, "
-            f"got batch size {hidden.shape[0]}"
-        )
-    _check_vocab_rows("bias", bias, 1, vocab, f"must have shape [{vocab}] (weight's vocab size), got")
-    _check_vocab_rows("ref_weight", ref_weight, 2, vocab, f"must have {vocab} rows (weight's vocab size), got shape")
-    _check_vocab_rows("ref_bias", ref_bias, 1, vocab, f"must have shape [{vocab}] (the vocab size), got")
-    if ref_hidden is not None:
-        check_tensor(ref_hidden_name, ref_hidden, ndim=3, floating=True)
-        ref_h = (ref_weight if ref_weight is not None else weight).shape[1]
-        if tuple(ref_hidden.shape[:2]) != tuple(hidden.shape[:2]):
-            raise ValueError(
-                f"{ref_hidden_name} must have [B, T] = {tuple(hidden.shape[:2])} like {hidden_name}, "
-                f"got shape {tuple(ref_hidden.shape)}"
-            )
-        check_last_dim(ref_hidden_name, ref_hidden, ref_h, "the hidden size of the reference weight")
-    check_same_device(
-        weight=weight, **{hidden_name: hidden, labels_name: labels, ref_hidden_name: ref_hidden},
-        bias=bias, ref_weight=ref_weight, ref_bias=ref_bias,
-    )
-
-
-def _check_vocab_rows(name: str, value: Optional[torch.Tensor], ndim: int, vocab: int, expected: str) -> None:
-    """Check an optional float ``ndim``-d head tensor whose dim 0 is the vocab; error ``"{name} {expected} {shape}"``."""
-    if value is None:
-        return
-    check_tensor(name, value, ndim=ndim, floating=True)
-    if value.shape[0] != vocab:
-        raise ValueError(f"{name} {expected} {tuple(value.shape)}")
 
 
 def check_sequence_values(name: str, value, size: int, device: torch.device) -> torch.Tensor:
@@ -216,9 +153,14 @@ def entropy_metric(stats) -> Dict[str, torch.Tensor]:
     return {"entropy": token_mean(stats.entropy_sum, stats.num_tokens)}
 
 
-def zero_objective(stats):
+class ZeroObjective(Objective):
     """Objective with zero loss, for forward-only passes (e.g. KTO's KL sequences)."""
-    return stats.logps * 0.0, {}
+
+    def __call__(self, stats):
+        return stats.logps * 0.0, {}
+
+
+zero_objective = ZeroObjective()
 
 
 def log1mexp(x: torch.Tensor) -> torch.Tensor:
@@ -228,35 +170,11 @@ def log1mexp(x: torch.Tensor) -> torch.Tensor:
     )
 
 
-class StoredOptions:
-    """Base of the engine objectives: keyword options become attributes (``obj.beta``, ...)."""
-
-    def __init__(self, **options):
-        for name, value in options.items():
-            setattr(self, name, value)
-
-
-class PreferenceLossModule(nn.Module):
-    """Base of the preference loss modules: options fixed at construction, tensors at call.
-
-    A subclass validates its options, then calls ``super().__init__(locals())`` so that
-    ``self.options`` holds its constructor arguments by name; it sets ``functional`` (the functional
-    twin, as a ``staticmethod``), ``TRL_METRIC_NAMES`` and ``REPR_KEYS`` (the options ``extra_repr`` shows). The default
-    ``forward(weight, hidden, labels, *, bias=None)`` suits the reference-free losses.
-    """
-
-    functional = None
-    TRL_METRIC_NAMES: Dict[str, str] = {}
-    REPR_KEYS: tuple = ("beta",)
-
-    def __init__(self, arguments: dict):
-        super().__init__()
-        self.options = {k: v for k, v in arguments.items() if k not in ("self", "__class__")}
+class PreferenceLossModule(ChunkedLossModule):
+    """Base of the reference-free preference modules (CPO, SimPO, ORPO): options fixed at
+    construction, ``forward(weight, hidden, labels, *, bias=None)`` calling the loss's runner."""
 
     def forward(
         self, weight: torch.Tensor, hidden: torch.Tensor, labels: torch.Tensor, *, bias: Optional[torch.Tensor] = None
     ):
-        return self.functional(weight, hidden, labels, bias=bias, **self.options)
-
-    def extra_repr(self) -> str:
-        return ", ".join(f"{k}={self.options[k]!r}" for k in self.REPR_KEYS)
+        return self.run(weight, hidden, labels, bias=bias)

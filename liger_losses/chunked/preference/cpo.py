@@ -24,21 +24,22 @@ has mean log-prob 0 (TRL: NaN).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
 import torch.nn.functional as F
 
-from ...kernels.utils import check_choice, check_range
-from ..sequence import fused_linear_sequence_objective
+from ...kernels.utils import check_choice
+from ..objective import Objective
+from ..options import HeadOptions, check_real, set_fields
 from ..output import LossOutput
+from ..sequence import check_sequence_inputs, run_sequence_objective
 from .common import (
     PAIR_TRL_METRIC_NAMES,
     PreferenceLossModule,
-    StoredOptions,
     average_logps,
     batch_chosen_nll,
-    check_inputs,
     chosen_nll_per_unit,
     detached,
     entropy_metric,
@@ -88,27 +89,41 @@ def cpo_pair_losses(
     raise ValueError(f"loss_type must be one of {CPO_LOSS_TYPES}, got {loss_type!r}")
 
 
-def normalize_cpo_options(*, beta, loss_type, label_smoothing, cpo_alpha) -> tuple[str, float]:
-    """Validate the CPO options; ``"alphapo"`` becomes ``("simpo", cpo_alpha=0)`` as in TRL.
+@dataclass(frozen=True)
+class CPOOptions:
+    """CPO/SimPO/AlphaPO's own options (errors name the option): ``beta`` finite ``> 0``,
+    ``loss_type`` in :data:`CPO_LOSS_TYPES` or ``"alphapo"`` (which becomes ``"simpo"`` with
+    ``cpo_alpha=0``, as in TRL), ``cpo_alpha`` finite ``>= 0``, ``label_smoothing`` in ``[0, 1]``,
+    ``simpo_gamma`` and AlphaPO's ``alpha`` finite."""
 
-    Returns ``(loss_type, cpo_alpha)``.
-    """
-    check_choice("loss_type", loss_type, CPO_LOSS_TYPES + ("alphapo",))
-    if loss_type == "alphapo":
-        loss_type, cpo_alpha = "simpo", 0.0
-    check_range("beta", beta, 0.0, None, low_inclusive=False)
-    check_range("label_smoothing", label_smoothing, 0.0, 1.0)
-    check_range("cpo_alpha", cpo_alpha, 0.0, None)
-    return loss_type, float(cpo_alpha)
+    beta: float = 0.1
+    loss_type: str = "sigmoid"
+    cpo_alpha: float = 1.0
+    label_smoothing: float = 0.0
+    simpo_gamma: float = 0.5
+    alpha: float = 0.0
+
+    def __post_init__(self):
+        check_choice("loss_type", self.loss_type, CPO_LOSS_TYPES + ("alphapo",))
+        loss_type, cpo_alpha = self.loss_type, self.cpo_alpha
+        if loss_type == "alphapo":
+            loss_type, cpo_alpha = "simpo", 0.0
+        set_fields(
+            self, loss_type=loss_type, beta=check_real("beta", self.beta, 0.0, None, low_inclusive=False),
+            label_smoothing=check_real("label_smoothing", self.label_smoothing, 0.0, 1.0),
+            cpo_alpha=check_real("cpo_alpha", cpo_alpha, 0.0, None),
+            simpo_gamma=check_real("simpo_gamma", self.simpo_gamma), alpha=check_real("alpha", self.alpha),
+        )
 
 
-class CPOObjective(StoredOptions):
-    """``objective(stats) -> (losses [U], {})`` for the chunked engine (pairs, separable).
-
-    Options (keyword): ``beta, loss_type, label_smoothing, cpo_alpha, simpo_gamma, alpha``.
-    """
+class CPOObjective(Objective):
+    """``objective(stats) -> (losses [U], {})`` for the chunked engine (pairs, separable) of the
+    :class:`CPOOptions` ``options``."""
 
     separable = True
+
+    def __init__(self, options: CPOOptions):
+        self.options = options
 
     def pair_gradient_ratio(self, chosen_tokens: int, rejected_tokens: int) -> Optional[float]:
         """``r`` with ``d loss / d rejected_logps = r * d loss / d chosen_logps`` (see
@@ -116,24 +131,25 @@ class CPOObjective(StoredOptions):
         rejected (mean) log-prob, so ``-1``, or ``-chosen_tokens / rejected_tokens`` for the
         length-averaged ``ipo``/``simpo``; None with the NLL term (``cpo_alpha``) or AlphaPO's
         nonlinear reward (``alpha``)."""
-        if self.cpo_alpha != 0.0 or self.alpha != 0.0:
+        if self.options.cpo_alpha != 0.0 or self.options.alpha != 0.0:
             return None
-        if self.loss_type in AVERAGED_LOSS_TYPES:
+        if self.options.loss_type in AVERAGED_LOSS_TYPES:
             return mean_margin_gradient_ratio(chosen_tokens, rejected_tokens)
         return -1.0
 
     def __call__(self, stats):
+        o = self.options
         logps = stats.logps
-        if self.loss_type in AVERAGED_LOSS_TYPES:
+        if o.loss_type in AVERAGED_LOSS_TYPES:
             logps = average_logps(logps, stats.num_tokens)
         chosen, rejected = split_pairs(logps)
         losses = cpo_pair_losses(
-            chosen, rejected, beta=self.beta, loss_type=self.loss_type, label_smoothing=self.label_smoothing,
-            simpo_gamma=self.simpo_gamma, alpha=self.alpha,
+            chosen, rejected, beta=o.beta, loss_type=o.loss_type, label_smoothing=o.label_smoothing,
+            simpo_gamma=o.simpo_gamma, alpha=o.alpha,
         )
-        if self.cpo_alpha != 0.0:
+        if o.cpo_alpha != 0.0:
             chosen_sum, _ = split_pairs(stats.logps)
-            losses = losses + self.cpo_alpha * chosen_nll_per_unit(chosen_sum, stats.batch_num_tokens)
+            losses = losses + o.cpo_alpha * chosen_nll_per_unit(chosen_sum, stats.batch_num_tokens)
         return losses, {}
 
 
@@ -151,6 +167,16 @@ def cpo_metrics(stats, *, beta: float, loss_type: str, cpo_alpha: float, alpha: 
         "nll_loss": nll,
         **entropy_metric(stats),
     })
+
+
+def run_cpo(weight, hidden, labels, *, head: HeadOptions, options: CPOOptions, bias=None) -> LossOutput:
+    """:func:`fused_linear_cpo_loss` with its options already validated."""
+    check_sequence_inputs(weight, hidden, labels, head, group_size=2, bias=bias)
+    loss, _, stats = run_sequence_objective(weight, hidden, labels, CPOObjective(options), head, group_size=2,
+                                            bias=bias)
+    o = options
+    return LossOutput(loss, cpo_metrics(stats, beta=o.beta, loss_type=o.loss_type, cpo_alpha=o.cpo_alpha,
+                                        alpha=o.alpha))
 
 
 def fused_linear_cpo_loss(
@@ -173,22 +199,13 @@ def fused_linear_cpo_loss(
     accum_dtype: Optional[torch.dtype] = None,
     impl: str = "auto",
 ) -> LossOutput:
-    """CPO/SimPO/AlphaPO loss of TRL 1.16 from hidden states; see the module docstring."""
-    loss_type, cpo_alpha = normalize_cpo_options(
-        beta=beta, loss_type=loss_type, label_smoothing=label_smoothing, cpo_alpha=cpo_alpha,
-    )
-    check_inputs(weight, hidden, labels, paired=True, bias=bias)
-    objective = CPOObjective(
-        beta=beta, loss_type=loss_type, label_smoothing=label_smoothing, cpo_alpha=cpo_alpha,
-        simpo_gamma=simpo_gamma, alpha=alpha,
-    )
-    loss, _, stats = fused_linear_sequence_objective(
-        weight, hidden, labels, objective, group_size=2, separable=True, bias=bias, ignore_index=ignore_index,
-        softcap=softcap, logit_scale=logit_scale, need_entropy=need_entropy, chunk_tokens=chunk_tokens,
-        accum_dtype=accum_dtype, impl=impl,
-    )
-    metrics = cpo_metrics(stats, beta=beta, loss_type=loss_type, cpo_alpha=cpo_alpha, alpha=alpha)
-    return LossOutput(loss, metrics)
+    """CPO/SimPO/AlphaPO loss of TRL 1.16 from hidden states; see the module docstring. Options:
+    :class:`CPOOptions` and :class:`~liger_losses.chunked.options.HeadOptions`."""
+    options = CPOOptions(beta=beta, loss_type=loss_type, cpo_alpha=cpo_alpha, label_smoothing=label_smoothing,
+                         simpo_gamma=simpo_gamma, alpha=alpha)
+    head = HeadOptions(need_entropy=need_entropy, ignore_index=ignore_index, softcap=softcap, logit_scale=logit_scale,
+                       chunk_tokens=chunk_tokens, accum_dtype=accum_dtype, impl=impl)
+    return run_cpo(weight, hidden, labels, head=head, options=options, bias=bias)
 
 
 def fused_linear_simpo_loss(
@@ -210,7 +227,9 @@ def fused_linear_simpo_loss(
     accum_dtype: Optional[torch.dtype] = None,
     impl: str = "auto",
 ) -> LossOutput:
-    """SimPO: :func:`fused_linear_cpo_loss` with ``loss_type="simpo"``, ``simpo_gamma=gamma``."""
+    """SimPO: :func:`fused_linear_cpo_loss` with ``loss_type="simpo"``, ``simpo_gamma=gamma``
+    (a finite number)."""
+    check_real("gamma", gamma)
     return fused_linear_cpo_loss(
         weight, hidden, labels, bias=bias, beta=beta, loss_type="simpo", cpo_alpha=cpo_alpha,
         label_smoothing=label_smoothing, simpo_gamma=gamma, alpha=alpha, need_entropy=need_entropy,
@@ -222,7 +241,7 @@ def fused_linear_simpo_loss(
 class LigerFusedLinearCPOLoss(PreferenceLossModule):
     """Module twin of :func:`fused_linear_cpo_loss`: ``loss_fn(weight, hidden, labels, *, bias=None)``."""
 
-    functional = staticmethod(fused_linear_cpo_loss)
+    runner = staticmethod(run_cpo)
     TRL_METRIC_NAMES = TRL_METRIC_NAMES
     REPR_KEYS = ("beta", "loss_type", "cpo_alpha")
 
@@ -243,16 +262,20 @@ class LigerFusedLinearCPOLoss(PreferenceLossModule):
         accum_dtype: Optional[torch.dtype] = None,
         impl: str = "auto",
     ):
-        normalize_cpo_options(beta=beta, loss_type=loss_type, label_smoothing=label_smoothing, cpo_alpha=cpo_alpha)
-        super().__init__(locals())
+        super().__init__(
+            HeadOptions(need_entropy=need_entropy, ignore_index=ignore_index, softcap=softcap,
+                        logit_scale=logit_scale, chunk_tokens=chunk_tokens, accum_dtype=accum_dtype, impl=impl),
+            CPOOptions(beta=beta, loss_type=loss_type, cpo_alpha=cpo_alpha, label_smoothing=label_smoothing,
+                       simpo_gamma=simpo_gamma, alpha=alpha),
+        )
 
 
 class LigerFusedLinearSimPOLoss(PreferenceLossModule):
     """SimPO module: ``loss_fn(weight, hidden, labels, *, bias=None)``; CPO ``loss_type="simpo"``."""
 
-    functional = staticmethod(fused_linear_simpo_loss)
+    runner = staticmethod(run_cpo)
     TRL_METRIC_NAMES = TRL_METRIC_NAMES
-    REPR_KEYS = ("beta", "gamma")
+    REPR_KEYS = ("beta",)
 
     def __init__(
         self,
@@ -270,5 +293,13 @@ class LigerFusedLinearSimPOLoss(PreferenceLossModule):
         accum_dtype: Optional[torch.dtype] = None,
         impl: str = "auto",
     ):
-        normalize_cpo_options(beta=beta, loss_type="simpo", label_smoothing=label_smoothing, cpo_alpha=cpo_alpha)
-        super().__init__(locals())
+        check_real("gamma", gamma)
+        super().__init__(
+            HeadOptions(need_entropy=need_entropy, ignore_index=ignore_index, softcap=softcap,
+                        logit_scale=logit_scale, chunk_tokens=chunk_tokens, accum_dtype=accum_dtype, impl=impl),
+            CPOOptions(beta=beta, loss_type="simpo", cpo_alpha=cpo_alpha, label_smoothing=label_smoothing,
+                       simpo_gamma=gamma, alpha=alpha),
+        )
+
+    def extra_repr(self) -> str:
+        return f"beta={self.loss_options.beta!r}, gamma={self.loss_options.simpo_gamma!r}"

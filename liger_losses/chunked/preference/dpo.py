@@ -26,19 +26,20 @@ from __future__ import annotations
 
 import math
 import warnings
+from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
 import torch
 import torch.nn.functional as F
 
-from ...kernels.utils import check_choice, check_range
-from ..sequence import fused_linear_sequence_objective
+from ...kernels.utils import check_choice
+from ..module import ChunkedLossModule
+from ..objective import Objective
+from ..options import HeadOptions, check_flag, check_real, set_fields
 from ..output import LossOutput
+from ..sequence import check_sequence_inputs, run_sequence_objective
 from .common import (
     PAIR_TRL_METRIC_NAMES,
-    PreferenceLossModule,
-    StoredOptions,
-    check_inputs,
     check_sequence_values,
     chosen_nll_per_unit,
     detached,
@@ -199,47 +200,79 @@ def dpo_pair_losses(
 # --------------------------------------------------------------------------- options
 
 
-def normalize_dpo_options(
-    *,
-    beta: float,
-    loss_type,
-    loss_weights,
-    label_smoothing: float,
-    f_divergence_type: str,
-    discopop_tau: float,
-    ld_alpha: Optional[float],
-    use_weighting: bool,
-    rpo_alpha: Optional[float],
-) -> tuple[tuple[str, ...], tuple[float, ...]]:
-    """Validate the DPO options (TRL 1.16's rules) and return ``(loss_types, loss_weights)``.
+@dataclass(frozen=True)
+class DPOOptions:
+    """DPO's own options, validated as TRL 1.16 does (errors name the option): ``beta`` finite
+    ``> 0``; ``loss_type`` a name of :data:`DPO_LOSS_TYPES` or a sequence of them with
+    ``loss_weights`` (finite, one per type); ``label_smoothing`` in ``[0, 1)``;
+    ``f_divergence_type`` in :data:`F_DIVERGENCE_TYPES` (not ``reverse_kl`` only for the types of
+    :data:`F_DIVERGENCE_LOSS_TYPES`) with a finite ``f_alpha_divergence_coef``; ``discopop_tau``
+    finite ``> 0``; ``ld_alpha`` None or in ``[0, 1]``; ``rpo_alpha`` (sugar for an ``"sft"``
+    term of that weight) None or finite; ``use_weighting`` must be False (WPO: not supported);
+    ``reference_free`` a bool. ``loss_types`` / ``term_weights``: the normalised terms."""
 
-    ``rpo_alpha`` (RPO, older TRL's option) is sugar for appending ``"sft"`` with weight ``rpo_alpha``.
-    """
-    types = [loss_type] if isinstance(loss_type, str) else list(loss_type)
-    if not types:
-        raise ValueError("loss_type must name at least one loss type")
-    for t in types:
-        check_choice("loss_type", t, DPO_LOSS_TYPES)
-    if loss_weights is None:
-        weights = [1.0] * len(types)
-    else:
-        weights = [float(w) for w in loss_weights]
-        if len(weights) != len(types):
+    beta: float = 0.1
+    loss_type: str | Sequence[str] = "sigmoid"
+    loss_weights: Optional[Sequence[float]] = None
+    label_smoothing: float = 0.0
+    f_divergence_type: str = "reverse_kl"
+    f_alpha_divergence_coef: float = 0.5
+    discopop_tau: float = 0.05
+    ld_alpha: Optional[float] = None
+    use_weighting: bool = False
+    rpo_alpha: Optional[float] = None
+    reference_free: bool = False
+    loss_types: tuple = field(init=False, repr=False)
+    term_weights: tuple = field(init=False, repr=False)
+
+    def __post_init__(self):
+        loss_type = self.loss_type if isinstance(self.loss_type, str) else tuple(self.loss_type)
+        types = [loss_type] if isinstance(loss_type, str) else list(loss_type)
+        if not types:
+            raise ValueError("loss_type must name at least one loss type")
+        for t in types:
+            check_choice("loss_type", t, DPO_LOSS_TYPES)
+        if self.loss_weights is None:
+            loss_weights, weights = None, [1.0] * len(types)
+        else:
+            loss_weights = tuple(self.loss_weights)
+            weights = [check_real("loss_weights", w) for w in loss_weights]
+            if len(weights) != len(types):
+                raise ValueError(
+                    f"loss_weights must have the same length as loss_type ({len(types)}), got {len(weights)}"
+                )
+        if self.rpo_alpha is not None:
+            types.append("sft")
+            weights.append(check_real("rpo_alpha", self.rpo_alpha))
+        check_real("beta", self.beta, 0.0, None, low_inclusive=False)
+        eps = check_real("label_smoothing", self.label_smoothing, 0.0, 1.0, high_inclusive=False)
+        check_choice("f_divergence_type", self.f_divergence_type, F_DIVERGENCE_TYPES)
+        if self.f_divergence_type != "reverse_kl" and not set(types) <= F_DIVERGENCE_LOSS_TYPES:
             raise ValueError(
-                f"loss_weights must have the same length as loss_type ({len(types)}), got {len(weights)}"
+                f"f_divergence_type={self.f_divergence_type!r} is only supported for loss types "
+                f"{sorted(F_DIVERGENCE_LOSS_TYPES)}, got {types}"
             )
-    if rpo_alpha is not None:
-        types.append("sft")
-        weights.append(float(rpo_alpha))
-    check_range("beta", beta, 0.0, None, low_inclusive=False)
-    check_range("label_smoothing", label_smoothing, 0.0, 1.0, high_inclusive=False)
-    check_choice("f_divergence_type", f_divergence_type, F_DIVERGENCE_TYPES)
-    if f_divergence_type != "reverse_kl" and not set(types) <= F_DIVERGENCE_LOSS_TYPES:
-        raise ValueError(
-            f"f_divergence_type={f_divergence_type!r} is only supported for loss types "
-            f"{sorted(F_DIVERGENCE_LOSS_TYPES)}, got {types}"
-        )
-    check_range("discopop_tau", discopop_tau, 0.0, None, low_inclusive=False)
+        check_real("f_alpha_divergence_coef", self.f_alpha_divergence_coef)
+        check_real("discopop_tau", self.discopop_tau, 0.0, None, low_inclusive=False)
+        _check_smoothing_for(types, eps)
+        if self.ld_alpha is not None:
+            check_real("ld_alpha", self.ld_alpha, 0.0, 1.0)
+            if "sft" in types:
+                raise NotImplementedError(
+                    "ld_alpha together with an 'sft' term (or rpo_alpha) is not supported: TRL's SFT term uses the "
+                    "unweighted log-probs, a second per-sequence statistic the chunked engine does not compute"
+                )
+        if check_flag("use_weighting", self.use_weighting):
+            raise NotImplementedError(
+                "use_weighting (WPO) is not supported: its weights need the per-token log sum_v p_v^2, which the "
+                "chunked engine does not compute"
+            )
+        set_fields(self, loss_type=loss_type, loss_weights=loss_weights, loss_types=tuple(types),
+                   term_weights=tuple(weights), reference_free=check_flag("reference_free", self.reference_free))
+
+
+def _check_smoothing_for(types, label_smoothing: float) -> None:
+    """The label-smoothing rules of the EXO and robust losses."""
     if "exo_pair" in types and label_smoothing == 0.0:
         raise ValueError("label_smoothing must be > 0 for loss_type 'exo_pair' (the EXO paper suggests 1e-3)")
     if "robust" in types:
@@ -248,31 +281,24 @@ def normalize_dpo_options(
         if not 0.0 <= label_smoothing < 0.5:
             warnings.warn(
                 f"label_smoothing should lie in [0.0, 0.5) for the 'robust' loss, got {label_smoothing}",
-                stacklevel=3,
+                stacklevel=5,
             )
-    if ld_alpha is not None:
-        check_range("ld_alpha", ld_alpha, 0.0, 1.0)
-        if "sft" in types:
-            raise NotImplementedError(
-                "ld_alpha together with an 'sft' term (or rpo_alpha) is not supported: TRL's SFT term uses the "
-                "unweighted log-probs, a second per-sequence statistic the chunked engine does not compute"
-            )
-    if use_weighting:
-        raise NotImplementedError(
-            "use_weighting (WPO) is not supported: its weights need the per-token log sum_v p_v^2, which the "
-            "chunked engine does not compute"
-        )
-    return tuple(types), tuple(weights)
 
 
 def ld_token_weights(labels: torch.Tensor, ld_alpha: float, ignore_index: int = -100) -> torch.Tensor:
-    """LD-DPO token weights ``[2P, T]`` float32 from the labels mask.
+    """LD-DPO token weights ``[2P, T]`` float32 from the labels mask (:func:`ld_mask_weights` of
+    ``labels != ignore_index``)."""
+    return ld_mask_weights(labels != ignore_index, ld_alpha)
+
+
+def ld_mask_weights(mask: torch.Tensor, ld_alpha: float) -> torch.Tensor:
+    """LD-DPO token weights ``[2P, T]`` float32 from the bool ``mask [2P, T]`` of valid tokens of a
+    ``[chosen; rejected]`` batch.
 
     The k-th valid token (k = 1, 2, ...) of a sequence gets weight 1 when ``k <= min(len_chosen,
-    len_rejected)`` of its pair, ``ld_alpha`` beyond; ignored positions 0. TRL applies the same
-    weights to the reference log-probs, and so does the engine.
+    len_rejected)`` of its pair, ``ld_alpha`` beyond; invalid positions 0. TRL applies the same
+    weights to the reference log-probs, and so does the engine (and the TRL adapter's precompute).
     """
-    mask = labels != ignore_index
     pos = mask.cumsum(dim=1)
     lens = mask.sum(dim=1)
     c_len, r_len = split_pairs(lens)
@@ -285,20 +311,17 @@ def ld_token_weights(labels: torch.Tensor, ld_alpha: float, ignore_index: int = 
 # --------------------------------------------------------------------------- engine objective
 
 
-class DPOObjective(StoredOptions):
-    """``objective(stats) -> (losses [U], {})`` for the chunked engine (pairs, ``group_size=2``).
+class DPOObjective(Objective):
+    """``objective(stats) -> (losses [U], {})`` for the chunked engine (pairs, ``group_size=2``)
+    of the :class:`DPOOptions` ``options``."""
 
-    Options (keyword): ``beta, loss_types, loss_weights, label_smoothing, f_divergence_type,
-    f_alpha_divergence_coef, discopop_tau`` (``loss_types``/``loss_weights`` kept as tuples).
-    """
-
-    def __init__(self, *, loss_types: Sequence[str], loss_weights: Sequence[float], **options):
-        super().__init__(loss_types=tuple(loss_types), loss_weights=tuple(loss_weights), **options)
+    def __init__(self, options: DPOOptions):
+        self.options = options
 
     @property
     def separable(self) -> bool:
         """False when a loss type ranks over the whole batch (AOT)."""
-        return not (set(self.loss_types) & SORTING_LOSS_TYPES)
+        return not (set(self.options.loss_types) & SORTING_LOSS_TYPES)
 
     def pair_gradient_ratio(self, chosen_tokens: int, rejected_tokens: int) -> Optional[float]:
         """``r`` with ``d loss / d rejected_logps = r * d loss / d chosen_logps`` for every pair of
@@ -307,10 +330,10 @@ class DPOObjective(StoredOptions):
         margin (reverse-KL scores): ``-1``; the length-normalised ones (``ipo``, ``sigmoid_norm``):
         ``-chosen_tokens / rejected_tokens``; a mix of the two kinds, other f-divergences and the
         types with separate chosen/rejected terms (``sft``, ``nca_pair``, ``bco_pair``...): None."""
-        if self.f_divergence_type != "reverse_kl":
+        if self.options.f_divergence_type != "reverse_kl":
             return None
         ratios = set()
-        for name in self.loss_types:
+        for name in self.options.loss_types:
             if name in MARGIN_LOSS_TYPES:
                 ratios.add(-1.0)
             elif name in LENGTH_NORMALISED_MARGIN_TYPES:
@@ -322,15 +345,16 @@ class DPOObjective(StoredOptions):
     def __call__(self, stats):
         if stats.ref_logps is None:
             raise ValueError("the DPO objective needs reference log-probs (stats.ref_logps is None)")
+        o = self.options
         chosen, rejected = split_pairs(stats.logps)
         ref_chosen, ref_rejected = split_pairs(stats.ref_logps)
         c_len, r_len = split_pairs(stats.num_tokens)
-        nll = chosen_nll_per_unit(chosen, stats.batch_num_tokens) if "sft" in self.loss_types else None
+        nll = chosen_nll_per_unit(chosen, stats.batch_num_tokens) if "sft" in o.loss_types else None
         losses = dpo_pair_losses(
             chosen, rejected, ref_chosen, ref_rejected,
-            beta=self.beta, loss_type=self.loss_types, loss_weights=self.loss_weights,
-            label_smoothing=self.label_smoothing, f_divergence_type=self.f_divergence_type,
-            f_alpha_divergence_coef=self.f_alpha_divergence_coef, discopop_tau=self.discopop_tau,
+            beta=o.beta, loss_type=o.loss_types, loss_weights=o.term_weights,
+            label_smoothing=o.label_smoothing, f_divergence_type=o.f_divergence_type,
+            f_alpha_divergence_coef=o.f_alpha_divergence_coef, discopop_tau=o.discopop_tau,
             chosen_num_tokens=c_len, rejected_num_tokens=r_len, chosen_nll=nll,
         )
         return losses, {}
@@ -351,6 +375,49 @@ def dpo_metrics(stats, *, beta: float) -> dict:
 
 
 # --------------------------------------------------------------------------- functional + module
+
+
+def _reference_logps(options: DPOOptions, ref_hidden, ref_chosen_logps, ref_rejected_logps, hidden):
+    """The ``[2P]`` reference log-probs given (or zeros, reference-free), None when ``ref_hidden``
+    computes them; ``ValueError`` for a missing or doubly given reference."""
+    num_pairs = hidden.shape[0] // 2
+    have_pre = (ref_chosen_logps is not None, ref_rejected_logps is not None)
+    if any(have_pre) and not all(have_pre):
+        raise ValueError("ref_chosen_logps and ref_rejected_logps must be given together")
+    if options.reference_free:
+        if ref_hidden is not None or any(have_pre):
+            raise ValueError("reference_free=True takes no ref_hidden, ref_chosen_logps or ref_rejected_logps")
+        return torch.zeros(2 * num_pairs, device=hidden.device, dtype=torch.float32)
+    if all(have_pre):
+        if ref_hidden is not None:
+            raise ValueError("give either ref_hidden or ref_chosen_logps/ref_rejected_logps, not both")
+        return torch.cat([
+            check_sequence_values("ref_chosen_logps", ref_chosen_logps, num_pairs, hidden.device),
+            check_sequence_values("ref_rejected_logps", ref_rejected_logps, num_pairs, hidden.device),
+        ])
+    if ref_hidden is None:
+        raise ValueError(
+            "DPO needs a reference: pass ref_hidden, or ref_chosen_logps and ref_rejected_logps, "
+            "or set reference_free=True"
+        )
+    return None
+
+
+def run_dpo(weight, hidden, ref_hidden, labels, *, head: HeadOptions, options: DPOOptions, bias=None,
+            ref_weight=None, ref_bias=None, ref_chosen_logps=None, ref_rejected_logps=None) -> LossOutput:
+    """:func:`fused_linear_dpo_loss` with its options already validated."""
+    check_sequence_inputs(weight, hidden, labels, head, group_size=2, bias=bias, ref_hidden=ref_hidden,
+                          ref_weight=ref_weight, ref_bias=ref_bias)
+    ref_logps = _reference_logps(options, ref_hidden, ref_chosen_logps, ref_rejected_logps, hidden)
+    token_weights = None
+    if options.ld_alpha is not None:
+        token_weights = ld_token_weights(labels, options.ld_alpha, head.ignore_index)
+    loss, _, stats = run_sequence_objective(
+        weight, hidden, labels, DPOObjective(options), head, group_size=2, bias=bias,
+        ref_hidden=None if ref_logps is not None else ref_hidden, ref_weight=ref_weight, ref_bias=ref_bias,
+        ref_logps=ref_logps, token_weights=token_weights,
+    )
+    return LossOutput(loss, dpo_metrics(stats, beta=options.beta))
 
 
 def fused_linear_dpo_loss(
@@ -385,65 +452,29 @@ def fused_linear_dpo_loss(
 ) -> LossOutput:
     """DPO-family loss of TRL 1.16 from hidden states; see the module docstring for shapes.
 
-    Returns ``LossOutput(loss 0-d float32 differentiable w.r.t. hidden/weight/bias, metrics)``.
+    Options: :class:`DPOOptions` and :class:`~liger_losses.chunked.options.HeadOptions`. Returns
+    ``LossOutput(loss 0-d float32 differentiable w.r.t. hidden/weight/bias, metrics)``.
     """
-    types, weights = normalize_dpo_options(
+    options = DPOOptions(
         beta=beta, loss_type=loss_type, loss_weights=loss_weights, label_smoothing=label_smoothing,
-        f_divergence_type=f_divergence_type, discopop_tau=discopop_tau, ld_alpha=ld_alpha,
-        use_weighting=use_weighting, rpo_alpha=rpo_alpha,
-    )
-    check_inputs(
-        weight, hidden, labels, paired=True, bias=bias, ref_hidden=ref_hidden,
-        ref_weight=ref_weight, ref_bias=ref_bias,
-    )
-    num_pairs = hidden.shape[0] // 2
-    ref_logps = None
-    have_pre = (ref_chosen_logps is not None, ref_rejected_logps is not None)
-    if any(have_pre) and not all(have_pre):
-        raise ValueError("ref_chosen_logps and ref_rejected_logps must be given together")
-    if reference_free:
-        if ref_hidden is not None or any(have_pre):
-            raise ValueError("reference_free=True takes no ref_hidden, ref_chosen_logps or ref_rejected_logps")
-        ref_logps = torch.zeros(2 * num_pairs, device=hidden.device, dtype=torch.float32)
-    elif all(have_pre):
-        if ref_hidden is not None:
-            raise ValueError("give either ref_hidden or ref_chosen_logps/ref_rejected_logps, not both")
-        ref_logps = torch.cat(
-            [
-                check_sequence_values("ref_chosen_logps", ref_chosen_logps, num_pairs, hidden.device),
-                check_sequence_values("ref_rejected_logps", ref_rejected_logps, num_pairs, hidden.device),
-            ]
-        )
-    elif ref_hidden is None:
-        raise ValueError(
-            "DPO needs a reference: pass ref_hidden, or ref_chosen_logps and ref_rejected_logps, "
-            "or set reference_free=True"
-        )
-    token_weights = ld_token_weights(labels, ld_alpha, ignore_index) if ld_alpha is not None else None
-
-
-    objective = DPOObjective(
-        beta=beta, loss_types=types, loss_weights=weights, label_smoothing=label_smoothing,
         f_divergence_type=f_divergence_type, f_alpha_divergence_coef=f_alpha_divergence_coef,
-        discopop_tau=discopop_tau,
+        discopop_tau=discopop_tau, ld_alpha=ld_alpha, use_weighting=use_weighting, rpo_alpha=rpo_alpha,
+        reference_free=reference_free,
     )
-    loss, _, stats = fused_linear_sequence_objective(
-        weight, hidden, labels, objective, group_size=2, separable=objective.separable,
-        bias=bias, ref_hidden=None if ref_logps is not None else ref_hidden, ref_weight=ref_weight,
-        ref_bias=ref_bias, ref_logps=ref_logps, token_weights=token_weights, ignore_index=ignore_index,
-        softcap=softcap, logit_scale=logit_scale, need_entropy=need_entropy, chunk_tokens=chunk_tokens,
-        accum_dtype=accum_dtype, impl=impl,
-    )
-    return LossOutput(loss, dpo_metrics(stats, beta=beta))
+    head = HeadOptions(ignore_index=ignore_index, softcap=softcap, logit_scale=logit_scale, chunk_tokens=chunk_tokens,
+                       accum_dtype=accum_dtype, impl=impl, need_entropy=need_entropy)
+    return run_dpo(weight, hidden, ref_hidden, labels, head=head, options=options, bias=bias, ref_weight=ref_weight,
+                   ref_bias=ref_bias, ref_chosen_logps=ref_chosen_logps, ref_rejected_logps=ref_rejected_logps)
 
 
-class LigerFusedLinearDPOLoss(PreferenceLossModule):
+class LigerFusedLinearDPOLoss(ChunkedLossModule):
     """Module twin of :func:`fused_linear_dpo_loss`: options at construction, tensors at call.
 
     ``loss_fn(weight, hidden, ref_hidden, labels, *, bias=None, ref_weight=None, ref_bias=None,
     ref_chosen_logps=None, ref_rejected_logps=None) -> LossOutput``.
     """
 
+    runner = staticmethod(run_dpo)
     TRL_METRIC_NAMES = TRL_METRIC_NAMES
     REPR_KEYS = ("beta", "loss_type")
 
@@ -469,14 +500,16 @@ class LigerFusedLinearDPOLoss(PreferenceLossModule):
         accum_dtype: Optional[torch.dtype] = None,
         impl: str = "auto",
     ):
-        normalize_dpo_options(  # fail at construction on bad options
-            beta=beta, loss_type=loss_type, loss_weights=loss_weights, label_smoothing=label_smoothing,
-            f_divergence_type=f_divergence_type, discopop_tau=discopop_tau, ld_alpha=ld_alpha,
-            use_weighting=use_weighting, rpo_alpha=rpo_alpha,
+        super().__init__(
+            HeadOptions(ignore_index=ignore_index, softcap=softcap, logit_scale=logit_scale,
+                        chunk_tokens=chunk_tokens, accum_dtype=accum_dtype, impl=impl, need_entropy=need_entropy),
+            DPOOptions(
+                beta=beta, loss_type=loss_type, loss_weights=loss_weights, label_smoothing=label_smoothing,
+                f_divergence_type=f_divergence_type, f_alpha_divergence_coef=f_alpha_divergence_coef,
+                discopop_tau=discopop_tau, ld_alpha=ld_alpha, use_weighting=use_weighting, rpo_alpha=rpo_alpha,
+                reference_free=reference_free,
+            ),
         )
-        loss_type = loss_type if isinstance(loss_type, str) else tuple(loss_type)
-        loss_weights = None if loss_weights is None else tuple(loss_weights)
-        super().__init__(locals())
 
     def forward(
         self,
@@ -491,7 +524,5 @@ class LigerFusedLinearDPOLoss(PreferenceLossModule):
         ref_chosen_logps: Optional[torch.Tensor] = None,
         ref_rejected_logps: Optional[torch.Tensor] = None,
     ) -> LossOutput:
-        return fused_linear_dpo_loss(
-            weight, hidden, ref_hidden, labels, bias=bias, ref_weight=ref_weight, ref_bias=ref_bias,
-            ref_chosen_logps=ref_chosen_logps, ref_rejected_logps=ref_rejected_logps, **self.options,
-        )
+        return self.run(weight, hidden, ref_hidden, labels, bias=bias, ref_weight=ref_weight, ref_bias=ref_bias,
+                        ref_chosen_logps=ref_chosen_logps, ref_rejected_logps=ref_rejected_logps)

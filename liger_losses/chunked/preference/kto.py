@@ -2,7 +2,8 @@
 
 ``fused_linear_kto_loss(weight, hidden, ref_hidden, labels, *, preference_labels, ...)`` with
 ``weight [V, H]``, ``hidden [B, T, H]``, ``labels [B, T]`` int (shifted; ignored positions
-``ignore_index``), ``preference_labels [B]`` bool (True = desirable), the reference as
+``ignore_index``), ``preference_labels [B]`` bool (True = desirable; an integer tensor is rejected
+with ``TypeError`` -- convert 0/1 labels with ``.bool()``), the reference as
 ``ref_hidden [B, T, H_ref]`` (with ``ref_weight``/``ref_bias``, default the policy head) or
 precomputed ``ref_logps [B]``. The KL estimate uses mismatched completions: ``kl_hidden [B', T', H]``
 with ``kl_labels [B', T']`` and their reference ``kl_ref_hidden`` or ``ref_kl_logps [B']``.
@@ -23,17 +24,18 @@ caller can pass ``kl=`` a gathered value instead).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
 
-from ...kernels.utils import check_choice, check_range, check_tensor
-from ..sequence import fused_linear_sequence_objective
+from ...kernels.utils import check_choice, check_tensor
+from ..module import ChunkedLossModule
+from ..objective import Objective
+from ..options import HeadOptions, check_real, set_fields
 from ..output import LossOutput
+from ..sequence import check_sequence_inputs, run_sequence_objective
 from .common import (
-    PreferenceLossModule,
-    StoredOptions,
-    check_inputs,
     check_sequence_values,
     detached,
     entropy_metric,
@@ -81,29 +83,42 @@ def kto_sequence_losses(
     return torch.where(desirable, desirable_weight * chosen, undesirable_weight * rejected)
 
 
-def check_kto_options(*, beta: float, loss_type: str, desirable_weight: float, undesirable_weight: float) -> None:
-    """Raise ``ValueError`` naming the option when a KTO option is out of range."""
-    check_choice("loss_type", loss_type, KTO_LOSS_TYPES)
-    check_range("beta", beta, 0.0, None, low_inclusive=False)
-    check_range("desirable_weight", desirable_weight, 0.0, None)
-    check_range("undesirable_weight", undesirable_weight, 0.0, None)
+@dataclass(frozen=True)
+class KTOOptions:
+    """KTO's own options (errors name the option): ``beta`` finite ``> 0``, ``loss_type`` in
+    :data:`KTO_LOSS_TYPES`, ``desirable_weight`` and ``undesirable_weight`` finite ``>= 0``."""
+
+    beta: float = 0.1
+    loss_type: str = "kto"
+    desirable_weight: float = 1.0
+    undesirable_weight: float = 1.0
+
+    def __post_init__(self):
+        check_choice("loss_type", self.loss_type, KTO_LOSS_TYPES)
+        set_fields(
+            self, beta=check_real("beta", self.beta, 0.0, None, low_inclusive=False),
+            desirable_weight=check_real("desirable_weight", self.desirable_weight, 0.0, None),
+            undesirable_weight=check_real("undesirable_weight", self.undesirable_weight, 0.0, None),
+        )
 
 
-class KTOObjective(StoredOptions):
-    """``objective(stats) -> (losses [S], {})`` for the chunked engine (single sequences, separable).
-
-    Options (keyword): ``preference_labels, kl, beta, loss_type, desirable_weight, undesirable_weight``.
-    """
+class KTOObjective(Objective):
+    """``objective(stats) -> (losses [S], {})`` for the chunked engine (single sequences,
+    separable): :class:`KTOOptions`, ``preference_labels [B]`` bool and the 0-d ``kl``."""
 
     separable = True
+
+    def __init__(self, options: KTOOptions, *, preference_labels: torch.Tensor, kl: torch.Tensor):
+        self.options, self.preference_labels, self.kl = options, preference_labels, kl
 
     def __call__(self, stats):
         if stats.ref_logps is None:
             raise ValueError("the KTO objective needs reference log-probs (stats.ref_logps is None)")
+        o = self.options
         desirable = self.preference_labels[stats.index]
         losses = kto_sequence_losses(
-            stats.logps, stats.ref_logps, desirable, self.kl, beta=self.beta, loss_type=self.loss_type,
-            desirable_weight=self.desirable_weight, undesirable_weight=self.undesirable_weight,
+            stats.logps, stats.ref_logps, desirable, self.kl, beta=o.beta, loss_type=o.loss_type,
+            desirable_weight=o.desirable_weight, undesirable_weight=o.undesirable_weight,
         )
         return losses, {}
 
@@ -159,15 +174,84 @@ def kto_kl(
     is given) one reference pass over the mismatched KL completions. Run under ``torch.no_grad()``,
     so the engine computes no gradient even when the inputs require one.
     """
+    head = HeadOptions(ignore_index=ignore_index, softcap=softcap, logit_scale=logit_scale, chunk_tokens=chunk_tokens,
+                       impl=impl)
+    return _kto_kl(weight, kl_hidden, kl_labels, head, bias=bias, kl_ref_hidden=kl_ref_hidden, ref_weight=ref_weight,
+                   ref_bias=ref_bias, ref_kl_logps=ref_kl_logps)
 
+
+def _kto_kl(weight, kl_hidden, kl_labels, head: HeadOptions, *, bias, kl_ref_hidden, ref_weight, ref_bias,
+            ref_kl_logps) -> torch.Tensor:
+    if (kl_ref_hidden is None) == (ref_kl_logps is None):
+        raise ValueError("loss_type 'kto' needs exactly one KL reference: kl_ref_hidden or ref_kl_logps")
+    check_sequence_inputs(weight, kl_hidden, kl_labels, head, group_size=1, bias=bias, ref_hidden=kl_ref_hidden,
+                          ref_weight=ref_weight, ref_bias=ref_bias, hidden_name="kl_hidden", labels_name="kl_labels",
+                          ref_hidden_name="kl_ref_hidden")
+    if ref_kl_logps is not None:
+        ref_kl_logps = check_sequence_values("ref_kl_logps", ref_kl_logps, kl_hidden.shape[0], kl_hidden.device)
     with torch.no_grad():
-        _, _, stats = fused_linear_sequence_objective(
-            weight, kl_hidden, kl_labels, zero_objective, group_size=1, separable=True, bias=bias,
+        _, _, stats = run_sequence_objective(
+            weight, kl_hidden, kl_labels, zero_objective, head, group_size=1, bias=bias,
             ref_hidden=None if ref_kl_logps is not None else kl_ref_hidden, ref_weight=ref_weight,
-            ref_bias=ref_bias, ref_logps=ref_kl_logps, ignore_index=ignore_index, softcap=softcap,
-            logit_scale=logit_scale, chunk_tokens=chunk_tokens, impl=impl,
+            ref_bias=ref_bias, ref_logps=ref_kl_logps,
         )
     return (stats.logps - stats.ref_logps).mean().clamp(min=0).detach()
+
+
+def _check_preference_labels(preference_labels, batch: int, device) -> torch.Tensor:
+    check_tensor("preference_labels", preference_labels, ndim=1)
+    if preference_labels.shape[0] != batch:
+        raise ValueError(
+            f"preference_labels must have shape [{batch}] (one per sequence of hidden), "
+            f"got {tuple(preference_labels.shape)}"
+        )
+    if preference_labels.dtype != torch.bool:
+        raise TypeError(f"preference_labels must be a bool tensor (True = desirable), got dtype "
+                        f"{preference_labels.dtype}; convert 0/1 labels with .bool()")
+    if preference_labels.device != device:
+        raise ValueError(f"preference_labels must be on {device} like hidden, got {preference_labels.device}")
+    return preference_labels
+
+
+def _kl_value(options: KTOOptions, head: HeadOptions, weight, hidden, bias, kl, kl_hidden, kl_labels,
+              kl_ref_hidden, ref_weight, ref_bias, ref_kl_logps) -> torch.Tensor:
+    """The 0-d KL term: 0 for ``apo_zero_unpaired``, the given ``kl``, else :func:`kto_kl`."""
+    if options.loss_type == "apo_zero_unpaired":
+        return torch.zeros((), device=hidden.device, dtype=torch.float32)
+    if kl is not None:
+        check_tensor("kl", kl, floating=True)
+        if kl.numel() != 1:
+            raise ValueError(f"kl must hold one value, got shape {tuple(kl.shape)}")
+        return kl.detach().float().reshape(()).to(hidden.device)
+    if kl_hidden is None or kl_labels is None:
+        raise ValueError("loss_type 'kto' needs the KL completions: kl_hidden and kl_labels (or a precomputed kl=)")
+    kl_head = HeadOptions(ignore_index=head.ignore_index, softcap=head.softcap, logit_scale=head.logit_scale,
+                          chunk_tokens=head.chunk_tokens, impl=head.impl)
+    return _kto_kl(weight, kl_hidden, kl_labels, kl_head, bias=bias, kl_ref_hidden=kl_ref_hidden,
+                   ref_weight=ref_weight, ref_bias=ref_bias, ref_kl_logps=ref_kl_logps)
+
+
+def run_kto(weight, hidden, ref_hidden, labels, *, head: HeadOptions, options: KTOOptions, preference_labels,
+            bias=None, ref_weight=None, ref_bias=None, kl_hidden=None, kl_ref_hidden=None, kl_labels=None,
+            ref_logps=None, ref_kl_logps=None, kl=None) -> LossOutput:
+    """:func:`fused_linear_kto_loss` with its options already validated."""
+    check_sequence_inputs(weight, hidden, labels, head, group_size=1, bias=bias, ref_hidden=ref_hidden,
+                          ref_weight=ref_weight, ref_bias=ref_bias)
+    batch = hidden.shape[0]
+    preference_labels = _check_preference_labels(preference_labels, batch, hidden.device)
+    if (ref_hidden is None) == (ref_logps is None):
+        raise ValueError("KTO needs exactly one reference: ref_hidden or ref_logps")
+    if ref_logps is not None:
+        ref_logps = check_sequence_values("ref_logps", ref_logps, batch, hidden.device)
+    kl_value = _kl_value(options, head, weight, hidden, bias, kl, kl_hidden, kl_labels, kl_ref_hidden, ref_weight,
+                         ref_bias, ref_kl_logps)
+    objective = KTOObjective(options, preference_labels=preference_labels, kl=kl_value)
+    loss, _, stats = run_sequence_objective(
+        weight, hidden, labels, objective, head, group_size=1, bias=bias,
+        ref_hidden=ref_hidden if ref_logps is None else None, ref_weight=ref_weight, ref_bias=ref_bias,
+        ref_logps=ref_logps,
+    )
+    return LossOutput(loss, kto_metrics(stats, preference_labels, kl_value, beta=options.beta))
 
 
 def fused_linear_kto_loss(
@@ -201,75 +285,21 @@ def fused_linear_kto_loss(
     """KTO loss of TRL 1.16 from hidden states; see the module docstring for shapes and formula.
 
     ``kl`` (0-d, optional) replaces the KL estimate from ``kl_hidden`` (e.g. one gathered across
-    processes); it is used as given (detached).
+    processes); it is used as given (detached). Options: :class:`KTOOptions` and
+    :class:`~liger_losses.chunked.options.HeadOptions`.
     """
-    check_kto_options(
-        beta=beta, loss_type=loss_type, desirable_weight=desirable_weight, undesirable_weight=undesirable_weight
+    options = KTOOptions(beta=beta, loss_type=loss_type, desirable_weight=desirable_weight,
+                         undesirable_weight=undesirable_weight)
+    head = HeadOptions(need_entropy=need_entropy, ignore_index=ignore_index, softcap=softcap, logit_scale=logit_scale,
+                       chunk_tokens=chunk_tokens, accum_dtype=accum_dtype, impl=impl)
+    return run_kto(
+        weight, hidden, ref_hidden, labels, head=head, options=options, preference_labels=preference_labels, bias=bias,
+        ref_weight=ref_weight, ref_bias=ref_bias, kl_hidden=kl_hidden, kl_ref_hidden=kl_ref_hidden,
+        kl_labels=kl_labels, ref_logps=ref_logps, ref_kl_logps=ref_kl_logps, kl=kl,
     )
-    check_inputs(
-        weight, hidden, labels, paired=False, bias=bias, ref_hidden=ref_hidden, ref_weight=ref_weight,
-        ref_bias=ref_bias,
-    )
-    batch = hidden.shape[0]
-    check_tensor("preference_labels", preference_labels, ndim=1)
-    if preference_labels.shape[0] != batch:
-        raise ValueError(
-            f"preference_labels must have shape [{batch}] (one per sequence of hidden), "
-            f"got {tuple(preference_labels.shape)}"
-        )
-    if preference_labels.is_floating_point():
-        raise TypeError(f"preference_labels must be bool (True = desirable), got dtype {preference_labels.dtype}")
-    if preference_labels.device != hidden.device:
-        raise ValueError(f"preference_labels must be on {hidden.device} like hidden, got {preference_labels.device}")
-    preference_labels = preference_labels.bool()
-
-    if (ref_hidden is None) == (ref_logps is None):
-        raise ValueError("KTO needs exactly one reference: ref_hidden or ref_logps")
-    if ref_logps is not None:
-        ref_logps = check_sequence_values("ref_logps", ref_logps, batch, hidden.device)
-
-    if loss_type == "apo_zero_unpaired":
-        kl_value = torch.zeros((), device=hidden.device, dtype=torch.float32)
-    elif kl is not None:
-        check_tensor("kl", kl, floating=True)
-        if kl.numel() != 1:
-            raise ValueError(f"kl must hold one value, got shape {tuple(kl.shape)}")
-        kl_value = kl.detach().float().reshape(()).to(hidden.device)
-    else:
-        if kl_hidden is None or kl_labels is None:
-            raise ValueError(
-                "loss_type 'kto' needs the KL completions: kl_hidden and kl_labels (or a precomputed kl=)"
-            )
-        if (kl_ref_hidden is None) == (ref_kl_logps is None):
-            raise ValueError("loss_type 'kto' needs exactly one KL reference: kl_ref_hidden or ref_kl_logps")
-        check_inputs(
-            weight, kl_hidden, kl_labels, paired=False, bias=bias, ref_hidden=kl_ref_hidden,
-            ref_weight=ref_weight, ref_bias=ref_bias, hidden_name="kl_hidden", labels_name="kl_labels",
-            ref_hidden_name="kl_ref_hidden",
-        )
-        if ref_kl_logps is not None:
-            ref_kl_logps = check_sequence_values("ref_kl_logps", ref_kl_logps, kl_hidden.shape[0], hidden.device)
-        kl_value = kto_kl(
-            weight, kl_hidden, kl_labels, bias=bias, kl_ref_hidden=kl_ref_hidden, ref_weight=ref_weight,
-            ref_bias=ref_bias, ref_kl_logps=ref_kl_logps, ignore_index=ignore_index, softcap=softcap,
-            logit_scale=logit_scale, chunk_tokens=chunk_tokens, impl=impl,
-        )
 
 
-    objective = KTOObjective(
-        preference_labels=preference_labels, kl=kl_value, beta=beta, loss_type=loss_type,
-        desirable_weight=desirable_weight, undesirable_weight=undesirable_weight,
-    )
-    loss, _, stats = fused_linear_sequence_objective(
-        weight, hidden, labels, objective, group_size=1, separable=True, bias=bias,
-        ref_hidden=ref_hidden if ref_logps is None else None, ref_weight=ref_weight, ref_bias=ref_bias,
-        ref_logps=ref_logps, ignore_index=ignore_index, softcap=softcap, logit_scale=logit_scale,
-        need_entropy=need_entropy, chunk_tokens=chunk_tokens, accum_dtype=accum_dtype, impl=impl,
-    )
-    return LossOutput(loss, kto_metrics(stats, preference_labels, kl_value, beta=beta))
-
-
-class LigerFusedLinearKTOLoss(PreferenceLossModule):
+class LigerFusedLinearKTOLoss(ChunkedLossModule):
     """Module twin of :func:`fused_linear_kto_loss`.
 
     ``loss_fn(weight, hidden, ref_hidden, labels, *, preference_labels, bias=None, ref_weight=None,
@@ -277,6 +307,7 @@ class LigerFusedLinearKTOLoss(PreferenceLossModule):
     ref_kl_logps=None, kl=None) -> LossOutput``.
     """
 
+    runner = staticmethod(run_kto)
     TRL_METRIC_NAMES = TRL_METRIC_NAMES
     REPR_KEYS = ("beta", "loss_type")
 
@@ -295,10 +326,12 @@ class LigerFusedLinearKTOLoss(PreferenceLossModule):
         accum_dtype: Optional[torch.dtype] = None,
         impl: str = "auto",
     ):
-        check_kto_options(
-            beta=beta, loss_type=loss_type, desirable_weight=desirable_weight, undesirable_weight=undesirable_weight
+        super().__init__(
+            HeadOptions(need_entropy=need_entropy, ignore_index=ignore_index, softcap=softcap,
+                        logit_scale=logit_scale, chunk_tokens=chunk_tokens, accum_dtype=accum_dtype, impl=impl),
+            KTOOptions(beta=beta, loss_type=loss_type, desirable_weight=desirable_weight,
+                       undesirable_weight=undesirable_weight),
         )
-        super().__init__(locals())
 
     def forward(
         self,
@@ -318,8 +351,8 @@ class LigerFusedLinearKTOLoss(PreferenceLossModule):
         ref_kl_logps: Optional[torch.Tensor] = None,
         kl: Optional[torch.Tensor] = None,
     ) -> LossOutput:
-        return fused_linear_kto_loss(
+        return self.run(
             weight, hidden, ref_hidden, labels, preference_labels=preference_labels, bias=bias,
             ref_weight=ref_weight, ref_bias=ref_bias, kl_hidden=kl_hidden, kl_ref_hidden=kl_ref_hidden,
-            kl_labels=kl_labels, ref_logps=ref_logps, ref_kl_logps=ref_kl_logps, kl=kl, **self.options,
+            kl_labels=kl_labels, ref_logps=ref_logps, ref_kl_logps=ref_kl_logps, kl=kl,
         )

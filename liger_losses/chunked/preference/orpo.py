@@ -25,20 +25,21 @@ no odds-ratio term (its NLL share stays), and ``log(1 - e^a)`` is kept finite by
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
 import torch.nn.functional as F
 
-from ...kernels.utils import check_range
-from ..sequence import fused_linear_sequence_objective
+from ..objective import Objective
+from ..options import HeadOptions, check_real, set_fields
 from ..output import LossOutput
+from ..sequence import check_sequence_inputs, run_sequence_objective
 from .common import (
     PAIR_TRL_METRIC_NAMES,
     PreferenceLossModule,
     average_logps,
     batch_chosen_nll,
-    check_inputs,
     chosen_nll_per_unit,
     detached,
     entropy_metric,
@@ -86,7 +87,17 @@ def orpo_pair_losses(
     return chosen_nll - beta * ratio
 
 
-class ORPOObjective:
+@dataclass(frozen=True)
+class ORPOOptions:
+    """ORPO's own option: ``beta``, finite ``>= 0`` (the weight of the odds-ratio term)."""
+
+    beta: float = 0.1
+
+    def __post_init__(self):
+        set_fields(self, beta=check_real("beta", self.beta, 0.0, None))
+
+
+class ORPOObjective(Objective):
     """``objective(stats) -> (losses [U], {})`` for the chunked engine (pairs, separable)."""
 
     separable = True
@@ -118,6 +129,14 @@ def orpo_metrics(stats, *, beta: float) -> dict:
     })
 
 
+def run_orpo(weight, hidden, labels, *, head: HeadOptions, options: ORPOOptions, bias=None) -> LossOutput:
+    """:func:`fused_linear_orpo_loss` with its options already validated."""
+    check_sequence_inputs(weight, hidden, labels, head, group_size=2, bias=bias)
+    loss, _, stats = run_sequence_objective(weight, hidden, labels, ORPOObjective(beta=options.beta), head,
+                                            group_size=2, bias=bias)
+    return LossOutput(loss, orpo_metrics(stats, beta=options.beta))
+
+
 def fused_linear_orpo_loss(
     weight: torch.Tensor,
     hidden: torch.Tensor,
@@ -133,24 +152,19 @@ def fused_linear_orpo_loss(
     accum_dtype: Optional[torch.dtype] = None,
     impl: str = "auto",
 ) -> LossOutput:
-    """ORPO loss of TRL 1.16 from hidden states; see the module docstring for shapes and formula."""
-    check_range("beta", beta, 0.0, None)
-    check_inputs(weight, hidden, labels, paired=True, bias=bias)
-
-
-    loss, _, stats = fused_linear_sequence_objective(
-        weight, hidden, labels, ORPOObjective(beta=beta), group_size=2, separable=True, bias=bias,
-        ignore_index=ignore_index, softcap=softcap, logit_scale=logit_scale, need_entropy=need_entropy,
-        chunk_tokens=chunk_tokens, accum_dtype=accum_dtype, impl=impl,
-    )
-    return LossOutput(loss, orpo_metrics(stats, beta=beta))
+    """ORPO loss of TRL 1.16 from hidden states; see the module docstring for shapes and formula.
+    Options: :class:`ORPOOptions` and :class:`~liger_losses.chunked.options.HeadOptions`."""
+    head = HeadOptions(need_entropy=need_entropy, ignore_index=ignore_index, softcap=softcap, logit_scale=logit_scale,
+                       chunk_tokens=chunk_tokens, accum_dtype=accum_dtype, impl=impl)
+    return run_orpo(weight, hidden, labels, head=head, options=ORPOOptions(beta=beta), bias=bias)
 
 
 class LigerFusedLinearORPOLoss(PreferenceLossModule):
     """Module twin of :func:`fused_linear_orpo_loss`: ``loss_fn(weight, hidden, labels, *, bias=None)``."""
 
-    functional = staticmethod(fused_linear_orpo_loss)
+    runner = staticmethod(run_orpo)
     TRL_METRIC_NAMES = TRL_METRIC_NAMES
+    REPR_KEYS = ("beta",)
 
     def __init__(
         self,
@@ -164,5 +178,8 @@ class LigerFusedLinearORPOLoss(PreferenceLossModule):
         accum_dtype: Optional[torch.dtype] = None,
         impl: str = "auto",
     ):
-        check_range("beta", beta, 0.0, None)
-        super().__init__(locals())
+        super().__init__(
+            HeadOptions(need_entropy=need_entropy, ignore_index=ignore_index, softcap=softcap,
+                        logit_scale=logit_scale, chunk_tokens=chunk_tokens, accum_dtype=accum_dtype, impl=impl),
+            ORPOOptions(beta=beta),
+        )

@@ -1,10 +1,10 @@
-"""Shared preference helpers: log1mexp, token means, the separable chosen-NLL share, LD weights input checks."""
+"""Shared preference helpers: log1mexp, token means, the separable chosen-NLL share, and the
+sequence driver's input checks (one place: ``sequence.check_sequence_inputs``)."""
 
 import torch
 
 from liger_losses.chunked.preference.common import (
     average_logps,
-    check_inputs,
     chosen_nll_per_unit,
     log1mexp,
     token_mean,
@@ -41,10 +41,13 @@ def test_check_inputs_names_the_argument():
     """Shape checks name the offending argument (kl_hidden here) and the expected shape."""
     import pytest
 
-    w = torch.zeros(10, 4)
+    from liger_losses.chunked.options import HeadOptions
+    from liger_losses.chunked.sequence import check_sequence_inputs
+
+    w, head = torch.zeros(10, 4), HeadOptions()
     with pytest.raises(ValueError, match=r"kl_labels must have shape \(2, 3\)"):
-        check_inputs(w, torch.zeros(2, 3, 4), torch.zeros(2, 2, dtype=torch.long), paired=False,
-                     hidden_name="kl_hidden", labels_name="kl_labels")
+        check_sequence_inputs(w, torch.zeros(2, 3, 4), torch.zeros(2, 2, dtype=torch.long), head, group_size=1,
+                              hidden_name="kl_hidden", labels_name="kl_labels")
     with pytest.raises(ValueError, match="ref_weight"):
-        check_inputs(w, torch.zeros(2, 3, 4), torch.zeros(2, 3, dtype=torch.long), paired=True,
-                     ref_weight=torch.zeros(9, 4))
+        check_sequence_inputs(w, torch.zeros(2, 3, 4), torch.zeros(2, 3, dtype=torch.long), head, group_size=2,
+                              ref_weight=torch.zeros(9, 4))

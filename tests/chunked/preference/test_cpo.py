@@ -85,11 +85,11 @@ def test_pair_gradient_ratio_is_the_objectives_own(loss_type, extra):
     import torch
 
     from liger_losses.chunked.sequence import SequenceStats
-    from liger_losses.chunked.preference.cpo import CPOObjective
+    from liger_losses.chunked.preference.cpo import CPOObjective, CPOOptions
 
     options = dict(beta=0.3, loss_type=loss_type, label_smoothing=0.1, cpo_alpha=0.0, simpo_gamma=0.3, alpha=0.0)
     options.update(extra)
-    obj = CPOObjective(**options)
+    obj = CPOObjective(CPOOptions(**options))
     ratio = obj.pair_gradient_ratio(7, 3)
     assert (ratio is None) == bool(extra)
     if ratio is None:

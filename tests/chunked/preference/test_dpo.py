@@ -15,6 +15,7 @@ import torch
 
 from liger_losses.chunked.sequence import fused_linear_sequence_objective
 from liger_losses.chunked.preference.dpo import (
+    DPOOptions,
     DPO_LOSS_TYPES,
     TRL_METRIC_NAMES,
     DPOObjective,
@@ -168,8 +169,7 @@ def test_whole_batch_objective_path_equals_one_pass():
     same metrics within the fp32 bar (1e-5: the rewards are differences of sums accumulated in another
     chunk order, so they can lose a few ulps to cancellation)."""
     w, h, rh, lab, _ = make_inputs(**SHAPE, seed=3)
-    obj = DPOObjective(beta=0.1, loss_types=("sigmoid", "sft"), loss_weights=(1.0, 0.3), label_smoothing=0.0,
-                       f_divergence_type="reverse_kl", f_alpha_divergence_coef=0.5, discopop_tau=0.05)
+    obj = DPOObjective(DPOOptions(beta=0.1, loss_type=("sigmoid", "sft"), loss_weights=(1.0, 0.3)))
     loss2, _, stats = fused_linear_sequence_objective(
         w, h, lab, obj, group_size=2, separable=False, ref_hidden=rh, chunk_tokens=24, impl="torch"
     )
@@ -319,8 +319,7 @@ def test_pair_gradient_ratio_is_the_objectives_own(loss_type, f_div, expect):
     from liger_losses.chunked.sequence import SequenceStats
 
     types = [loss_type] if isinstance(loss_type, str) else loss_type
-    obj = DPOObjective(beta=0.3, loss_types=tuple(types), loss_weights=tuple(1.0 for _ in types), label_smoothing=0.1,
-                       f_divergence_type=f_div, f_alpha_divergence_coef=0.5, discopop_tau=0.05)
+    obj = DPOObjective(DPOOptions(beta=0.3, loss_type=tuple(types), label_smoothing=0.1, f_divergence_type=f_div))
     ratio = obj.pair_gradient_ratio(7, 3)
     assert (ratio is None) == (expect is None)
     if ratio is None:

@@ -1,0 +1,94 @@
+"""The chunked engine's tuning knobs: one frozen :class:`EngineConfig`, read where each knob acts.
+
+The defaults are what the losses ship with; a benchmark or a test that wants another value uses
+the context manager ``with engine_config(speculative_first_chunk=False): ...`` (the previous
+configuration comes back on exit, also on an exception). Nothing else changes these values: no
+module global is patched. The configuration is process-wide, as the kernels' tuning slots are
+(:mod:`liger_losses.kernels.tuning`), not a context variable: autograd runs a CUDA backward on its
+own device thread, and ``device_scale`` is read there, so it must see what the forward's thread set.
+
+Knobs (what each one trades, and what was measured):
+
+* ``default_budget_bytes`` / ``weight_budget_fraction``: the memory budget of one logits tile, the
+  larger of ``default_budget_bytes`` and ``weight_budget_fraction`` of the head's ``[V, H]`` weight
+  (:func:`liger_losses.chunked.planning.tile_budget`). The weight-gradient GEMM's inner dimension
+  is the chunk's token count: at 1024 tokens it ran at 1.18x its FLOP floor on the H200 (logits
+  GEMM 1.03x). Half the weight gives H/2 tokens per chunk (2048 at H=4096): cross-entropy
+  8192 x 4096 x 128256 41.8 -> 40.3 ms, DPO 1 pair x 16384 172.3 -> 163.5 ms (H200, bf16), while
+  the peak above the inputs stays below 1.5x the gradients (weight + half of it + hidden).
+* ``chunk_align``: chunk sizes found from the budget are rounded to a multiple of this (GEMM
+  efficiency).
+* ``unit_budget_factor``: one-pass preference losses need a whole unit (pair) in one tile; a unit
+  may take up to this many ``default_budget_bytes`` (or one tile budget, if larger) before the
+  sequence driver falls back to two phases, which recompute every tile but the longest pair's
+  (8NHV instead of 6NHV for the policy). 4 -> 1 GiB: 4184 tokens at V=128256 in bf16, so a batch
+  of TRL DPO pairs at max_length 2048 (prompt 512 + 2 x 1536 completion tokens) stays one-pass;
+  the tile is freed before the model's backward, whose activations set a trainer's peak.
+* ``device_scale``: the backward of the one-pass losses scales the forward's gradients by the
+  upstream scalar on the device (``kernels.scale``: no host sync, no memory pass when it is 1)
+  instead of reading it on the host (one sync per backward; False restores that). H200 profile of
+  cross-entropy at 8192 tokens: GPU idle per step 1.74 -> 1.42 ms. The scale is applied in fp32,
+  so a non-unit upstream gradient can differ by one bf16 ulp from ``x.mul_(s)``.
+* ``speculative_first_chunk``: per-token losses (cross-entropy, token log-probs) issue their
+  first chunk before the one host sync. The label scan's count goes to pinned host memory through
+  a non-blocking copy; the first chunk's rows are taken from ``nonzero_static`` of a known size
+  (ignored rows padded out: label ``ignore_index``, zero loss and gradient), its GEMMs and tile
+  are enqueued, and only then does the host wait -- for the copy, not for the chunk. The GPU runs
+  the chunk while the host plans the rest. Only when the rows fill at least two chunks; the cost
+  is the ignored rows among the first chunk's (all valid unless more than half are ignored).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from dataclasses import dataclass
+from typing import Iterator
+
+from liger_losses.kernels.utils import check_number
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """The engine's tuning knobs (see the module docstring for each one's measurement)."""
+
+    default_budget_bytes: int = 256 * 1024 * 1024
+    weight_budget_fraction: float = 0.5
+    chunk_align: int = 128
+    unit_budget_factor: int = 4
+    device_scale: bool = True
+    speculative_first_chunk: bool = True
+
+    def __post_init__(self):
+        for name in ("default_budget_bytes", "chunk_align", "unit_budget_factor"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive int, got {value!r}")
+        check_number("weight_budget_fraction", self.weight_budget_fraction)
+        if not 0.0 <= self.weight_budget_fraction <= 1.0:
+            raise ValueError(f"weight_budget_fraction must be in [0, 1], got {self.weight_budget_fraction!r}")
+        for name in ("device_scale", "speculative_first_chunk"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"{name} must be a bool, got {getattr(self, name)!r}")
+
+
+_CURRENT = [EngineConfig()]  # one slot, swapped whole: readers see the old or the new value
+
+
+def get_engine_config() -> EngineConfig:
+    """The configuration in force (the defaults unless inside :func:`engine_config`)."""
+    return _CURRENT[0]
+
+
+@contextlib.contextmanager
+def engine_config(**changes) -> Iterator[EngineConfig]:
+    """``with engine_config(knob=value, ...) as cfg:`` runs the block with those knobs changed
+    (unknown names raise ``TypeError``, bad values ``ValueError``) and restores the previous
+    configuration on exit."""
+    previous = _CURRENT[0]
+    new = dataclasses.replace(previous, **changes)
+    _CURRENT[0] = new
+    try:
+        yield new
+    finally:
+        _CURRENT[0] = previous

@@ -1,0 +1,201 @@
+"""The GEMMs of a chunk: the logits tile and the two gradient GEMMs, and the buffers they fill.
+
+* :func:`project` -- ``logits [n, V] = hidden [n, H] @ weight[V, H].T (+ bias)`` in the compute
+  dtype (:func:`compute_dtype`: the autocast dtype when autocast is on, else the weight's);
+* :func:`backprop_tile` -- a gradient tile ``G = d loss / d logits [n, V]`` (written in place by
+  a logits-tile kernel) into ``grad_hidden = G @ W``, ``grad_weight (+)= G^T @ hidden`` and
+  ``grad_bias (+)= colsum(G)``, with an optional per-row upstream factor;
+* :class:`HeadGrads` -- those three gradients of one head, filled chunk by chunk (the hidden
+  gradient at the compacted tokens' positions, :class:`~liger_losses.chunked.tokens.RowScatter`).
+
+The weight gradient is accumulated in the weight's dtype or a wider ``accum_dtype`` (fp32
+accumulator for bf16 operands through ``out_dtype`` where torch has it); the bias gradient in fp32.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from liger_losses.chunked.tokens import RowGather, RowScatter
+from liger_losses.kernels.scale import scale_unless_one_
+from liger_losses.kernels.utils import autocast_dtype
+
+
+def compute_dtype(weight: Tensor) -> torch.dtype:
+    """The dtype of tiles and GEMMs: the autocast dtype when autocast is on for the weight's
+    device type, else the weight's dtype."""
+    return autocast_dtype(weight, weight.dtype)
+
+
+def itemsize(dtype: torch.dtype) -> int:
+    """Bytes per element of the floating ``dtype``."""
+    return torch.finfo(dtype).bits // 8
+
+
+def project(hidden: Tensor, weight: Tensor, bias: Optional[Tensor] = None) -> Tensor:
+    """Logits tile ``[n, V] = hidden [n, H] @ weight[V, H].T (+ bias)`` in the compute dtype
+    (autocast dtype if autocast is on, else the weight dtype), contiguous, no autograd."""
+    dtype = compute_dtype(weight)
+    dev = weight.device.type
+    with torch.autocast(device_type=dev, enabled=False):
+        h = hidden if hidden.dtype == dtype else hidden.to(dtype)
+        w = weight if weight.dtype == dtype else weight.to(dtype)
+        if bias is not None:
+            b = bias if bias.dtype == dtype else bias.to(dtype)
+            return torch.addmm(b, h, w.t())
+        return torch.mm(h, w.t())
+
+
+_OUT_DTYPE_MM: dict = {}  # (device type, operand dtype, out dtype) -> whether out_dtype= works
+
+
+def _mm_into(out: Tensor, a: Tensor, b: Tensor, accumulate: bool) -> None:
+    """``out (+)= a @ b``; ``out`` may have a wider dtype (fp32 accumulator for bf16 operands)."""
+    if out.dtype == a.dtype:
+        if accumulate:
+            out.addmm_(a, b)
+        else:
+            torch.mm(a, b, out=out)
+        return
+    key = (out.device.type, a.dtype, out.dtype)
+    if _OUT_DTYPE_MM.get(key, True):
+        try:
+            if accumulate:
+                torch.addmm(out, a, b, out_dtype=out.dtype, out=out)
+            else:
+                torch.mm(a, b, out_dtype=out.dtype, out=out)
+            _OUT_DTYPE_MM[key] = True
+            return
+        except (RuntimeError, TypeError, NotImplementedError):
+            _OUT_DTYPE_MM[key] = False
+    prod = torch.mm(a, b)
+    if accumulate:
+        out.add_(prod)
+    else:
+        out.copy_(prod)
+
+
+def backprop_tile(
+    grad_logits: Tensor,
+    hidden: Tensor,
+    weight: Tensor,
+    *,
+    grad_hidden: Optional[Tensor],
+    grad_weight: Optional[Tensor],
+    grad_bias: Optional[Tensor],
+    accumulate: bool,
+    row_scale: Optional[Tensor] = None,
+) -> None:
+    """Back-propagate a gradient tile ``G = d loss / d logits [n, V]`` through the projection.
+
+    * ``grad_hidden [n, H]`` (buffer, overwritten) ``= row_scale * (G @ W)``
+    * ``grad_weight [V, H]`` ``(+)= G^T @ (row_scale * hidden)`` (``accumulate=False`` overwrites)
+    * ``grad_bias [V]`` (fp32) ``(+)= G^T @ row_scale`` (column sums of the scaled ``G``)
+
+    ``row_scale [n]`` (float32) is the per-row upstream factor, applied to the small ``[n, H]``
+    matrices, never to the tile. ``None`` buffers are skipped (frozen weight: no ``G^T`` GEMM).
+    """
+    dtype = grad_logits.dtype
+    dev = grad_logits.device.type
+    with torch.autocast(device_type=dev, enabled=False):
+        w = weight if weight.dtype == dtype else weight.to(dtype)
+        if grad_hidden is not None:
+            if grad_hidden.dtype == dtype and grad_hidden.is_contiguous():
+                torch.mm(grad_logits, w, out=grad_hidden)
+            else:
+                grad_hidden.copy_(torch.mm(grad_logits, w))
+            if row_scale is not None:
+                grad_hidden.mul_(row_scale.unsqueeze(1))
+        if grad_weight is not None:
+            if row_scale is not None:
+                h = (hidden.float() * row_scale.unsqueeze(1)).to(dtype)
+            else:
+                h = hidden if hidden.dtype == dtype else hidden.to(dtype)
+            _mm_into(grad_weight, grad_logits.t(), h, accumulate)
+        if grad_bias is not None:
+            if row_scale is not None:
+                colsum = torch.mv(grad_logits.t(), row_scale.to(dtype)).float()
+            else:
+                colsum = grad_logits.sum(0, dtype=torch.float32)
+            if accumulate:
+                grad_bias.add_(colsum)
+            else:
+                grad_bias.copy_(colsum)
+
+
+class HeadGrads:
+    """The gradients of a head's inputs, filled chunk by chunk by :meth:`add`: ``hidden`` (a
+    :class:`RowScatter` over ``rows``' tokens), ``weight`` ``[V, H]`` (``weight_dtype``) and ``bias``
+    ``[V]`` fp32, each None when not wanted. The first :meth:`add` overwrites the weight and bias
+    gradients, later ones accumulate (``started``); :meth:`finish` returns ``(grad_hidden [M, H],
+    grad_weight, grad_bias)`` (Nones kept), the weight gradient zeroed when no chunk was added."""
+
+    def __init__(self, rows: Optional[RowGather], V: int, H: int, *, dtype, weight_dtype, device,
+                 hidden: bool, weight: bool, bias: bool):
+        self.dtype, self.device, self.H, self.wants_hidden = dtype, device, H, hidden
+        self.hidden = None
+        if rows is not None:
+            self.attach(rows)
+        self.weight = torch.empty(V, H, dtype=weight_dtype, device=device) if weight else None
+        self.bias = torch.zeros(V, dtype=torch.float32, device=device) if bias else None
+        self.started = False
+
+    @property
+    def any(self) -> bool:
+        """Whether any gradient is wanted."""
+        return self.wants_hidden or self.weight is not None or self.bias is not None
+
+    def attach(self, rows: RowGather) -> None:
+        """The tokens whose hidden gradient is wanted (given late when they are known only after
+        :meth:`add_detached`)."""
+        if self.wants_hidden:
+            self.hidden = RowScatter(rows.flat.shape[0], self.H, self.dtype, self.device, rows.index,
+                                     rows.identity)
+
+    def add_detached(self, grad_logits: Tensor, hidden: Tensor, weight: Tensor) -> Optional[Tensor]:
+        """As :meth:`add` for tokens whose positions are not known yet: the weight and bias
+        gradients are accumulated, the hidden gradient rows are returned (``[n, H]``, or None when
+        not wanted) for :meth:`commit_detached` once :meth:`attach` has been called."""
+        buf = None
+        if self.wants_hidden:
+            buf = torch.empty(grad_logits.shape[0], self.H, dtype=self.dtype, device=self.device)
+        backprop_tile(grad_logits, hidden, weight, grad_hidden=buf, grad_weight=self.weight,
+                      grad_bias=self.bias, accumulate=self.started)
+        self.started = True
+        return buf
+
+    def commit_detached(self, buf: Optional[Tensor], ts: int, te: int) -> None:
+        """Rows ``[0, te - ts)`` of ``buf`` (from :meth:`add_detached`) as tokens ``[ts, te)``."""
+        if buf is not None and self.hidden is not None and te > ts:
+            self.hidden.write(ts, te, buf[: te - ts])
+
+    def add(self, grad_logits: Tensor, hidden: Tensor, weight: Tensor, ts: int, te: int,
+            row_scale: Optional[Tensor] = None) -> None:
+        """:func:`backprop_tile` of the chunk of tokens ``[ts, te)`` into these gradients."""
+        buf = self.hidden.target(ts, te) if self.hidden is not None else None
+        backprop_tile(grad_logits, hidden, weight, grad_hidden=buf, grad_weight=self.weight,
+                      grad_bias=self.bias, accumulate=self.started, row_scale=row_scale)
+        if self.hidden is not None:
+            self.hidden.commit(ts, te, buf)
+        self.started = True
+
+    def scale(self, ts: int, te: int, factor: Tensor) -> None:
+        """Multiply what has been added so far by the 0-d fp32 ``factor`` (in fp32, rounded once:
+        ``mul_`` would round the factor to a bf16 buffer's dtype first): the hidden gradient of
+        tokens ``[ts, te)`` and, once a chunk was added, the weight and bias gradients."""
+        factor = factor.float()
+        if self.hidden is not None:
+            self.hidden.scale(ts, te, factor)
+        if self.started:
+            if self.weight is not None:
+                scale_unless_one_(self.weight, factor.reshape(1))
+            if self.bias is not None:
+                self.bias.mul_(factor)
+
+    def finish(self):
+        if self.weight is not None and not self.started:
+            self.weight.zero_()
+        return (self.hidden.full if self.hidden is not None else None), self.weight, self.bias

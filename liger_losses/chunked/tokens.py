@@ -1,0 +1,227 @@
+"""Token compaction: the labels' one host sync, and the non-ignored rows gathered and scattered.
+
+Tokens whose label is ``ignore_index`` never enter a GEMM. :func:`scan_labels` reads, in ONE host
+sync, the number of valid tokens (and per-sequence counts) together with the labels' range check;
+:class:`PendingLabelScan` is the same in two halves (the range check through
+``kernels.utils.start_label_check`` / ``finish_label_check``) so a caller can enqueue work before
+it waits. :func:`valid_index` turns a scan into the valid positions (``nonzero_static`` of the
+known count: no second sync); :class:`RowGather` gathers chunks of those rows of ``hidden [M, H]``
+on demand (never an ``[N, H]`` copy) and :class:`RowScatter` writes their gradient back in place.
+
+Shapes: ``labels [...]`` integer, ``hidden [..., H]``; indices are long positions in the
+flattened ``[...]`` layout.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple, Optional
+
+import torch
+from torch import Tensor
+
+from liger_losses.kernels.scale import scale_unless_one_
+from liger_losses.kernels.utils import finish_label_check, start_label_check
+
+
+class LabelScan(NamedTuple):
+    """What :func:`scan_labels` reads with its one host sync."""
+
+    valid: Tensor  # [*labels.shape] bool: label != ignore_index
+    num_valid: int
+    row_counts: Optional[Tensor]  # [B] long on the device (labels [B, T]), when asked for
+    row_counts_host: Optional[list]  # the same as Python ints
+
+
+def label_counts(labels: Tensor, ignore_index: int, num_classes: Optional[int], row_counts: bool):
+    """Device side of a label scan: ``(valid, in_range, counts, parts)`` with ``valid`` = label !=
+    ignore_index, ``in_range`` = valid and within ``[0, num_classes)`` (``valid`` when no
+    ``num_classes``), ``counts`` the per-row counts ``[B]`` (``labels [B, T]``, when asked) and
+    ``parts`` the long vector to read back: ``[valid tokens, (in-range tokens,) (counts...)]``."""
+    valid = labels != ignore_index
+    counts = valid.sum(1) if row_counts else None
+    parts = [valid.sum().reshape(1) if counts is None else counts.sum().reshape(1)]
+    in_range = valid
+    if num_classes is not None:
+        in_range = valid & (labels >= 0) & (labels < num_classes)
+        parts.append(in_range.sum().reshape(1))
+    if counts is not None:
+        parts.append(counts)
+    return valid, in_range, counts, torch.cat(parts)
+
+
+def scan_labels(labels: Tensor, ignore_index: int, num_classes: Optional[int],
+                row_counts: bool = False) -> LabelScan:
+    """The valid-token mask and counts of ``labels`` with ONE host sync: the range check of the
+    labels (when ``num_classes`` is given: every label in ``[0, num_classes)`` or ``ignore_index``,
+    else ``ValueError``), the number of valid tokens and, with ``row_counts``, each row's count
+    (``labels [B, T]``) are read back together."""
+    valid, in_range, counts, parts = label_counts(labels, ignore_index, num_classes, row_counts)
+    host = parts.tolist()  # the one host sync
+    if num_classes is not None:
+        if host[1] != host[0]:
+            example = int(labels[valid & ~in_range][0])
+            raise ValueError(
+                f"labels must be in [0, {num_classes}) or equal ignore_index={ignore_index}, "
+                f"found {example}"
+            )
+        host = host[:1] + host[2:]
+    return LabelScan(valid, int(host[0]), counts, host[1:] if counts is not None else None)
+
+
+class PendingLabelScan:
+    """:func:`scan_labels` (without row counts) in two halves. The constructor enqueues the scan, a
+    non-blocking copy of the valid-token count to pinned host memory and then the range check of
+    ``kernels.utils.start_label_check`` (whose event is recorded after the count's copy, so waiting
+    for it waits for the count too); :meth:`result` waits for that event alone, not for the work
+    enqueued after it, raises on labels out of ``[0, num_classes)`` (``finish_label_check``; on the
+    CPU the check runs at once) and returns the :class:`LabelScan`. ``valid`` and ``in_range``
+    (valid and within the classes: what may be fed to a kernel before the check) are available at
+    once."""
+
+    def __init__(self, labels: Tensor, ignore_index: int, num_classes: int):
+        self.valid, self.in_range, _, parts = label_counts(labels, ignore_index, num_classes, False)
+        count = parts[:1]
+        bad = parts[:1] - parts[1:2]  # valid labels outside [0, num_classes)
+        if count.is_cuda:
+            self.host = torch.empty(count.shape, dtype=count.dtype, pin_memory=True)
+            self.host.copy_(count, non_blocking=True)
+        else:
+            self.host = count
+        self.check = start_label_check("labels", labels, num_classes, ignore_index, bad)
+        self.synced = self.check is not None or not count.is_cuda
+        self.device_count = count
+
+    def result(self) -> LabelScan:
+        finish_label_check(self.check)  # the one host sync: waits for the count's copy only
+        num_valid = self.host.tolist()[0] if self.synced else self.device_count.tolist()[0]
+        return LabelScan(self.valid, int(num_valid), None, None)
+
+
+def nonzero_known(mask: Tensor, count: int) -> Tensor:
+    """Indices ``[count]`` of the True entries of the flat ``mask`` whose number is known
+    (``nonzero_static``: no second host sync)."""
+    try:
+        return torch.nonzero_static(mask, size=count).squeeze(1)
+    except (AttributeError, NotImplementedError, RuntimeError):  # older torch / backend
+        return mask.nonzero().squeeze(1)
+
+
+def valid_index(labels: Tensor, ignore_index: int, order: Optional[Tensor] = None, *,
+                num_classes: Optional[int] = None, scan: Optional[LabelScan] = None):
+    """``(labels_valid [N] long, index [N] long)``: the non-ignored positions of the flattened
+    ``labels``, sequences taken in ``order`` (a permutation of dim 0 of ``labels [B, T]``) when
+    given. With ``num_classes`` the labels' range is checked too. One host sync in all (none
+    when ``scan``, a result of :func:`scan_labels`, is passed in)."""
+    flat = labels.reshape(-1)
+    valid, n, _, _ = scan if scan is not None else scan_labels(labels, ignore_index, num_classes)
+    if order is None:
+        if n == flat.numel():
+            return flat.long(), torch.arange(n, device=flat.device)
+        index = nonzero_known(valid.reshape(-1), n)
+    else:
+        T = labels.shape[1]
+        pos = nonzero_known(valid.index_select(0, order).reshape(-1), n)
+        index = order[pos // T] * T + pos % T
+    return flat.index_select(0, index).long(), index
+
+
+class RowGather:
+    """Rows ``[ts, te)`` of the compacted tokens of ``flat [M, H]``, gathered chunk by chunk, so no
+    ``[N, H]`` copy of the hidden states is ever held (a plain slice when nothing was dropped)."""
+
+    def __init__(self, flat: Tensor, index: Tensor, identity: bool):
+        self.flat, self.index, self.identity = flat, index, identity
+
+    def like(self, flat: Tensor) -> "RowGather":
+        """The same tokens of another ``[M, H']`` tensor (a reference's or teacher's hidden states)."""
+        return RowGather(flat, self.index, self.identity)
+
+    def __call__(self, ts: int, te: int) -> Tensor:
+        if self.identity:
+            return self.flat[ts:te]
+        return self.flat.index_select(0, self.index[ts:te])
+
+
+class RowScatter:
+    """The ``[M, H]`` gradient of the hidden states, written chunk by chunk at the compacted
+    tokens' positions (zeros elsewhere) without an intermediate ``[N, H]`` buffer."""
+
+    def __init__(self, total: int, H: int, dtype, device, index: Tensor, identity: bool):
+        self.index, self.identity, self.H = index, identity, H
+        alloc = torch.empty if identity else torch.zeros
+        self.full = alloc(total, H, dtype=dtype, device=device)
+
+    def target(self, ts: int, te: int) -> Tensor:
+        if self.identity:
+            return self.full[ts:te]
+        return torch.empty(te - ts, self.H, dtype=self.full.dtype, device=self.full.device)
+
+    def commit(self, ts: int, te: int, buf: Tensor) -> None:
+        """Rows ``[ts, te)`` from ``buf``, the :meth:`target` of those rows."""
+        if not self.identity:
+            self.full.index_copy_(0, self.index[ts:te], buf)
+
+    def write(self, ts: int, te: int, rows: Tensor) -> None:
+        """Rows ``[ts, te)`` from ``rows`` computed elsewhere (not in their :meth:`target`)."""
+        if self.identity:
+            self.full[ts:te].copy_(rows)
+        else:
+            self.full.index_copy_(0, self.index[ts:te], rows)
+
+    def scale(self, ts: int, te: int, factor: Tensor) -> None:
+        """Rows ``[ts, te)`` times the 0-d fp32 ``factor``, computed in fp32 and rounded once."""
+        scale = factor.reshape(1)
+        if self.identity:
+            scale_unless_one_(self.full[ts:te], scale)  # a contiguous row range: in place
+        else:
+            idx = self.index[ts:te]
+            self.full.index_copy_(0, idx, scale_unless_one_(self.full.index_select(0, idx), scale))
+
+
+def hidden_rows_at(hidden: Tensor, index: Tensor) -> RowGather:
+    """:class:`RowGather` of the rows ``index`` (flat positions) of ``hidden [..., H]``; the identity
+    when ``index`` covers every row in order (what :func:`valid_index` returns then)."""
+    flat = hidden.reshape(-1, hidden.shape[-1])
+    return RowGather(flat, index, index.numel() == flat.shape[0])
+
+
+def token_rows(hidden: Tensor, labels: Tensor, ignore_index: int, *, num_classes: Optional[int] = None):
+    """The non-ignored tokens without copying them: ``(rows, labels_valid [N] long, index [N])``
+    where ``rows`` (:class:`RowGather`) gathers chunks of ``hidden [..., H]`` on demand. One host
+    sync, which also checks the labels' range when ``num_classes`` is given. The engine's passes
+    take these, so no ``[N, H]`` copy of the hidden states is held."""
+    labels_valid, index = valid_index(labels, ignore_index, num_classes=num_classes)
+    return hidden_rows_at(hidden, index), labels_valid, index
+
+
+def compact_tokens(hidden: Tensor, labels: Tensor, ignore_index: int, *,
+                   num_classes: Optional[int] = None) -> tuple[Tensor, Tensor, Tensor]:
+    """Drop ignored tokens: ``hidden [..., H]``, ``labels [...]`` ->
+    ``(hidden_valid [N, H], labels_valid [N] long, index [N] long)`` where ``index`` holds the
+    positions in the flattened ``[...]`` layout. One host sync. When no token is ignored the
+    returned hidden is a view (no copy); the engine's own passes use :func:`token_rows` instead,
+    which never copies."""
+    rows, labels_valid, index = token_rows(hidden, labels, ignore_index, num_classes=num_classes)
+    return rows(0, index.numel()), labels_valid, index
+
+
+def grad_like(full: Tensor, like: Tensor) -> Tensor:
+    """A ``[M, H]`` gradient buffer (:class:`RowScatter`'s ``full``) in ``like``'s shape and dtype."""
+    out = full.view(like.shape)
+    return out if out.dtype == like.dtype else out.to(like.dtype)
+
+
+def scatter_rows(rows: Tensor, index: Tensor, shape, *, dtype: Optional[torch.dtype] = None) -> Tensor:
+    """Rows ``[N, ...]`` of the compacted tokens put back at ``index`` of a zero tensor of
+    ``shape`` (leading dims flattened); a plain view when ``index`` covers every position in order."""
+    total = 1
+    for s in shape[: len(shape) - (rows.dim() - 1)]:
+        total *= int(s)
+    dtype = dtype or rows.dtype
+    if rows.shape[0] == total:  # compaction kept every row in order (see compact_tokens)
+        out = rows
+    else:
+        out = torch.zeros((total,) + tuple(rows.shape[1:]), dtype=rows.dtype, device=rows.device)
+        out.index_copy_(0, index, rows)
+    out = out.view(tuple(shape))
+    return out if out.dtype == dtype else out.to(dtype)

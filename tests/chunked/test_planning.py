@@ -1,0 +1,100 @@
+"""Tests of liger_losses/chunked/planning.py and config.py without tensors: the sequence driver's
+plan (one pass / two phases / recompute) from token counts alone, and the engine's tuning knobs
+through ``engine_config``. Plans are integer bounds: compared exactly."""
+
+import pytest
+
+from liger_losses.chunked.config import EngineConfig, engine_config, get_engine_config
+from liger_losses.chunked.planning import plan_sequence_passes, tile_budget, unit_order
+
+V, H, ITEM = 100, 8, 4
+
+
+def plan(counts, **kw):
+    kw.setdefault("group_size", 2)
+    kw.setdefault("separable", True)
+    return plan_sequence_passes(counts, vocab=V, hidden_size=H, itemsize=ITEM, **kw)
+
+
+def test_unit_order_interleaves_pairs():
+    """Pairs of a [chosen; rejected] batch of 6: c0, r0, c1, r1, c2, r2; sequences stay in order."""
+    assert unit_order(6, 2) == [0, 3, 1, 4, 2, 5]
+    assert unit_order(3, 1) == [0, 1, 2]
+
+
+def test_separable_units_that_fit_run_in_one_pass():
+    """Pairs of 7 tokens with 10-token chunks: one chunk per pair, no recompute."""
+    p = plan([3, 4, 2, 5], chunk_tokens=10)
+    assert p.mode == "one_pass"
+    assert p.unit_chunks == ((0, 1, 0, 7), (1, 2, 7, 14))
+    assert p.recompute_chunks == () and p.exempt_chunks == ()
+
+
+def test_non_separable_objective_takes_two_phases_with_the_longest_sequence_exempt():
+    """separable=False, sequences of 3, 9, 2 tokens, 4-token chunks: the 9-token sequence's tiles are
+    back-propagated in phase 1 (chunked apart), the others recomputed."""
+    p = plan([3, 9, 2], group_size=1, separable=False, chunk_tokens=4)
+    assert p.mode == "recompute"
+    assert p.exempt_position == 1 and p.exempt_tokens == (3, 12, 12) and p.rejected_ratio is None
+    assert p.exempt_chunks == ((3, 7), (7, 11), (11, 12))
+    assert p.recompute_chunks == ((0, 3), (12, 14))
+
+
+def test_a_pair_with_a_gradient_ratio_is_exempt_as_a_whole():
+    """Unit order [c0, r0, c1, r1] = [3, 2, 6, 5] with 4-token chunks cuts pair 1 (11 tokens); with
+    ``pair_gradient_ratio = -1`` the whole pair is exempt (rejected side from token 11), else only
+    its longest sequence."""
+    p = plan([3, 2, 6, 5], chunk_tokens=4, pair_gradient_ratio=lambda c, r: -1.0)
+    assert p.mode == "recompute" and p.exempt_position == 2 and p.rejected_ratio == -1.0
+    assert p.exempt_tokens == (5, 11, 16)
+    assert p.exempt_chunks == ((5, 9), (9, 13), (13, 16)) and p.recompute_chunks == ((0, 4), (4, 5))
+    seen = []
+    q = plan([3, 2, 6, 5], chunk_tokens=4, pair_gradient_ratio=lambda c, r: seen.append((c, r)))
+    assert seen == [(6, 5)]  # asked for the longest pair's lengths
+    assert q.exempt_position == 2 and q.exempt_tokens == (5, 11, 11) and q.rejected_ratio is None
+
+
+def test_a_single_exempt_pair_recomputes_nothing():
+    """One pair larger than a chunk, exempt as a whole: two phases, no tile recomputed."""
+    p = plan([6, 5], chunk_tokens=4, pair_gradient_ratio=lambda c, r: -c / r)
+    assert p.mode == "two_phase" and p.recompute_chunks == ()
+    assert p.exempt_chunks == ((0, 4), (4, 8), (8, 11)) and p.rejected_ratio == pytest.approx(-6 / 5)
+
+
+def test_a_unit_over_the_default_budget_stays_one_pass_within_the_unit_budget():
+    """Tile budget of 8 tokens (default_budget_bytes = 8 V * itemsize, no weight share): a 10-token
+    pair still runs in one pass under unit_budget_factor=4 (32 tokens), not under 1; an explicit
+    chunk_tokens is never widened."""
+    with engine_config(default_budget_bytes=8 * V * ITEM, weight_budget_fraction=0.0):
+        assert tile_budget(V, H, ITEM) == 8 * V * ITEM
+        assert plan([6, 4]).mode == "one_pass"
+        with engine_config(unit_budget_factor=1):
+            assert plan([6, 4]).mode == "recompute"
+        assert plan([6, 4], chunk_tokens=8).mode == "recompute"
+
+
+def test_empty_batch_plans_no_chunk():
+    assert plan([], chunk_tokens=4).unit_chunks == ()
+    p = plan([], group_size=1, separable=False, chunk_tokens=4)
+    assert p.exempt_position is None and p.exempt_chunks == () and p.recompute_chunks == ()
+
+
+def test_engine_config_is_scoped_and_validated():
+    """engine_config changes the knobs inside the block only (restored after an exception too);
+    unknown knobs raise TypeError, bad values ValueError/TypeError naming the knob."""
+    default = get_engine_config()
+    assert default == EngineConfig()
+    with pytest.raises(RuntimeError):
+        with engine_config(speculative_first_chunk=False) as cfg:
+            assert get_engine_config() is cfg and not cfg.speculative_first_chunk
+            raise RuntimeError
+    assert get_engine_config() == default
+    with pytest.raises(TypeError):
+        with engine_config(speculative_first_chunk_typo=False):
+            pass
+    with pytest.raises(ValueError, match="default_budget_bytes"):
+        EngineConfig(default_budget_bytes=0)
+    with pytest.raises(ValueError, match="weight_budget_fraction"):
+        EngineConfig(weight_budget_fraction=2.0)
+    with pytest.raises(TypeError, match="device_scale"):
+        EngineConfig(device_scale=1)
