@@ -14,6 +14,7 @@ from liger_losses.chunked.distillation import (
     LigerFusedLinearDistillationLoss,
     fused_linear_distillation_loss,
 )
+from liger_losses.chunked.grpo import LigerFusedLinearGRPOLoss, fused_linear_grpo_loss
 from liger_losses.chunked.sequence import SequenceStats, fused_linear_sequence_objective
 from liger_losses.chunked.output import LossOutput
 from liger_losses.chunked.preference import (
@@ -45,6 +46,7 @@ __all__ = [
     "LigerFusedLinearCrossEntropyLoss",
     "LigerFusedLinearDPOLoss",
     "LigerFusedLinearDistillationLoss",
+    "LigerFusedLinearGRPOLoss",
     "LigerFusedLinearKTOLoss",
     "LigerFusedLinearORPOLoss",
     "LigerFusedLinearSimPOLoss",
@@ -63,6 +65,7 @@ __all__ = [
     "fused_linear_cross_entropy",
     "fused_linear_distillation_loss",
     "fused_linear_dpo_loss",
+    "fused_linear_grpo_loss",
     "fused_linear_kto_loss",
     "fused_linear_orpo_loss",
     "fused_linear_sequence_objective",

@@ -46,13 +46,14 @@ importance ratio and ``A`` the advantages, TRL's semantics of every option:
 * ``entropy_coef``: ``loss -= entropy_coef * sum(entropy * m') / max(sum m', 1)`` with ``m'`` the
   mask (and the entropy mask when ``top_entropy_quantile < 1``); the entropy is differentiated.
 
-Paths (FLOPs of the policy head; the reference from ``ref_hidden`` adds ``2 N H V``): one pass,
-``6 N H V``, for every option at token level, and at sequence level / with VESPO / the off-policy
-mask when ``old_logps`` (or ``sampling_logps``) is ``None`` (the ratio is then 1 in value and its
-gradient per token); ``importance_sampling_level="sequence"``, ``vespo`` and the off-policy mask
-with old log-probs need per-sequence sums first: one pass over chunks of whole sequences while a
-sequence fits the tile budget, two phases otherwise; ``top_entropy_quantile < 1`` always runs two
-phases (statistics of every token, the quantile, then each tile recomputed: ``8 N H V``). See
+Paths (FLOPs of the policy head; the reference from ``ref_hidden`` adds ``2 N H V``): one pass over
+chunks of any size, ``6 N H V``, at token level (VESPO and the off-policy mask included when
+``old_logps`` and ``sampling_logps`` are ``None``: their per-sequence values are then known and
+detached). Per-sequence sums are needed first for ``importance_sampling_level="sequence"`` (each
+token's gradient sums over its sequence, on-policy too) and for VESPO / the off-policy mask with
+old or sampling log-probs: one pass over chunks of whole sequences while a sequence fits the tile
+budget (4 default budgets), else two phases. ``top_entropy_quantile < 1`` always runs two phases
+(statistics of every token, the quantile, then each tile recomputed: ``8 N H V``). See
 :mod:`liger_losses.chunked.token_objective`.
 
 Returns ``LossOutput(loss, metrics)``: the 0-d loss and the 0-d metrics TRL logs
@@ -158,8 +159,9 @@ def _batch(opts, labels, ignore_index, advantages, old_logps, ref_logps, samplin
 def _coupling(opts: GRPOOptions, old_logps, sampling_logps) -> str:
     if opts.top_entropy_quantile < 1.0:
         return "batch"
-    ratio_needs_sums = opts.importance_sampling_level == "sequence" or opts.loss_type == "vespo"
-    if old_logps is not None and ratio_needs_sums:
+    if opts.importance_sampling_level == "sequence":  # every token's gradient sums over its sequence
+        return "sequence"
+    if old_logps is not None and opts.loss_type == "vespo":  # the detached weight's value does
         return "sequence"
     if opts.off_policy_mask_threshold is not None and (old_logps is not None or sampling_logps is not None):
         return "sequence"
