@@ -250,11 +250,15 @@ class GRPOObjective:
 
 
 def _nanmin(x: Tensor) -> Tensor:
-    return torch.where(torch.isnan(x), torch.inf, x).min() if not torch.isnan(x).all() else x.new_tensor(math.nan)
+    """Minimum ignoring NaN, NaN when all are (TRL's nanmin), without a host sync."""
+    nan = torch.isnan(x)
+    if x.numel() == 0:
+        return x.new_tensor(math.nan)
+    return torch.where(nan.all(), math.nan, torch.where(nan, math.inf, x).min())
 
 
 def _nanmax(x: Tensor) -> Tensor:
-    return torch.where(torch.isnan(x), -torch.inf, x).max() if not torch.isnan(x).all() else x.new_tensor(math.nan)
+    return -_nanmin(-x)
 
 
 def finish_metrics(objective: GRPOObjective, sums: dict) -> dict:
