@@ -11,6 +11,7 @@ from liger_losses.trl_integration.cpo import CPOTrainer
 from liger_losses.trl_integration.distillation import DistillationTrainer
 from liger_losses.trl_integration.dpo import DPOTrainer
 from liger_losses.trl_integration.gkd import GKDTrainer
+from liger_losses.trl_integration.grpo import GRPOTrainer
 from liger_losses.trl_integration.kto import KTOTrainer
 from liger_losses.trl_integration.orpo import ORPOTrainer
 from liger_losses.trl_integration.sft import SFTTrainer
@@ -20,6 +21,7 @@ __all__ = [
     "DPOTrainer",
     "DistillationTrainer",
     "GKDTrainer",
+    "GRPOTrainer",
     "KTOTrainer",
     "ORPOTrainer",
     "SFTTrainer",
