@@ -15,6 +15,7 @@ from liger_losses.chunked.distillation import (
     fused_linear_distillation_loss,
 )
 from liger_losses.chunked.grpo import LigerFusedLinearGRPOLoss, fused_linear_grpo_loss
+from liger_losses.chunked.rloo import fused_linear_rloo_loss
 from liger_losses.chunked.sequence import SequenceStats, fused_linear_sequence_objective
 from liger_losses.chunked.output import LossOutput
 from liger_losses.chunked.preference import (
@@ -68,6 +69,7 @@ __all__ = [
     "fused_linear_grpo_loss",
     "fused_linear_kto_loss",
     "fused_linear_orpo_loss",
+    "fused_linear_rloo_loss",
     "fused_linear_sequence_objective",
     "fused_linear_simpo_loss",
     "fused_linear_token_logprobs",

@@ -14,6 +14,7 @@ from liger_losses.trl_integration.gkd import GKDTrainer
 from liger_losses.trl_integration.grpo import GRPOTrainer
 from liger_losses.trl_integration.kto import KTOTrainer
 from liger_losses.trl_integration.orpo import ORPOTrainer
+from liger_losses.trl_integration.rloo import RLOOTrainer
 from liger_losses.trl_integration.sft import SFTTrainer
 
 __all__ = [
@@ -24,5 +25,6 @@ __all__ = [
     "GRPOTrainer",
     "KTOTrainer",
     "ORPOTrainer",
+    "RLOOTrainer",
     "SFTTrainer",
 ]

@@ -15,7 +15,9 @@ trl = pytest.importorskip("trl")
 
 from liger_losses.trl_integration.grpo import GRPOTrainer  # noqa: E402
 
-from .utils import assert_grads_match, assert_metrics_match, build_tiny_model, rel, trl_config  # noqa: E402
+from .utils import (  # noqa: E402
+    assert_grads_match, assert_metrics_match, build_tiny_model, lora_config, rel, trl_config,
+)
 
 TOL = 1e-4
 PROMPTS = ["abc", "hello", "xyz", "the cat"]
@@ -39,7 +41,7 @@ def _config(tmp_path, **overrides):
     return trl_config(trl.GRPOConfig, tmp_path, **kwargs)
 
 
-def _pair(tok, tmp_path, liger_kwargs=None, **cfg):
+def _pair(tok, tmp_path, liger_kwargs=None, peft_config=None, **cfg):
     """(TRL's trainer, ours) on the same tiny model, saved and passed by path (TRL builds the
     reference model of beta != 0 from the policy's path)."""
     path = tmp_path / "tiny"
@@ -48,7 +50,8 @@ def _pair(tok, tmp_path, liger_kwargs=None, **cfg):
     for use_liger in (False, True):
         kwargs = {"liger_patch_model": False, **(liger_kwargs or {})} if use_liger else {}
         out.append(GRPOTrainer(str(path), _reward_len, _config(tmp_path / str(use_liger), **cfg),
-                               train_dataset=_dataset(), processing_class=tok, use_liger=use_liger, **kwargs))
+                               train_dataset=_dataset(), processing_class=tok, use_liger=use_liger,
+                               peft_config=peft_config, **kwargs))
     return out
 
 
@@ -112,6 +115,14 @@ def test_step0_parity_entropy_options(tok, tmp_path):
     for t in (theirs, ours):
         t.current_gradient_accumulation_steps = 2
     _check(theirs, ours, _batch(theirs))
+
+
+def test_step0_parity_peft_lora(tok, tmp_path):
+    """PEFT LoRA with beta=0.04 (TRL's reference log-probs: the adapter disabled): loss, metrics and
+    the LoRA gradients equal TRL's (rel <= 1e-4)."""
+    theirs, ours = _pair(tok, tmp_path, peft_config=lora_config(), beta=0.04, loss_type="grpo")
+    m_t = _check(theirs, ours, _batch(theirs))
+    assert m_t["kl"] > 0  # the adapter changes the policy: a real reference
 
 
 def test_unsupported_option_raises(tok, tmp_path):
