@@ -232,7 +232,8 @@ def _grpo_loss(opts: GRPOOptions, weight, hidden, ref_hidden, labels, *, advanta
     check_tensor("hidden", hidden, ndim=3, floating=True)
     check_tensor("labels", labels, ndim=2, floating=False)
     if tuple(labels.shape) != tuple(hidden.shape[:2]):
-        raise ValueError(f"labels must have shape {tuple(hidden.shape[:2])} (hidden's [B, T]), got {tuple(labels.shape)}")
+        raise ValueError(f"labels must have shape {tuple(hidden.shape[:2])} (hidden's [B, T]), "
+                         f"got {tuple(labels.shape)}")
     if not isinstance(ignore_index, int) or isinstance(ignore_index, bool):
         raise TypeError(f"ignore_index must be an int, got {type(ignore_index).__name__}")
     _check_num_items(opts.loss_type, num_items_in_batch)

@@ -144,7 +144,8 @@ def _clip_flags(opts: GRPOOptions, coef_1: Tensor, adv: Tensor) -> dict:
     if opts.loss_type in CLIP_LOSS_TYPES:
         low = (coef_1 < 1 - opts.epsilon_low) & (adv < 0)
         high = (coef_1 > 1 + opts.eps_high) & (adv > 0)
-        return {"clip_ratio_low": low.float(), "clip_ratio_high": high.float(), "clip_ratio_region": (low | high).float()}
+        return {"clip_ratio_low": low.float(), "clip_ratio_high": high.float(),
+                "clip_ratio_region": (low | high).float()}
     return {}
 
 

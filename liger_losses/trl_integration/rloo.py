@@ -24,7 +24,15 @@ import torch
 import trl
 
 from ..chunked.rloo import RLOO_TRL_METRIC_NAMES, fused_linear_rloo_loss
-from .base import IGNORE_INDEX, LigerTrainerMixin, gathered_params, head_logit_options, reject, reject_vision, unwrap_causal_lm
+from .base import (
+    IGNORE_INDEX,
+    LigerTrainerMixin,
+    gathered_params,
+    head_logit_options,
+    reject,
+    reject_vision,
+    unwrap_causal_lm,
+)
 
 
 class RLOOTrainer(LigerTrainerMixin, trl.RLOOTrainer):

@@ -23,6 +23,11 @@ def reference_logps(weight, hidden, bias, labels, temperature=1.0, ignore_index=
     return logps * mask, entropy * mask, mask
 
 
+def _as_2d(x):
+    """``[B, T]`` / ``[B, 1]`` as given, ``[B]`` as ``[B, 1]``."""
+    return x if x.dim() == 2 else x[:, None]
+
+
 def _seq_mean(x, mask):
     return (x * mask).sum(-1, keepdim=True) / mask.sum(-1, keepdim=True).clamp(min=1.0)
 
@@ -64,7 +69,7 @@ def reference_loss(logps, entropy, mask, advantages, *, loss_type="dapo", beta=0
         with torch.no_grad():
             s = (torch.clamp(log_ratio, -20, 20) * mask).sum(-1, keepdim=True)
             if importance_sampling_ratio is not None:
-                isr = importance_sampling_ratio if importance_sampling_ratio.dim() == 2 else importance_sampling_ratio[:, None]
+                isr = _as_2d(importance_sampling_ratio)
                 s = s + torch.clamp(torch.log(isr), math.log(1e-8), 20).sum(-1, keepdim=True)
             lw = torch.clamp(s, math.log(1e-8), 20)
             k = torch.where(adv >= 0, vespo_k_pos, vespo_k_neg)
@@ -82,7 +87,7 @@ def reference_loss(logps, entropy, mask, advantages, *, loss_type="dapo", beta=0
         ent_mask = ((entropy.detach() * mask) >= thr) & mask.bool()
         ptl = ptl * ent_mask.double()
     if importance_sampling_ratio is not None and loss_type != "vespo":
-        isr = importance_sampling_ratio if importance_sampling_ratio.dim() == 2 else importance_sampling_ratio[:, None]
+        isr = _as_2d(importance_sampling_ratio)
         ptl = ptl * isr
     if beta:
         ptl = ptl + beta * kl

@@ -23,8 +23,9 @@ TOL = 5e-6
 
 def _case(seed=0, pad_row=None):
     g = torch.Generator().manual_seed(seed)
-    w, h, b = (torch.randn(V, H, generator=g, dtype=torch.float64), torch.randn(B, T, H, generator=g, dtype=torch.float64),
-               torch.randn(V, generator=g, dtype=torch.float64))
+    w = torch.randn(V, H, generator=g, dtype=torch.float64)
+    h = torch.randn(B, T, H, generator=g, dtype=torch.float64)
+    b = torch.randn(V, generator=g, dtype=torch.float64)
     labels = torch.randint(0, V, (B, T), generator=g)
     labels[1, 4:] = -100
     if pad_row is not None:
@@ -46,7 +47,8 @@ def _reference(w, h, b, labels, adv, old, eps=0.2, eps_high=0.28, temperature=1.
     high = ((r > 1 + eps_high) & (adv > 0)).double()
     metrics = {"entropy": float((ent * mask).sum() / mask.sum()), "clip_ratio_low_mean": float(low.mean()),
                "clip_ratio_low_min": float(low.min()), "clip_ratio_high_mean": float(high.mean()),
-               "clip_ratio_high_max": float(high.max()), "clip_ratio_region_mean": float(((low + high) > 0).double().mean())}
+               "clip_ratio_high_max": float(high.max()),
+               "clip_ratio_region_mean": float(((low + high) > 0).double().mean())}
     return loss.detach(), metrics, (wd.grad, hd.grad, bd.grad), (lp, ent, mask)
 
 
