@@ -16,8 +16,8 @@ liger_chunk_tokens=None)`` takes every argument of ``trl.GRPOTrainer`` plus thre
   advantages, old and reference log-probs are TRL's. Metrics are logged under TRL's names.
   ``liger_patch_model=True`` also swaps the model's layers for our kernels.
 
-Metrics are this process's values averaged over processes (TRL reduces token sums: equal on one
-process, token-weighted vs process-weighted on several).
+Metrics are reduced over processes as TRL reduces them (:func:`log_rl_metrics`): token (or
+sequence) means weighted by each process's count, ``*_min`` / ``*_max`` over all processes.
 
 Options TRL supports that use_liger=True cannot serve raise ``ValueError`` at construction, naming the
 option: ``use_adaptive_entropy``, ``cast_lm_head_to_fp32``, vision-language models, PEFT prompt
@@ -36,12 +36,46 @@ from ..chunked.grpo_objective import TOKEN_COUNT_LOSS_TYPES, GRPOOptions
 from .base import (
     IGNORE_INDEX,
     LigerTrainerMixin,
+    gather_metric_values,
     gathered_params,
     head_logit_options,
     reject,
     reject_vision,
     unwrap_causal_lm,
 )
+
+# metrics TRL takes over all processes' sequences (nanmin / nanmax of the gathered values)
+_MIN_MAX = {"clip_ratio_low_min": "min", "clip_ratio_high_max": "max"}
+
+
+def log_rl_metrics(trainer, mode: str, metrics, names, counts) -> None:
+    """Append ``metrics`` (0-d tensors) under their TRL ``names``, reduced over processes as TRL does:
+    a mean weighted by ``counts[key]`` (the local token or sequence count it averages; unweighted when
+    absent), or the min / max over processes for ``*_min`` / ``*_max``. Two gathers, one host read each."""
+    keys = [k for k in names if k in metrics]
+    means = [k for k in keys if k not in _MIN_MAX]
+    if not keys:
+        return
+    device = metrics[keys[0]].device
+    dtype = torch.float32 if device.type == "mps" else torch.float64  # MPS has no float64
+    one = torch.ones((), device=device)
+    weights = [torch.as_tensor(counts.get(k, one), device=device).to(dtype) for k in means]
+    weighted = [metrics[k].detach().to(dtype) * w for k, w in zip(means, weights)]
+    sums = gather_metric_values(trainer.accelerator, weighted + weights, "sum")
+    for i, k in enumerate(means):
+        trainer._metrics[mode][names[k]].append(sums[i] / max(sums[len(means) + i], 1.0))
+    extremes = [k for k in keys if k in _MIN_MAX]
+    if extremes:
+        row = torch.stack([metrics[k].detach().to(dtype).reshape(()) for k in extremes]).unsqueeze(0)
+        rows = trainer.accelerator.gather_for_metrics(row)  # [processes, K]
+        for i, k in enumerate(extremes):
+            col = rows[:, i]
+            valid = col[~torch.isnan(col)]
+            if valid.numel() == 0:
+                value = float("nan")
+            else:
+                value = float(valid.min() if _MIN_MAX[k] == "min" else valid.max())
+            trainer._metrics[mode][names[k]].append(value)
 
 
 def grpo_options(trainer) -> GRPOOptions:
@@ -137,7 +171,16 @@ class GRPOTrainer(LigerTrainerMixin, trl.GRPOTrainer):
             loss, metrics = self._liger_run(model, run)
         if divisor != 1.0:
             loss = loss / divisor
-        self._liger_log(mode, metrics, TRL_METRIC_NAMES)
+        n_tokens, n_seqs = mask.sum(), torch.tensor(float(mask.size(0)), device=mask.device)
+        per_seq = inputs["advantages"].dim() == 1 and self.importance_sampling_level == "sequence"
+        counts = {k: n_tokens for k in TRL_METRIC_NAMES}
+        counts.pop("policy_loss")  # TRL: the mean over processes
+        for k in ("clip_ratio_low_mean", "clip_ratio_high_mean", "clip_ratio_region_mean", "cispo_clip_ratio"):
+            if per_seq:
+                counts[k] = n_seqs
+        if inputs["advantages"].dim() == 1:
+            counts["vespo_phi_seq_mean"] = n_seqs
+        log_rl_metrics(self, mode, metrics, TRL_METRIC_NAMES, counts)
         if self._entropy_bonus_enabled and mode == "train" and self.accelerator.sync_gradients:
             self._metrics[mode]["entropy_coef"].append(self.entropy_coef)
         return loss

@@ -10,7 +10,7 @@ liger_chunk_tokens=None)`` takes every argument of ``trl.RLOOTrainer`` plus thre
   summed log-probs, mean over the batch; the Trainer divides it for gradient accumulation, as TRL's)
   on them and the LM head -- logits are never held whole. Generation, rewards (with TRL's KL term),
   advantages and old log-probs are TRL's. Metrics (``entropy``, ``clip_ratio/*``) under TRL's names,
-  this process's values averaged over processes (TRL gathers per-sequence flags: equal on one process).
+  reduced over processes as TRL does (token / sequence weighted means, min / max over processes).
 
 Options TRL supports that use_liger=True cannot serve raise ``ValueError`` at construction, naming the
 option: ``cast_lm_head_to_fp32``, vision-language models, PEFT prompt learning, MoE router auxiliary loss.
@@ -24,6 +24,7 @@ import torch
 import trl
 
 from ..chunked.rloo import RLOO_TRL_METRIC_NAMES, fused_linear_rloo_loss
+from .grpo import log_rl_metrics
 from .base import (
     IGNORE_INDEX,
     LigerTrainerMixin,
@@ -80,5 +81,8 @@ class RLOOTrainer(LigerTrainerMixin, trl.RLOOTrainer):
 
         with self.accelerator.autocast():
             loss, metrics = self._liger_run(model, run)
-        self._liger_log(mode, metrics, RLOO_TRL_METRIC_NAMES)
+        n_seqs = torch.tensor(float(labels.size(0)), device=labels.device)
+        counts = {k: n_seqs for k in RLOO_TRL_METRIC_NAMES}
+        counts["entropy"] = completion_mask.sum()
+        log_rl_metrics(self, mode, metrics, RLOO_TRL_METRIC_NAMES, counts)
         return loss

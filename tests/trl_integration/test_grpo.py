@@ -192,3 +192,27 @@ def test_reward_curve_tracks_trl(tok, tmp_path):
     assert len(rt) == len(ro) == 4
     assert all(abs(a - b) <= 0.05 for a, b in zip(ro, rt)), (ro, rt)
     assert all(math.isfinite(h["loss"]) for h in ours.state.log_history if "loss" in h)
+
+
+def test_metrics_reduced_over_processes_as_trl():
+    """log_rl_metrics on two (simulated) processes: a mean weighted by each process's count (TRL
+    reduces sums and counts), the min / max over processes; exact."""
+    from collections import defaultdict
+    from types import SimpleNamespace
+
+    from liger_losses.trl_integration.grpo import log_rl_metrics
+
+    # the other process's rows, in the order log_rl_metrics gathers them: [entropy * count, count],
+    # then [low_min]; this process: entropy 1.0 over 3 tokens, low_min 0.5; the other: 2.0 over 1, 0.25
+    other_rows = [torch.tensor([[2.0 * 1, 1.0]]), torch.tensor([[0.25]])]
+
+    def gather_for_metrics(row):
+        return torch.cat([row, other_rows.pop(0).to(row.dtype)])
+
+    trainer = SimpleNamespace(accelerator=SimpleNamespace(gather_for_metrics=gather_for_metrics),
+                              _metrics={"train": defaultdict(list)})
+    names = {"entropy": "entropy", "clip_ratio_low_min": "clip_ratio/low_min"}
+    metrics = {"entropy": torch.tensor(1.0), "clip_ratio_low_min": torch.tensor(0.5)}
+    log_rl_metrics(trainer, "train", metrics, names, {"entropy": torch.tensor(3.0)})
+    assert trainer._metrics["train"]["entropy"] == [(1.0 * 3 + 2.0) / 4]
+    assert trainer._metrics["train"]["clip_ratio/low_min"] == [0.25]
