@@ -412,7 +412,7 @@ def test_options_parity_with_trl(name):
 # --------------------------------------------------------------------------- bf16 and the GPU
 
 
-def _bf16_errors(device, loss_type="dapo", impl="torch"):
+def _bf16_errors(device, impl="torch", **options):
     """Relative gradient errors vs float64 of the fused loss and of plain torch bf16 autograd
     (bf16 logits, float32 log-softmax and loss) on bf16 inputs, ``{name: (fused, plain)}``."""
     g = torch.Generator().manual_seed(21)
@@ -426,7 +426,7 @@ def _bf16_errors(device, loss_type="dapo", impl="torch"):
     with torch.no_grad():
         lp, _, _ = reference_logps(w.double(), h.double(), b.double(), labels)
     old = lp + 0.3 * torch.randn(Bb, Tb, generator=g, dtype=torch.float64).to(device)
-    opts = dict(loss_type=loss_type, max_completion_length=Tb)
+    opts = {"loss_type": "dapo", "max_completion_length": Tb, **options}
     _, _, ref_grads = _reference(w, h, b, labels, adv, old_logps=old, **opts)
     fused_out, fused_grads = _fused(w, h, b, labels, advantages=adv.float(), old_logps=old.float(), impl=impl, **opts)
     wl, hl, bl = [x.detach().clone().requires_grad_() for x in (w, h, b)]
@@ -442,30 +442,39 @@ def _bf16_errors(device, loss_type="dapo", impl="torch"):
             zip(("grad_weight", "grad_hidden", "grad_bias"), fused_grads, plain, ref_grads)}
 
 
-def test_bf16_no_worse_than_plain_torch():
+BF16_CASES = {
+    "dapo": dict(loss_type="dapo"),
+    "gspo": dict(loss_type="grpo", importance_sampling_level="sequence"),
+    "entropy_bonus": dict(loss_type="dapo", entropy_coef=0.1),  # the logp/entropy gradient kernel
+    "entropy_quantile": dict(loss_type="dapo", top_entropy_quantile=0.5),  # two phases
+}
+
+
+@pytest.mark.parametrize("name", sorted(BF16_CASES))
+def test_bf16_no_worse_than_plain_torch(name):
     """bf16 inputs (CPU, torch path): each gradient's error vs float64 at most 2x plain torch bf16
-    autograd's (the issue's bar)."""
-    for name, (fused, plain) in _bf16_errors("cpu").items():
-        assert fused <= 2 * plain, (name, fused, plain)
+    autograd's (the issue's bar), one pass, two phases and the entropy gradient included."""
+    for grad, (fused, plain) in _bf16_errors("cpu", **BF16_CASES[name]).items():
+        assert fused <= 2 * plain, (grad, fused, plain)
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("loss_type", ["dapo", "grpo"])
-def test_gpu_bf16_and_host_syncs(loss_type):
+@pytest.mark.parametrize("name", sorted(BF16_CASES))
+def test_gpu_bf16_and_host_syncs(name):
     """On the GPU (Triton): bf16 gradient errors at most 2x plain torch bf16 autograd's, and one host
     sync for the loss's forward and backward (the labels' scan)."""
     from tests.helpers import count_host_syncs
 
-    for name, (fused, plain) in _bf16_errors("cuda", loss_type, impl="auto").items():
-        assert fused <= 2 * plain, (name, fused, plain)
+    options = BF16_CASES[name]
+    for grad, (fused, plain) in _bf16_errors("cuda", impl="auto", **options).items():
+        assert fused <= 2 * plain, (grad, fused, plain)
     w, h, b, labels, side = _case(22, dtype=torch.float32)
     w, h, b, labels = [x.cuda() for x in (w, h, b, labels)]
     w.requires_grad_()
     adv = side["advantages"].cuda()
 
     def step():
-        out = fused_linear_grpo_loss(w, h, None, labels, bias=b, advantages=adv, loss_type=loss_type,
-                                     importance_sampling_level="sequence" if loss_type == "grpo" else "token")
+        out = fused_linear_grpo_loss(w, h, None, labels, bias=b, advantages=adv, **options)
         out.loss.backward()
 
     step()  # compile and warm up
