@@ -63,11 +63,10 @@ Returns ``LossOutput(loss, metrics)``: the 0-d loss and the 0-d metrics TRL logs
 from __future__ import annotations
 
 import math
-from dataclasses import asdict
 from typing import Optional
 
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 
 from liger_losses.chunked.grpo_objective import (
     TOKEN_COUNT_LOSS_TYPES,
@@ -77,8 +76,10 @@ from liger_losses.chunked.grpo_objective import (
     finish_metrics,
     token_weights,
 )
+from liger_losses.chunked.module import ChunkedLossModule
+from liger_losses.chunked.options import HeadOptions, check_head_inputs
 from liger_losses.chunked.output import LossOutput
-from liger_losses.chunked.token_objective import fused_linear_token_objective
+from liger_losses.chunked.token_objective import run_token_objective
 from liger_losses.kernels.utils import check_same_device, check_tensor
 
 # metric keys -> the names TRL 1.16's GRPOTrainer logs them under
@@ -94,7 +95,6 @@ TRL_METRIC_NAMES = {
     "vespo_phi_seq_mean": "vespo/phi_seq_mean",
     "policy_loss": "policy_loss",
 }
-_OPTION_NAMES = tuple(GRPOOptions.__dataclass_fields__)
 
 
 def _per_token(name: str, value: Optional[Tensor], B: int, T: int, allow_sequence: bool = False):
@@ -156,16 +156,38 @@ def _batch(opts, labels, ignore_index, advantages, old_logps, ref_logps, samplin
     )
 
 
-def _coupling(opts: GRPOOptions, old_logps, sampling_logps) -> str:
-    if opts.top_entropy_quantile < 1.0:
-        return "batch"
-    if opts.importance_sampling_level == "sequence":  # every token's gradient sums over its sequence
-        return "sequence"
-    if old_logps is not None and opts.loss_type == "vespo":  # the detached weight's value does
-        return "sequence"
-    if opts.off_policy_mask_threshold is not None and (old_logps is not None or sampling_logps is not None):
-        return "sequence"
-    return "token"
+def run_grpo(weight: Tensor, hidden: Tensor, ref_hidden: Optional[Tensor], labels: Tensor, *,
+             head: HeadOptions, options: GRPOOptions, advantages: Tensor, old_logps: Optional[Tensor] = None,
+             ref_logps: Optional[Tensor] = None, ref_weight: Optional[Tensor] = None,
+             ref_bias: Optional[Tensor] = None, bias: Optional[Tensor] = None, num_items_in_batch=None,
+             importance_sampling_ratio: Optional[Tensor] = None,
+             sampling_logps: Optional[Tensor] = None) -> LossOutput:
+    """:func:`fused_linear_grpo_loss` with its options already validated (``head``, ``options``)."""
+    check_head_inputs(weight, hidden, labels, bias, head, hidden_ndim=3)
+    _check_num_items(options.loss_type, num_items_in_batch)
+    if options.beta != 0.0 and ref_logps is None and ref_hidden is None:
+        raise ValueError("beta != 0 needs the reference: pass ref_logps [B, T] or ref_hidden [B, T, Hr]")
+    check_same_device(hidden=hidden, advantages=advantages, old_logps=old_logps, ref_logps=ref_logps,
+                      sampling_logps=sampling_logps, importance_sampling_ratio=importance_sampling_ratio)
+    batch = _batch(options, labels, head.ignore_index, advantages, old_logps, ref_logps, sampling_logps,
+                   importance_sampling_ratio, num_items_in_batch)
+    objective = GRPOObjective(options, batch)
+    use_ref_hidden = options.beta != 0.0 and ref_logps is None  # no reference GEMM when it is not used
+    loss, sums, _ = run_token_objective(
+        weight, hidden, labels, objective, head=head, bias=bias,
+        ref_hidden=ref_hidden if use_ref_hidden else None, ref_weight=ref_weight if use_ref_hidden else None,
+        ref_bias=ref_bias if use_ref_hidden else None, entropy_grad=options.entropy_coef != 0.0,
+        inputs_checked=True,
+    )
+    return LossOutput(loss, finish_metrics(objective, sums))
+
+
+def grpo_head_options(*, temperature: float = 1.0, ignore_index: int = -100, softcap: Optional[float] = None,
+                      logit_scale: float = 1.0, chunk_tokens: Optional[int] = None,
+                      accum_dtype: Optional[torch.dtype] = None, impl: str = "auto") -> HeadOptions:
+    """The shared options of a GRPO-family loss (the entropy is always taken: TRL logs it)."""
+    return HeadOptions(ignore_index=ignore_index, temperature=temperature, softcap=softcap, logit_scale=logit_scale,
+                       chunk_tokens=chunk_tokens, accum_dtype=accum_dtype, impl=impl, need_entropy=True)
 
 
 def fused_linear_grpo_loss(
@@ -208,8 +230,9 @@ def fused_linear_grpo_loss(
     accum_dtype: Optional[torch.dtype] = None,
     impl: str = "auto",
 ) -> LossOutput:
-    """TRL 1.16's GRPO-family loss from hidden states; see the module docstring."""
-    opts = GRPOOptions(
+    """TRL 1.16's GRPO-family loss from hidden states; see the module docstring. Shared options:
+    :class:`~liger_losses.chunked.options.HeadOptions`; the others: :class:`GRPOOptions`."""
+    options = GRPOOptions(
         loss_type=loss_type, beta=beta, epsilon_low=epsilon_low, epsilon_high=epsilon_high, delta=delta,
         importance_sampling_level=importance_sampling_level, use_bias_correction_kl=use_bias_correction_kl,
         sapo_temperature_pos=sapo_temperature_pos, sapo_temperature_neg=sapo_temperature_neg,
@@ -218,44 +241,15 @@ def fused_linear_grpo_loss(
         top_entropy_quantile=top_entropy_quantile, entropy_coef=entropy_coef,
         max_completion_length=max_completion_length,
     )
-    return _grpo_loss(opts, weight, hidden, ref_hidden, labels, advantages=advantages, old_logps=old_logps,
-                      ref_logps=ref_logps, ref_weight=ref_weight, ref_bias=ref_bias, bias=bias,
-                      num_items_in_batch=num_items_in_batch, importance_sampling_ratio=importance_sampling_ratio,
-                      sampling_logps=sampling_logps, temperature=temperature, ignore_index=ignore_index,
-                      softcap=softcap, logit_scale=logit_scale, chunk_tokens=chunk_tokens,
-                      accum_dtype=accum_dtype, impl=impl)
+    head = grpo_head_options(temperature=temperature, ignore_index=ignore_index, softcap=softcap,
+                             logit_scale=logit_scale, chunk_tokens=chunk_tokens, accum_dtype=accum_dtype, impl=impl)
+    return run_grpo(weight, hidden, ref_hidden, labels, head=head, options=options, advantages=advantages,
+                    old_logps=old_logps, ref_logps=ref_logps, ref_weight=ref_weight, ref_bias=ref_bias, bias=bias,
+                    num_items_in_batch=num_items_in_batch, importance_sampling_ratio=importance_sampling_ratio,
+                    sampling_logps=sampling_logps)
 
 
-def _grpo_loss(opts: GRPOOptions, weight, hidden, ref_hidden, labels, *, advantages, old_logps, ref_logps,
-               ref_weight, ref_bias, bias, num_items_in_batch, importance_sampling_ratio, sampling_logps,
-               temperature, ignore_index, softcap, logit_scale, chunk_tokens, accum_dtype, impl) -> LossOutput:
-    check_tensor("hidden", hidden, ndim=3, floating=True)
-    check_tensor("labels", labels, ndim=2, floating=False)
-    if tuple(labels.shape) != tuple(hidden.shape[:2]):
-        raise ValueError(f"labels must have shape {tuple(hidden.shape[:2])} (hidden's [B, T]), "
-                         f"got {tuple(labels.shape)}")
-    if not isinstance(ignore_index, int) or isinstance(ignore_index, bool):
-        raise TypeError(f"ignore_index must be an int, got {type(ignore_index).__name__}")
-    _check_num_items(opts.loss_type, num_items_in_batch)
-    if opts.beta != 0.0 and ref_logps is None and ref_hidden is None:
-        raise ValueError("beta != 0 needs the reference: pass ref_logps [B, T] or ref_hidden [B, T, Hr]")
-    check_same_device(hidden=hidden, advantages=advantages, old_logps=old_logps, ref_logps=ref_logps,
-                      sampling_logps=sampling_logps, importance_sampling_ratio=importance_sampling_ratio)
-    batch = _batch(opts, labels, ignore_index, advantages, old_logps, ref_logps, sampling_logps,
-                   importance_sampling_ratio, num_items_in_batch)
-    objective = GRPOObjective(opts, batch)
-    use_ref_hidden = opts.beta != 0.0 and ref_logps is None  # no reference GEMM when it is not used
-    loss, sums, _ = fused_linear_token_objective(
-        weight, hidden, labels, objective, coupling=_coupling(opts, old_logps, sampling_logps), bias=bias,
-        ref_hidden=ref_hidden if use_ref_hidden else None, ref_weight=ref_weight if use_ref_hidden else None,
-        ref_bias=ref_bias if use_ref_hidden else None, need_entropy=True, entropy_grad=opts.entropy_coef != 0.0,
-        ignore_index=ignore_index, temperature=temperature, softcap=softcap, logit_scale=logit_scale,
-        chunk_tokens=chunk_tokens, accum_dtype=accum_dtype, impl=impl,
-    )
-    return LossOutput(loss, finish_metrics(objective, sums))
-
-
-class LigerFusedLinearGRPOLoss(nn.Module):
+class LigerFusedLinearGRPOLoss(ChunkedLossModule):
     """Module twin of :func:`fused_linear_grpo_loss`: options at construction, tensors at call.
 
     ``loss_fn(weight, hidden, ref_hidden, labels, *, advantages, old_logps=None, ref_logps=None,
@@ -263,20 +257,52 @@ class LigerFusedLinearGRPOLoss(nn.Module):
     sampling_logps=None) -> LossOutput``.
     """
 
+    runner = staticmethod(run_grpo)
     TRL_METRIC_NAMES = TRL_METRIC_NAMES
+    REPR_KEYS = ("loss_type", "beta", "epsilon_low", "epsilon_high", "delta", "importance_sampling_level")
 
-    def __init__(self, loss_type: str = "dapo", beta: float = 0.0, *, temperature: float = 1.0,
-                 ignore_index: int = -100, softcap: Optional[float] = None, logit_scale: float = 1.0,
-                 chunk_tokens: Optional[int] = None, accum_dtype: Optional[torch.dtype] = None,
-                 impl: str = "auto", **options):
-        super().__init__()
-        unknown = sorted(set(options) - set(_OPTION_NAMES))
-        if unknown:
-            raise TypeError(f"unknown option(s) {unknown}; GRPO options are {list(_OPTION_NAMES)}")
-        self.opts = GRPOOptions(loss_type=loss_type, beta=beta, **options)  # validated here
-        self.engine_options = dict(temperature=temperature, ignore_index=ignore_index, softcap=softcap,
-                                   logit_scale=logit_scale, chunk_tokens=chunk_tokens, accum_dtype=accum_dtype,
-                                   impl=impl)
+    def __init__(
+        self,
+        loss_type: str = "dapo",
+        beta: float = 0.0,
+        *,
+        epsilon_low: float = 0.2,
+        epsilon_high: Optional[float] = None,
+        delta: Optional[float] = None,
+        importance_sampling_level: str = "token",
+        use_bias_correction_kl: bool = True,
+        sapo_temperature_pos: float = 1.0,
+        sapo_temperature_neg: float = 1.05,
+        vespo_k_pos: float = 2.0,
+        vespo_lambda_pos: float = 3.0,
+        vespo_k_neg: float = 3.0,
+        vespo_lambda_neg: float = 2.0,
+        off_policy_mask_threshold: Optional[float] = None,
+        top_entropy_quantile: float = 1.0,
+        entropy_coef: float = 0.0,
+        max_completion_length: Optional[int] = None,
+        temperature: float = 1.0,
+        ignore_index: int = -100,
+        softcap: Optional[float] = None,
+        logit_scale: float = 1.0,
+        chunk_tokens: Optional[int] = None,
+        accum_dtype: Optional[torch.dtype] = None,
+        impl: str = "auto",
+    ):
+        super().__init__(
+            grpo_head_options(temperature=temperature, ignore_index=ignore_index, softcap=softcap,
+                              logit_scale=logit_scale, chunk_tokens=chunk_tokens, accum_dtype=accum_dtype,
+                              impl=impl),
+            GRPOOptions(
+                loss_type=loss_type, beta=beta, epsilon_low=epsilon_low, epsilon_high=epsilon_high, delta=delta,
+                importance_sampling_level=importance_sampling_level,
+                use_bias_correction_kl=use_bias_correction_kl, sapo_temperature_pos=sapo_temperature_pos,
+                sapo_temperature_neg=sapo_temperature_neg, vespo_k_pos=vespo_k_pos,
+                vespo_lambda_pos=vespo_lambda_pos, vespo_k_neg=vespo_k_neg, vespo_lambda_neg=vespo_lambda_neg,
+                off_policy_mask_threshold=off_policy_mask_threshold, top_entropy_quantile=top_entropy_quantile,
+                entropy_coef=entropy_coef, max_completion_length=max_completion_length,
+            ),
+        )
 
     def forward(self, weight: Tensor, hidden: Tensor, ref_hidden: Optional[Tensor], labels: Tensor, *,
                 advantages: Tensor, old_logps: Optional[Tensor] = None, ref_logps: Optional[Tensor] = None,
@@ -284,12 +310,7 @@ class LigerFusedLinearGRPOLoss(nn.Module):
                 bias: Optional[Tensor] = None, num_items_in_batch=None,
                 importance_sampling_ratio: Optional[Tensor] = None,
                 sampling_logps: Optional[Tensor] = None) -> LossOutput:
-        return _grpo_loss(self.opts, weight, hidden, ref_hidden, labels, advantages=advantages,
-                          old_logps=old_logps, ref_logps=ref_logps, ref_weight=ref_weight, ref_bias=ref_bias,
-                          bias=bias, num_items_in_batch=num_items_in_batch,
-                          importance_sampling_ratio=importance_sampling_ratio, sampling_logps=sampling_logps,
-                          **self.engine_options)
-
-    def extra_repr(self) -> str:
-        shown = {k: v for k, v in asdict(self.opts).items() if v != GRPOOptions.__dataclass_fields__[k].default}
-        return ", ".join(f"{k}={v!r}" for k, v in {"loss_type": self.opts.loss_type, **shown}.items())
+        return self.run(weight, hidden, ref_hidden, labels, advantages=advantages, old_logps=old_logps,
+                        ref_logps=ref_logps, ref_weight=ref_weight, ref_bias=ref_bias, bias=bias,
+                        num_items_in_batch=num_items_in_batch, importance_sampling_ratio=importance_sampling_ratio,
+                        sampling_logps=sampling_logps)

@@ -21,7 +21,9 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from liger_losses.kernels.utils import check_choice, check_number, check_range
+from liger_losses.chunked.options import check_real, set_fields
+from liger_losses.chunked.token_objective import TokenChunk, TokenObjective
+from liger_losses.kernels.utils import check_choice
 
 LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo")
 CLIP_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo")
@@ -57,30 +59,26 @@ class GRPOOptions:
     def __post_init__(self):
         check_choice("loss_type", self.loss_type, LOSS_TYPES)
         check_choice("importance_sampling_level", self.importance_sampling_level, IMPORTANCE_SAMPLING_LEVELS)
-        finite = ("beta", "epsilon_low", "sapo_temperature_pos", "sapo_temperature_neg", "vespo_k_pos",
-                  "vespo_lambda_pos", "vespo_k_neg", "vespo_lambda_neg", "top_entropy_quantile", "entropy_coef")
-        for name in finite + ("epsilon_high", "delta", "off_policy_mask_threshold"):
-            value = getattr(self, name)
-            if value is None and name not in finite:
-                continue
-            check_number(name, value)
-            if not math.isfinite(float(value)):
-                raise ValueError(f"{name} must be finite, got {value!r}")
-        check_range("beta", float(self.beta), 0.0, None)
-        check_range("epsilon_low", float(self.epsilon_low), 0.0, None)
-        if self.epsilon_high is not None:
-            check_range("epsilon_high", float(self.epsilon_high), 0.0, None)
-        if self.delta is not None:
-            check_range("delta", float(self.delta), 0.0, None, low_inclusive=False)
-        for name in ("sapo_temperature_pos", "sapo_temperature_neg"):
-            check_range(name, float(getattr(self, name)), 0.0, None, low_inclusive=False)
-        check_range("top_entropy_quantile", float(self.top_entropy_quantile), 0.0, 1.0)
-        if not isinstance(self.use_bias_correction_kl, bool):
+        if not isinstance(self.use_bias_correction_kl, bool):  # strict: 1 is not accepted as True here
             raise TypeError(f"use_bias_correction_kl must be a bool, got {type(self.use_bias_correction_kl).__name__}")
+        values = {name: check_real(name, getattr(self, name), 0.0, None) for name in ("beta", "epsilon_low")}
+        for name in ("vespo_k_pos", "vespo_lambda_pos", "vespo_k_neg", "vespo_lambda_neg", "entropy_coef"):
+            values[name] = check_real(name, getattr(self, name))
+        for name in ("sapo_temperature_pos", "sapo_temperature_neg"):
+            values[name] = check_real(name, getattr(self, name), 0.0, None, low_inclusive=False)
+        values["top_entropy_quantile"] = check_real("top_entropy_quantile", self.top_entropy_quantile, 0.0, 1.0)
+        if self.epsilon_high is not None:
+            values["epsilon_high"] = check_real("epsilon_high", self.epsilon_high, 0.0, None)
+        if self.delta is not None:
+            values["delta"] = check_real("delta", self.delta, 0.0, None, low_inclusive=False)
+        if self.off_policy_mask_threshold is not None:
+            values["off_policy_mask_threshold"] = check_real("off_policy_mask_threshold",
+                                                             self.off_policy_mask_threshold)
         if self.loss_type == "dr_grpo":
             m = self.max_completion_length
             if isinstance(m, bool) or not isinstance(m, int) or m < 1:
                 raise ValueError(f"max_completion_length must be a positive int for loss_type='dr_grpo', got {m!r}")
+        set_fields(self, **values)
 
     @property
     def eps_high(self) -> float:
@@ -159,16 +157,35 @@ def _vespo_phi(opts: GRPOOptions, seq_log_ratio: Tensor, adv: Tensor) -> Tensor:
     return phi.nan_to_num(nan=0.0, posinf=0.0, neginf=0.0).detach()
 
 
-class GRPOObjective:
-    """``objective(chunk) -> (loss share, metric sums)`` of the GRPO family (the token driver's protocol)."""
+class GRPOObjective(TokenObjective):
+    """``objective(chunk) -> (loss share, metric sums)`` of the GRPO family, a
+    :class:`~liger_losses.chunked.token_objective.TokenObjective` whose :attr:`coupling` follows
+    from the options and the side inputs."""
 
     def __init__(self, opts: GRPOOptions, batch: GRPOBatch):
         self.opts, self.batch = opts, batch
 
+    @property
+    def coupling(self) -> str:
+        """``"batch"`` for the entropy quantile; ``"sequence"`` where a token's loss needs its
+        sequence's sum of current log-probs (sequence-level ratios, on-policy too; VESPO's weight
+        and the off-policy mask once old or sampling log-probs make their values depend on the
+        current log-probs); else ``"token"``."""
+        o, bt = self.opts, self.batch
+        if o.top_entropy_quantile < 1.0:
+            return "batch"
+        if o.importance_sampling_level == "sequence":  # every token's gradient sums over its sequence
+            return "sequence"
+        if bt.old_logps is not None and o.loss_type == "vespo":  # the detached weight's value does
+            return "sequence"
+        if o.off_policy_mask_threshold is not None and (bt.old_logps is not None or bt.sampling_logps is not None):
+            return "sequence"
+        return "token"
+
     def seq_sum(self, x: Tensor, seq: Tensor) -> Tensor:
         return torch.zeros(self.batch.B, dtype=x.dtype, device=x.device).index_add(0, seq, x)
 
-    def __call__(self, chunk):
+    def __call__(self, chunk: TokenChunk) -> tuple[Tensor, dict]:
         o, bt = self.opts, self.batch
         lp, idx, seq = chunk.logps, chunk.index, chunk.seq
         adv = bt.advantages[idx]

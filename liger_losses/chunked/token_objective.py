@@ -9,13 +9,15 @@ before any GEMM), ``metric_sums`` are additive (0-d or ``[B]`` tensors summed ov
 Autograd on the ``[n]`` tensors gives ``d loss / d logp`` and ``d loss / d entropy`` per token, and
 the tile gradient is written while the tile exists (GRPO and its variants are one such function).
 
-``coupling`` says what the objective needs to see at once:
+An objective is a :class:`TokenObjective` and declares its ``coupling``: what it needs to see at
+once (a plain callable is wrapped by :func:`as_token_objective` with the caller's coupling):
 
 * ``"token"``: each token's loss depends only on its own statistics: one pass over chunks of any
   size (6·N·H·V FLOPs for the policy);
 * ``"sequence"``: a token's loss depends on sums over its sequence (GSPO's sequence ratio, the
   off-policy mask): one pass over chunks of whole sequences when every sequence fits the tile
-  budget, else two phases;
+  budget (a sequence longer than one tile budget may take up to ``EngineConfig.unit_budget_factor``
+  default budgets, the sequence driver's rule for a preference unit), else two phases;
 * ``"batch"``: it depends on a statistic of the whole batch (an entropy quantile): two phases.
 
 Two phases: a first pass takes every token's statistics (no gradient), the objective runs once on
@@ -30,37 +32,27 @@ are computed inside the forward and scaled by ``grad_output`` in backward; one h
 
 from __future__ import annotations
 
+import abc
 from dataclasses import dataclass
 from typing import Callable, NamedTuple, Optional
 
 import torch
 from torch import Tensor
 
-from liger_losses.chunked import engine
-from liger_losses.chunked.engine import (
-    HeadGrads,
-    _check_common,
-    _needs_input_grads,
-    _scaled_grads,
-    _scan_labels,
-    _valid_index,
-    chunk_bounds,
-    compute_dtype,
-    gather_weight,
-    grad_like,
-    group_chunk_bounds,
-    hidden_rows_at,
-    project,
-    tile_budget,
-)
+from liger_losses.chunked.autograd import needs_head_grads, save_forward_grads, scaled_grads
+from liger_losses.chunked.config import get_engine_config
+from liger_losses.chunked.gemm import HeadGrads, compute_dtype, itemsize, project
+from liger_losses.chunked.options import HeadOptions, check_head_inputs
+from liger_losses.chunked.planning import group_chunk_bounds, tile_budget, token_chunks
+from liger_losses.chunked.tokens import grad_like, hidden_rows_at, scan_labels, valid_index
+from liger_losses.chunked.weights import head_in_dtype
 from liger_losses.kernels.logits_tile import logits_tile
 from liger_losses.kernels.logp_entropy_grad import logp_entropy_grad_
 from liger_losses.kernels.utils import check_choice, check_same_device, check_tensor
 
+# From the loosest to the tightest: running an objective with a tighter coupling than it declares
+# gives the same loss (it only sees more tokens at once).
 COUPLINGS = ("token", "sequence", "batch")
-# A "sequence" objective runs in one pass while one sequence's tile fits this many default tile
-# budgets (as the preference losses' pairs do): one pass is 6NHV, two phases 8NHV.
-SEQUENCE_BUDGET_FACTOR = 4
 
 
 @dataclass
@@ -74,7 +66,46 @@ class TokenChunk:
     seq: Tensor  # [n] long: the sequence of each token (index // T)
 
 
-TokenObjective = Callable[[TokenChunk], tuple[Tensor, dict]]
+class TokenObjective(abc.ABC):
+    """Base of the per-token objectives: ``__call__(chunk) -> (loss, metric_sums)`` (module
+    docstring) and the declared ``coupling`` (class attribute or set per instance; one of
+    :data:`COUPLINGS`), which picks the driver's path."""
+
+    coupling: str = "token"
+
+    @abc.abstractmethod
+    def __call__(self, chunk: TokenChunk) -> tuple[Tensor, dict]:
+        """``(0-d loss share, {name: additive 0-d or [B] sum})`` of the chunk's tokens."""
+
+
+class FunctionTokenObjective(TokenObjective):
+    """A plain ``fn(chunk) -> (loss, metric_sums)`` as a :class:`TokenObjective` of ``coupling``."""
+
+    def __init__(self, fn: Callable[[TokenChunk], tuple[Tensor, dict]], *, coupling: str = "token"):
+        check_choice("coupling", coupling, COUPLINGS)
+        self.fn, self.coupling = fn, coupling
+
+    def __call__(self, chunk: TokenChunk) -> tuple[Tensor, dict]:
+        return self.fn(chunk)
+
+
+def as_token_objective(objective, *, coupling: Optional[str] = None) -> TokenObjective:
+    """``objective`` as a :class:`TokenObjective`: an instance runs with its declared coupling, or
+    with ``coupling`` when that is tighter (a looser one than declared raises ``ValueError``: the
+    loss would be wrong); a plain callable is wrapped with ``coupling`` (default ``"token"``)."""
+    if coupling is not None:
+        check_choice("coupling", coupling, COUPLINGS)
+    if isinstance(objective, TokenObjective):
+        declared = objective.coupling
+        check_choice(f"{type(objective).__name__}.coupling", declared, COUPLINGS)
+        if coupling is None or coupling == declared:
+            return objective
+        if COUPLINGS.index(coupling) < COUPLINGS.index(declared):
+            raise ValueError(f"coupling={coupling!r} is looser than the objective's declared {declared!r}")
+        return FunctionTokenObjective(objective, coupling=coupling)
+    if not callable(objective):
+        raise TypeError(f"objective must be callable, got {type(objective).__name__}")
+    return FunctionTokenObjective(objective, coupling=coupling or "token")
 
 
 class TokenStats(NamedTuple):
@@ -92,62 +123,69 @@ class _Run:
 
     labels: Tensor
     objective: TokenObjective
-    coupling: str
+    head: HeadOptions
     ref_hidden: Optional[Tensor]
     ref_weight: Optional[Tensor]
     ref_bias: Optional[Tensor]
-    need_entropy: bool
     entropy_grad: bool
-    kernel_opts: dict
-    chunk_tokens: Optional[int]
-    accum_dtype: Optional[torch.dtype]
     grad_enabled: bool
+
+    @property
+    def coupling(self) -> str:
+        return self.objective.coupling
+
+    @property
+    def need_entropy(self) -> bool:
+        return self.head.need_entropy or self.entropy_grad
+
+    @property
+    def chunk_tokens(self) -> Optional[int]:
+        return self.head.chunk_tokens
 
 
 class _TokenObjectiveFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, weight, hidden, bias, run, sink):
-        needs_w, needs_h, needs_b = _needs_input_grads(ctx, run.grad_enabled)
-        driver = _Driver(weight, hidden, bias, run, needs_h, needs_w, needs_b and bias is not None)
+        needs_w, needs_h, needs_b = needs_head_grads(ctx, run.grad_enabled)
+        driver = TokenDriver(weight, hidden, bias, run, needs_h, needs_w, needs_b and bias is not None)
         loss, gh, gw, gb = driver.execute()
         sink["metrics"], sink["stats"] = driver.metric_sums, driver.stats()
-        ctx.save_for_backward(gh, gw, gb)
-        ctx.weight_ref = weight if needs_w else None
-        ctx.has = (gh is not None, gw is not None, gb is not None)
+        save_forward_grads(ctx, weight, gh, gw, gb, needs_w)
         return loss
 
     @staticmethod
     def backward(ctx, grad_loss):
-        gh, gw, gb = _scaled_grads(ctx, grad_loss)
+        gh, gw, gb = scaled_grads(ctx, grad_loss)
         return gw, gh, gb, None, None
 
 
-class _Driver:
-    """One call's chunk loop: statistics, objective calls and tile gradients (see the module docstring)."""
+class TokenDriver:
+    """One call's chunk loop: statistics, objective calls and tile gradients (see the module
+    docstring): :meth:`plan` picks the path, :meth:`one_pass` / :meth:`two_phases` run it."""
 
     def __init__(self, weight, hidden, bias, run: _Run, needs_h, needs_w, needs_b):
         self.run, self.hidden = run, hidden
         B, T, H = hidden.shape
         self.dev = hidden.device
-        w_full = gather_weight(weight)
         self.cdt = compute_dtype(weight)
-        self.w = w_full if w_full.dtype == self.cdt else w_full.to(self.cdt)
+        w_full, self.w = head_in_dtype(weight, self.cdt)
         self.b = bias
         self.V = V = self.w.shape[0]
-        self.scan = _scan_labels(run.labels, run.kernel_opts["ignore_index"], V, row_counts=True)  # the host sync
-        self.labels, index = _valid_index(run.labels, run.kernel_opts["ignore_index"], scan=self.scan)
+        self.kernel_opts = run.head.tile_options()
+        ignore_index = run.head.ignore_index
+        self.scan = scan_labels(run.labels, ignore_index, V, row_counts=True)  # the host sync
+        self.labels, index = valid_index(run.labels, ignore_index, scan=self.scan)
         self.index, self.seq, self.N = index, index // T, index.numel()
         self.rows = hidden_rows_at(hidden, index)
         self.ref_rows = None
         if run.ref_hidden is not None:
             self.ref_rows = self.rows.like(run.ref_hidden.reshape(-1, run.ref_hidden.shape[-1]))
-            rw = self.w if run.ref_weight is None else gather_weight(run.ref_weight)
-            self.ref_w = rw if rw.dtype == self.cdt else rw.to(self.cdt)
+            self.ref_w = self.w if run.ref_weight is None else head_in_dtype(run.ref_weight, self.cdt)[1]
             self.ref_b = run.ref_bias if (run.ref_bias is not None or run.ref_weight is not None) else bias
         self.need_grad = needs_h or needs_w or needs_b
-        self.grads = HeadGrads(self.rows, V, H, dtype=self.cdt, weight_dtype=run.accum_dtype or w_full.dtype,
+        self.grads = HeadGrads(self.rows, V, H, dtype=self.cdt, weight_dtype=run.head.accum_dtype or w_full.dtype,
                                device=self.dev, hidden=needs_h, weight=needs_w, bias=needs_b)
-        self.itemsize = torch.finfo(self.cdt).bits // 8
+        self.H, self.itemsize = H, itemsize(self.cdt)
         self.budget = tile_budget(V, H, self.itemsize)
         self.metric_sums: dict = {}
         self.parts: dict = {"logps": [], "entropy": [], "ref_logps": []}
@@ -157,21 +195,22 @@ class _Driver:
         """Chunks of the one-pass path, or None for two phases."""
         run, V = self.run, self.V
         if run.coupling == "token":
-            return chunk_bounds(self.N, V, chunk_tokens=run.chunk_tokens, budget_bytes=self.budget,
-                                itemsize=self.itemsize)
+            return self.two_phase_bounds()
         if run.coupling == "batch":
             return None
         counts = self.scan.row_counts_host
         plan = group_chunk_bounds(counts, V, chunk_tokens=run.chunk_tokens, budget_bytes=self.budget,
                                   itemsize=self.itemsize)
         if plan is None and run.chunk_tokens is None:
-            budget = max(SEQUENCE_BUDGET_FACTOR * engine.DEFAULT_BUDGET_BYTES, self.budget)
+            # a sequence larger than one tile budget: up to unit_budget_factor default budgets
+            # (the sequence driver's rule for a preference unit) before two phases
+            cfg = get_engine_config()
+            budget = max(cfg.unit_budget_factor * cfg.default_budget_bytes, self.budget)
             plan = group_chunk_bounds(counts, V, budget_bytes=budget, itemsize=self.itemsize)
         return None if plan is None else [(ts, te) for _, _, ts, te in plan if te > ts]
 
     def two_phase_bounds(self) -> list[tuple[int, int]]:
-        return chunk_bounds(self.N, self.V, chunk_tokens=self.run.chunk_tokens, budget_bytes=self.budget,
-                            itemsize=self.itemsize)
+        return token_chunks(self.V, self.H, self.itemsize, self.N, self.run.chunk_tokens)
 
     # ------------------------------------------------------------------ pieces
     def ref_logps(self, ts: int, te: int) -> Optional[Tensor]:
@@ -179,7 +218,7 @@ class _Driver:
             return None
         tile = project(self.ref_rows(ts, te), self.ref_w, self.ref_b)
         st = logits_tile(tile, self.labels[ts:te], mode="logp", grad=False, need_logits_sum=False,
-                         **self.run.kernel_opts)
+                         **self.kernel_opts)
         return st.logp
 
     def call_objective(self, ts, te, logps, entropy, ref, want_grad):
@@ -230,7 +269,7 @@ class _Driver:
         return self.loss, (grad_like(gh, self.hidden) if gh is not None else None), gw, gb
 
     def one_pass(self, bounds):
-        run, opts = self.run, self.run.kernel_opts
+        run, opts = self.run, self.kernel_opts
         for ts, te in bounds:
             ref = self.ref_logps(ts, te)
             h = self.rows(ts, te)
@@ -250,7 +289,7 @@ class _Driver:
             del tile
 
     def two_phases(self, bounds):
-        run, opts = self.run, self.run.kernel_opts
+        run, opts = self.run, self.kernel_opts
         lse_parts = []
         for ts, te in bounds:  # phase 1: statistics only
             ref = self.ref_logps(ts, te)
@@ -287,13 +326,74 @@ class _Driver:
                           self.index)
 
 
-def fused_linear_token_objective(
+def check_reference_inputs(weight: Tensor, hidden: Tensor, ref_hidden: Optional[Tensor],
+                           ref_weight: Optional[Tensor], ref_bias: Optional[Tensor]) -> None:
+    """``ref_weight [V, Hr]`` (same vocab as ``weight``), ``ref_hidden [B, T, Hr]`` (``[B, T]`` of
+    ``hidden``, ``Hr`` of ``ref_weight``, else of ``weight``), ``ref_bias [V]``, on hidden's device."""
+    B, T, _ = hidden.shape
+    V = weight.shape[0]
+    if ref_weight is not None:
+        check_tensor("ref_weight", ref_weight, ndim=2, floating=True)
+        if ref_weight.shape[0] != V:
+            raise ValueError(f"ref_weight must have shape [{V}, Hr] (same vocab as weight), "
+                             f"got {tuple(ref_weight.shape)}")
+    if ref_hidden is not None:
+        check_tensor("ref_hidden", ref_hidden, ndim=3, floating=True)
+        Hr = (ref_weight if ref_weight is not None else weight).shape[1]
+        if tuple(ref_hidden.shape) != (B, T, Hr):
+            raise ValueError(f"ref_hidden must have shape {(B, T, Hr)} ([B, T] of hidden, H of ref_weight), "
+                             f"got {tuple(ref_hidden.shape)}")
+    if ref_bias is not None:
+        check_tensor("ref_bias", ref_bias, ndim=1, floating=True)
+        if ref_bias.shape[0] != V:
+            raise ValueError(f"ref_bias must have shape [{V}], got {tuple(ref_bias.shape)}")
+    check_same_device(hidden=hidden, ref_hidden=ref_hidden, ref_weight=ref_weight, ref_bias=ref_bias)
+
+
+def run_token_objective(
     weight: Tensor,
     hidden: Tensor,
     labels: Tensor,
     objective: TokenObjective,
     *,
-    coupling: str = "token",
+    head: HeadOptions,
+    bias: Optional[Tensor] = None,
+    ref_hidden: Optional[Tensor] = None,
+    ref_weight: Optional[Tensor] = None,
+    ref_bias: Optional[Tensor] = None,
+    entropy_grad: bool = False,
+    inputs_checked: bool = False,
+) -> tuple[Tensor, dict, TokenStats]:
+    """:func:`fused_linear_token_objective` with its options already validated (``head``) and a
+    :class:`TokenObjective` that declares its coupling; the head's tensors are checked here unless
+    the caller did (``inputs_checked``: :func:`~liger_losses.chunked.options.check_head_inputs`
+    with ``hidden_ndim=3``), the reference's always."""
+    if not inputs_checked:
+        check_head_inputs(weight, hidden, labels, bias, head, hidden_ndim=3)
+    if not isinstance(objective, TokenObjective):
+        raise TypeError(f"objective must be a TokenObjective (as_token_objective wraps a callable), "
+                        f"got {type(objective).__name__}")
+    check_choice(f"{type(objective).__name__}.coupling", objective.coupling, COUPLINGS)
+    check_reference_inputs(weight, hidden, ref_hidden, ref_weight, ref_bias)
+    run = _Run(
+        labels=labels, objective=objective, head=head,
+        ref_hidden=None if ref_hidden is None else ref_hidden.detach(),
+        ref_weight=None if ref_weight is None else ref_weight.detach(),
+        ref_bias=None if ref_bias is None else ref_bias.detach(),
+        entropy_grad=bool(entropy_grad), grad_enabled=torch.is_grad_enabled(),
+    )
+    sink: dict = {}
+    loss = _TokenObjectiveFunction.apply(weight, hidden, bias, run, sink)
+    return loss, sink["metrics"], sink["stats"]
+
+
+def fused_linear_token_objective(
+    weight: Tensor,
+    hidden: Tensor,
+    labels: Tensor,
+    objective,
+    *,
+    coupling: Optional[str] = None,
     bias: Optional[Tensor] = None,
     ref_hidden: Optional[Tensor] = None,
     ref_weight: Optional[Tensor] = None,
@@ -315,44 +415,16 @@ def fused_linear_token_objective(
     ``ref_hidden [B, T, Hr]`` through ``ref_weight [V, Hr]`` (default: the policy's head, with
     ``bias`` unless ``ref_bias`` is given) under no grad. ``need_entropy`` hands the objective each
     token's entropy; ``entropy_grad`` (implies it) differentiates the loss through it too.
-    ``coupling`` picks the path (module docstring). Returns ``(loss, metric_sums, stats)``: the 0-d
-    loss (differentiable w.r.t. ``weight``, ``hidden``, ``bias``), the objective's metric sums over
-    all chunks (detached), and the detached :class:`TokenStats`.
+    ``objective``: a :class:`TokenObjective` (its declared ``coupling`` picks the path, module
+    docstring; ``coupling`` may only tighten it) or a plain callable (run with ``coupling``,
+    default ``"token"``). Returns ``(loss, metric_sums, stats)``: the 0-d loss (differentiable
+    w.r.t. ``weight``, ``hidden``, ``bias``), the objective's metric sums over all chunks
+    (detached), and the detached :class:`TokenStats`. Shared options:
+    :class:`~liger_losses.chunked.options.HeadOptions`.
     """
-    _check_common(weight, hidden, labels, bias, ignore_index, temperature, softcap, logit_scale,
-                  chunk_tokens, accum_dtype, impl, hidden_ndim=3)
-    if not callable(objective):
-        raise TypeError(f"objective must be callable, got {type(objective).__name__}")
-    check_choice("coupling", coupling, COUPLINGS)
-    B, T, _ = hidden.shape
-    V = weight.shape[0]
-    if ref_weight is not None:
-        check_tensor("ref_weight", ref_weight, ndim=2, floating=True)
-        if ref_weight.shape[0] != V:
-            raise ValueError(f"ref_weight must have shape [{V}, Hr] (same vocab as weight), "
-                             f"got {tuple(ref_weight.shape)}")
-    if ref_hidden is not None:
-        check_tensor("ref_hidden", ref_hidden, ndim=3, floating=True)
-        Hr = (ref_weight if ref_weight is not None else weight).shape[1]
-        if tuple(ref_hidden.shape) != (B, T, Hr):
-            raise ValueError(f"ref_hidden must have shape {(B, T, Hr)} ([B, T] of hidden, H of ref_weight), "
-                             f"got {tuple(ref_hidden.shape)}")
-    if ref_bias is not None:
-        check_tensor("ref_bias", ref_bias, ndim=1, floating=True)
-        if ref_bias.shape[0] != V:
-            raise ValueError(f"ref_bias must have shape [{V}], got {tuple(ref_bias.shape)}")
-    check_same_device(hidden=hidden, ref_hidden=ref_hidden, ref_weight=ref_weight, ref_bias=ref_bias)
-    run = _Run(
-        labels=labels, objective=objective, coupling=coupling,
-        ref_hidden=None if ref_hidden is None else ref_hidden.detach(),
-        ref_weight=None if ref_weight is None else ref_weight.detach(),
-        ref_bias=None if ref_bias is None else ref_bias.detach(),
-        need_entropy=bool(need_entropy or entropy_grad), entropy_grad=bool(entropy_grad),
-        kernel_opts=dict(ignore_index=ignore_index, temperature=float(temperature),
-                         softcap=None if softcap is None else float(softcap), logit_scale=float(logit_scale),
-                         impl=impl),
-        chunk_tokens=chunk_tokens, accum_dtype=accum_dtype, grad_enabled=torch.is_grad_enabled(),
-    )
-    sink: dict = {}
-    loss = _TokenObjectiveFunction.apply(weight, hidden, bias, run, sink)
-    return loss, sink["metrics"], sink["stats"]
+    head = HeadOptions(ignore_index=ignore_index, temperature=temperature, softcap=softcap,
+                       logit_scale=logit_scale, chunk_tokens=chunk_tokens, accum_dtype=accum_dtype, impl=impl,
+                       need_entropy=bool(need_entropy or entropy_grad))
+    return run_token_objective(weight, hidden, labels, as_token_objective(objective, coupling=coupling),
+                               head=head, bias=bias, ref_hidden=ref_hidden, ref_weight=ref_weight,
+                               ref_bias=ref_bias, entropy_grad=entropy_grad)

@@ -19,11 +19,13 @@ of the tile (the statistics are inputs); float32 arithmetic. ``impl="torch"``: t
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
 from torch import Tensor
 
+from liger_losses.kernels.tuning import Knobs, knob, register
 from liger_losses.kernels.utils import (
     check_range,
     check_same_device,
@@ -37,8 +39,19 @@ from liger_losses.kernels.utils import (
 
 triton, tl = import_triton()
 
-# Columns per block of the row loop (the interpreter runs smaller blocks faster).
-BLOCK_CAP = 4096
+
+@dataclass(frozen=True)
+class LogpEntropyGradTuning(Knobs):
+    """Launch knobs of the logp/entropy gradient kernel (slot ``logp_entropy_grad``):
+    ``block_cap`` columns per block of the row loop on the GPU (1024 in the interpreter, which
+    runs smaller blocks faster), ``num_warps`` warps per program (0: 8 for blocks >= 4096, else 4).
+    The kernel is one read and one write of the tile; no sweep of these knobs is recorded."""
+
+    block_cap: int = knob(4096, minimum=1)
+    num_warps: int = knob(0)
+
+
+LOGP_ENTROPY_GRAD_TUNING = register("logp_entropy_grad", LogpEntropyGradTuning())
 
 if triton is not None:
 
@@ -157,7 +170,8 @@ def logp_entropy_grad_(
         _logp_entropy_grad_torch(logits, labels, lse, entropy, grad_logp, grad_entropy, ignore_index,
                                  float(logit_scale), float(temperature), None if softcap is None else float(softcap))
         return logits
-    block = min(next_power_of_2(V), 1024 if triton_interpret() else BLOCK_CAP)
+    knobs = LOGP_ENTROPY_GRAD_TUNING.current
+    block = min(next_power_of_2(V), 1024 if triton_interpret() else knobs.block_cap)
     has_ge = grad_entropy is not None
     lse32 = lse.float().contiguous()
     gl = grad_logp.float().contiguous()
@@ -168,6 +182,6 @@ def logp_entropy_grad_(
             logits, logits.stride(0), labels.contiguous(), lse32, ent, gl, ge, V, int(ignore_index),
             float(logit_scale), 1.0 / float(temperature), float(softcap) if softcap is not None else 1.0,
             HAS_SOFTCAP=softcap is not None, HAS_GE=has_ge, BLOCK=block,
-            num_warps=8 if block >= 4096 else 4,
+            num_warps=knobs.num_warps or (8 if block >= 4096 else 4),
         )
     return logits

@@ -26,12 +26,13 @@ learning, MoE router auxiliary loss.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Optional
 
 import torch
 import trl
 
-from ..chunked.grpo import TRL_METRIC_NAMES, fused_linear_grpo_loss
+from ..chunked.grpo import TRL_METRIC_NAMES, grpo_head_options, run_grpo
 from ..chunked.grpo_objective import TOKEN_COUNT_LOSS_TYPES, GRPOOptions
 from .base import (
     IGNORE_INDEX,
@@ -147,24 +148,24 @@ class GRPOTrainer(LigerTrainerMixin, trl.GRPOTrainer):
         labels = completion_ids.masked_fill(mask == 0, IGNORE_INDEX)
         start = prompt_ids.size(1) - 1  # the position predicting the first completion token
         items, divisor, entropy_coef = self._liger_normalizers(mode, inputs)
-        opts = grpo_options(self).__dict__ | {"entropy_coef": entropy_coef}
+        options = dataclasses.replace(grpo_options(self), entropy_coef=entropy_coef)
+        head = grpo_head_options(temperature=self.temperature, ignore_index=IGNORE_INDEX,
+                                 chunk_tokens=self.liger_chunk_tokens,
+                                 **head_logit_options(unwrap_causal_lm(model).config))
         is_ratio = None
         if self.use_vllm and self.vllm_importance_sampling_correction:
             is_ratio = inputs.get("importance_sampling_ratio")
-        logit_opts = head_logit_options(unwrap_causal_lm(model).config)
 
         def run():
             hidden = self._liger_backbone_hidden(model, model_kwargs)[:, start:start + labels.size(1)]
             weight, bias = self._liger_head(model)
             with gathered_params(weight, bias):
-                return fused_linear_grpo_loss(
-                    weight, hidden, None, labels, bias=bias, advantages=inputs["advantages"],
-                    old_logps=inputs.get("old_per_token_logps"),
+                return run_grpo(
+                    weight, hidden, None, labels, head=head, options=options, bias=bias,
+                    advantages=inputs["advantages"], old_logps=inputs.get("old_per_token_logps"),
                     ref_logps=inputs.get("ref_per_token_logps") if self.beta != 0.0 else None,
                     sampling_logps=inputs.get("sampling_per_token_logps"),
                     importance_sampling_ratio=is_ratio, num_items_in_batch=items,
-                    temperature=self.temperature, ignore_index=IGNORE_INDEX,
-                    chunk_tokens=self.liger_chunk_tokens, **logit_opts, **opts,
                 )
 
         with self.accelerator.autocast():

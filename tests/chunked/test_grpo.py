@@ -114,7 +114,7 @@ def test_sequence_ratio_one_pass(loss_type, monkeypatch):
     def no_two_phases(self, bounds):
         raise AssertionError("two phases taken")
 
-    monkeypatch.setattr(token_objective._Driver, "two_phases", no_two_phases)
+    monkeypatch.setattr(token_objective.TokenDriver, "two_phases", no_two_phases)
     w, h, b, labels, side = _case(1)
     old, ref = _side_logps(w, h, b, labels, side, loss_type=loss_type)
     opts = _options(loss_type, beta=0.04, importance_sampling_level="sequence")
@@ -133,7 +133,7 @@ def test_on_policy(loss_type, level, monkeypatch):
         raise AssertionError("two phases taken")
 
     if level == "token":
-        monkeypatch.setattr(token_objective._Driver, "two_phases", no_two_phases)
+        monkeypatch.setattr(token_objective.TokenDriver, "two_phases", no_two_phases)
     w, h, b, labels, side = _case(2)
     _, ref = _side_logps(w, h, b, labels, side, on_policy=True)
     opts = _options(loss_type, beta=0.04, importance_sampling_level=level)
