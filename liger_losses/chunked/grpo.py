@@ -52,8 +52,9 @@ chunks of any size, ``6 N H V``, at token level (VESPO and the off-policy mask i
 detached). Per-sequence sums are needed first for ``importance_sampling_level="sequence"`` (each
 token's gradient sums over its sequence, on-policy too) and for VESPO / the off-policy mask with
 old or sampling log-probs: one pass over chunks of whole sequences while a sequence fits the tile
-budget (4 default budgets), else two phases. ``top_entropy_quantile < 1`` always runs two phases
-(statistics of every token, the quantile, then each tile recomputed: ``8 N H V``). See
+budget (up to ``EngineConfig.unit_budget_factor`` default budgets), else two phases.
+``top_entropy_quantile < 1`` always runs two phases (statistics of every token, the quantile, then
+each tile recomputed: ``8 N H V``). See
 :mod:`liger_losses.chunked.token_objective`.
 
 Returns ``LossOutput(loss, metrics)``: the 0-d loss and the 0-d metrics TRL logs

@@ -24,7 +24,6 @@ import torch
 import trl
 
 from ..chunked.rloo import RLOO_TRL_METRIC_NAMES, fused_linear_rloo_loss
-from .grpo import log_rl_metrics
 from .base import (
     IGNORE_INDEX,
     LigerTrainerMixin,
@@ -34,6 +33,7 @@ from .base import (
     reject_vision,
     unwrap_causal_lm,
 )
+from .grpo import log_rl_metrics
 
 
 class RLOOTrainer(LigerTrainerMixin, trl.RLOOTrainer):
