@@ -195,7 +195,7 @@ class TokenDriver:
         """Chunks of the one-pass path, or None for two phases."""
         run, V = self.run, self.V
         if run.coupling == "token":
-            return self.two_phase_bounds()
+            return self.token_bounds()
         if run.coupling == "batch":
             return None
         counts = self.scan.row_counts_host
@@ -209,7 +209,8 @@ class TokenDriver:
             plan = group_chunk_bounds(counts, V, budget_bytes=budget, itemsize=self.itemsize)
         return None if plan is None else [(ts, te) for _, _, ts, te in plan if te > ts]
 
-    def two_phase_bounds(self) -> list[tuple[int, int]]:
+    def token_bounds(self) -> list[tuple[int, int]]:
+        """Chunks of the valid tokens from the tile budget (sequences may be split)."""
         return token_chunks(self.V, self.H, self.itemsize, self.N, self.run.chunk_tokens)
 
     # ------------------------------------------------------------------ pieces
@@ -264,7 +265,7 @@ class TokenDriver:
         elif bounds is not None:
             self.one_pass(bounds)
         else:
-            self.two_phases(self.two_phase_bounds())
+            self.two_phases(self.token_bounds())
         gh, gw, gb = self.grads.finish()
         return self.loss, (grad_like(gh, self.hidden) if gh is not None else None), gw, gb
 
