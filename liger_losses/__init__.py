@@ -14,6 +14,8 @@ from liger_losses.chunked.distillation import (
     LigerFusedLinearDistillationLoss,
     fused_linear_distillation_loss,
 )
+from liger_losses.chunked.grpo import LigerFusedLinearGRPOLoss, fused_linear_grpo_loss
+from liger_losses.chunked.rloo import fused_linear_rloo_loss
 from liger_losses.chunked.sequence import SequenceStats, fused_linear_sequence_objective
 from liger_losses.chunked.output import LossOutput
 from liger_losses.chunked.preference import (
@@ -46,6 +48,7 @@ __all__ = [
     "LigerFusedLinearCrossEntropyLoss",
     "LigerFusedLinearDPOLoss",
     "LigerFusedLinearDistillationLoss",
+    "LigerFusedLinearGRPOLoss",
     "LigerFusedLinearKTOLoss",
     "LigerFusedLinearORPOLoss",
     "LigerFusedLinearSimPOLoss",
@@ -64,8 +67,10 @@ __all__ = [
     "fused_linear_cross_entropy",
     "fused_linear_distillation_loss",
     "fused_linear_dpo_loss",
+    "fused_linear_grpo_loss",
     "fused_linear_kto_loss",
     "fused_linear_orpo_loss",
+    "fused_linear_rloo_loss",
     "fused_linear_sequence_objective",
     "fused_linear_simpo_loss",
     "fused_linear_token_logprobs",

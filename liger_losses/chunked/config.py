@@ -23,7 +23,9 @@ Knobs (what each one trades, and what was measured):
   sequence driver falls back to two phases, which recompute every tile but the longest pair's
   (8NHV instead of 6NHV for the policy). 4 -> 1 GiB: 4184 tokens at V=128256 in bf16, so a batch
   of TRL DPO pairs at max_length 2048 (prompt 512 + 2 x 1536 completion tokens) stays one-pass;
-  the tile is freed before the model's backward, whose activations set a trainer's peak.
+  the tile is freed before the model's backward, whose activations set a trainer's peak. The
+  per-token driver (``token_objective``, GRPO/RLOO) applies the same rule to one sequence of an
+  objective with ``"sequence"`` coupling.
 * ``device_scale``: the backward of the one-pass losses scales the forward's gradients by the
   upstream scalar on the device (``kernels.scale``: no host sync, no memory pass when it is 1)
   instead of reading it on the host (one sync per backward; False restores that). H200 profile of

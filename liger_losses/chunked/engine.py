@@ -19,6 +19,8 @@ Computes losses of ``logits = hidden @ weight.T (+ bias)`` without ever holding 
 * :mod:`.token_passes` -- per-token chunk loops (:func:`run_tiles`, :func:`run_token_tiles`,
   :class:`RecomputedTokenFunction`);
 * :mod:`.sequence` -- the sequence-objective driver (preference losses);
+* :mod:`.token_objective` -- the per-token objective driver (GRPO, RLOO): objectives of each
+  token's log-prob and entropy that declare their coupling (:class:`TokenObjective`);
 * :mod:`.options` -- :class:`HeadOptions` (the options every loss shares) and input checks;
 * :mod:`.config` -- the tuning knobs (:class:`EngineConfig`, ``with engine_config(...)``).
 

@@ -11,8 +11,10 @@ from liger_losses.trl_integration.cpo import CPOTrainer
 from liger_losses.trl_integration.distillation import DistillationTrainer
 from liger_losses.trl_integration.dpo import DPOTrainer
 from liger_losses.trl_integration.gkd import GKDTrainer
+from liger_losses.trl_integration.grpo import GRPOTrainer
 from liger_losses.trl_integration.kto import KTOTrainer
 from liger_losses.trl_integration.orpo import ORPOTrainer
+from liger_losses.trl_integration.rloo import RLOOTrainer
 from liger_losses.trl_integration.sft import SFTTrainer
 
 __all__ = [
@@ -20,7 +22,9 @@ __all__ = [
     "DPOTrainer",
     "DistillationTrainer",
     "GKDTrainer",
+    "GRPOTrainer",
     "KTOTrainer",
     "ORPOTrainer",
+    "RLOOTrainer",
     "SFTTrainer",
 ]

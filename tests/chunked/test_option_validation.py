@@ -126,7 +126,7 @@ def test_kto_preference_labels_must_be_bool(dtype):
 @pytest.mark.parametrize("cls", [
     ll.LigerFusedLinearCrossEntropyLoss, ll.LigerFusedLinearDistillationLoss, ll.LigerFusedLinearDPOLoss,
     ll.LigerFusedLinearCPOLoss, ll.LigerFusedLinearSimPOLoss, ll.LigerFusedLinearORPOLoss,
-    ll.LigerFusedLinearKTOLoss,
+    ll.LigerFusedLinearKTOLoss, ll.LigerFusedLinearGRPOLoss,
 ])
 def test_every_module_rejects_an_unknown_option_by_name(cls):
     with pytest.raises(TypeError, match="chunk_token"):
@@ -139,7 +139,7 @@ def test_module_signatures_name_their_options():
 
     for cls in (ll.LigerFusedLinearCrossEntropyLoss, ll.LigerFusedLinearDistillationLoss, ll.LigerFusedLinearDPOLoss,
                 ll.LigerFusedLinearCPOLoss, ll.LigerFusedLinearSimPOLoss, ll.LigerFusedLinearORPOLoss,
-                ll.LigerFusedLinearKTOLoss):
+                ll.LigerFusedLinearKTOLoss, ll.LigerFusedLinearGRPOLoss):
         params = inspect.signature(cls.__init__).parameters.values()
         assert not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params), cls.__name__
         assert "chunk_tokens" in {p.name for p in params}, cls.__name__

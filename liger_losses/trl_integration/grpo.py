@@ -1,0 +1,187 @@
+"""``GRPOTrainer``: TRL 1.16's GRPO trainer whose loss can come from our fused GRPO loss (``use_liger=True``).
+
+``GRPOTrainer(model, reward_funcs=None, args=None, ..., use_liger=False, liger_patch_model=True,
+liger_chunk_tokens=None)`` takes every argument of ``trl.GRPOTrainer`` plus three keywords:
+
+* ``use_liger=False``: exactly TRL's trainer.
+* ``use_liger=True``: ``_compute_loss`` (TRL's loss method: it runs the model with TRL's fused LM
+  head, then the GRPO formula) runs the policy *backbone* on prompt + completion to get the last
+  hidden states, keeps the ``[B, C, H]`` positions that predict the completion tokens, and the loss
+  comes from :func:`liger_losses.chunked.grpo.fused_linear_grpo_loss` on them and the LM head's
+  ``weight [V, H]``: the gradient is written while each logits tile exists, logits are never held
+  whole. Every GRPO option of the config is passed through with TRL's semantics (loss types,
+  importance-sampling level, clipping, ``delta``, ``beta`` with the reference log-probs TRL computed,
+  the vLLM importance-sampling ratio, the off-policy mask, the entropy quantile and bonus,
+  ``temperature``); TRL's gradient-accumulation scaling is applied as TRL does it. Generation, rewards,
+  advantages, old and reference log-probs are TRL's. Metrics are logged under TRL's names.
+  ``liger_patch_model=True`` also swaps the model's layers for our kernels.
+
+Metrics are reduced over processes as TRL reduces them (:func:`log_rl_metrics`): token (or
+sequence) means weighted by each process's count, ``*_min`` / ``*_max`` over all processes.
+
+Options TRL supports that use_liger=True cannot serve raise ``ValueError`` at construction, naming the
+option: ``use_adaptive_entropy``, ``cast_lm_head_to_fp32``, vision-language models, PEFT prompt
+learning, MoE router auxiliary loss.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Optional
+
+import torch
+import trl
+
+from ..chunked.grpo import TRL_METRIC_NAMES, grpo_head_options, run_grpo
+from ..chunked.grpo_objective import TOKEN_COUNT_LOSS_TYPES, GRPOOptions
+from .base import (
+    IGNORE_INDEX,
+    LigerTrainerMixin,
+    gather_metric_values,
+    gathered_params,
+    head_logit_options,
+    reject,
+    reject_vision,
+    unwrap_causal_lm,
+)
+
+# metrics TRL takes over all processes' sequences (nanmin / nanmax of the gathered values)
+_MIN_MAX = {"clip_ratio_low_min": "min", "clip_ratio_high_max": "max"}
+
+
+def log_rl_metrics(trainer, mode: str, metrics, names, counts) -> None:
+    """Append ``metrics`` (0-d tensors) under their TRL ``names``, reduced over processes as TRL does:
+    a mean weighted by ``counts[key]`` (the local token or sequence count it averages; unweighted when
+    absent), or the min / max over processes for ``*_min`` / ``*_max``. Two gathers, one host read each."""
+    keys = [k for k in names if k in metrics]
+    means = [k for k in keys if k not in _MIN_MAX]
+    if not keys:
+        return
+    device = metrics[keys[0]].device
+    dtype = torch.float32 if device.type == "mps" else torch.float64  # MPS has no float64
+    one = torch.ones((), device=device)
+    weights = [torch.as_tensor(counts.get(k, one), device=device).to(dtype) for k in means]
+    weighted = [metrics[k].detach().to(dtype) * w for k, w in zip(means, weights)]
+    sums = gather_metric_values(trainer.accelerator, weighted + weights, "sum")
+    for i, k in enumerate(means):
+        trainer._metrics[mode][names[k]].append(sums[i] / max(sums[len(means) + i], 1.0))
+    extremes = [k for k in keys if k in _MIN_MAX]
+    if extremes:
+        row = torch.stack([metrics[k].detach().to(dtype).reshape(()) for k in extremes]).unsqueeze(0)
+        rows = trainer.accelerator.gather_for_metrics(row)  # [processes, K]
+        for i, k in enumerate(extremes):
+            col = rows[:, i]
+            valid = col[~torch.isnan(col)]
+            if valid.numel() == 0:
+                value = float("nan")
+            else:
+                value = float(valid.min() if _MIN_MAX[k] == "min" else valid.max())
+            trainer._metrics[mode][names[k]].append(value)
+
+
+def grpo_options(trainer) -> GRPOOptions:
+    """The loss options of a built ``trl.GRPOTrainer`` (its attributes and config), validated."""
+    args = trainer.args
+    return GRPOOptions(
+        loss_type=trainer.loss_type, beta=float(trainer.beta), epsilon_low=float(trainer.epsilon_low),
+        epsilon_high=float(trainer.epsilon_high), delta=args.delta,
+        importance_sampling_level=trainer.importance_sampling_level,
+        use_bias_correction_kl=bool(args.use_bias_correction_kl),
+        sapo_temperature_pos=args.sapo_temperature_pos, sapo_temperature_neg=args.sapo_temperature_neg,
+        vespo_k_pos=args.vespo_k_pos, vespo_lambda_pos=args.vespo_lambda_pos, vespo_k_neg=args.vespo_k_neg,
+        vespo_lambda_neg=args.vespo_lambda_neg, off_policy_mask_threshold=trainer.off_policy_mask_threshold,
+        top_entropy_quantile=float(trainer.top_entropy_quantile), entropy_coef=float(trainer.entropy_coef),
+        max_completion_length=trainer.max_completion_length,
+    )
+
+
+class GRPOTrainer(LigerTrainerMixin, trl.GRPOTrainer):
+    """``trl.GRPOTrainer`` with ``use_liger`` (see the module docstring)."""
+
+    def __init__(self, model, reward_funcs=None, args=None, *trl_args: Any, use_liger: bool = False,
+                 liger_patch_model: bool = True, liger_chunk_tokens: Optional[int] = None, **trl_kwargs: Any):
+        self._liger_setup(use_liger=use_liger, liger_patch_model=liger_patch_model,
+                          liger_chunk_tokens=liger_chunk_tokens)
+        if use_liger and args is not None:
+            self._liger_check_config(args)
+        super().__init__(model, reward_funcs, args, *trl_args, **trl_kwargs)
+        if use_liger:
+            self._liger_check_config(self.args)
+            from transformers import ProcessorMixin
+
+            if isinstance(self.processing_class, ProcessorMixin):
+                reject_vision(self.processing_class)
+            if self.aux_loss_enabled:
+                reject("router_aux_loss_coef", self.args.router_aux_loss_coef,
+                       "the MoE load-balancing loss needs the router logits of TRL's forward")
+            grpo_options(self)  # the loss options, validated now rather than at the first step
+            self._liger_after_init(self.model, self.ref_model, trl_kwargs=trl_kwargs)
+
+    @staticmethod
+    def _liger_check_config(args) -> None:
+        if getattr(args, "use_adaptive_entropy", False):
+            reject("use_adaptive_entropy", True, "the adaptive entropy controller is not ported")
+        if getattr(args, "cast_lm_head_to_fp32", False):
+            reject("cast_lm_head_to_fp32", True, "the fused loss runs the head in the compute dtype")
+
+    def _liger_normalizers(self, mode: str, inputs):
+        """``(num_items_in_batch or None, loss divisor, entropy_coef)`` of TRL's gradient-accumulation rule."""
+        accumulation = self.current_gradient_accumulation_steps if mode == "train" else 1.0
+        coef = float(self.entropy_coef)
+        if self.loss_type in TOKEN_COUNT_LOSS_TYPES:
+            items = inputs["num_items_in_batch"].clamp(min=1.0) / self.accelerator.num_processes
+            if mode == "train":
+                items = items * self.current_gradient_accumulation_steps / self.args.steps_per_generation
+            # the policy term is already scaled by items; the entropy bonus is divided by the steps
+            return items, 1.0, coef / accumulation
+        return None, accumulation, coef
+
+    def _compute_loss(self, model, inputs):
+        if not self.use_liger:
+            return super()._compute_loss(model, inputs)
+        mode = "train" if self.model.training else "eval"
+        prompt_ids, prompt_mask = inputs["prompt_ids"], inputs["prompt_mask"]
+        completion_ids, completion_mask = inputs["completion_ids"], inputs["completion_mask"]
+        mask = completion_mask if "tool_mask" not in inputs else completion_mask * inputs["tool_mask"]
+        model_kwargs = {"input_ids": torch.cat([prompt_ids, completion_ids], dim=1),
+                        "attention_mask": torch.cat([prompt_mask, completion_mask], dim=1), "use_cache": False}
+        labels = completion_ids.masked_fill(mask == 0, IGNORE_INDEX)
+        start = prompt_ids.size(1) - 1  # the position predicting the first completion token
+        items, divisor, entropy_coef = self._liger_normalizers(mode, inputs)
+        options = dataclasses.replace(grpo_options(self), entropy_coef=entropy_coef)
+        head = grpo_head_options(temperature=self.temperature, ignore_index=IGNORE_INDEX,
+                                 chunk_tokens=self.liger_chunk_tokens,
+                                 **head_logit_options(unwrap_causal_lm(model).config))
+        is_ratio = None
+        if self.use_vllm and self.vllm_importance_sampling_correction:
+            is_ratio = inputs.get("importance_sampling_ratio")
+
+        def run():
+            hidden = self._liger_backbone_hidden(model, model_kwargs)[:, start:start + labels.size(1)]
+            weight, bias = self._liger_head(model)
+            with gathered_params(weight, bias):
+                return run_grpo(
+                    weight, hidden, None, labels, head=head, options=options, bias=bias,
+                    advantages=inputs["advantages"], old_logps=inputs.get("old_per_token_logps"),
+                    ref_logps=inputs.get("ref_per_token_logps") if self.beta != 0.0 else None,
+                    sampling_logps=inputs.get("sampling_per_token_logps"),
+                    importance_sampling_ratio=is_ratio, num_items_in_batch=items,
+                )
+
+        with self.accelerator.autocast():
+            loss, metrics = self._liger_run(model, run)
+        if divisor != 1.0:
+            loss = loss / divisor
+        n_tokens, n_seqs = mask.sum(), torch.tensor(float(mask.size(0)), device=mask.device)
+        per_seq = inputs["advantages"].dim() == 1 and self.importance_sampling_level == "sequence"
+        counts = {k: n_tokens for k in TRL_METRIC_NAMES}
+        counts.pop("policy_loss")  # TRL: the mean over processes
+        for k in ("clip_ratio_low_mean", "clip_ratio_high_mean", "clip_ratio_region_mean", "cispo_clip_ratio"):
+            if per_seq:
+                counts[k] = n_seqs
+        if inputs["advantages"].dim() == 1:
+            counts["vespo_phi_seq_mean"] = n_seqs
+        log_rl_metrics(self, mode, metrics, TRL_METRIC_NAMES, counts)
+        if self._entropy_bonus_enabled and mode == "train" and self.accelerator.sync_gradients:
+            self._metrics[mode]["entropy_coef"].append(self.entropy_coef)
+        return loss

@@ -1,0 +1,88 @@
+"""``RLOOTrainer``: TRL 1.16's RLOO trainer whose loss can come from our fused RLOO loss (``use_liger=True``).
+
+``RLOOTrainer(model, reward_funcs, args=None, ..., use_liger=False, liger_patch_model=True,
+liger_chunk_tokens=None)`` takes every argument of ``trl.RLOOTrainer`` plus three keywords:
+
+* ``use_liger=False``: exactly TRL's trainer.
+* ``use_liger=True``: ``_compute_loss`` runs the policy *backbone* on prompt + completion, keeps the
+  ``[B, C, H]`` positions that predict the completion tokens, and the loss comes from
+  :func:`liger_losses.chunked.rloo.fused_linear_rloo_loss` (TRL's clipped ratio of the sequences'
+  summed log-probs, mean over the batch; the Trainer divides it for gradient accumulation, as TRL's)
+  on them and the LM head -- logits are never held whole. Generation, rewards (with TRL's KL term),
+  advantages and old log-probs are TRL's. Metrics (``entropy``, ``clip_ratio/*``) under TRL's names,
+  reduced over processes as TRL does (token / sequence weighted means, min / max over processes).
+
+Options TRL supports that use_liger=True cannot serve raise ``ValueError`` at construction, naming the
+option: ``cast_lm_head_to_fp32``, vision-language models, PEFT prompt learning, MoE router auxiliary loss.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+import trl
+
+from ..chunked.rloo import RLOO_TRL_METRIC_NAMES, fused_linear_rloo_loss
+from .base import (
+    IGNORE_INDEX,
+    LigerTrainerMixin,
+    gathered_params,
+    head_logit_options,
+    reject,
+    reject_vision,
+    unwrap_causal_lm,
+)
+from .grpo import log_rl_metrics
+
+
+class RLOOTrainer(LigerTrainerMixin, trl.RLOOTrainer):
+    """``trl.RLOOTrainer`` with ``use_liger`` (see the module docstring)."""
+
+    def __init__(self, model, reward_funcs=None, args=None, *trl_args: Any, use_liger: bool = False,
+                 liger_patch_model: bool = True, liger_chunk_tokens: Optional[int] = None, **trl_kwargs: Any):
+        self._liger_setup(use_liger=use_liger, liger_patch_model=liger_patch_model,
+                          liger_chunk_tokens=liger_chunk_tokens)
+        if use_liger and getattr(args, "cast_lm_head_to_fp32", False):
+            reject("cast_lm_head_to_fp32", True, "the fused loss runs the head in the compute dtype")
+        super().__init__(model, reward_funcs, args, *trl_args, **trl_kwargs)
+        if use_liger:
+            from transformers import ProcessorMixin
+
+            if isinstance(self.processing_class, ProcessorMixin):
+                reject_vision(self.processing_class)
+            if self.aux_loss_enabled:
+                reject("router_aux_loss_coef", self.args.router_aux_loss_coef,
+                       "the MoE load-balancing loss needs the router logits of TRL's forward")
+            self._liger_after_init(self.model, self.ref_model, trl_kwargs=trl_kwargs)
+
+    def _compute_loss(self, model, inputs):
+        if not self.use_liger:
+            return super()._compute_loss(model, inputs)
+        mode = "train" if self.model.training else "eval"
+        prompt_ids, prompt_mask = inputs["prompt_ids"], inputs["prompt_mask"]
+        completion_ids, completion_mask = inputs["completion_ids"], inputs["completion_mask"]
+        model_kwargs = {"input_ids": torch.cat([prompt_ids, completion_ids], dim=1),
+                        "attention_mask": torch.cat([prompt_mask, completion_mask], dim=1), "use_cache": False}
+        labels = completion_ids.masked_fill(completion_mask == 0, IGNORE_INDEX)
+        start = prompt_ids.size(1) - 1  # the position predicting the first completion token
+        logit_opts = head_logit_options(unwrap_causal_lm(model).config)
+
+        def run():
+            hidden = self._liger_backbone_hidden(model, model_kwargs)[:, start:start + labels.size(1)]
+            weight, bias = self._liger_head(model)
+            with gathered_params(weight, bias):
+                return fused_linear_rloo_loss(
+                    weight, hidden, labels, bias=bias, advantages=inputs["advantages"],
+                    old_logps=inputs["old_logps"], epsilon_low=self.epsilon_low, epsilon_high=self.epsilon_high,
+                    temperature=self.temperature, ignore_index=IGNORE_INDEX,
+                    chunk_tokens=self.liger_chunk_tokens, **logit_opts,
+                )
+
+        with self.accelerator.autocast():
+            loss, metrics = self._liger_run(model, run)
+        n_seqs = torch.tensor(float(labels.size(0)), device=labels.device)
+        counts = {k: n_seqs for k in RLOO_TRL_METRIC_NAMES}
+        counts["entropy"] = completion_mask.sum()
+        log_rl_metrics(self, mode, metrics, RLOO_TRL_METRIC_NAMES, counts)
+        return loss
