@@ -16,8 +16,8 @@ from __future__ import annotations
 
 import argparse
 import cProfile
-import os
 import io
+import os
 import pstats
 import statistics
 import time
@@ -26,7 +26,6 @@ import torch
 import torch.nn.functional as F
 
 from benchmark.common import Row, write_results
-
 from liger_losses.kernels.cross_entropy import cross_entropy
 from liger_losses.kernels.geglu import geglu
 from liger_losses.kernels.layer_norm import LigerLayerNorm
@@ -49,10 +48,9 @@ def _liger():
         from liger_kernel.ops.geglu import LigerGELUMulFunction
         from liger_kernel.ops.rope import LigerRopeFunction
         from liger_kernel.ops.swiglu import LigerSiLUMulFunction
+        from liger_kernel.transformers.cross_entropy import LigerCrossEntropyLoss
         from liger_kernel.transformers.layer_norm import LigerLayerNorm as TheirLN
         from liger_kernel.transformers.rms_norm import LigerRMSNorm as TheirRMS
-
-        from liger_kernel.transformers.cross_entropy import LigerCrossEntropyLoss
 
         out = dict(rms=TheirRMS, ln=TheirLN, rope=LigerRopeFunction.apply,
                    swiglu=LigerSiLUMulFunction.apply, geglu=LigerGELUMulFunction.apply,
@@ -92,7 +90,8 @@ def cases():
     ln_ours = LigerLayerNorm(H).to(DEV, DT)
     ln_torch = torch.nn.LayerNorm(H).to(DEV, DT)
     try:
-        from transformers.models.llama.modeling_llama import LlamaRMSNorm, apply_rotary_pos_emb as hf_rope
+        from transformers.models.llama.modeling_llama import LlamaRMSNorm
+        from transformers.models.llama.modeling_llama import apply_rotary_pos_emb as hf_rope
 
         rms_hf = LlamaRMSNorm(H).to(DEV, DT)
     except Exception:  # noqa: BLE001

@@ -27,7 +27,6 @@ import triton
 import triton.language as tl
 
 from benchmark.common import Row, write_results
-
 from liger_losses.kernels.launch import fast_kernel, launch_stats
 
 

@@ -21,8 +21,7 @@ import argparse
 import torch
 import torch.nn.functional as F
 
-from benchmark.common import MIB, Row, hbm_floor_ms, measure, write_results, randn
-
+from benchmark.common import MIB, Row, hbm_floor_ms, measure, randn, write_results
 from liger_losses.kernels.geglu import geglu
 from liger_losses.kernels.swiglu import swiglu
 

@@ -30,8 +30,7 @@ import argparse
 
 import torch
 
-from benchmark.common import MIB, Row, hbm_floor_ms, measure, print_table, write_results, randn
-
+from benchmark.common import MIB, Row, hbm_floor_ms, measure, print_table, randn, write_results
 from liger_losses.kernels.rope import apply_rotary_pos_emb
 
 DEVICE = "cuda"

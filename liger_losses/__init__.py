@@ -15,8 +15,6 @@ from liger_losses.chunked.distillation import (
     fused_linear_distillation_loss,
 )
 from liger_losses.chunked.grpo import LigerFusedLinearGRPOLoss, fused_linear_grpo_loss
-from liger_losses.chunked.rloo import fused_linear_rloo_loss
-from liger_losses.chunked.sequence import SequenceStats, fused_linear_sequence_objective
 from liger_losses.chunked.output import LossOutput
 from liger_losses.chunked.preference import (
     LigerFusedLinearCPOLoss,
@@ -30,6 +28,8 @@ from liger_losses.chunked.preference import (
     fused_linear_orpo_loss,
     fused_linear_simpo_loss,
 )
+from liger_losses.chunked.rloo import fused_linear_rloo_loss
+from liger_losses.chunked.sequence import SequenceStats, fused_linear_sequence_objective
 from liger_losses.chunked.token_logprobs import fused_linear_token_logprobs
 from liger_losses.kernels.cross_entropy import LigerCrossEntropyLoss, cross_entropy
 from liger_losses.kernels.gated_down import gated_down_proj, gated_down_proj_packed

@@ -275,9 +275,8 @@ def run(steps: int = 80, device: str = "auto", batch_size: int = 8, lr: float = 
 
 def _compare_memory(model, tokenizer, train_data, tmp, *, batch_size, lr, seed, use_cuda) -> dict:
     """Peak step memory of our path vs TRL's default path on the same batch and weights."""
-    from .trl_integration import DPOTrainer
-
     from .kernels.utils import triton_interpret
+    from .trl_integration import DPOTrainer
 
     results = {}
     if not use_cuda and triton_interpret():

@@ -623,13 +623,18 @@ def test_trl_dpo_trainer_import_and_construct(tmp_path):
     the README does not say) and whose compute_loss on the first batch is finite with finite, non-zero
     lm_head gradients; the other trainers the comment names are importable too."""
     import trl
+    from transformers import Trainer
 
     from liger_losses.demo import build_tiny_model, build_tokenizer, preference_dataset
-    from liger_losses.trl_integration import DPOTrainer   # also SFT, CPO (SimPO), ORPO, KTO, GKD, Distillation
     from liger_losses.trl_integration import (
-        CPOTrainer, DistillationTrainer, GKDTrainer, KTOTrainer, ORPOTrainer, SFTTrainer,
+        CPOTrainer,
+        DistillationTrainer,
+        DPOTrainer,  # also SFT, CPO (SimPO), ORPO, KTO, GKD, Distillation
+        GKDTrainer,
+        KTOTrainer,
+        ORPOTrainer,
+        SFTTrainer,
     )
-    from transformers import Trainer
 
     for cls in (CPOTrainer, DistillationTrainer, GKDTrainer, KTOTrainer, ORPOTrainer, SFTTrainer):
         assert issubclass(cls, Trainer), cls

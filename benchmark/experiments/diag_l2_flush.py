@@ -40,6 +40,7 @@ from benchmark.bench_norm import copy_fns
 from benchmark.common import FLUSHES, _graphed, hbm_floor_ms, l2_state
 from benchmark.experiments.diag_norm_backward import make_modules
 
+
 def graph_ms(replay, mode: str) -> float:
     import triton.testing
 

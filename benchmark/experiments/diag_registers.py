@@ -37,7 +37,16 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
 from liger_losses.kernels import (  # noqa: E402
-    divergence_kernel, divergence_tile, gated, geglu, layer_norm, logits_tile, norm_common, rms_norm, rope, swiglu,
+    divergence_kernel,
+    divergence_tile,
+    gated,
+    geglu,
+    layer_norm,
+    logits_tile,
+    norm_common,
+    rms_norm,
+    rope,
+    swiglu,
 )
 from liger_losses.kernels.utils import row_tile  # noqa: E402
 

@@ -37,19 +37,19 @@ from torch import Tensor, nn
 
 from liger_losses.kernels.label_stats import label_stats
 from liger_losses.kernels.logits_tile import check_ce_options, logits_tile
+from liger_losses.kernels.scale import scale_unless_one_
 from liger_losses.kernels.utils import (
     check_choice,
-    finish_label_check,
     check_no_double_backward,
     check_range,
     check_same_device,
     check_tensor,
+    finish_label_check,
     needs_input_grads,
     owns_buffer,
     resolve_impl,
     start_label_check,
 )
-from liger_losses.kernels.scale import scale_unless_one_
 
 REDUCTIONS = ("mean", "sum", "none")
 

@@ -35,14 +35,27 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from liger_losses.kernels.norm_common import (
-    NormTuning, bwd_tiling, check_norm_args, fwd_pdl, fwd_tiling, norm_impl, partial_rows, sum_partials,
-)
 from liger_losses.kernels.launch import fast_kernel
+from liger_losses.kernels.norm_common import (
+    NormTuning,
+    bwd_tiling,
+    check_norm_args,
+    fwd_pdl,
+    fwd_tiling,
+    norm_impl,
+    partial_rows,
+    sum_partials,
+)
 from liger_losses.kernels.pdl import launch_options, pdl_launch
 from liger_losses.kernels.tuning import register
 from liger_losses.kernels.utils import (
-    IMPLS, as_rows, check_choice, check_last_dim, check_no_double_backward, check_tensor, device_ctx,
+    IMPLS,
+    as_rows,
+    check_choice,
+    check_last_dim,
+    check_no_double_backward,
+    check_tensor,
+    device_ctx,
     import_triton,
 )
 

@@ -26,15 +26,15 @@ from liger_losses.kernels.pdl import launch_options, pdl_launch
 from liger_losses.kernels.tuning import Knobs, knob, register
 from liger_losses.kernels.utils import (
     check_last_dim,
-    device_ctx,
-    import_triton,
     check_number,
     check_range,
     check_same_device,
     check_tensor,
+    device_ctx,
+    import_triton,
     next_power_of_2,
-    resolve_impl,
     num_row_programs,
+    resolve_impl,
     row_tile,
     triton_fallback,
 )

@@ -30,8 +30,15 @@ import torch
 from trl.experimental.gkd import GKDTrainer as _TRLGKDTrainer
 
 from ..chunked.distillation import fused_linear_distillation_loss
-from .base import IGNORE_INDEX, LigerTrainerMixin, gathered_params, head_logit_options, reject, reject_vision
-from .base import unwrap_causal_lm
+from .base import (
+    IGNORE_INDEX,
+    LigerTrainerMixin,
+    gathered_params,
+    head_logit_options,
+    reject,
+    reject_vision,
+    unwrap_causal_lm,
+)
 
 
 def shared_head_transform(student, teacher) -> dict:

@@ -36,9 +36,9 @@ import torch.nn.functional as F
 from trl.experimental.orpo import ORPOConfig
 from trl.experimental.orpo import ORPOTrainer as _TRLORPOTrainer
 
-from ..chunked.sequence import fused_linear_sequence_objective
 from ..chunked.preference.common import average_logps, chosen_nll_per_unit, split_pairs
 from ..chunked.preference.orpo import TRL_METRIC_NAMES, orpo_log_odds, orpo_pair_losses
+from ..chunked.sequence import fused_linear_sequence_objective
 from ..kernels.utils import check_range
 from .base import (
     IGNORE_INDEX,

@@ -14,7 +14,8 @@ import torch
 import torch.nn.functional as F
 
 from liger_losses.kernels import divergence_tile as dt
-from liger_losses.kernels.divergence_tile import DivergenceTileStats as DivStats, divergence_tile
+from liger_losses.kernels.divergence_tile import DivergenceTileStats as DivStats
+from liger_losses.kernels.divergence_tile import divergence_tile
 from tests.helpers import TOL, rel_err
 
 IMPLS = ["triton", "torch"]

@@ -21,8 +21,8 @@ from torch.utils.checkpoint import checkpoint
 import liger_losses.kernels.gated as gated
 import liger_losses.kernels.gated_down as gd
 from liger_losses.kernels.gated_down import GATED_DOWN_TUNING, gated_down_proj, gated_down_proj_packed
-from liger_losses.kernels.mlp import MLP_TUNING, mlp_tail
 from liger_losses.kernels.geglu import geglu
+from liger_losses.kernels.mlp import MLP_TUNING, mlp_tail
 from liger_losses.kernels.swiglu import swiglu, swiglu_packed
 from tests.helpers import TOL, assert_close_rel, rel_err
 

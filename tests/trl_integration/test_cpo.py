@@ -13,8 +13,15 @@ import pytest
 from liger_losses.trl_integration.cpo import CPOTrainer, mean_logit_all_positions
 
 from .utils import (
-    PAIRS, build_tiny_model, check_batch_loss_metrics, first_batch, policy_pair, preference_dataset, rel,
-    train_logs, trl_config,
+    PAIRS,
+    build_tiny_model,
+    check_batch_loss_metrics,
+    first_batch,
+    policy_pair,
+    preference_dataset,
+    rel,
+    train_logs,
+    trl_config,
 )
 
 TOL = 1e-4

@@ -14,8 +14,17 @@ import pytest
 from liger_losses.trl_integration.distillation import DistillationTrainer
 
 from .utils import (
-    PAIRS, assert_grads_match, build_tiny_model, build_tokenizer, make_pair, preference_dataset, rel, step0,
-    student_teacher, train_logs, trl_config,
+    PAIRS,
+    assert_grads_match,
+    build_tiny_model,
+    build_tokenizer,
+    make_pair,
+    preference_dataset,
+    rel,
+    step0,
+    student_teacher,
+    train_logs,
+    trl_config,
 )
 
 TOL = 1e-4

@@ -15,8 +15,16 @@ import torch
 from liger_losses.trl_integration import DPOTrainer
 
 from .utils import (
-    PAIRS, build_tiny_model, check_compute_loss, dpo_config, first_batch, lora_config, make_pair,
-    preference_dataset, rel, step0, train_logs,
+    PAIRS,
+    build_tiny_model,
+    check_compute_loss,
+    dpo_config,
+    first_batch,
+    lora_config,
+    make_pair,
+    preference_dataset,
+    step0,
+    train_logs,
 )
 
 TOL = 1e-4

@@ -15,8 +15,16 @@ import pytest
 from liger_losses.trl_integration.gkd import GKDTrainer
 
 from .utils import (
-    PAIRS, assert_grads_match, build_tiny_model, first_batch, make_pair, preference_dataset, rel,
-    student_teacher, train_logs, trl_config,
+    PAIRS,
+    assert_grads_match,
+    build_tiny_model,
+    first_batch,
+    make_pair,
+    preference_dataset,
+    rel,
+    student_teacher,
+    train_logs,
+    trl_config,
 )
 
 TOL = 1e-4

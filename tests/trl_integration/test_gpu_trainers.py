@@ -39,7 +39,12 @@ from . import test_kto as kto_tests
 from . import test_orpo as orpo_tests
 from . import test_sft as sft_tests
 from .utils import (
-    build_tokenizer, check_batch_loss_metrics, check_compute_loss, record_backbone_autocast, sft_dataset, train_logs,
+    build_tokenizer,
+    check_batch_loss_metrics,
+    check_compute_loss,
+    record_backbone_autocast,
+    sft_dataset,
+    train_logs,
 )
 
 ON_CPU = os.environ.get("LIGER_TEST_GPU_ON_CPU") == "1"

@@ -18,7 +18,12 @@ trl = pytest.importorskip("trl")
 from liger_losses.trl_integration.grpo import GRPOTrainer  # noqa: E402
 
 from .utils import (  # noqa: E402
-    assert_grads_match, assert_metrics_match, build_tiny_model, lora_config, rel, trl_config,
+    assert_grads_match,
+    assert_metrics_match,
+    build_tiny_model,
+    lora_config,
+    rel,
+    trl_config,
 )
 
 TOL = 1e-4

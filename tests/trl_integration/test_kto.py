@@ -15,8 +15,16 @@ import torch
 from liger_losses.trl_integration.kto import KTOTrainer
 
 from .utils import (
-    PAIRS, build_tiny_model, check_compute_loss, first_batch, lora_config, make_pair, preference_dataset, rel,
-    step0, train_logs, trl_config,
+    PAIRS,
+    build_tiny_model,
+    check_compute_loss,
+    first_batch,
+    lora_config,
+    make_pair,
+    preference_dataset,
+    step0,
+    train_logs,
+    trl_config,
 )
 
 TOL = 1e-4

@@ -22,8 +22,17 @@ from liger_losses.trl_integration import DPOTrainer, SFTTrainer
 from liger_losses.trl_integration.base import forward_autocast
 
 from .utils import (
-    PAIRS, build_tiny_model, dpo_config, lora_config, make_pair, preference_dataset, record_backbone_autocast, rel,
-    sft_config, sft_dataset, student_teacher,
+    PAIRS,
+    build_tiny_model,
+    dpo_config,
+    lora_config,
+    make_pair,
+    preference_dataset,
+    record_backbone_autocast,
+    rel,
+    sft_config,
+    sft_dataset,
+    student_teacher,
 )
 
 BF16_LOSS_TOL = 3e-2

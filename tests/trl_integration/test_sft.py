@@ -11,8 +11,15 @@ import torch
 from liger_losses.trl_integration import SFTTrainer
 
 from .utils import (
-    assert_grads_match, assert_metrics_match, build_tiny_model, first_batch, make_pair, rel, sft_config,
-    sft_dataset, train_logs,
+    assert_grads_match,
+    assert_metrics_match,
+    build_tiny_model,
+    first_batch,
+    make_pair,
+    rel,
+    sft_config,
+    sft_dataset,
+    train_logs,
 )
 
 TOL = 1e-4

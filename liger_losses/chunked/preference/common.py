@@ -25,6 +25,7 @@ import math
 from typing import Dict, Optional
 
 import torch
+
 from ...kernels.utils import check_tensor
 from ..module import ChunkedLossModule
 from ..objective import Objective

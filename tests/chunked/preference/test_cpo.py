@@ -84,8 +84,8 @@ def test_pair_gradient_ratio_is_the_objectives_own(loss_type, extra):
     None with the NLL term or AlphaPO's reward."""
     import torch
 
-    from liger_losses.chunked.sequence import SequenceStats
     from liger_losses.chunked.preference.cpo import CPOObjective, CPOOptions
+    from liger_losses.chunked.sequence import SequenceStats
 
     options = dict(beta=0.3, loss_type=loss_type, label_smoothing=0.1, cpo_alpha=0.0, simpo_gamma=0.3, alpha=0.0)
     options.update(extra)

@@ -13,17 +13,17 @@ import math
 import pytest
 import torch
 
-from liger_losses.chunked.sequence import fused_linear_sequence_objective
 from liger_losses.chunked.preference.dpo import (
-    DPOOptions,
     DPO_LOSS_TYPES,
     TRL_METRIC_NAMES,
     DPOObjective,
+    DPOOptions,
     LigerFusedLinearDPOLoss,
     dpo_metrics,
     fused_linear_dpo_loss,
     ld_token_weights,
 )
+from liger_losses.chunked.sequence import fused_linear_sequence_objective
 from tests.chunked.preference.reference import (
     assert_metrics_match,
     grads,

@@ -23,10 +23,9 @@ import liger_losses as ll
 from liger_losses.chunked.objective import Objective
 from liger_losses.chunked.options import HeadOptions, check_real
 from liger_losses.chunked.output import LossOutput
-from liger_losses.chunked.preference.common import PreferenceLossModule
-from liger_losses.chunked.sequence import check_sequence_inputs, run_sequence_objective
-from liger_losses.chunked.preference.common import average_logps, split_pairs
+from liger_losses.chunked.preference.common import PreferenceLossModule, average_logps, split_pairs
 from liger_losses.chunked.preference.orpo import orpo_log_odds
+from liger_losses.chunked.sequence import check_sequence_inputs, run_sequence_objective
 from tests.helpers import TOL, lm_head_inputs, rel_err
 
 FP32 = TOL[torch.float32]
