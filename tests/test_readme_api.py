@@ -340,6 +340,51 @@ def test_kto_module_with_kl_completions():
 # --------------------------------------------------------------------------- distillation
 
 
+def _dapo64(weight, hidden, labels, advantages, ref_logps, *, beta, eps_low, eps_high):
+    """TRL 1.16's dapo loss in float64 autograd on (weight, hidden) copies, on-policy (old = current log-probs,
+    detached), k3 KL with its bias correction (TRL's default); returns (loss, grad_weight, grad_hidden)."""
+    w = weight.detach().double().requires_grad_()
+    h = hidden.detach().double().requires_grad_()
+    logp = (h @ w.T).log_softmax(-1).gather(-1, labels.clamp_min(0).unsqueeze(-1)).squeeze(-1)
+    mask = (labels != -100).double()
+    coef_1 = torch.exp(logp - logp.detach())
+    coef_2 = coef_1.clamp(1 - eps_low, 1 + eps_high)
+    adv = advantages.double().unsqueeze(1)
+    per_token = -torch.min(coef_1 * adv, coef_2 * adv)
+    delta = ref_logps.double() - logp
+    per_token = per_token + beta * (torch.exp(delta) - delta - 1) * coef_1
+    loss = (per_token * mask).sum() / mask.sum()
+    gw, gh = torch.autograd.grad(loss, (w, h))
+    return loss.detach(), gw, gh
+
+
+def test_grpo_module_dapo_with_ref_logps():
+    """`grpo = ll.LigerFusedLinearGRPOLoss(loss_type="dapo", beta=0.04, epsilon_low=0.2, epsilon_high=0.28)`
+    and `loss, metrics = grpo(weight, hidden, None, labels, advantages=advantages, ref_logps=ref_logps)`: a
+    LossOutput whose loss and hidden/weight gradients equal TRL's dapo formula in float64 (rel <= 1e-5)."""
+    weight, hidden, labels = make_inputs()
+    advantages = torch.randn(B)
+    ref_logps = -3.0 - torch.rand(B, T)
+    grpo = ll.LigerFusedLinearGRPOLoss(loss_type="dapo", beta=0.04, epsilon_low=0.2, epsilon_high=0.28)
+    out = grpo(weight, hidden, None, labels, advantages=advantages, ref_logps=ref_logps)
+    assert_loss_output(out)
+    out.loss.backward()
+    ref, gw, gh = _dapo64(weight, hidden, labels, advantages, ref_logps, beta=0.04, eps_low=0.2, eps_high=0.28)
+    assert rel_err(out.loss, ref) <= FP32
+    assert rel_err(weight.grad, gw) <= FP32 and rel_err(hidden.grad, gh) <= FP32
+
+
+def test_rloo_function():
+    """`ll.fused_linear_rloo_loss(weight, hidden, labels, advantages=advantages, old_logps=old_logps).loss`: a
+    finite loss of a LossOutput with finite, non-zero gradients into hidden and weight."""
+    weight, hidden, labels = make_inputs()
+    old_logps, _ = seq_logps64(weight, hidden, labels)  # RLOO's ratio is of whole sequences: [B]
+    out = ll.fused_linear_rloo_loss(weight, hidden, labels, advantages=torch.randn(B), old_logps=old_logps.float())
+    assert_loss_output(out)
+    out.loss.backward()
+    assert_grads_ok(hidden, weight)
+
+
 def test_distillation_module_teacher_weight():
     """`distill = ll.LigerFusedLinearDistillationLoss(divergence="jsd", beta=0.5, temperature=1.0)`,
     `loss, metrics = distill(weight, hidden, teacher_hidden, labels, teacher_weight=teacher_weight)`
@@ -701,6 +746,7 @@ def test_readme_block_runs_verbatim(tmp_path):
         cos=cos, sin=sin, config=_tiny_llama_config(), gate=torch.randn(3, 48), up=torch.randn(3, 48),
         down_weight=torch.randn(32, 48), logits=torch.randn(B, T, V), model=build_tiny_model(tok, seed=0),
         ref_model=build_tiny_model(tok, seed=1), tok=tok, ds=preference_dataset(4),
+        advantages=torch.randn(B), ref_logps=-3.0 - torch.rand(B, T), old_logps=-10.0 - torch.rand(B),
         dpo_config=trl.DPOConfig(output_dir=str(tmp_path), max_length=32, per_device_train_batch_size=2,
                                  report_to="none", use_cpu=True, save_strategy="no"),
     )
