@@ -36,9 +36,9 @@ every metric TRL logs per step: loss, entropy, grad_norm, mean_token_accuracy / 
 ``convergence_summary.csv`` (per task and path: the means of loss, entropy and grad_norm over the last
 ``--window`` steps (default 50) and their step-to-step standard deviation, each path's difference from
 ``ours`` beside the noise ``ours-seed1 - ours``, and a ``spread:...`` row per task: max - min of the means
-over the compared paths beside ``|noise|``) and ``convergence.png`` (curves, smoothed over 10 steps). ``--tiny``: a CPU smoke run (a 2-layer
-model of width 64, vocabulary 600, 12 steps of 2 x 64 tokens) writing ``convergence_tiny_*`` to a temporary
-folder unless one of those variables is set.
+over the compared paths beside ``|noise|``) and ``convergence.png`` (curves, smoothed over 10 steps). ``--tiny``: a CPU
+smoke run (a 2-layer model of width 64, vocabulary 600, 12 steps of 2 x 64 tokens) writing ``convergence_tiny_*`` to a
+temporary folder unless one of those variables is set.
 
 GPU time (one H200, estimated): the step is host-bound (~4k tokens, ~80M parameters; the head GEMMs are
 ~3 ms): ~40-60 ms per step with per-step logging, 200 steps ~ 10-12 s per run plus ~5 s setup; 8 runs

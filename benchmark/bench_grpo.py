@@ -126,6 +126,14 @@ def providers(weight, hidden, labels, advantages, ref_logps, *, beta, level, los
 
 def run_case(bench, case, batch, seq, *, beta=0.0, level="token", loss_type="dapo", warmup=25, rep=100,
              skip=()):
+    rows = case_rows(bench, case, batch, seq, beta=beta, level=level, loss_type=loss_type, warmup=warmup,
+                     rep=rep, skip=skip)
+    torch.cuda.empty_cache()  # the case's tensors died with case_rows: release them before the next case
+    return rows
+
+
+def case_rows(bench, case, batch, seq, *, beta, level, loss_type, warmup, rep, skip):
+    """One row per provider of ``providers`` for one batch shape (see ``run_case``)."""
     weight, hidden, labels, advantages, ref_logps = make_batch(batch, seq, beta=beta)
     n_valid = int((labels != -100).sum())
     floor_ms = gemm_floor_ms(6 * n_valid * H * V)
@@ -145,8 +153,6 @@ def run_case(bench, case, batch, seq, *, beta=0.0, level="token", loss_type="dap
                                "loss_type": loss_type, "tokens": n_valid},
                         error=m.error))
         print(f"{case:>22} {name:>14}: {m.ms:9.3f} ms {m.peak_mib:10.1f} MiB {m.error or ''}", flush=True)
-    del weight, hidden, labels, advantages, ref_logps
-    torch.cuda.empty_cache()
     return rows
 
 

@@ -86,9 +86,9 @@ def sweep() -> None:
     y[::10] = -100
     fn_loss = ours()
     d = LOGITS_TILE_TUNING.current
-    settings = [(d.block_cap, d.num_warps, d.pass1_stages, d.pass2_reversed), (2048, 4, 3, False), (1024, 4, 3, True), (4096, 8, 3, True),
-                (4096, 8, 2, True), (2048, 8, 3, True), (2048, 4, 4, True), (8192, 16, None, True),
-                (32768, 32, None, True), (16384, 16, None, False)]
+    settings = [(d.block_cap, d.num_warps, d.pass1_stages, d.pass2_reversed), (2048, 4, 3, False),
+                (1024, 4, 3, True), (4096, 8, 3, True), (4096, 8, 2, True), (2048, 8, 3, True),
+                (2048, 4, 4, True), (8192, 16, None, True), (32768, 32, None, True), (16384, 16, None, False)]
     times: dict = {s: [] for s in settings}
     errors: dict = {}
     for _ in range(3):
@@ -129,6 +129,40 @@ def sweep() -> None:
     print_table(results, keys=list(results[0]))
 
 
+def case_rows(N, V, *, quick):
+    """One row per provider of ``PROVIDERS`` for an ``[N, V]`` bf16 logits tile; its tensors die on return."""
+    rows = []
+    base = torch.randn(N, V, device="cuda", dtype=torch.bfloat16) * 2
+    y = torch.randint(0, V, (N,), device="cuda")
+    y[::10] = -100
+    floor_ms = hbm_floor_ms(2 * N * V * 2)
+    floor_mib = N * V * 2 / MIB
+    for name, make in PROVIDERS.items():
+        try:
+            fn_loss = make()
+        except Exception as exc:  # noqa: BLE001
+            rows.append(Row(BENCH, f"N{N}_V{V}", "full", name, float("nan"), float("nan"),
+                            floor_ms, floor_mib, {"N": N, "V": V}, f"unavailable: {exc}"[:160]))
+            continue
+        inplace = name == "ours-inplace"
+
+        def step(fn_loss=fn_loss, inplace=inplace, name=name):
+            if name == "clone-only":
+                return base.detach().requires_grad_().clone()
+            # the in-place variant destroys its input: give it a fresh non-leaf each call
+            leaf = base.detach().requires_grad_()
+            x = leaf.clone() if inplace else leaf
+            loss = fn_loss(x, y)
+            (g,) = torch.autograd.grad(loss, (leaf,))
+            return loss, g
+
+        m = measure(step, warmup=5 if quick else 25, rep=20 if quick else 100)
+        rows.append(Row(BENCH, f"N{N}_V{V}", "full", name, m.ms, m.peak_mib, floor_ms, floor_mib,
+                        {"N": N, "V": V}, m.error))
+        print(rows[-1].as_dict(), flush=True)
+    return rows
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true")
@@ -140,35 +174,7 @@ def main():
     cases = [(8192, 128256)] if args.quick else [(4096, 32000), (8192, 32000), (4096, 128256), (8192, 128256)]
     rows = []
     for N, V in cases:
-        base = torch.randn(N, V, device="cuda", dtype=torch.bfloat16) * 2
-        y = torch.randint(0, V, (N,), device="cuda")
-        y[::10] = -100
-        floor_ms = hbm_floor_ms(2 * N * V * 2)
-        floor_mib = N * V * 2 / MIB
-        for name, make in PROVIDERS.items():
-            try:
-                fn_loss = make()
-            except Exception as exc:  # noqa: BLE001
-                rows.append(Row(BENCH, f"N{N}_V{V}", "full", name, float("nan"), float("nan"),
-                                floor_ms, floor_mib, {"N": N, "V": V}, f"unavailable: {exc}"[:160]))
-                continue
-            inplace = name == "ours-inplace"
-
-            def step(fn_loss=fn_loss, inplace=inplace, name=name):
-                if name == "clone-only":
-                    return base.detach().requires_grad_().clone()
-                # the in-place variant destroys its input: give it a fresh non-leaf each call
-                leaf = base.detach().requires_grad_()
-                x = leaf.clone() if inplace else leaf
-                loss = fn_loss(x, y)
-                (g,) = torch.autograd.grad(loss, (leaf,))
-                return loss, g
-
-            m = measure(step, warmup=5 if args.quick else 25, rep=20 if args.quick else 100)
-            rows.append(Row(BENCH, f"N{N}_V{V}", "full", name, m.ms, m.peak_mib, floor_ms, floor_mib,
-                            {"N": N, "V": V}, m.error))
-            print(rows[-1].as_dict(), flush=True)
-        del base
+        rows += case_rows(N, V, quick=args.quick)
         torch.cuda.empty_cache()
     write_results(BENCH, rows)
 

@@ -68,44 +68,50 @@ def providers(op):
 
 def bench_case(op, shape_name, tokens, modes, rows, rep):
     inter = SHAPES[shape_name]
-    dev, dt = DEVICE, torch.bfloat16
     elems = tokens * inter
     nbytes = elems * 2
     floors = {"forward": 3 * nbytes, "backward": 5 * nbytes, "full": 8 * nbytes}
     mem_floor = {"forward": nbytes / MIB, "backward": float("nan"), "full": nbytes / MIB}
     case = f"{op} {shape_name} N={tokens}"
     for name, fn in providers(op).items():
-        a_leaf = randn(tokens, inter, device=dev, dtype=dt, requires_grad=True)
-        b_leaf = randn(tokens, inter, device=dev, dtype=dt, requires_grad=True)
-        # Non-leaf inputs, as projection outputs are in a model (in-place providers need that).
-        a, b = a_leaf.clone(), b_leaf.clone()
-        grad = randn(tokens, inter, device=dev, dtype=dt)
-        for mode in modes:
-            if mode == "forward":
-                def run():
-                    with torch.no_grad():
-                        return fn(a, b)
-            elif mode == "backward":
-                if name in ("ours-inplace",):
-                    rows.append(Row("mlp", case, mode, name, float("nan"), float("nan"),
-                                    hbm_floor_ms(floors[mode]), mem_floor[mode],
-                                    extra={"op": op, "tokens": tokens},
-                                    error="n/a: in-place backward cannot be replayed; see full"))
-                    continue
-                out = fn(a, b)
-
-                def run(out=out):
-                    return torch.autograd.grad(out, (a, b), grad, retain_graph=True)
-            else:
-                def run():
-                    out = fn(a, b)
-                    return torch.autograd.grad(out, (a, b), grad)
-            m = measure(run, rep=rep, graph=mode != "backward")
-            rows.append(Row("mlp", case, mode, name, m.ms, m.peak_mib,
-                            hbm_floor_ms(floors[mode]), mem_floor[mode],
-                            extra={"op": op, "tokens": tokens}, error=m.error))
-        del a, b, a_leaf, b_leaf, grad
+        rows += provider_rows(op, case, name, fn, tokens, inter, modes, rep, floors=floors, mem_floor=mem_floor)
         torch.cuda.empty_cache()
+
+
+def provider_rows(op, case, name, fn, tokens, inter, modes, rep, *, floors, mem_floor):
+    """One row per mode for provider ``fn`` on fresh ``[tokens, inter]`` inputs; they die on return."""
+    dev, dt = DEVICE, torch.bfloat16
+    rows = []
+    a_leaf = randn(tokens, inter, device=dev, dtype=dt, requires_grad=True)
+    b_leaf = randn(tokens, inter, device=dev, dtype=dt, requires_grad=True)
+    # Non-leaf inputs, as projection outputs are in a model (in-place providers need that).
+    a, b = a_leaf.clone(), b_leaf.clone()
+    grad = randn(tokens, inter, device=dev, dtype=dt)
+    for mode in modes:
+        if mode == "forward":
+            def run():
+                with torch.no_grad():
+                    return fn(a, b)
+        elif mode == "backward":
+            if name in ("ours-inplace",):
+                rows.append(Row("mlp", case, mode, name, float("nan"), float("nan"),
+                                hbm_floor_ms(floors[mode]), mem_floor[mode],
+                                extra={"op": op, "tokens": tokens},
+                                error="n/a: in-place backward cannot be replayed; see full"))
+                continue
+            out = fn(a, b)
+
+            def run(out=out):
+                return torch.autograd.grad(out, (a, b), grad, retain_graph=True)
+        else:
+            def run():
+                out = fn(a, b)
+                return torch.autograd.grad(out, (a, b), grad)
+        m = measure(run, rep=rep, graph=mode != "backward")
+        rows.append(Row("mlp", case, mode, name, m.ms, m.peak_mib,
+                        hbm_floor_ms(floors[mode]), mem_floor[mode],
+                        extra={"op": op, "tokens": tokens}, error=m.error))
+    return rows
 
 
 def sweep(ops, rep, tokens=16384):
@@ -128,17 +134,22 @@ def sweep(ops, rep, tokens=16384):
         for block in (1024, 2048, 4096, 8192):
             for warps in (4, 8, 16):
                 with tuning(**{op: {"block_size": block, "num_warps": warps}}):
-                    kept = fn(a, b)
-                    for mode, run, floor in (
-                        ("forward", lambda: fn(a.detach(), b.detach()), 3 * nbytes),
-                        ("backward", lambda: torch.autograd.grad(kept, (a, b), grad, retain_graph=True),
-                         5 * nbytes),
-                    ):
-                        m = measure(run, rep=rep)
-                        out.append(dict(op=op, block=block, warps=warps, mode=mode, ms=round(m.ms, 4),
-                                        over_floor=round(m.ms / hbm_floor_ms(floor), 3), error=m.error or ""))
-                    del kept
+                    out += setting_rows(op, fn, a, b, grad, block, warps, rep, nbytes)
     print_table(out, keys=list(out[0]))
+
+
+def setting_rows(op, fn, a, b, grad, block, warps, rep, nbytes):
+    """Forward and backward of ``fn`` at one kernel setting; the kept forward output dies on return."""
+    out = []
+    kept = fn(a, b)
+    for mode, run, floor in (
+        ("forward", lambda: fn(a.detach(), b.detach()), 3 * nbytes),
+        ("backward", lambda: torch.autograd.grad(kept, (a, b), grad, retain_graph=True), 5 * nbytes),
+    ):
+        m = measure(run, rep=rep)
+        out.append(dict(op=op, block=block, warps=warps, mode=mode, ms=round(m.ms, 4),
+                        over_floor=round(m.ms / hbm_floor_ms(floor), 3), error=m.error or ""))
+    return out
 
 
 def main():

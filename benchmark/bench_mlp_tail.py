@@ -14,9 +14,8 @@ Providers (``act`` = silu by default; ``--act gelu_tanh`` / ``gelu`` for GeGLU):
                 path; ``geglu(..., approximate=...)`` for the GELUs): ``act(gate) * up`` [N, I] is
                 stored whole for down_proj's backward
     fused-2^k   ``gated_down_proj(gate, up, Wd, activation=act, inplace_backward=True)`` with
-                ``gated_down={"chunk_elems": 2^k, "forward_chunk_elems": 2^k}`` (k = 24, 25, 26; ``--chunk-elems`` overrides):
-                forward in token chunks, backward in intermediate-column blocks, never the whole
-                product
+                ``gated_down={"chunk_elems": 2^k, "forward_chunk_elems": 2^k}`` (k = 24, 25, 26; ``--chunk-elems``
+                overrides): forward in token chunks, backward in intermediate-column blocks, never the whole product
     liger       liger-kernel 0.8.5 ``LigerSiLUMulFunction`` / ``LigerGELUMulFunction`` (tanh only)
                 then ``F.linear``; skipped with a note when not importable
     torch       ``F.linear(F.silu(gate) * up, Wd)`` (eager, as in Hugging Face's MLPs)

@@ -108,37 +108,8 @@ def bench_case(shape_name, tokens, modes, rows, rep, only=None):
     for name, fn in providers().items():
         if only is not None and name not in (only, "clone"):
             continue
-        # Sources of the projection outputs [B, T, H*D]; every call clones them (a fresh non-leaf,
-        # as a linear layer's output is) and views the clone as HF does.
-        q_src = randn(bsz, seq, n_qh * d, device=dev, dtype=dt, requires_grad=True)
-        k_src = randn(bsz, seq, n_kh * d, device=dev, dtype=dt, requires_grad=True)
-
-        def views():
-            q_lin, k_lin = q_src.clone(), k_src.clone()
-            return (q_lin.view(bsz, seq, n_qh, d).transpose(1, 2),
-                    k_lin.view(bsz, seq, n_kh, d).transpose(1, 2))
-
-        if GRAD_LAYOUT["q"]:  # upstream gradients laid out like q/k (as SDPA's dq from empty_like(q))
-            gq = randn(bsz, seq, n_qh, d, device=dev, dtype=dt).transpose(1, 2)
-            gk = randn(bsz, seq, n_kh, d, device=dev, dtype=dt).transpose(1, 2)
-        else:  # contiguous [B, H, T, D] upstream gradients
-            gq = randn(bsz, n_qh, seq, d, device=dev, dtype=dt)
-            gk = randn(bsz, n_kh, seq, d, device=dev, dtype=dt)
-        for mode in modes if name != "clone" else ("forward",):
-            if mode == "forward":
-                def run():
-                    with torch.no_grad():
-                        return fn(*views(), cos, sin)
-            elif mode == "backward":
-                oq, ok = fn(*views(), cos, sin)
-
-                def run(oq=oq, ok=ok):
-                    return torch.autograd.grad((oq, ok), (q_src, k_src), (gq, gk), retain_graph=True)
-            else:
-                def run():
-                    oq, ok = fn(*views(), cos, sin)
-                    return torch.autograd.grad((oq, ok), (q_src, k_src), (gq, gk))
-            m = measure(run, rep=rep, graph=mode != "backward")
+        measured = provider_measurements(name, fn, modes, rep, shape=(bsz, seq, n_qh, n_kh, d), cos=cos, sin=sin)
+        for mode, m in measured:
             if name == "clone":
                 clone_fwd = m.ms
             net = m.ms - clone_fwd if mode != "backward" else m.ms
@@ -147,8 +118,47 @@ def bench_case(shape_name, tokens, modes, rows, rep, only=None):
                             extra={"tokens": tokens, "net_ms": round(net, 4),
                                    "net_over_floor": round(net / floor, 3)},
                             error=m.error))
-        del q_src, k_src, gq, gk
         torch.cuda.empty_cache()
+
+
+def provider_measurements(name, fn, modes, rep, *, shape, cos, sin):
+    """``(mode, Measurement)`` per mode for provider ``fn`` on fresh q/k sources of ``shape``
+    ``(batch, seq, q_heads, kv_heads, head_dim)``; the sources and gradients die on return."""
+    bsz, seq, n_qh, n_kh, d = shape
+    dev, dt = DEVICE, torch.bfloat16
+    measured = []
+    # Sources of the projection outputs [B, T, H*D]; every call clones them (a fresh non-leaf,
+    # as a linear layer's output is) and views the clone as HF does.
+    q_src = randn(bsz, seq, n_qh * d, device=dev, dtype=dt, requires_grad=True)
+    k_src = randn(bsz, seq, n_kh * d, device=dev, dtype=dt, requires_grad=True)
+
+    def views():
+        q_lin, k_lin = q_src.clone(), k_src.clone()
+        return (q_lin.view(bsz, seq, n_qh, d).transpose(1, 2),
+                k_lin.view(bsz, seq, n_kh, d).transpose(1, 2))
+
+    if GRAD_LAYOUT["q"]:  # upstream gradients laid out like q/k (as SDPA's dq from empty_like(q))
+        gq = randn(bsz, seq, n_qh, d, device=dev, dtype=dt).transpose(1, 2)
+        gk = randn(bsz, seq, n_kh, d, device=dev, dtype=dt).transpose(1, 2)
+    else:  # contiguous [B, H, T, D] upstream gradients
+        gq = randn(bsz, n_qh, seq, d, device=dev, dtype=dt)
+        gk = randn(bsz, n_kh, seq, d, device=dev, dtype=dt)
+    for mode in modes if name != "clone" else ("forward",):
+        if mode == "forward":
+            def run():
+                with torch.no_grad():
+                    return fn(*views(), cos, sin)
+        elif mode == "backward":
+            oq, ok = fn(*views(), cos, sin)
+
+            def run(oq=oq, ok=ok):
+                return torch.autograd.grad((oq, ok), (q_src, k_src), (gq, gk), retain_graph=True)
+        else:
+            def run():
+                oq, ok = fn(*views(), cos, sin)
+                return torch.autograd.grad((oq, ok), (q_src, k_src), (gq, gk))
+        measured.append((mode, measure(run, rep=rep, graph=mode != "backward")))
+    return measured
 
 
 def sweep(rep: int) -> None:

@@ -10,8 +10,8 @@ three *providers*:
   ``ours``       ``liger_losses.trl_integration.<Task>Trainer(use_liger=True)``: chunked loss from the
                  backbone's hidden states + our layer kernels.
 
-Cases (``--list`` prints them; ``--cases`` picks some by name or glob over the full list; the name says family, task, full/LoRA,
-sequences x tokens, and ``-L<n>`` where the depth is cut, ``-fp32w`` for fp32 weights). Default matrix:
+Cases (``--list`` prints them; ``--cases`` picks some by name or glob over the full list; the name says family, task,
+full/LoRA, sequences x tokens, and ``-L<n>`` where the depth is cut, ``-fp32w`` for fp32 weights). Default matrix:
 
   llama1b_sft_full_2x2048        Llama-3.2-1B, SFT, 4k tokens (host-bound step)
   llama1b_dpo_full_4x2048        Llama-3.2-1B, DPO with a reference model, 4 pairs = 16k tokens
@@ -334,7 +334,8 @@ def restored_modeling_module(model_type: str):
 
     ml = importlib.import_module(MODELING_MODULES[model_type])
     mod_snapshot = dict(vars(ml))
-    classes = {name: obj for name, obj in mod_snapshot.items() if isinstance(obj, type) and obj.__module__ == ml.__name__}
+    classes = {name: obj for name, obj in mod_snapshot.items()
+               if isinstance(obj, type) and obj.__module__ == ml.__name__}
     cls_snapshot = {name: dict(vars(cls)) for name, cls in classes.items()}
     try:
         yield
@@ -558,7 +559,8 @@ def run_one(case: Case, provider: str, bank: WeightBank, *, rnd: int, warmup: in
             res.step_ms = timer.step_ms()
             res.issue_ms = timer.issue_ms()
             if len(res.step_ms) != timed:
-                raise RuntimeError(f"expected {timed} timed steps, got {len(res.step_ms)} (step ends: {len(timer.ends)})")
+                raise RuntimeError(f"expected {timed} timed steps, got {len(res.step_ms)} "
+                                   f"(step ends: {len(timer.ends)})")
             res.peak_mib, res.peak_warmup_mib = timer.peak_timed_mib, timer.peak_warmup_mib
             res.resident_mib = timer.resident_mib
         except Exception as exc:  # noqa: BLE001 - a provider failing must not stop the matrix
@@ -566,7 +568,8 @@ def run_one(case: Case, provider: str, bank: WeightBank, *, rnd: int, warmup: in
             res.step_ms = []
             traceback.print_exc()
         finally:
-            res.notes += sorted({str(w.message).split(".")[0][:100] for w in caught if "liger" in str(w.message).lower()})
+            res.notes += sorted({str(w.message).split(".")[0][:100] for w in caught
+                                 if "liger" in str(w.message).lower()})
             if diag.get("cprofile"):
                 res.notes.insert(0, "timed under cProfile (slower than a plain run)")
             if out_path["memory_peak"]:
@@ -732,7 +735,8 @@ def run_matrix(cases: list[Case], providers: list[str], *, rounds: int, warmup: 
                     continue
                 done.append(run_one(case, p, bank, rnd=rnd, warmup=warmup, timed=timed, tiny=tiny, diag=diag))
                 partial = [case_row(c, q, runs[(c.name, q)], rounds=rounds,
-                                    skip_reason=skipped.get((c.name, q), "not run yet")) for c in cases for q in providers]
+                                    skip_reason=skipped.get((c.name, q), "not run yet"))
+                           for c in cases for q in providers]
                 add_ratios(partial)
                 write_partial(name, partial)
     print(f"bench_trainer: {sum(map(len, runs.values()))} runs in {time.perf_counter() - t0:.0f} s", flush=True)
@@ -814,7 +818,8 @@ def main(argv=None) -> int:
                   "error": (r.error or "")[:60]} for r in rows], keys=keys)
     ours = [r.extra["speed_vs_trl"] for r in rows if r.provider == "ours" and r.extra["speed_vs_trl"] != ""]
     if ours:
-        print(f"\nours / trl tokens/s: median {statistics.median(ours):.3f}, min {min(ours):.3f} over {len(ours)} cases")
+        print(f"\nours / trl tokens/s: median {statistics.median(ours):.3f}, min {min(ours):.3f} "
+              f"over {len(ours)} cases")
     print(f"results: {path}")
     return 0
 

@@ -75,29 +75,36 @@ def torch_randn_like(t):
 def child(cases, quick):
     """Time ``cases`` with the ``liger_losses`` this process imports; print one JSON line per case."""
     import torch
-    import triton.testing
 
     import liger_losses
 
     warmup, rep = (5, 20) if quick else (25, 100)
     for case in cases:
-        weight, hidden, labels, other = _inputs(case)
-        loss = _loss_fn(case, weight, hidden, labels, other)
-
-        def step():
-            return torch.autograd.grad(loss(), [hidden, weight])
-
-        step()
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-        base = torch.cuda.memory_allocated()
-        step()
-        torch.cuda.synchronize()
-        peak = (torch.cuda.max_memory_allocated() - base) / 2**20
-        ms = triton.testing.do_bench(step, warmup=warmup, rep=rep, return_mode="median")
+        ms, peak = time_case(case, warmup=warmup, rep=rep)
         print(json.dumps({"case": case, "ms": ms, "peak_mib": peak, "package": liger_losses.__file__}), flush=True)
-        del weight, hidden, labels, other, loss
-        torch.cuda.empty_cache()
+        torch.cuda.empty_cache()  # the case's tensors died with time_case
+
+
+def time_case(case, *, warmup, rep):
+    """``(median ms, peak MiB above the inputs)`` of one forward + backward of ``case``."""
+    import torch
+    import triton.testing
+
+    weight, hidden, labels, other = _inputs(case)
+    loss = _loss_fn(case, weight, hidden, labels, other)
+
+    def step():
+        return torch.autograd.grad(loss(), [hidden, weight])
+
+    step()
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    step()
+    torch.cuda.synchronize()
+    peak = (torch.cuda.max_memory_allocated() - base) / 2**20
+    ms = triton.testing.do_bench(step, warmup=warmup, rep=rep, return_mode="median")
+    return ms, peak
 
 
 def main():

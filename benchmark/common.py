@@ -212,9 +212,11 @@ class Row:
             "ms": round(self.ms, 4),
             "peak_mib": round(self.peak_mib, 1),
             "floor_ms": round(self.floor_ms, 4),
-            "time_over_floor": round(self.ms / self.floor_ms, 3) if self.floor_ms == self.floor_ms and self.floor_ms > 0 else "",
+            "time_over_floor": (round(self.ms / self.floor_ms, 3)
+                                if self.floor_ms == self.floor_ms and self.floor_ms > 0 else ""),
             "floor_mib": round(self.floor_mib, 1),
-            "peak_over_floor": round(self.peak_mib / self.floor_mib, 3) if self.floor_mib == self.floor_mib and self.floor_mib > 0 else "",
+            "peak_over_floor": (round(self.peak_mib / self.floor_mib, 3)
+                                if self.floor_mib == self.floor_mib and self.floor_mib > 0 else ""),
             "error": self.error or "",
         }
         d.update(self.extra)
@@ -237,7 +239,8 @@ def write_results(name: str, rows: list[Row], *, plot_x: Optional[str] = None) -
         w = csv.DictWriter(f, fieldnames=keys)
         w.writeheader()
         w.writerows(dicts)
-    print_table(dicts, keys=["case", "mode", "provider", "ms", "floor_ms", "time_over_floor", "peak_mib", "floor_mib", "peak_over_floor", "error"])
+    print_table(dicts, keys=["case", "mode", "provider", "ms", "floor_ms", "time_over_floor", "peak_mib", "floor_mib",
+                             "peak_over_floor", "error"])
     try:
         plot(name, rows, x=plot_x)
     except Exception as exc:  # noqa: BLE001 - plotting is a convenience
@@ -279,7 +282,8 @@ def plot(name: str, rows: list[Row], *, x: Optional[str] = None, directory: Opti
                 cases = list(dict.fromkeys(r.case for r in sub))
                 width = 0.8 / max(1, len(providers))
                 for k, p in enumerate(providers):
-                    vals = [next((getattr(r, metric) for r in sub if r.case == c and r.provider == p), float("nan")) for c in cases]
+                    vals = [next((getattr(r, metric) for r in sub if r.case == c and r.provider == p), float("nan"))
+                            for c in cases]
                     ax.bar([c + k * width for c in range(len(cases))], vals, width=width, label=p)
                 ax.set_xticks([c + 0.4 - width / 2 for c in range(len(cases))])
                 ax.set_xticklabels(cases, rotation=20, ha="right", fontsize=7)
@@ -419,8 +423,8 @@ def gemms_only(weight, hidden, *, valid=None, extra_hidden=None, extra_weight=No
     """The practical floor of a chunked loss that calls cuBLAS: its GEMMs alone (see
     :class:`_GemmsOnly`), on the rows where ``valid`` (``[...]`` bool, default all), in the chunks
     our engine would use for this head (``chunked.planning.token_chunks``; ``chunk_tokens`` fixes their
-    size). Timed in the same run as the losses, it carries the same clocks: under the H200's power cap the GEMMs alone run well below
-    the nominal 790 TFLOP/s of the floor."""
+    size). Timed in the same run as the losses, it carries the same clocks: under the H200's power cap the GEMMs alone
+    run well below the nominal 790 TFLOP/s of the floor."""
     from liger_losses.chunked.gemm import itemsize
     from liger_losses.chunked.planning import token_chunks
 
@@ -463,7 +467,8 @@ class Smi:
         self.path, self.marks = path, []
         try:
             self.proc = subprocess.Popen(
-                ["nvidia-smi", "--query-gpu=timestamp,clocks.sm,power.draw,temperature.gpu,clocks_throttle_reasons.active",
+                ["nvidia-smi",
+                 "--query-gpu=timestamp,clocks.sm,power.draw,temperature.gpu,clocks_throttle_reasons.active",
                  "--format=csv,noheader,nounits", "-lms", "100"], stdout=open(path, "w"), stderr=subprocess.DEVNULL)
         except OSError:
             self.proc = None
@@ -490,7 +495,8 @@ class Smi:
                 clk = sum(r[1] for r in sel) / len(sel)
                 pw = sum(r[2] for r in sel) / len(sel)
                 reasons = sorted({r[3] for r in sel})
-                print(f"  smi {name:24s}: SM clock {clk:6.0f} MHz, power {pw:5.0f} W, throttle {reasons} ({len(sel)} samples)")
+                print(f"  smi {name:24s}: SM clock {clk:6.0f} MHz, power {pw:5.0f} W, throttle {reasons} "
+                      f"({len(sel)} samples)")
 
 
 def main() -> None:

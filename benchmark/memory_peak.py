@@ -344,7 +344,8 @@ def format_report(r: PeakReport, *, top: int = 25, max_allocated: Optional[int] 
     for c in r.categories:
         lines.append(f"  {_mib(c.nbytes):>10} {100 * c.nbytes / total:>5.1f}% {c.count:>7}  {c.category}")
     lines.append("")
-    lines.append(f"top {min(top, len(r.groups))} of {len(r.groups)} groups at the peak (category | innermost non-torch frame):")
+    lines.append(f"top {min(top, len(r.groups))} of {len(r.groups)} groups at the peak "
+                 "(category | innermost non-torch frame):")
     lines.append(f"  {'MiB':>10} {'%':>6} {'blocks':>7}  category | where")
     for g in r.groups[:top]:
         lines.append(f"  {_mib(g.nbytes):>10} {100 * g.nbytes / total:>5.1f}% {g.count:>7}  {g.category} | {g.key}")

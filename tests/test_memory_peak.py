@@ -37,8 +37,10 @@ FWD = [fr(SITE + "torch/nn/functional.py", 10, "linear"), fr(LLAMA, 300, "forwar
        fr(SITE + "trl/trainer/dpo_trainer.py", 900, "compute_loss")]
 LOSS = [fr(SITE + "torch/nn/functional.py", 20, "matmul"), fr("/x/liger_losses/chunked/engine.py", 120, "_chunk_loop"),
         fr(SITE + "trl/trainer/dpo_trainer.py", 910, "compute_loss")]
-OPTIM = [fr(SITE + "torch/optim/adamw.py", 400, "_multi_tensor_adamw"), fr(SITE + "torch/optim/optimizer.py", 90, "step"),
-         fr(SITE + "accelerate/optimizer.py", 170, "step"), fr(SITE + "transformers/trainer.py", 1940, "_inner_training_loop")]
+OPTIM = [fr(SITE + "torch/optim/adamw.py", 400, "_multi_tensor_adamw"),
+         fr(SITE + "torch/optim/optimizer.py", 90, "step"),
+         fr(SITE + "accelerate/optimizer.py", 170, "step"),
+         fr(SITE + "transformers/trainer.py", 1940, "_inner_training_loop")]
 RECOMPUTE = [fr(LLAMA, 250, "forward"), fr(CKPT, 1660, "recompute_fn"), fr(CKPT, 1170, "unpack_hook")]
 ZERO_GRAD = [fr(SITE + "torch/nn/modules/module.py", 2900, "zero_grad"),
              fr(SITE + "transformers/trainer.py", 1954, "_inner_training_loop")]

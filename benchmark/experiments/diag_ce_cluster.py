@@ -68,45 +68,48 @@ def cluster_ce(x, labels, g, ctas, warps, scale):
     return loss
 
 
+def compare_vocab(N, V, *, rounds):
+    """Time the row kernel and each cluster launch on an ``[N, V]`` bf16 tile; print the table."""
+    from liger_losses.kernels.logits_tile import logits_tile
+
+    x = torch.randn(N, V, device="cuda", dtype=torch.bfloat16) * 2
+    y = torch.randint(0, V, (N,), device="cuda")
+    y[::10] = -100
+    g = torch.empty_like(x)
+    g_ref = torch.empty_like(x)
+    ref = logits_tile(x, y, grad_scale=1.0 / N, out=g_ref, need_logits_sum=False)
+    configs = {"row kernel": lambda: logits_tile(x, y, grad_scale=1.0 / N, out=g, need_logits_sum=False)}
+    for ctas, warps in ((8, 8), (8, 16), (8, 32), (4, 16), (4, 32), (2, 32)):
+        name = f"cluster {ctas} CTAs x {warps} warps"
+        try:
+            loss = cluster_ce(x, y, g, ctas, warps, 1.0 / N)
+            torch.cuda.synchronize()
+            gerr = (g.float() - g_ref.float()).abs().max().item()
+            lerr = ((loss - ref.loss).norm() / ref.loss.norm()).item()
+            print(f"{name}: max|dg| {gerr:.2e}, loss rel {lerr:.1e}", flush=True)
+            configs[name] = (lambda c=ctas, w=warps: cluster_ce(x, y, g, c, w, 1.0 / N))
+        except Exception as exc:  # noqa: BLE001
+            print(f"{name}: failed: {type(exc).__name__}: {str(exc)[:120]}", flush=True)
+    times = {k: [] for k in configs}
+    for _ in range(rounds):
+        for k, fn in configs.items():
+            times[k].append(triton.testing.do_bench(fn, warmup=10, rep=100))
+    floor = hbm_floor_ms(2 * N * V * 2)
+    print(f"--- N={N} V={V}, floor {floor:.4f} ms")
+    for k, ts in times.items():
+        ms = sorted(ts)[len(ts) // 2]
+        print(f"{k:28s} {ms:.4f} ms  {ms / floor:.3f}x floor  rounds {[round(t, 4) for t in ts]}", flush=True)
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--n", type=int, default=8192)
     ap.add_argument("--vocab", type=int, nargs="+", default=[128256])
     ap.add_argument("--rounds", type=int, default=3)
     args = ap.parse_args()
-    from liger_losses.kernels.logits_tile import logits_tile
-
     for V in args.vocab:
-        N = args.n
-        x = torch.randn(N, V, device="cuda", dtype=torch.bfloat16) * 2
-        y = torch.randint(0, V, (N,), device="cuda")
-        y[::10] = -100
-        g = torch.empty_like(x)
-        g_ref = torch.empty_like(x)
-        ref = logits_tile(x, y, grad_scale=1.0 / N, out=g_ref, need_logits_sum=False)
-        configs = {"row kernel": lambda: logits_tile(x, y, grad_scale=1.0 / N, out=g, need_logits_sum=False)}
-        for ctas, warps in ((8, 8), (8, 16), (8, 32), (4, 16), (4, 32), (2, 32)):
-            name = f"cluster {ctas} CTAs x {warps} warps"
-            try:
-                loss = cluster_ce(x, y, g, ctas, warps, 1.0 / N)
-                torch.cuda.synchronize()
-                gerr = (g.float() - g_ref.float()).abs().max().item()
-                lerr = ((loss - ref.loss).norm() / ref.loss.norm()).item()
-                print(f"{name}: max|dg| {gerr:.2e}, loss rel {lerr:.1e}", flush=True)
-                configs[name] = (lambda c=ctas, w=warps: cluster_ce(x, y, g, c, w, 1.0 / N))
-            except Exception as exc:  # noqa: BLE001
-                print(f"{name}: failed: {type(exc).__name__}: {str(exc)[:120]}", flush=True)
-        times = {k: [] for k in configs}
-        for _ in range(args.rounds):
-            for k, fn in configs.items():
-                times[k].append(triton.testing.do_bench(fn, warmup=10, rep=100))
-        floor = hbm_floor_ms(2 * N * V * 2)
-        print(f"--- N={N} V={V}, floor {floor:.4f} ms")
-        for k, ts in times.items():
-            ms = sorted(ts)[len(ts) // 2]
-            print(f"{k:28s} {ms:.4f} ms  {ms / floor:.3f}x floor  rounds {[round(t, 4) for t in ts]}", flush=True)
-        del x, g, g_ref
-        torch.cuda.empty_cache()
+        compare_vocab(args.n, V, rounds=args.rounds)
+        torch.cuda.empty_cache()  # the tiles died with compare_vocab
 
 
 if __name__ == "__main__":

@@ -117,10 +117,12 @@ def main() -> None:
                 peaks[name] = (torch.cuda.max_memory_allocated() - base) / 2**20 if not tiny else float("nan")
                 print(f"{name} timed steps to {time.time():.2f}", flush=True)
     ref = statistics.median(results["unfused"])
-    print(f"{batch} x {seq} tokens, {'tiny' if tiny else 'Llama-3.2-1B shape'}: ms per step (median) and peak above the model")
+    print(f"{batch} x {seq} tokens, {'tiny' if tiny else 'Llama-3.2-1B shape'}: "
+          "ms per step (median) and peak above the model")
     for name, ms in results.items():
         med = statistics.median(ms)
-        print(f"  {name:12s} {med:8.1f} ms  ({med / ref:.3f}x unfused)  peak {peaks[name]:8.0f} MiB   all: {' '.join(f'{t:.1f}' for t in ms)}")
+        print(f"  {name:12s} {med:8.1f} ms  ({med / ref:.3f}x unfused)  peak {peaks[name]:8.0f} MiB   "
+              f"all: {' '.join(f'{t:.1f}' for t in ms)}")
 
     if args.profile and not tiny:
         acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]

@@ -118,7 +118,8 @@ def main() -> None:
             settings += [dict(bwd_mid_h=0, bwd_programs_per_sm=pps, bwd_tile_elems=tile, bwd_prefetch=prefetch)
                          for pps, tile, prefetch in itertools.product((1, 2, 4), (4096, 8192, 16384), (True, False))]
         if "fwd" in args.sets:
-            settings += [dict(fwd_tile_elems=tile) for tile in (2048, 8192, 16384) if tile != defaults["fwd_tile_elems"]]
+            settings += [dict(fwd_tile_elems=tile) for tile in (2048, 8192, 16384)
+                         if tile != defaults["fwd_tile_elems"]]
         if "warps" in args.sets:
             settings += [dict(fwd_num_warps=warps) for warps in (2, 4, 8, 16)]
             settings += [dict(fwd_tile_elems=8192, fwd_num_warps=warps) for warps in (4, 8, 16)]

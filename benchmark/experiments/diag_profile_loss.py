@@ -23,7 +23,8 @@ total kernel time. ``--gaps`` also records the host and prints the GPU's largest
 kernels with the host operations that overlapped them, and the CUDA runtime calls that synchronize
 or allocate.
 
-    python -m benchmark.experiments.diag_profile_loss [--loss dpo] [--shape small|big] [--providers ours trl_fused] [--gaps]
+    python -m benchmark.experiments.diag_profile_loss [--loss dpo] [--shape small|big]
+        [--providers ours trl_fused] [--gaps]
 """
 
 from __future__ import annotations
@@ -96,7 +97,8 @@ def print_gaps(prof, steps: int) -> None:
         where = ", ".join(f"{n} {us / 1000:.2f}" for n, us in ops)
         print(f"    {gap / 1000:7.3f} ms before {name} | host: {where}")
     print("  CUDA runtime calls other than launches (per step): " + ", ".join(
-        f"{n} {c / steps:.0f}x {us / steps / 1000:.2f} ms" for n, (c, us) in sorted(api.items(), key=lambda kv: -kv[1][1])[:6]))
+        f"{n} {c / steps:.0f}x {us / steps / 1000:.2f} ms"
+        for n, (c, us) in sorted(api.items(), key=lambda kv: -kv[1][1])[:6]))
 
 
 def main() -> None:

@@ -148,7 +148,8 @@ def default_cases() -> dict:
     logits_knobs = logits_tile.LOGITS_TILE_TUNING.current
     block_v, warps_v = logits_tile._block_settings(V, logits_knobs)
     vec = block_v <= logits_knobs.vec_sums_max_block
-    for name, flags in (("ce", {}), ("ce+entropy", {"NEED_ENT": True}), ("logp+entropy", {"MODE_CE": False, "NEED_ENT": True}),
+    for name, flags in (("ce", {}), ("ce+entropy", {"NEED_ENT": True}),
+                        ("logp+entropy", {"MODE_CE": False, "NEED_ENT": True}),
                         ("ce+softcap", {"HAS_SOFTCAP": True}), ("stats only", {"WRITE_GRAD": False})):
         cases[f"logits_tile {name} {block_v}/{warps_v}"] = (lambda f=flags: _logits_case(block_v, warps_v, vec, **f))
 
@@ -171,7 +172,8 @@ def default_cases() -> dict:
             cases[f"{kernel}_bwd H={h} {bm}x{bn}/{w}"] = (
                 lambda k=getattr(mod, kernel + "_bwd_kernel"), c=bwd, w=w:
                 compile_case(k, constexprs=c, num_warps=w,
-                             pointers={n: "*fp32" for n in ("mean_ptr", "rstd_ptr", "dw_partial_ptr", "db_partial_ptr")},
+                             pointers={n: "*fp32"
+                                       for n in ("mean_ptr", "rstd_ptr", "dw_partial_ptr", "db_partial_ptr")},
                              floats=("offset",)))
     sums = norm_common.SUM_TUNING.current
     cases["sum_partials"] = lambda: compile_case(

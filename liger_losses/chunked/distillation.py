@@ -6,11 +6,11 @@ JSD / forward KL / reverse KL of TRL 1.16 (``GKDTrainer.generalized_jsd_loss``, 
 KL(student || teacher), otherwise ``beta KL(p_t || m) + (1 - beta) KL(p_s || m)`` with
 ``m = (1 - beta) p_s + beta p_t``; both models' logits divided by ``temperature``. Heads with a logit
 transform (Gemma-style): ``logit_scale`` then ``softcap`` turn each head's logits ``x`` into
-``softcap * tanh(logit_scale * x / softcap)`` (``softcap=None``: no tanh; ``softcap=inf`` is rejected) before the temperature, for the student
-AND the teacher tile (not the teacher top-k log-probs, which are given); the CE term is on the transformed student
-logits and the gradient flows through the transform. ``soft_label_weight`` defaults
-to ``1 - hard_label_weight`` (so the default, ``hard_label_weight=0``, is TRL's pure divergence). The CE is on the
-raw student logits (Liger-Kernel's ``weight_hard_loss`` / ``weight_soft_loss`` convention). See
+``softcap * tanh(logit_scale * x / softcap)`` (``softcap=None``: no tanh; ``softcap=inf`` is rejected) before the
+temperature, for the student AND the teacher tile (not the teacher top-k log-probs, which are given); the CE term is on
+the transformed student logits and the gradient flows through the transform. ``soft_label_weight`` defaults
+to ``1 - hard_label_weight`` (so the default, ``hard_label_weight=0``, is TRL's pure divergence). The CE is on the raw
+student logits (Liger-Kernel's ``weight_hard_loss`` / ``weight_soft_loss`` convention). See
 ``liger_losses.kernels.divergence_tile`` for the exact per-token semantics, the teacher's larger vocabulary
 (``teacher_vocab``) and the teacher top-k mode (TRL's server distillation, ``topk_tail``).
 

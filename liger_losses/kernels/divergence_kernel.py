@@ -183,14 +183,16 @@ if triton is not None:
             top_s = tl.max(ls, axis=0)
             top_s_safe = tl.where(top_s > float("-inf"), top_s, 0.0)
             sum_s = tl.sum(tl.where(valid, tl.exp(ls - top_s_safe), 0.0), axis=0)
-            log_sum_s = tl.where(top_s > float("-inf"), top_s_safe + tl.log(tl.where(sum_s > 0, sum_s, 1.0)), float("-inf"))
+            log_sum_s = tl.where(top_s > float("-inf"), top_s_safe + tl.log(tl.where(sum_s > 0, sum_s, 1.0)),
+                                 float("-inf"))
             clamped_s = log_sum_s > -1e-7  # TRL's clamp (divergence_torch.TAIL_CLAMP)
             log_sum_s = tl.minimum(log_sum_s, -1e-7)
             tail_s = tl.log(-_expm1_neg(log_sum_s))
             top_t = tl.max(lt, axis=0)
             top_t_safe = tl.where(top_t > float("-inf"), top_t, 0.0)
             sum_t = tl.sum(tl.where(valid, tl.exp(lt - top_t_safe), 0.0), axis=0)
-            log_sum_t = tl.where(top_t > float("-inf"), top_t_safe + tl.log(tl.where(sum_t > 0, sum_t, 1.0)), float("-inf"))
+            log_sum_t = tl.where(top_t > float("-inf"), top_t_safe + tl.log(tl.where(sum_t > 0, sum_t, 1.0)),
+                                 float("-inf"))
             log_sum_t = tl.minimum(log_sum_t, -1e-7)
             tail_t = tl.log(-_expm1_neg(log_sum_t))
             ls_sp = ls

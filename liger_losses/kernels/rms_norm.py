@@ -81,12 +81,11 @@ _CASTING_CODE = {"llama": 0, "gemma": 1, "none": 2}
 
 # The launch knobs (norm_common.NormTuning; its defaults are these). A tile holds about
 # *_tile_elems elements (one row when H is large, several when H is small). Set from CUDA-graph
-# sweeps on the H200 (bench_norm.py --sweep with BENCH_GRAPH=1: GPU time alone; the earlier eager sweeps were dominated by host time and misleading). Forward: any tile
-# <= 16384 is within 2% (one row per tile at H=4096). Backward: one program per SM with 4-row
-# tiles (16384 elements) at H=4096: 0.122 ms at N=16384 (1.30x the bytes floor; 8/SM one-row
-# tiles 0.143, liger-kernel 0.189) and 0.227 ms at N=32768 (1.21x); at H=896 one program per SM
-# with a tile-shaped accumulator, 8-row tiles since the prefetch (below; 16-row tiles with it
-# spill: 0.057 vs 0.041 ms forward + backward).
+# sweeps on the H200 (bench_norm.py --sweep with BENCH_GRAPH=1: GPU time alone; the earlier eager sweeps were dominated
+# by host time and misleading). Forward: any tile <= 16384 is within 2% (one row per tile at H=4096). Backward: one
+# program per SM with 4-row tiles (16384 elements) at H=4096: 0.122 ms at N=16384 (1.30x the bytes floor; 8/SM one-row
+# tiles 0.143, liger-kernel 0.189) and 0.227 ms at N=32768 (1.21x); at H=896 one program per SM with a tile-shaped
+# accumulator, 8-row tiles since the prefetch (below; 16-row tiles with it spill: 0.057 vs 0.041 ms forward + backward).
 # Backward programs on CUDA: bwd_programs_per_sm per SM, but at least bwd_min_rows_per_program
 # rows each. One per SM is fastest (above) and keeps the fp32 partial rows ([programs, H],
 # written then summed by norm_common.sum_partials) at 132 x H x 4 bytes: 2.1 MiB at H=4096.

@@ -16,8 +16,8 @@ takes their strides, so nothing is copied; only the last dim must have unit stri
 any float dtype (the same one); cos/sin any float dtype; math in fp32, outputs in q's dtype.
 
 ``inplace=True`` rotates q and k in their own memory (forward allocates nothing; backward
-allocates the gradients in q's/k's layouts). One Triton program per token (b, t) loads that token's cos/sin once and rotates all of its q and
-k heads. Backward is the transposed map (the inverse rotation, ``sin -> -sin``):
+allocates the gradients in q's/k's layouts). One Triton program per token (b, t) loads that token's cos/sin once and
+rotates all of its q and k heads. Backward is the transposed map (the inverse rotation, ``sin -> -sin``):
 
     dx[:R/2] = g[:R/2] * cos[:R/2] + g[R/2:] * sin[R/2:]
     dx[R/2:] = g[R/2:] * cos[R/2:] - g[:R/2] * sin[:R/2]

@@ -1,4 +1,4 @@
-"""``DistillationTrainer``: TRL 1.16's on-policy distillation trainer with our chunked distillation loss (``use_liger``).
+"""``DistillationTrainer``: TRL 1.16's on-policy distillation trainer with our chunked distillation loss.
 
 ``DistillationTrainer(model, teacher_model=None, args=None, ..., use_liger=False, liger_patch_model=True,
 liger_chunk_tokens=None)`` takes every argument of ``trl.DistillationTrainer`` plus three keywords:

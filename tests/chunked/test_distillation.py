@@ -1,8 +1,8 @@
 """Tests of liger_losses/chunked/distillation.py: the chunked fused-linear KL/JSD distillation loss against a
 plain float64 reference with full logits, whose divergence is TRL 1.16's ``GKDTrainer.generalized_jsd_loss`` (and
 TRL's server-distillation top-k math for the top-k mode), restated here so the GPU machine needs no trl;
-``test_reference_is_trl`` checks the restatement against TRL's own functions. Tiny shapes, ``chunk_tokens=5`` so that chunk
-boundaries fall inside sequences; fp32 inputs, tolerance 1e-5 (fp32 vs float64).
+``test_reference_is_trl`` checks the restatement against TRL's own functions. Tiny shapes, ``chunk_tokens=5`` so that
+chunk boundaries fall inside sequences; fp32 inputs, tolerance 1e-5 (fp32 vs float64).
 """
 
 import math
@@ -170,7 +170,8 @@ def test_reference_is_trl():
     assert torch.equal(sup, trl_sup) and torch.allclose(ours_t, trl_t, rtol=1e-12, atol=0)  # -inf at padding
     lt_t, _ = server._add_tail_bucket(torch.where(valid, lp, -math.inf), valid)
     for beta in (0.0, 0.5, 1.0):
-        assert rel_err(_sparse_divergence(trl_t, lt_t, beta, sup), server._jsd_divergence(trl_t, lt_t, beta, sup)) <= 1e-12
+        restated = _sparse_divergence(trl_t, lt_t, beta, sup)
+        assert rel_err(restated, server._jsd_divergence(trl_t, lt_t, beta, sup)) <= 1e-12
 
 
 @pytest.mark.parametrize(

@@ -84,7 +84,8 @@ def test_bad_inputs():
         fused_linear_token_logprobs(w, h[..., :4], labels)
 
 
-@pytest.mark.parametrize("valid_count", [64, 40, 5, 0], ids=["none-ignored", "chunk1-full", "chunk1-padded", "all-ignored"])
+@pytest.mark.parametrize("valid_count", [64, 40, 5, 0],
+                         ids=["none-ignored", "chunk1-full", "chunk1-padded", "all-ignored"])
 def test_speculative_first_chunk_equals_plain_path(valid_count):
     """The forward's first chunk issued before the labels' host sync (EngineConfig.speculative_first_chunk,
     16-token chunks over 64 tokens) gives the plain path's log-probs, entropy and recomputed

@@ -354,7 +354,8 @@ def test_full_tile_matches_trl_generalized_jsd():
 
 
 def test_triton_and_torch_agree():
-    """The two implementations give the same statistics and gradient (3e-6, rounding order only) on one mixed configuration."""
+    """The two implementations give the same statistics and gradient (3e-6, rounding order only) on one mixed
+    configuration."""
     student, teacher = _inputs(n=4, vs=100, vt=120)
     labels = torch.randint(0, 100, (4,))
     outs = []

@@ -70,7 +70,8 @@ def test_pdl_results_bitwise_equal_eager_and_graph(pdl_everywhere):
     dy = torch.randn(4096, 4096, device=dev, dtype=dt)
     q_lin = torch.randn(1, 4096, 32 * 128, device=dev, dtype=dt, requires_grad=True)
     k_lin = torch.randn(1, 4096, 8 * 128, device=dev, dtype=dt, requires_grad=True)
-    pos = torch.arange(4096, device=dev, dtype=torch.float32)[:, None] / (10000 ** (torch.arange(0, 128, 2, device=dev) / 128))
+    pos = (torch.arange(4096, device=dev, dtype=torch.float32)[:, None]
+           / (10000 ** (torch.arange(0, 128, 2, device=dev) / 128)))
     emb = torch.cat((pos, pos), dim=-1)[None]
     cos, sin = emb.cos().to(dt), emb.sin().to(dt)
     args = (x, w, b, q_lin, k_lin, cos, sin, dy)

@@ -436,8 +436,9 @@ def loads_first():
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("case", list(CASES))
 def test_loads_first_matches_float64(case, dtype, loads_first):
-    """The LOADS_FIRST variant of the Triton kernel (the default): out of place, every case above (partial rotary's pass-through copy, more heads than the tiled
-    variant's tile, the [B, T, H, D] layout), within fp32 1e-5 / bf16 1e-2 of float64."""
+    """The LOADS_FIRST variant of the Triton kernel (the default): out of place, every case above (partial rotary's
+    pass-through copy, more heads than the tiled variant's tile, the [B, T, H, D] layout), within fp32 1e-5 / bf16 1e-2
+    of float64."""
     bsz, seq, n_qh, n_kh, head_dim, rot, cos_batch, ud = CASES[case]
     q, k, cos, sin = _make(bsz, seq, n_qh, n_kh, head_dim, rot, cos_batch, ud, dtype)
     _run_and_check(q, k, cos, sin, ud, "triton", dtype)

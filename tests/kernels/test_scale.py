@@ -2,11 +2,11 @@
 backward with ``engine_config(device_scale=True)``.
 
 Held bitwise to ``x`` times ``scale`` in fp32, rounded once to x's dtype (so any difference is a
-bug, not rounding; ``x.mul_(scale)`` would first round an fp32 scale to a bf16 ``x``'s dtype): scales 1 (the kernel's early exit: x untouched), 0.5, -3.25 and
-a random one; fp32 and bf16; sizes from one element to several tiles per program of the
-persistent grid. Exception: Triton's CPU interpreter (3.9) rounds fp32 -> bf16 toward zero instead
-of to nearest, so there bf16 results are held to one bf16 ulp (2^-7 relative). Runs the Triton
-kernel (the interpreter on the CPU). On the GPU also: no host sync.
+bug, not rounding; ``x.mul_(scale)`` would first round an fp32 scale to a bf16 ``x``'s dtype): scales 1 (the kernel's
+early exit: x untouched), 0.5, -3.25 and a random one; fp32 and bf16; sizes from one element to several tiles per
+program of the persistent grid. Exception: Triton's CPU interpreter (3.9) rounds fp32 -> bf16 toward zero instead of to
+nearest, so there bf16 results are held to one bf16 ulp (2^-7 relative). Runs the Triton kernel (the interpreter on the
+CPU). On the GPU also: no host sync.
 """
 
 import pytest

@@ -33,7 +33,8 @@ def test_chosen_nll_share_mean_is_batch_token_mean():
     -sum(chosen logps) / (chosen tokens of the batch) (1e-6)."""
     batch_num_tokens = torch.tensor([3.0, 5.0, 2.0, 4.0, 4.0, 4.0])  # 3 pairs: chosen 3, 5, 2
     chosen = torch.tensor([-3.0, -7.0, -1.0])
-    parts = torch.cat([chosen_nll_per_unit(chosen[:2], batch_num_tokens), chosen_nll_per_unit(chosen[2:], batch_num_tokens)])
+    parts = torch.cat([chosen_nll_per_unit(chosen[:2], batch_num_tokens),
+                       chosen_nll_per_unit(chosen[2:], batch_num_tokens)])
     assert abs(float(parts.mean()) - 11.0 / 10.0) < 1e-6
 
 
