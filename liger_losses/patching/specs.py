@@ -1,15 +1,39 @@
 """The supported model families as data: one ``FamilySpec`` per ``model_type`` (where its modeling
-code lives, what its classes are called, which norm and MLP kinds it uses), in ``FAMILIES``.
+code lives, what its classes are called, which norm and MLP kinds it uses, whether its RoPE and its
+head need anything special), in ``FAMILIES``.
 
-| model_type | norm                        | MLP                           | notes                     |
-|------------|-----------------------------|-------------------------------|---------------------------|
-| llama      | LigerRMSNorm                | LigerSwiGLUMLP                |                           |
-| mistral    | LigerRMSNorm                | LigerSwiGLUMLP                |                           |
-| qwen2      | LigerRMSNorm                | LigerSwiGLUMLP                |                           |
-| qwen3      | LigerRMSNorm (+ q/k norms)  | LigerSwiGLUMLP                |                           |
-| gemma      | LigerGemmaRMSNorm (1 + w)   | LigerGEGLUMLP (tanh GELU)     |                           |
-| gemma2     | LigerGemmaRMSNorm (sandwich)| LigerGEGLUMLP (tanh GELU)     | final logit softcapping   |
-| phi3       | LigerRMSNorm                | LigerPhi3SwiGLUMLP (gate_up)  | partial rotary supported  |
+What is swapped (every family: its RMSNorm modules, q/k norms included, and the causal-LM forward,
+which computes the labelled loss with the chunked cross-entropy from the hidden states), and what is
+left to transformers:
+
+| model_type  | norm (kind)               | MLP swapped                  | RoPE    | head / loss            | left to transformers (why)                                  |
+|-------------|---------------------------|------------------------------|---------|------------------------|-------------------------------------------------------------|
+| llama       | llama                     | SwiGLU                       | kernel  |                        |                                                             |
+| mistral     | llama                     | SwiGLU                       | kernel  |                        |                                                             |
+| qwen2       | llama                     | SwiGLU                       | kernel  |                        |                                                             |
+| qwen3       | llama (+ q/k per head)    | SwiGLU                       | kernel  |                        |                                                             |
+| gemma       | gemma (1 + w)             | GeGLU (tanh GELU)            | kernel  |                        | scaled embedding (a multiply)                               |
+| gemma2      | gemma (sandwich)          | GeGLU (tanh GELU)            | kernel  | final logit softcap    | attention softcap (inside attention)                        |
+| phi3        | llama                     | packed gate_up SwiGLU        | kernel  |                        | (partial rotary: the kernel rotates the first R features)   |
+| gemma3_text | gemma (sandwich + q/k)    | GeGLU (tanh GELU)            | kernel  | final logit softcap    | scaled embedding, sliding-window masks, per-layer-type rotary tables |
+| olmo2       | olmo (fp32 product; q/k over the whole projection; post-norms) | SwiGLU | kernel |                 |                                                             |
+| olmo3       | olmo (as olmo2)           | SwiGLU                       | kernel  |                        | sliding-window masks                                        |
+| glm4        | llama (4 per layer)       | packed gate_up SwiGLU        | HF      |                        | RoPE: partial AND interleaved (pairs 2i, 2i+1), which our rotate-half kernel does not compute |
+| granite     | llama                     | SwiGLU                       | kernel  | logit scale 1/logits_scaling | embedding/residual/attention multipliers (multiplies)  |
+| smollm3     | llama                     | SwiGLU                       | kernel  |                        | layers without RoPE (they never call it)                    |
+| ministral   | llama                     | SwiGLU                       | kernel  |                        | sliding-window masks                                        |
+| exaone4     | llama (+ q/k, post-norms) | SwiGLU                       | kernel  |                        | sliding-window masks; global layers without RoPE            |
+| mixtral     | llama                     | none (no dense MLP)          | kernel  | + router aux loss      | router and experts (3-D expert weights, top-k dispatch)     |
+| qwen2_moe   | llama                     | SwiGLU: shared expert, dense layers | kernel | + router aux loss | router, experts, shared-expert gate                        |
+| qwen3_moe   | llama (+ q/k per head)    | SwiGLU: dense layers         | kernel  | + router aux loss      | router and experts                                          |
+
+Norm kinds: ``llama`` ``w * x_hat.to(dtype)``; ``gemma`` ``(x_hat * (1 + w)).to(dtype)`` in fp32;
+``olmo`` ``(w * x_hat).to(dtype)`` with the product in fp32. "kernel" RoPE: the modeling module's
+``apply_rotary_pos_emb`` is ours (``rope.py``); "HF": the ``rope`` flag is accepted and ignored.
+MoE families: the forward keeps the router's load-balancing loss exactly as transformers adds it
+(the modeling module's own ``load_balancing_loss_func``, times ``router_aux_loss_coef``, when
+``output_router_logits``); the experts' activation stays in transformers (the experts are 3-D
+parameters dispatched by transformers' expert backends, not ``nn.Linear`` MLPs).
 
 Nothing here imports the patching machinery (``core.py``) or the patch functions (``families.py``):
 both import this module.
@@ -18,9 +42,9 @@ both import this module.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Dict
+from typing import Dict, Optional
 
-NORM_KINDS = ("llama", "gemma")
+NORM_KINDS = ("llama", "gemma", "olmo")
 MLP_KINDS = ("swiglu", "phi3", "geglu")
 
 
@@ -32,9 +56,12 @@ class FamilySpec:
     module: str  # e.g. "transformers.models.llama.modeling_llama"
     causal_lm: str  # e.g. "LlamaForCausalLM"
     rms_norm: str  # e.g. "LlamaRMSNorm"
-    norm_kind: str  # "llama": x_hat * w ; "gemma": x_hat * (1 + w)
-    mlp: str  # e.g. "LlamaMLP"
-    mlp_kind: str  # "swiglu" | "phi3" (fused gate_up_proj) | "geglu"
+    norm_kind: str  # "llama": w * x_hat ; "gemma": x_hat * (1 + w) ; "olmo": (w * x_hat) in fp32
+    mlp: Optional[str]  # e.g. "LlamaMLP"; None: no dense MLP to swap (Mixtral)
+    mlp_kind: str  # "swiglu" | "phi3" (packed gate_up_proj) | "geglu"
+    rope: bool = True  # False: the family's rotary is not the rotate-half our kernel computes
+    logits_divisor: Optional[str] = None  # config attribute the logits are divided by (Granite)
+    moe: bool = False  # the forward adds the router's load-balancing loss
 
     def __post_init__(self) -> None:
         if self.norm_kind not in NORM_KINDS:
@@ -48,15 +75,16 @@ class FamilySpec:
         return "geglu" if self.mlp_kind == "geglu" else "swiglu"
 
 
-def _spec(model_type, stem, norm_kind="llama", mlp_kind="swiglu") -> FamilySpec:
+def _spec(model_type, stem, norm_kind="llama", mlp_kind="swiglu", *, module=None, mlp="MLP", **options):
     return FamilySpec(
         model_type=model_type,
-        module=f"transformers.models.{model_type}.modeling_{model_type}",
+        module=f"transformers.models.{module or model_type}.modeling_{module or model_type}",
         causal_lm=f"{stem}ForCausalLM",
         rms_norm=f"{stem}RMSNorm",
         norm_kind=norm_kind,
-        mlp=f"{stem}MLP",
+        mlp=None if mlp is None else f"{stem}{mlp}",
         mlp_kind=mlp_kind,
+        **options,
     )
 
 
@@ -70,6 +98,17 @@ FAMILIES: Dict[str, FamilySpec] = {
         _spec("gemma", "Gemma", "gemma", "geglu"),
         _spec("gemma2", "Gemma2", "gemma", "geglu"),
         _spec("phi3", "Phi3", "llama", "phi3"),
+        _spec("gemma3_text", "Gemma3", "gemma", "geglu", module="gemma3"),
+        _spec("olmo2", "Olmo2", "olmo"),
+        _spec("olmo3", "Olmo3", "olmo"),
+        _spec("glm4", "Glm4", "llama", "phi3", rope=False),
+        _spec("granite", "Granite", logits_divisor="logits_scaling"),
+        _spec("smollm3", "SmolLM3"),
+        _spec("ministral", "Ministral"),
+        _spec("exaone4", "Exaone4"),
+        _spec("mixtral", "Mixtral", mlp=None, moe=True),
+        _spec("qwen2_moe", "Qwen2Moe", moe=True),
+        _spec("qwen3_moe", "Qwen3Moe", moe=True),
     )
 }
 
