@@ -27,7 +27,7 @@ from liger_losses.patching.rope import (
     liger_rotary_pos_emb_with_position_ids_inplace,
 )
 from tests.helpers import TOL, assert_close_rel
-from tests.patching.tiny_models import FAMILIES, loss_and_grads, tiny_batch, tiny_model
+from tests.patching.tiny_models import FAMILIES, MOE_FAMILIES, loss_and_grads, tiny_batch, tiny_model
 
 FP32 = TOL[torch.float32]
 
@@ -251,3 +251,40 @@ def _counting(fn, calls):
         return fn(*args)
 
     return wrapped
+
+
+@pytest.mark.parametrize("model_type", MOE_FAMILIES)
+def test_moe_router_aux_loss_as_transformers_adds_it(model_type):
+    """MoE families: the patched training forward returns transformers' aux_loss and router logits
+    and adds router_aux_loss_coef * aux_loss to the loss exactly as transformers does (fp32, 1e-5),
+    with num_items_in_batch too; the aux term is far above the tolerance (coef 0.1, aux ~2);
+    output_router_logits=False leaves it out (aux_loss None), as transformers does."""
+    ref = tiny_model(model_type)
+    model = apply_liger_kernels(copy.deepcopy(ref))
+    batch = tiny_batch(ref.config)
+    for kwargs in ({}, {"num_items_in_batch": 7}, {"output_router_logits": False}):
+        ref_out, ref_grads = loss_and_grads(ref, batch, **kwargs)
+        out, grads = loss_and_grads(model, batch, **kwargs)
+        assert out.logits is None
+        _assert_loss_and_grads(out, grads, ref_out.loss, ref_grads)
+        if kwargs.get("output_router_logits") is False:
+            assert out.aux_loss is None and ref_out.aux_loss is None
+            continue
+        assert_close_rel(out.aux_loss, ref_out.aux_loss, FP32, "aux_loss")
+        assert len(out.router_logits) == ref.config.num_hidden_layers - ("mixtral" != model_type)
+        assert float(ref.config.router_aux_loss_coef * ref_out.aux_loss.detach()) > 1e-2 * float(ref_out.loss.detach())
+
+
+def test_granite_logits_scaling_is_applied():
+    """Granite divides its logits by logits_scaling (4 here): the scale changes the loss by far
+    more than the tolerance and the patched loss matches transformers' to 1e-5 (fp32)."""
+    ref = tiny_model("granite")
+    model = apply_liger_kernels(copy.deepcopy(ref))
+    batch = tiny_batch(ref.config)
+    with torch.no_grad():
+        ref_loss = ref(**batch).loss
+        ref.config.logits_scaling = 1.0
+        unscaled = ref(**batch).loss
+        loss = model(**batch).loss
+    assert abs(float(unscaled - ref_loss)) > 1e-2 * float(ref_loss)
+    assert_close_rel(loss, ref_loss, FP32, "scaled loss")
