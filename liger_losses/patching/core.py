@@ -1,11 +1,14 @@
 """The machinery that patches one model family: swap modules in an instance, or patch its module.
 
 A family is described by a ``FamilySpec`` (``specs.py``: its modeling module, class names, norm and
-MLP kinds).
+MLP kinds, whether its RoPE is the kernel's, its logit divisor, MoE). Before anything is changed,
+``checks.py`` verifies that the modeling module and the model have the classes, attributes and
+signatures the patch replaces; a mismatch raises ``FamilyMismatchError`` and nothing is patched.
 ``patch_family(spec, model, ...)``:
 
 * ``model`` given (an instance of the family, or a PEFT wrapper of one): in place,
-  - every RMSNorm module becomes ``LigerRMSNorm`` / ``LigerGemmaRMSNorm`` holding the SAME weight
+  - every RMSNorm module becomes ``LigerRMSNorm`` / ``LigerGemmaRMSNorm`` / ``LigerOlmoRMSNorm``
+    (``modules.py``) holding the SAME weight
     ``Parameter`` (no copy; device, dtype, ties and optimizer state are kept), same eps;
   - every MLP becomes ``LigerSwiGLUMLP`` / ``LigerPhi3SwiGLUMLP`` / ``LigerGEGLUMLP`` holding the
     SAME ``nn.Linear`` sub-modules (built on the meta device first, so nothing is allocated or
