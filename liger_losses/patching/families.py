@@ -110,3 +110,14 @@ apply_liger_kernels_to_qwen3_moe = _patcher(
     "Patch a Qwen3-MoE model (or its modeling module): norms (q/k too), RoPE, dense MLPs, the loss "
     "with the router aux loss.",
 )
+apply_liger_kernels_to_gpt_oss = _patcher(
+    "gpt_oss",
+    "Patch a gpt-oss model (or its modeling module): norms (fp32 product), the loss with the router aux "
+    "loss; RoPE, attention sinks and the clamped-SwiGLU experts stay transformers' (``rope`` and "
+    "``swiglu`` are accepted and change nothing).",
+)
+apply_liger_kernels_to_deepseek_v3 = _patcher(
+    "deepseek_v3",
+    "Patch a DeepSeek-V3 model (or its modeling module): norms (MLA's LoRA norms too), dense and shared-"
+    "expert MLPs, the non-interleaved RoPE, the loss; MLA and the routed experts stay transformers'.",
+)

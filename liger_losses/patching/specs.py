@@ -26,6 +26,8 @@ left to transformers:
 | mixtral     | llama                     | none (no dense MLP)          | kernel  | + router aux loss      | router and experts (3-D expert weights, top-k dispatch)     |
 | qwen2_moe   | llama                     | SwiGLU: shared expert, dense layers | kernel | + router aux loss | router, experts, shared-expert gate                        |
 | qwen3_moe   | llama (+ q/k per head)    | SwiGLU: dense layers         | kernel  | + router aux loss      | router and experts                                          |
+| gpt_oss     | olmo (fp32 product)       | none (no dense MLP)          | HF      | + router aux loss      | RoPE (half-width tables, not cat(freqs, freqs)); attention sinks; experts with the clamped SwiGLU (3-D weights with biases) |
+| deepseek_v3 | llama (+ MLA q/kv LoRA norms) | SwiGLU: dense layers, shared experts | kernel (non-interleaved configs) | (no aux loss: bias-balanced router) | MLA; interleaved rotary (``rope_interleave=True``, the default, calls ``apply_rotary_pos_emb_interleave``, not patched); router, experts |
 
 Norm kinds: ``llama`` ``w * x_hat.to(dtype)``; ``gemma`` ``(x_hat * (1 + w)).to(dtype)`` in fp32;
 ``olmo`` ``(w * x_hat).to(dtype)`` with the product in fp32. "kernel" RoPE: the modeling module's
@@ -109,6 +111,8 @@ FAMILIES: Dict[str, FamilySpec] = {
         _spec("mixtral", "Mixtral", mlp=None, moe=True),
         _spec("qwen2_moe", "Qwen2Moe", moe=True),
         _spec("qwen3_moe", "Qwen3Moe", moe=True),
+        _spec("gpt_oss", "GptOss", "olmo", mlp=None, rope=False, moe=True),
+        _spec("deepseek_v3", "DeepseekV3"),
     )
 }
 

@@ -271,7 +271,7 @@ def test_moe_router_aux_loss_as_transformers_adds_it(model_type):
             assert out.aux_loss is None and ref_out.aux_loss is None
             continue
         assert_close_rel(out.aux_loss, ref_out.aux_loss, FP32, "aux_loss")
-        assert len(out.router_logits) == ref.config.num_hidden_layers - ("mixtral" != model_type)
+        assert len(out.router_logits) == len(ref_out.router_logits) >= 1
         assert float(ref.config.router_aux_loss_coef * ref_out.aux_loss.detach()) > 1e-2 * float(ref_out.loss.detach())
 
 

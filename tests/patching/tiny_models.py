@@ -23,8 +23,9 @@ DENSE_FAMILIES = (
     "llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "phi3",
     "gemma3_text", "olmo2", "olmo3", "glm4", "granite", "smollm3", "ministral", "exaone4",
 )
-MOE_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe")
-FAMILIES = DENSE_FAMILIES + MOE_FAMILIES
+MOE_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "gpt_oss")
+OTHER_FAMILIES = ("deepseek_v3",)  # MoE without an aux loss
+FAMILIES = DENSE_FAMILIES + MOE_FAMILIES + OTHER_FAMILIES
 
 _COMMON = dict(
     vocab_size=128,
@@ -58,6 +59,13 @@ _PER_FAMILY = {
     "qwen2_moe": dict(num_experts=4, moe_intermediate_size=32, shared_expert_intermediate_size=64,
                       mlp_only_layers=[1], **_MOE),
     "qwen3_moe": dict(num_experts=4, moe_intermediate_size=32, mlp_only_layers=[1], **_MOE),
+    "gpt_oss": dict(num_local_experts=4, intermediate_size=32, **_SLIDING, **_MOE),
+    # layer 0 dense, layer 1 MoE (4 routed experts in 2 groups + a shared one); MLA with q LoRA;
+    # the non-interleaved rotary, so that our RoPE kernel runs
+    "deepseek_v3": dict(num_key_value_heads=4, n_routed_experts=4, num_experts_per_tok=2, n_group=2, topk_group=1,
+                        moe_intermediate_size=32, n_shared_experts=1, first_k_dense_replace=1,
+                        q_lora_rank=32, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8,
+                        v_head_dim=16, rope_interleave=False),
 }
 
 
@@ -68,8 +76,8 @@ def tiny_config(model_type: str, **overrides):
     kwargs = dict(_COMMON)
     kwargs.update(_PER_FAMILY.get(model_type, {}))
     kwargs.update(overrides)
-    if model_type == "phi3":
-        kwargs.pop("head_dim", None)  # Phi-3 derives it from hidden_size / heads
+    if model_type in ("phi3", "deepseek_v3"):
+        kwargs.pop("head_dim", None)  # Phi-3: hidden_size / heads; DeepSeek-V3: qk_rope_head_dim
     config = AutoConfig.for_model(model_type, **kwargs)
     config._attn_implementation = "eager"
     return config
