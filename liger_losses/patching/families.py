@@ -121,3 +121,8 @@ apply_liger_kernels_to_deepseek_v3 = _patcher(
     "Patch a DeepSeek-V3 model (or its modeling module): norms (MLA's LoRA norms too), dense and shared-"
     "expert MLPs, the non-interleaved RoPE, the loss; MLA and the routed experts stay transformers'.",
 )
+apply_liger_kernels_to_llama4_text = _patcher(
+    "llama4_text",
+    "Patch a Llama-4 text model (or its modeling module): norms, dense and shared-expert MLPs, the loss; "
+    "its complex-number RoPE, L2 q/k norms and routed experts stay transformers' (``rope`` is ignored).",
+)

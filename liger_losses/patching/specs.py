@@ -27,6 +27,7 @@ left to transformers:
 | qwen2_moe   | llama                     | SwiGLU: shared expert, dense layers | kernel | + router aux loss | router, experts, shared-expert gate                        |
 | qwen3_moe   | llama (+ q/k per head)    | SwiGLU: dense layers         | kernel  | + router aux loss      | router and experts                                          |
 | gpt_oss     | olmo (fp32 product)       | none (no dense MLP)          | HF      | + router aux loss      | RoPE (half-width tables, not cat(freqs, freqs)); attention sinks; experts with the clamped SwiGLU (3-D weights with biases) |
+| llama4_text | llama                     | SwiGLU: dense layers, shared expert | HF | (no aux loss)          | RoPE (complex-number rotation of interleaved pairs); weightless q/k L2 norms; NoPE and chunked-attention layers; router, experts |
 | deepseek_v3 | llama (+ MLA q/kv LoRA norms) | SwiGLU: dense layers, shared experts | kernel (non-interleaved configs) | (no aux loss: bias-balanced router) | MLA; interleaved rotary (``rope_interleave=True``, the default, calls ``apply_rotary_pos_emb_interleave``, not patched); router, experts |
 
 Norm kinds: ``llama`` ``w * x_hat.to(dtype)``; ``gemma`` ``(x_hat * (1 + w)).to(dtype)`` in fp32;
@@ -113,6 +114,9 @@ FAMILIES: Dict[str, FamilySpec] = {
         _spec("qwen3_moe", "Qwen3Moe", moe=True),
         _spec("gpt_oss", "GptOss", "olmo", mlp=None, rope=False, moe=True),
         _spec("deepseek_v3", "DeepseekV3"),
+        FamilySpec(model_type="llama4_text", module="transformers.models.llama4.modeling_llama4",
+                   causal_lm="Llama4ForCausalLM", rms_norm="Llama4TextRMSNorm", norm_kind="llama",
+                   mlp="Llama4TextMLP", mlp_kind="swiglu", rope=False),
     )
 }
 

@@ -24,7 +24,7 @@ DENSE_FAMILIES = (
     "gemma3_text", "olmo2", "olmo3", "glm4", "granite", "smollm3", "ministral", "exaone4",
 )
 MOE_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "gpt_oss")
-OTHER_FAMILIES = ("deepseek_v3",)  # MoE without an aux loss
+OTHER_FAMILIES = ("deepseek_v3", "llama4_text")  # MoE without an aux loss
 FAMILIES = DENSE_FAMILIES + MOE_FAMILIES + OTHER_FAMILIES
 
 _COMMON = dict(
@@ -62,6 +62,9 @@ _PER_FAMILY = {
     "gpt_oss": dict(num_local_experts=4, intermediate_size=32, **_SLIDING, **_MOE),
     # layer 0 dense, layer 1 MoE (4 routed experts in 2 groups + a shared one); MLA with q LoRA;
     # the non-interleaved rotary, so that our RoPE kernel runs
+    # layer 0 MoE (4 experts, top-1, a shared expert), layer 1 dense; layer 1 without RoPE
+    "llama4_text": dict(num_local_experts=4, num_experts_per_tok=1, intermediate_size_mlp=128,
+                        interleave_moe_layer_step=2, moe_layers=[0], no_rope_layers=[1, 0]),
     "deepseek_v3": dict(num_key_value_heads=4, n_routed_experts=4, num_experts_per_tok=2, n_group=2, topk_group=1,
                         moe_intermediate_size=32, n_shared_experts=1, first_k_dense_replace=1,
                         q_lora_rank=32, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8,
