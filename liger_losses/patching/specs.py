@@ -6,29 +6,41 @@ What is swapped (every family: its RMSNorm modules, q/k norms included, and the 
 which computes the labelled loss with the chunked cross-entropy from the hidden states), and what is
 left to transformers:
 
-| model_type  | norm (kind)               | MLP swapped                  | RoPE    | head / loss            | left to transformers (why)                                  |
-|-------------|---------------------------|------------------------------|---------|------------------------|-------------------------------------------------------------|
-| llama       | llama                     | SwiGLU                       | kernel  |                        |                                                             |
-| mistral     | llama                     | SwiGLU                       | kernel  |                        |                                                             |
-| qwen2       | llama                     | SwiGLU                       | kernel  |                        |                                                             |
-| qwen3       | llama (+ q/k per head)    | SwiGLU                       | kernel  |                        |                                                             |
-| gemma       | gemma (1 + w)             | GeGLU (tanh GELU)            | kernel  |                        | scaled embedding (a multiply)                               |
-| gemma2      | gemma (sandwich)          | GeGLU (tanh GELU)            | kernel  | final logit softcap    | attention softcap (inside attention)                        |
-| phi3        | llama                     | packed gate_up SwiGLU        | kernel  |                        | (partial rotary: the kernel rotates the first R features)   |
-| gemma3_text | gemma (sandwich + q/k)    | GeGLU (tanh GELU)            | kernel  | final logit softcap    | scaled embedding, sliding-window masks, per-layer-type rotary tables |
-| olmo2       | olmo (fp32 product; q/k over the whole projection; post-norms) | SwiGLU | kernel |                 |                                                             |
-| olmo3       | olmo (as olmo2)           | SwiGLU                       | kernel  |                        | sliding-window masks                                        |
-| glm4        | llama (4 per layer)       | packed gate_up SwiGLU        | HF      |                        | RoPE: partial AND interleaved (pairs 2i, 2i+1), which our rotate-half kernel does not compute |
-| granite     | llama                     | SwiGLU                       | kernel  | logit scale 1/logits_scaling | embedding/residual/attention multipliers (multiplies)  |
-| smollm3     | llama                     | SwiGLU                       | kernel  |                        | layers without RoPE (they never call it)                    |
-| ministral   | llama                     | SwiGLU                       | kernel  |                        | sliding-window masks                                        |
-| exaone4     | llama (+ q/k, post-norms) | SwiGLU                       | kernel  |                        | sliding-window masks; global layers without RoPE            |
-| mixtral     | llama                     | none (no dense MLP)          | kernel  | + router aux loss      | router and experts (3-D expert weights, top-k dispatch)     |
-| qwen2_moe   | llama                     | SwiGLU: shared expert, dense layers | kernel | + router aux loss | router, experts, shared-expert gate                        |
-| qwen3_moe   | llama (+ q/k per head)    | SwiGLU: dense layers         | kernel  | + router aux loss      | router and experts                                          |
-| gpt_oss     | olmo (fp32 product)       | none (no dense MLP)          | HF      | + router aux loss      | RoPE (half-width tables, not cat(freqs, freqs)); attention sinks; experts with the clamped SwiGLU (3-D weights with biases) |
-| llama4_text | llama                     | SwiGLU: dense layers, shared expert | HF | (no aux loss)          | RoPE (complex-number rotation of interleaved pairs); weightless q/k L2 norms; NoPE and chunked-attention layers; router, experts |
-| deepseek_v3 | llama (+ MLA q/kv LoRA norms) | SwiGLU: dense layers, shared experts | kernel (non-interleaved configs) | (no aux loss: bias-balanced router) | MLA; interleaved rotary (``rope_interleave=True``, the default, calls ``apply_rotary_pos_emb_interleave``, not patched); router, experts |
+| model_type  | norm                  | MLP swapped    | RoPE       | loss             | left to HF (below)      |
+|-------------|-----------------------|----------------|------------|------------------|-------------------------|
+| llama       | llama                 | SwiGLU         | kernel     |                  |                         |
+| mistral     | llama                 | SwiGLU         | kernel     |                  |                         |
+| qwen2       | llama                 | SwiGLU         | kernel     |                  |                         |
+| qwen3       | llama, q/k per head   | SwiGLU         | kernel     |                  |                         |
+| gemma       | gemma (1 + w)         | GeGLU (tanh)   | kernel     |                  | scaled embedding        |
+| gemma2      | gemma, sandwich       | GeGLU (tanh)   | kernel     | softcap          | attention softcap       |
+| phi3        | llama                 | packed SwiGLU  | kernel     |                  |                         |
+| gemma3_text | gemma, sandwich, q/k  | GeGLU (tanh)   | kernel     | softcap          | scaled embedding, masks |
+| olmo2       | olmo, post, q/k full  | SwiGLU         | kernel     |                  |                         |
+| olmo3       | olmo, post, q/k full  | SwiGLU         | kernel     |                  | masks                   |
+| glm4        | llama, 4 per layer    | packed SwiGLU  | HF (1)     |                  |                         |
+| granite     | llama                 | SwiGLU         | kernel     | 1/logits_scaling | multipliers             |
+| smollm3     | llama                 | SwiGLU         | kernel     |                  | layers without RoPE     |
+| ministral   | llama                 | SwiGLU         | kernel     |                  | masks                   |
+| exaone4     | llama, post, q/k      | SwiGLU         | kernel     |                  | masks, NoPE layers      |
+| mixtral     | llama                 | none           | kernel     | + aux loss       | router, experts (2)     |
+| qwen2_moe   | llama                 | shared + dense | kernel     | + aux loss       | router, experts, gate   |
+| qwen3_moe   | llama, q/k per head   | dense layers   | kernel     | + aux loss       | router, experts         |
+| gpt_oss     | olmo                  | none           | HF (3)     | + aux loss       | sinks, clamped experts  |
+| llama4_text | llama                 | shared + dense | HF (4)     |                  | L2 q/k norms, experts   |
+| deepseek_v3 | llama, MLA LoRA norms | shared + dense | kernel (5) |                  | MLA, router, experts    |
+
+Why left to transformers: multipliers (Granite's embedding/residual/attention), sliding-window masks,
+scaled embeddings and softcaps inside attention are elementwise or mask work with no kernel of ours;
+Phi-3's partial rotary is the kernel's (it rotates the first R features); (1) GLM-4's rotary is partial AND interleaved
+(pairs 2i, 2i+1), not the rotate-half our kernel computes; (2) MoE experts are 3-D parameters
+dispatched by transformers' expert backends (top-k routing), not ``nn.Linear`` MLPs, so their
+activation stays; (3) gpt-oss rotates with half-width tables (not ``cat(freqs, freqs)``); (4) Llama-4
+rotates complex numbers; (5) DeepSeek-V3 with ``rope_interleave=True`` (the default) calls
+``apply_rotary_pos_emb_interleave``, which is not patched: only non-interleaved configs use our kernel.
+"head / loss": ``softcap`` = ``final_logit_softcapping``; ``1/logits_scaling`` = the loss's logit
+scale; ``+ aux loss`` = the router load-balancing loss added as transformers adds it. DeepSeek-V3
+and Llama-4 add none (transformers' forwards have none).
 
 Norm kinds: ``llama`` ``w * x_hat.to(dtype)``; ``gemma`` ``(x_hat * (1 + w)).to(dtype)`` in fp32;
 ``olmo`` ``(w * x_hat).to(dtype)`` with the product in fp32. "kernel" RoPE: the modeling module's
