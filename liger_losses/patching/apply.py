@@ -1,10 +1,13 @@
 """``apply_liger_kernels(model, ...)``: patch a Hugging Face causal LM in place, by its model_type.
 
 Detects the family from ``model.config.model_type`` (through a PEFT wrapper if there is one) and
-calls the family's patch function (see ``families.py`` for the table and ``core.py`` for what is
-swapped). ``swiglu`` applies to SwiGLU families (llama, mistral, qwen2, qwen3, phi3), ``geglu`` to
-GeGLU families (gemma, gemma2). Returns ``model`` itself. The RoPE patch is module-level: it
-affects every model of that family in the process (``revert_liger_kernels`` undoes it).
+calls the family's patch function (``specs.py``: the table of families; ``core.py``: what is
+swapped). ``swiglu`` applies to the SwiGLU families (every family but the Gemmas; for
+Mixtral, which has no dense MLP, it changes nothing), ``geglu`` to the GeGLU families (gemma,
+gemma2, gemma3_text). A family whose transformers classes no longer look as the patch expects
+raises ``FamilyMismatchError`` before anything is patched (``checks.py``). Returns ``model``
+itself. The RoPE patch is module-level: it affects every model of that family in the process
+(``revert_liger_kernels`` undoes it).
 """
 
 from __future__ import annotations

@@ -15,8 +15,16 @@ Semantics, matching ``transformers.loss.loss_utils.ForCausalLMLoss``:
 * ``ignore_index`` (default -100) positions contribute nothing;
 * ``num_items_in_batch`` given: ``sum of token losses / num_items_in_batch``; else the mean over
   non-ignored tokens;
-* ``config.final_logit_softcapping`` (Gemma-2) caps logits as ``c * tanh(logits / c)``;
-* ``lm_head.bias`` is used when present.
+* ``config.final_logit_softcapping`` (Gemma-2, Gemma-3) caps logits as ``c * tanh(logits / c)``;
+* ``logits_divisor`` (the name of a config attribute, Granite's ``logits_scaling``): the logits are
+  divided by it (``logit_scale = 1 / value``; applied before the softcap, as transformers does);
+* ``lm_head.bias`` is used when present;
+* MoE families (``aux_loss_fn`` given: the modeling module's ``load_balancing_loss_func``): with
+  ``output_router_logits`` (the argument, else ``config.output_router_logits``) the base model
+  returns the router logits, ``aux_loss = aux_loss_fn(router_logits, self.num_experts,
+  self.num_experts_per_tok, attention_mask)`` and ``loss += self.router_aux_loss_coef * aux_loss``,
+  exactly as the transformers forward does; the output is a ``MoeCausalLMOutputWithPast`` with
+  ``aux_loss`` and ``router_logits``.
 
 ``logits_to_keep`` (int: the last k positions, 0 = all; or an index tensor as accepted by
 transformers) slices the hidden states. Labels may be given for the full sequence ``[B, T]``
@@ -40,7 +48,7 @@ import torch.nn.functional as F
 
 from liger_losses.chunked.cross_entropy import fused_linear_cross_entropy
 
-_LIGER_MARK = "_liger_original_forward"
+LIGER_MARK = "_liger_original_forward"  # our forwards carry the one they wrap here
 
 
 def _select_positions(x: torch.Tensor, logits_to_keep) -> torch.Tensor:
@@ -94,14 +102,14 @@ def _targets(labels, shift_labels, hidden_full, hidden_kept, logits_to_keep, ign
     )
 
 
-def _output_class():
-    from transformers.modeling_outputs import CausalLMOutputWithPast
+def _output_class(moe: bool):
+    from transformers.modeling_outputs import CausalLMOutputWithPast, MoeCausalLMOutputWithPast
 
-    return CausalLMOutputWithPast
+    return MoeCausalLMOutputWithPast if moe else CausalLMOutputWithPast
 
 
-def _build_output(base_outputs, loss):
-    cls = _output_class()
+def _build_output(base_outputs, loss, *, moe: bool = False, aux_loss=None):
+    cls = _output_class(moe)
     names = {f.name for f in dataclasses.fields(cls)}
     fields = dict(loss=loss, logits=None)
     for cache_name in ("cache", "past_key_values"):
@@ -112,6 +120,9 @@ def _build_output(base_outputs, loss):
             break
     fields["hidden_states"] = getattr(base_outputs, "hidden_states", None)
     fields["attentions"] = getattr(base_outputs, "attentions", None)
+    if moe:
+        fields["aux_loss"] = aux_loss
+        fields["router_logits"] = getattr(base_outputs, "router_logits", None)
     return cls(**fields)
 
 
@@ -124,8 +135,10 @@ def causal_lm_fused_loss(
     logits_to_keep=0,
     ignore_index: int = -100,
     num_items_in_batch=None,
+    logit_scale: float = 1.0,
 ) -> torch.Tensor:
-    """The causal-LM loss of ``model`` (a ``*ForCausalLM``) from last hidden states ``[B, T, H]``."""
+    """The causal-LM loss of ``model`` (a ``*ForCausalLM``) from last hidden states ``[B, T, H]``;
+    the logits are ``logit_scale * (hidden @ lm_head.weight.T + bias)``, then softcapped."""
     hidden = _select_positions(hidden_full, logits_to_keep)
     targets = _targets(labels, shift_labels, hidden_full, hidden, logits_to_keep, ignore_index)
     head = model.lm_head
@@ -137,19 +150,48 @@ def causal_lm_fused_loss(
         bias=getattr(head, "bias", None),
         ignore_index=ignore_index,
         softcap=softcap,
+        logit_scale=logit_scale,
         reduction="mean",
         num_items_in_batch=num_items_in_batch,  # sum / num_items_in_batch, scaled in fp32
     )
     return loss
 
 
-def make_causal_lm_forward(original_forward: Callable) -> Callable:
+def _logit_scale(config, logits_divisor: Optional[str]) -> float:
+    if logits_divisor is None:
+        return 1.0
+    value = getattr(config, logits_divisor, None)
+    if not isinstance(value, (int, float)) or isinstance(value, bool) or value <= 0:
+        raise ValueError(f"config.{logits_divisor} must be a positive number, got {value!r}")
+    return 1.0 / float(value)
+
+
+def _add_aux_loss(self, aux_loss_fn, base_outputs, attention_mask, loss):
+    """transformers' MoE step: ``(loss + router_aux_loss_coef * aux_loss, aux_loss)``."""
+    aux_loss = aux_loss_fn(
+        base_outputs.router_logits, self.num_experts, self.num_experts_per_tok, attention_mask
+    )
+    if isinstance(aux_loss, torch.Tensor):
+        loss = loss + self.router_aux_loss_coef * aux_loss.to(loss.device)
+    else:  # transformers returns a plain 0 when there are no router logits
+        loss = loss + self.router_aux_loss_coef * aux_loss
+    return loss, aux_loss
+
+
+def make_causal_lm_forward(
+    original_forward: Callable,
+    *,
+    logits_divisor: Optional[str] = None,
+    aux_loss_fn: Optional[Callable] = None,
+) -> Callable:
     """A forward for ``*ForCausalLM`` that computes the labelled loss without logits.
 
     ``original_forward`` is the unbound forward of the model class; if it is itself one of ours,
-    its original is used (so patching twice does not nest).
+    its original is used (so patching twice does not nest). ``logits_divisor``: the config attribute
+    the family divides its logits by (Granite: ``"logits_scaling"``). ``aux_loss_fn``: the MoE
+    family's ``load_balancing_loss_func`` (see the module docstring).
     """
-    original_forward = getattr(original_forward, _LIGER_MARK, original_forward)
+    original_forward = getattr(original_forward, LIGER_MARK, original_forward)
 
     def forward(
         self,
@@ -185,6 +227,12 @@ def make_causal_lm_forward(original_forward: Callable) -> Callable:
         num_items_in_batch = kwargs.pop("num_items_in_batch", None)
         ignore_index = kwargs.pop("ignore_index", -100)
         shift_labels = kwargs.pop("shift_labels", None)
+        moe = aux_loss_fn is not None
+        if moe:
+            output_router_logits = kwargs.pop("output_router_logits", None)
+            if output_router_logits is None:
+                output_router_logits = bool(getattr(self.config, "output_router_logits", False))
+            kwargs["output_router_logits"] = output_router_logits
 
         base_outputs = self.model(
             input_ids=input_ids,
@@ -201,11 +249,15 @@ def make_causal_lm_forward(original_forward: Callable) -> Callable:
             logits_to_keep=logits_to_keep,
             ignore_index=ignore_index,
             num_items_in_batch=num_items_in_batch,
+            logit_scale=_logit_scale(self.config, logits_divisor),
         )
-        output = _build_output(base_outputs, loss)
+        aux_loss = None
+        if moe and output_router_logits:
+            loss, aux_loss = _add_aux_loss(self, aux_loss_fn, base_outputs, attention_mask, loss)
+        output = _build_output(base_outputs, loss, moe=moe, aux_loss=aux_loss)
         return output if return_dict else output.to_tuple()
 
-    setattr(forward, _LIGER_MARK, original_forward)
+    setattr(forward, LIGER_MARK, original_forward)
     forward.__doc__ = __doc__
     forward.__name__ = "forward"
     forward.__qualname__ = getattr(original_forward, "__qualname__", "forward")
@@ -213,4 +265,4 @@ def make_causal_lm_forward(original_forward: Callable) -> Callable:
 
 
 def is_liger_forward(fn) -> bool:
-    return hasattr(getattr(fn, "__func__", fn), _LIGER_MARK)
+    return hasattr(getattr(fn, "__func__", fn), LIGER_MARK)

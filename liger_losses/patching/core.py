@@ -1,11 +1,14 @@
 """The machinery that patches one model family: swap modules in an instance, or patch its module.
 
 A family is described by a ``FamilySpec`` (``specs.py``: its modeling module, class names, norm and
-MLP kinds).
+MLP kinds, whether its RoPE is the kernel's, its logit divisor, MoE). Before anything is changed,
+``checks.py`` verifies that the modeling module and the model have the classes, attributes and
+signatures the patch replaces; a mismatch raises ``FamilyMismatchError`` and nothing is patched.
 ``patch_family(spec, model, ...)``:
 
 * ``model`` given (an instance of the family, or a PEFT wrapper of one): in place,
-  - every RMSNorm module becomes ``LigerRMSNorm`` / ``LigerGemmaRMSNorm`` holding the SAME weight
+  - every RMSNorm module becomes ``LigerRMSNorm`` / ``LigerGemmaRMSNorm`` / ``LigerOlmoRMSNorm``
+    (``modules.py``) holding the SAME weight
     ``Parameter`` (no copy; device, dtype, ties and optimizer state are kept), same eps;
   - every MLP becomes ``LigerSwiGLUMLP`` / ``LigerPhi3SwiGLUMLP`` / ``LigerGEGLUMLP`` holding the
     SAME ``nn.Linear`` sub-modules (built on the meta device first, so nothing is allocated or
@@ -33,9 +36,9 @@ from typing import Callable, Dict, Optional, Tuple
 import torch
 from torch import nn
 
-from liger_losses.kernels.mlp import LigerGEGLUMLP, LigerPhi3SwiGLUMLP, LigerSwiGLUMLP
-from liger_losses.kernels.rms_norm import LigerGemmaRMSNorm, LigerRMSNorm
 from liger_losses.patching.causal_lm import make_causal_lm_forward
+from liger_losses.patching.checks import check_instance, check_module, raise_mismatch
+from liger_losses.patching.modules import mlp_class, mlp_parts, norm_class
 from liger_losses.patching.rope import make_rotary_replacement
 from liger_losses.patching.specs import FAMILIES, MLP_KINDS, NORM_KINDS, FamilySpec  # noqa: F401 (re-exported)
 
@@ -93,18 +96,6 @@ def is_rope_patched(model_type: str) -> bool:
 # --------------------------------------------------------------------------- kernels by kind
 
 
-def _norm_class(kind: str):
-    return LigerGemmaRMSNorm if kind == "gemma" else LigerRMSNorm
-
-
-def _mlp_class(kind: str):
-    return {"geglu": LigerGEGLUMLP, "phi3": LigerPhi3SwiGLUMLP}.get(kind, LigerSwiGLUMLP)
-
-
-def _mlp_parts(kind: str) -> Tuple[str, ...]:
-    return ("gate_up_proj", "down_proj") if kind == "phi3" else ("gate_proj", "up_proj", "down_proj")
-
-
 def _activation(config, kind: str) -> Optional[str]:
     # The attribute the HF MLP reads: Gemma/Llama ``hidden_act``, Gemma-2 ``hidden_activation``
     # (its ``hidden_act`` is None); LigerGEGLUMLP reads them in the same order.
@@ -144,7 +135,7 @@ def _swap(root: nn.Module, old_cls: type, make: Callable[[nn.Module], nn.Module]
 
 
 def _make_norm(kind: str):
-    cls = _norm_class(kind)
+    cls = norm_class(kind)
 
     def make(old: nn.Module) -> nn.Module:
         eps = getattr(old, "variance_epsilon", getattr(old, "eps", 1e-6))
@@ -157,12 +148,14 @@ def _make_norm(kind: str):
 
 
 def _make_mlp(kind: str, config):
-    cls = _mlp_class(kind)
+    cls = mlp_class(kind)
 
     def make(old: nn.Module) -> nn.Module:
         new = _on_meta(lambda: cls(config))
-        for part in _mlp_parts(kind):
+        for part in mlp_parts(kind):
             setattr(new, part, getattr(old, part))
+        if hasattr(old, "intermediate_size"):  # MoE shared/dense MLPs are not config-sized
+            new.intermediate_size = old.intermediate_size
         _check_materialised(new, cls.__name__)
         return new.train(old.training)
 
@@ -175,8 +168,8 @@ def unwrap_model(model: nn.Module) -> nn.Module:
     return get_base() if callable(get_base) else model
 
 
-def _patch_instance_forward(target: nn.Module, cls: type) -> None:
-    new = types.MethodType(make_causal_lm_forward(cls.forward), target)
+def _patch_instance_forward(target: nn.Module, forward: Callable) -> None:
+    new = types.MethodType(forward, target)
     if hasattr(target, "_hf_hook") and hasattr(target, "_old_forward"):
         target._old_forward = new  # accelerate keeps its hook around the forward it stored
     else:
@@ -192,6 +185,18 @@ def _check_flags(**flags) -> None:
             raise TypeError(f"{name} must be a bool, got {type(value).__name__}")
 
 
+def _import_modeling(spec: FamilySpec):
+    try:
+        return importlib.import_module(spec.module)
+    except ImportError as exc:
+        raise_mismatch(spec, [f"{spec.module} does not import ({exc})"])
+
+
+def _causal_lm_forward(spec: FamilySpec, modeling, cls: type):
+    aux_loss_fn = _original_module_attr(modeling, "load_balancing_loss_func") if spec.moe else None
+    return make_causal_lm_forward(cls.forward, logits_divisor=spec.logits_divisor, aux_loss_fn=aux_loss_fn)
+
+
 def patch_family(
     spec: FamilySpec,
     model: Optional[nn.Module],
@@ -201,13 +206,12 @@ def patch_family(
     mlp: bool,
     cross_entropy: bool,
 ):
-    """Patch one family (see the module docstring). Returns ``model`` (``None`` for class level)."""
-    _check_flags(rms_norm=rms_norm, rope=rope, **{spec.mlp_flag: mlp}, cross_entropy=cross_entropy)
-    modeling = importlib.import_module(spec.module)
-    causal_lm_cls = getattr(modeling, spec.causal_lm)
-    norm_cls = _original_module_attr(modeling, spec.rms_norm)
-    mlp_cls = _original_module_attr(modeling, spec.mlp)
+    """Patch one family (see the module docstring). Returns ``model`` (``None`` for class level).
 
+    Everything the patch replaces is checked first (``checks.py``): on a mismatch with the
+    installed transformers ``FamilyMismatchError`` is raised and nothing is patched.
+    """
+    _check_flags(rms_norm=rms_norm, rope=rope, **{spec.mlp_flag: mlp}, cross_entropy=cross_entropy)
     target = None
     if model is not None:
         if not isinstance(model, nn.Module):
@@ -218,31 +222,44 @@ def patch_family(
             raise ValueError(
                 f"model must be a {spec.model_type!r} model (config.model_type), got {model_type!r}"
             )
+    modeling = _import_modeling(spec)
+    rope = rope and spec.rope  # a family whose rotary our kernel does not compute keeps its own
+    mlp = mlp and spec.mlp is not None
+    check_module(spec, modeling, rope=rope, mlp=mlp, cross_entropy=cross_entropy,
+                 originals=lambda name: _original_module_attr(modeling, name))
+    causal_lm_cls = getattr(modeling, spec.causal_lm)
+    norm_cls = _original_module_attr(modeling, spec.rms_norm)
+    mlp_cls = _original_module_attr(modeling, spec.mlp) if mlp else None
+    swap_mlp = mlp
+    if target is not None:
+        swap_mlp = mlp and mlp_activation_supported(target.config, spec.mlp_kind)
+        check_instance(spec, target, norm_cls, mlp_cls, rms_norm=rms_norm, mlp=swap_mlp,
+                       cross_entropy=cross_entropy, causal_lm_cls=causal_lm_cls)
 
+    # ---- checked: from here on nothing raises before the patch is complete
     if rope:
         original = _original_module_attr(modeling, "apply_rotary_pos_emb")
         _patch_module_attr(modeling, "apply_rotary_pos_emb", make_rotary_replacement(original))
 
     if target is None:  # class level: models built from now on use our modules
         if rms_norm:
-            _patch_module_attr(modeling, spec.rms_norm, _norm_class(spec.norm_kind))
+            _patch_module_attr(modeling, spec.rms_norm, norm_class(spec.norm_kind))
         if mlp:
-            _patch_module_attr(modeling, spec.mlp, _mlp_class(spec.mlp_kind))
+            _patch_module_attr(modeling, spec.mlp, mlp_class(spec.mlp_kind))
         if cross_entropy:
-            _patch_class_attr(causal_lm_cls, "forward", make_causal_lm_forward(causal_lm_cls.forward))
+            _patch_class_attr(causal_lm_cls, "forward", _causal_lm_forward(spec, modeling, causal_lm_cls))
         return None
 
     if rms_norm:
         _swap(target, norm_cls, _make_norm(spec.norm_kind))
-    if mlp:
-        if mlp_activation_supported(target.config, spec.mlp_kind):
-            _swap(target, mlp_cls, _make_mlp(spec.mlp_kind, target.config))
-        else:
-            warnings.warn(
-                f"{spec.model_type}: activation {_activation(target.config, spec.mlp_kind)!r} is not "
-                f"what the fused {spec.mlp_kind} MLP computes; MLPs left unpatched",
-                stacklevel=3,
-            )
+    if swap_mlp:
+        _swap(target, mlp_cls, _make_mlp(spec.mlp_kind, target.config))
+    elif mlp:
+        warnings.warn(
+            f"{spec.model_type}: activation {_activation(target.config, spec.mlp_kind)!r} is not "
+            f"what the fused {spec.mlp_kind} MLP computes; MLPs left unpatched",
+            stacklevel=3,
+        )
     if cross_entropy and isinstance(target, causal_lm_cls):
-        _patch_instance_forward(target, causal_lm_cls)
+        _patch_instance_forward(target, _causal_lm_forward(spec, modeling, causal_lm_cls))
     return model

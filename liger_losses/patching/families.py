@@ -67,3 +67,62 @@ apply_liger_kernels_to_gemma2 = _patcher(
 apply_liger_kernels_to_phi3 = _patcher(
     "phi3", "Patch a Phi-3 model (or, with ``model=None``, the Phi-3 modeling module)."
 )
+apply_liger_kernels_to_gemma3_text = _patcher(
+    "gemma3_text",
+    "Patch a Gemma-3 text model (or its modeling module): sandwich and q/k norms (1 + w), GeGLU, "
+    "RoPE; the loss honours final_logit_softcapping.",
+)
+apply_liger_kernels_to_olmo2 = _patcher(
+    "olmo2", "Patch an OLMo-2 model (or its modeling module): post-norms and full-width q/k norms."
+)
+apply_liger_kernels_to_olmo3 = _patcher(
+    "olmo3", "Patch an OLMo-3 model (or its modeling module): post-norms and full-width q/k norms."
+)
+apply_liger_kernels_to_glm4 = _patcher(
+    "glm4",
+    "Patch a GLM-4 model (or its modeling module): norms and the packed gate_up MLP; its partial, "
+    "interleaved RoPE stays transformers' (``rope`` is accepted and ignored).",
+)
+apply_liger_kernels_to_granite = _patcher(
+    "granite", "Patch a Granite model (or its modeling module); the loss divides the logits by logits_scaling."
+)
+apply_liger_kernels_to_smollm3 = _patcher(
+    "smollm3", "Patch a SmolLM3 model (or its modeling module); its layers without RoPE stay so."
+)
+apply_liger_kernels_to_ministral = _patcher(
+    "ministral", "Patch a Ministral model (or, with ``model=None``, the Ministral modeling module)."
+)
+apply_liger_kernels_to_exaone4 = _patcher(
+    "exaone4", "Patch an EXAONE-4 model (or its modeling module): post-norms and q/k norms."
+)
+apply_liger_kernels_to_mixtral = _patcher(
+    "mixtral",
+    "Patch a Mixtral model (or its modeling module): norms, RoPE, the loss with the router aux loss; "
+    "the experts stay transformers' (``swiglu`` is accepted: there is no dense MLP).",
+)
+apply_liger_kernels_to_qwen2_moe = _patcher(
+    "qwen2_moe",
+    "Patch a Qwen2-MoE model (or its modeling module): norms, RoPE, the shared expert and dense MLPs, "
+    "the loss with the router aux loss.",
+)
+apply_liger_kernels_to_qwen3_moe = _patcher(
+    "qwen3_moe",
+    "Patch a Qwen3-MoE model (or its modeling module): norms (q/k too), RoPE, dense MLPs, the loss "
+    "with the router aux loss.",
+)
+apply_liger_kernels_to_gpt_oss = _patcher(
+    "gpt_oss",
+    "Patch a gpt-oss model (or its modeling module): norms (fp32 product), the loss with the router aux "
+    "loss; RoPE, attention sinks and the clamped-SwiGLU experts stay transformers' (``rope`` and "
+    "``swiglu`` are accepted and change nothing).",
+)
+apply_liger_kernels_to_deepseek_v3 = _patcher(
+    "deepseek_v3",
+    "Patch a DeepSeek-V3 model (or its modeling module): norms (MLA's LoRA norms too), dense and shared-"
+    "expert MLPs, the non-interleaved RoPE, the loss; MLA and the routed experts stay transformers'.",
+)
+apply_liger_kernels_to_llama4_text = _patcher(
+    "llama4_text",
+    "Patch a Llama-4 text model (or its modeling module): norms, dense and shared-expert MLPs, the loss; "
+    "its complex-number RoPE, L2 q/k norms and routed experts stay transformers' (``rope`` is ignored).",
+)

@@ -18,7 +18,8 @@ liger_chunk_tokens=None)`` takes every argument of ``trl.DPOTrainer`` plus three
 
 Options TRL supports that use_liger=True cannot serve raise ``ValueError`` at construction, naming the
 option: ``use_weighting`` (WPO), ``ld_alpha`` with an ``"sft"`` loss term, vision-language models,
-PEFT prompt learning, MoE router auxiliary loss.
+PEFT prompt learning. MoE models: ``router_aux_loss_coef * aux_loss`` of the policy's own backbone
+forward is added to the loss and logged as ``aux_loss``, as TRL does (``router_aux.py``).
 """
 
 from __future__ import annotations
@@ -68,6 +69,7 @@ class DPOTrainer(LigerReferenceTrainerMixin, trl.DPOTrainer):
 
     _liger_config_cls = trl.DPOConfig
     _liger_build_loss = staticmethod(build_dpo_loss)
+    _liger_serves_router_aux_loss = True  # TRL 1.16's DPO: loss + router_aux_loss_coef * aux_loss
 
     # ------------------------------------------------------------------ reference
 

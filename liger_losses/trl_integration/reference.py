@@ -39,6 +39,7 @@ from .base import (
     reject_vision,
     unwrap_causal_lm,
 )
+from .router_aux import backbone_hidden_and_router_aux
 
 
 class LigerReferenceTrainerMixin(LigerTrainerMixin):
@@ -46,6 +47,8 @@ class LigerReferenceTrainerMixin(LigerTrainerMixin):
 
     _liger_config_cls: ClassVar[type]  # the TRL config (trl.DPOConfig...)
     _liger_build_loss: ClassVar[Callable[..., nn.Module]]  # (args, *, chunk_tokens, softcap, logit_scale) -> loss
+    # True where the trainer adds the MoE router aux loss to its policy loss as TRL does (DPO); else rejected
+    _liger_serves_router_aux_loss: ClassVar[bool] = False
 
     # ------------------------------------------------------------------ construction
 
@@ -92,7 +95,7 @@ class LigerReferenceTrainerMixin(LigerTrainerMixin):
         """Checks that need TRL's built trainer, the loss with the head's logit transform, layer patching."""
         if self._is_vision_dataset:
             reject("train_dataset", "<vision dataset>", "vision-language data is not supported")
-        if self.aux_loss_enabled:
+        if self.aux_loss_enabled and not self._liger_serves_router_aux_loss:
             reject("router_aux_loss_coef", self.router_aux_loss_coef,
                    "the MoE load-balancing loss needs the router logits of TRL's forward")
         logit_opts = head_logit_options(unwrap_causal_lm(self.model).config)
@@ -158,8 +161,15 @@ class LigerReferenceTrainerMixin(LigerTrainerMixin):
         """``self.liger_loss(weight, hidden, ref_hidden, labels, bias=, ref_weight=, ref_bias=, **loss_kwargs)`` on
         the policy's ``hidden[:, :-1]`` and head; tensors of ``loss_kwargs`` moved to the hidden states' device."""
 
+        aux_enabled = self.aux_loss_enabled and self._liger_serves_router_aux_loss
+
         def run():
-            hidden = self._liger_backbone_hidden(model, model_kwargs)[:, :-1]
+            aux = None
+            if aux_enabled:  # MoE: the router logits of this same policy forward give the aux loss
+                hidden, aux = backbone_hidden_and_router_aux(model, model_kwargs)
+                hidden = hidden[:, :-1]
+            else:
+                hidden = self._liger_backbone_hidden(model, model_kwargs)[:, :-1]
             weight, bias = self._liger_head(model)
             extra = {k: v.to(hidden.device) if isinstance(v, torch.Tensor) else v for k, v in loss_kwargs.items()}
             with gathered_params(weight, bias, ref_weight, ref_bias):
@@ -167,6 +177,11 @@ class LigerReferenceTrainerMixin(LigerTrainerMixin):
                     weight, hidden, ref_hidden, labels.to(hidden.device), bias=bias,
                     ref_weight=None if ref_weight is None else ref_weight.detach(),
                     ref_bias=None if ref_bias is None else ref_bias.detach(), **extra,
-                )
+                ), aux
 
-        return self._liger_run(model, run)
+        (loss, metrics), aux = self._liger_run(model, run)
+        if aux is not None:  # TRL's DPO: loss + router_aux_loss_coef * aux_loss, logged as aux_loss
+            loss = loss + self.router_aux_loss_coef * aux
+            mode = "train" if self.model.training else "eval"
+            self._metrics[mode]["aux_loss"].append(self.accelerator.gather_for_metrics(aux.detach()).mean().item())
+        return loss, metrics

@@ -22,7 +22,8 @@ and the entropy from its own tiles too.
 
 Options TRL supports that use_liger=True cannot serve raise ``ValueError`` at construction, naming the
 option: ``loss_type="dft"``, ``compute_loss_func``, vision-language models, PEFT prompt learning,
-MoE router auxiliary loss, DeepSpeed sequence parallelism.
+DeepSpeed sequence parallelism. MoE models: the router load-balancing loss of the same backbone
+forward is added as TRL adds it (``router_aux.py``) and logged as ``aux_loss``.
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ from .base import (
     reject_vision,
     unwrap_causal_lm,
 )
+from .router_aux import backbone_hidden_and_router_aux
 
 
 def _f32_ratio(num: float, den: float) -> float:
@@ -92,9 +94,6 @@ class SFTTrainer(LigerTrainerMixin, trl.SFTTrainer):
             reject("compute_loss_func", self.compute_loss_func, "a custom loss needs the full logits")
         if self._is_vlm:
             reject_vision(self.processing_class)
-        if self.aux_loss_enabled:
-            reject("router_aux_loss_coef", self.router_aux_loss_coef,
-                   "the MoE load-balancing loss needs the router logits of the model's forward")
         pc = self.accelerator.parallelism_config
         if pc is not None and getattr(pc, "sp_enabled", False) and getattr(pc, "sp_backend", None) == "deepspeed":
             reject("parallelism_config.sp_backend", "deepspeed",
@@ -114,21 +113,28 @@ class SFTTrainer(LigerTrainerMixin, trl.SFTTrainer):
         smoothing = float(self.args.label_smoothing_factor or 0.0)
 
         def head_loss():
-            hidden = self._liger_backbone_hidden(model, model_kwargs)
+            aux = None
+            if self.aux_loss_enabled:  # MoE: the router logits of this same forward give the aux loss
+                hidden, aux = backbone_hidden_and_router_aux(model, model_kwargs)
+            else:
+                hidden = self._liger_backbone_hidden(model, model_kwargs)
             if shift_labels is None:
                 hidden = hidden[:, :-1]
             weight, bias = self._liger_head(model)
             lab = labels.to(hidden.device)
             with gathered_params(weight, bias):
                 if smoothing == 0.0:
-                    return self._liger_nll(weight, bias, hidden, lab, num_items_in_batch)
-                return self._liger_smoothed(weight, bias, hidden, lab, num_items_in_batch, smoothing)
+                    return (*self._liger_nll(weight, bias, hidden, lab, num_items_in_batch), aux)
+                return (*self._liger_smoothed(weight, bias, hidden, lab, num_items_in_batch, smoothing), aux)
 
-        loss, num_valid, num_correct, entropy_sum = self._liger_run(model, head_loss)
+        loss, num_valid, num_correct, entropy_sum, aux_loss = self._liger_run(model, head_loss)
 
         # like TRL: `num_items_in_batch` counts the tokens of every rank and DDP averages the gradients
         if self.args.average_tokens_across_devices and num_items_in_batch is not None:
             loss = loss * (self.accelerator.num_processes // self.get_tp_size())
+        if aux_loss is not None:  # TRL: a per-micro-batch mean, averaged over the accumulation steps
+            steps = self.current_gradient_accumulation_steps if num_items_in_batch is not None else 1
+            loss = loss + self.router_aux_loss_coef * aux_loss / steps
 
         num_valid, entropy_sum, num_correct = self._liger_gather(
             mode, [num_valid, entropy_sum, num_correct], "sum", inputs=inputs)
@@ -137,6 +143,8 @@ class SFTTrainer(LigerTrainerMixin, trl.SFTTrainer):
             _f32_ratio(num_correct, num_valid) if num_valid > 0 else 0.0
         )
 
+        if aux_loss is not None:
+            self._metrics[mode]["aux_loss"].append(self.accelerator.gather_for_metrics(aux_loss.detach()).mean().item())
         return self._liger_return(model, model_kwargs, loss, return_outputs)
 
     # -- the two loss paths; each returns (loss, num_valid, num_correct, entropy_sum) as 0-d tensors

@@ -9,7 +9,7 @@ import torch
 from liger_losses.patching import AutoLigerModelForCausalLM
 from liger_losses.patching.causal_lm import is_liger_forward
 from tests.helpers import TOL, assert_close_rel
-from tests.patching.tiny_models import tiny_batch, tiny_config, tiny_model
+from tests.patching.tiny_models import FAMILIES, tiny_batch, tiny_config, tiny_model
 
 
 def test_from_pretrained_patches_saved_model(tmp_path):
@@ -61,3 +61,30 @@ def test_from_config():
 
     model = AutoLigerModelForCausalLM.from_config(tiny_config("gemma"))
     assert isinstance(model.model.layers[0].mlp, LigerGEGLUMLP)
+
+
+@pytest.mark.parametrize("model_type", FAMILIES)
+def test_from_pretrained_every_family(model_type, tmp_path):
+    """Every supported family: a saved tiny random model loads through
+    AutoLigerModelForCausalLM.from_pretrained (offline) patched (no transformers RMSNorm left, our
+    forward), and its training-mode loss (MoE: router aux loss included) equals the saved model's
+    transformers loss within 1e-5 (fp32)."""
+    import importlib
+
+    from liger_losses.patching.specs import FAMILIES as SPECS
+
+    ref = tiny_model(model_type)
+    batch = tiny_batch(ref.config)
+    with torch.no_grad():
+        ref_loss = ref(**batch).loss
+    ref.save_pretrained(tmp_path)
+    model = AutoLigerModelForCausalLM.from_pretrained(
+        tmp_path, local_files_only=True, attn_implementation="eager"
+    ).train()
+    hf_norm = getattr(importlib.import_module(SPECS[model_type].module), SPECS[model_type].rms_norm)
+    assert not any(isinstance(m, hf_norm) for m in model.modules())
+    assert is_liger_forward(model.forward)
+    with torch.no_grad():
+        out = model(**batch)
+    assert out.logits is None
+    assert_close_rel(out.loss, ref_loss, TOL[torch.float32], "loaded loss")

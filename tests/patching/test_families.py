@@ -8,6 +8,7 @@ differs (observed errors ~1e-6).
 
 import copy
 import importlib
+import os
 
 import pytest
 import torch
@@ -26,7 +27,7 @@ from liger_losses.patching.rope import (
     liger_rotary_pos_emb_with_position_ids_inplace,
 )
 from tests.helpers import TOL, assert_close_rel
-from tests.patching.tiny_models import FAMILIES, loss_and_grads, tiny_batch, tiny_model
+from tests.patching.tiny_models import FAMILIES, MOE_FAMILIES, loss_and_grads, tiny_batch, tiny_model
 
 FP32 = TOL[torch.float32]
 
@@ -47,36 +48,56 @@ def _assert_loss_and_grads(out, grads, ref_loss, ref_grads):
         assert_close_rel(grads[name], g, FP32, f"grad {name}")
 
 
+IMPLS = ("triton-interpreter", "torch-fallback")
+
+
+@pytest.fixture(params=IMPLS)
+def kernel_impl(request, monkeypatch):
+    """Run the patched model's kernels through the Triton interpreter (TRITON_INTERPRET=1, set by
+    tests/conftest.py on a machine without CUDA) or through their pure-PyTorch fallbacks (with the
+    interpreter switched off, ``impl="auto"`` resolves to ``torch`` on the CPU)."""
+    if request.param == "torch-fallback":
+        monkeypatch.setenv("TRITON_INTERPRET", "0")
+    elif not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("the Triton interpreter is off")
+    from liger_losses.kernels.utils import resolve_impl
+
+    want = "torch" if request.param == "torch-fallback" else "triton"
+    assert resolve_impl("auto", torch.zeros(1)) == want
+    return request.param
+
+
 def _modules_swapped(model, spec):
-    from liger_losses.kernels.mlp import LigerGEGLUMLP, LigerPhi3SwiGLUMLP, LigerSwiGLUMLP
-    from liger_losses.kernels.rms_norm import LigerGemmaRMSNorm, LigerRMSNorm
+    """No transformers RMSNorm (or swapped MLP) of the family is left, each layer's norms and dense
+    MLPs are ours, RoPE is ours where the family's rotary is the kernel's, the forward is ours."""
+    from liger_losses.patching.modules import mlp_class, norm_class
 
     modeling = importlib.import_module(spec.module)
-    hf_norm, hf_mlp = getattr(modeling, spec.rms_norm), getattr(modeling, spec.mlp)
-    assert not any(isinstance(m, (hf_norm, hf_mlp)) for m in model.modules())
-    norm_cls = LigerGemmaRMSNorm if spec.norm_kind == "gemma" else LigerRMSNorm
-    mlp_cls = {"swiglu": LigerSwiGLUMLP, "phi3": LigerPhi3SwiGLUMLP, "geglu": LigerGEGLUMLP}[
-        spec.mlp_kind
-    ]
-    for layer in model.model.layers:
-        assert isinstance(layer.mlp, mlp_cls)
-        assert isinstance(layer.input_layernorm, norm_cls)
-        assert isinstance(layer.post_attention_layernorm, norm_cls)
-    assert isinstance(model.model.norm, norm_cls)
-    assert modeling.apply_rotary_pos_emb in (
+    hf_norm = getattr(modeling, spec.rms_norm)
+    assert not any(isinstance(m, hf_norm) for m in model.modules())
+    norms = [m for m in model.modules() if isinstance(m, norm_class(spec.norm_kind))]
+    assert len(norms) >= 2 * len(model.model.layers) + 1
+    assert isinstance(model.model.norm, norm_class(spec.norm_kind))
+    if spec.mlp is not None:
+        assert not any(isinstance(m, getattr(modeling, spec.mlp)) for m in model.modules())
+        assert any(isinstance(m, mlp_class(spec.mlp_kind)) for m in model.modules())
+    ours = (
         liger_rotary_pos_emb,
         liger_rotary_pos_emb_with_position_ids,
         liger_rotary_pos_emb_inplace,
         liger_rotary_pos_emb_with_position_ids_inplace,
     )
+    assert (getattr(modeling, "apply_rotary_pos_emb", None) in ours) == spec.rope
     assert is_liger_forward(model.forward)
 
 
 @pytest.mark.parametrize("model_type", FAMILIES)
-def test_patched_family_matches_unpatched(model_type):
-    """Patched model: logits (no labels), loss (labels with -100) and the gradient of every
-    parameter equal the unpatched model's within 1e-5 relative error (fp32); the modules really
-    are ours; with labels in training mode the lm_head is never called and logits are None."""
+def test_patched_family_matches_unpatched(model_type, kernel_impl):
+    """Patched model: logits (no labels), loss (labels with -100; MoE: the router aux loss
+    included) and the gradient of every parameter equal the unpatched model's within 1e-5
+    relative error (fp32; gradients are held to the same 1e-5, tighter than the 1e-4 bar, observed
+    ~1e-6), through the Triton interpreter and through the PyTorch fallbacks; the modules really are
+    ours; with labels in training mode the lm_head is never called and logits are None."""
     ref = tiny_model(model_type)
     model = copy.deepcopy(ref)
     batch = tiny_batch(ref.config)
@@ -230,3 +251,40 @@ def _counting(fn, calls):
         return fn(*args)
 
     return wrapped
+
+
+@pytest.mark.parametrize("model_type", MOE_FAMILIES)
+def test_moe_router_aux_loss_as_transformers_adds_it(model_type):
+    """MoE families: the patched training forward returns transformers' aux_loss and router logits
+    and adds router_aux_loss_coef * aux_loss to the loss exactly as transformers does (fp32, 1e-5),
+    with num_items_in_batch too; the aux term is far above the tolerance (coef 0.1, aux ~2);
+    output_router_logits=False leaves it out (aux_loss None), as transformers does."""
+    ref = tiny_model(model_type)
+    model = apply_liger_kernels(copy.deepcopy(ref))
+    batch = tiny_batch(ref.config)
+    for kwargs in ({}, {"num_items_in_batch": 7}, {"output_router_logits": False}):
+        ref_out, ref_grads = loss_and_grads(ref, batch, **kwargs)
+        out, grads = loss_and_grads(model, batch, **kwargs)
+        assert out.logits is None
+        _assert_loss_and_grads(out, grads, ref_out.loss, ref_grads)
+        if kwargs.get("output_router_logits") is False:
+            assert out.aux_loss is None and ref_out.aux_loss is None
+            continue
+        assert_close_rel(out.aux_loss, ref_out.aux_loss, FP32, "aux_loss")
+        assert len(out.router_logits) == len(ref_out.router_logits) >= 1
+        assert float(ref.config.router_aux_loss_coef * ref_out.aux_loss.detach()) > 1e-2 * float(ref_out.loss.detach())
+
+
+def test_granite_logits_scaling_is_applied():
+    """Granite divides its logits by logits_scaling (4 here): the scale changes the loss by far
+    more than the tolerance and the patched loss matches transformers' to 1e-5 (fp32)."""
+    ref = tiny_model("granite")
+    model = apply_liger_kernels(copy.deepcopy(ref))
+    batch = tiny_batch(ref.config)
+    with torch.no_grad():
+        ref_loss = ref(**batch).loss
+        ref.config.logits_scaling = 1.0
+        unscaled = ref(**batch).loss
+        loss = model(**batch).loss
+    assert abs(float(unscaled - ref_loss)) > 1e-2 * float(ref_loss)
+    assert_close_rel(loss, ref_loss, FP32, "scaled loss")

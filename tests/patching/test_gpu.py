@@ -35,8 +35,10 @@ def test_bf16_patched_model_on_cuda(model_type):
     """Patched bf16 model on CUDA vs fp64 reference: loss <= 1e-2; logits and every gradient
     <= max(1e-2, 2 x HF-bf16 error)."""
     overrides = dict(SIZES)
-    if model_type == "phi3":
-        overrides.pop("head_dim")
+    if model_type in ("phi3", "deepseek_v3"):
+        overrides.pop("head_dim")  # derived (Phi-3: hidden / heads; DeepSeek-V3: qk_rope_head_dim)
+    if model_type == "deepseek_v3":
+        overrides["num_key_value_heads"] = overrides["num_attention_heads"]  # MLA: one k per head
     ref64 = tiny_model(model_type, dtype=torch.float64, device="cuda", **overrides)
     hf16 = copy.deepcopy(ref64).to(torch.bfloat16)
     model = copy.deepcopy(hf16)

@@ -1,8 +1,11 @@
 """Tiny random Hugging Face causal LMs and batches for tests (offline: built from configs).
 
 ``tiny_config(model_type, **overrides)``: 2 layers, hidden 64, 4 heads / 2 KV heads of 16,
-intermediate 128, vocab 128, eager attention; Phi-3 uses partial rotary (factor 0.5) and Gemma-2
-a final-logit softcap of 1.0 so that both code paths matter at this scale.
+intermediate 128, vocab 128, eager attention; each family's own features switched on so that they
+matter at this scale: Phi-3 partial rotary (factor 0.5), Gemma-2/3 a final-logit softcap of 1.0,
+one sliding-window layer (window 4) for Gemma-3, OLMo-3, Ministral and EXAONE-4, Granite's
+multipliers and ``logits_scaling=4``, a SmolLM3 layer without RoPE; MoE families 4 experts, top-2,
+``output_router_logits=True`` with ``router_aux_loss_coef=0.1``, and (Qwen MoE) layer 1 dense.
 ``tiny_model(model_type, *, dtype=torch.float32, device="cpu", **overrides)``: that model with
 every weight drawn afresh (matrices N(0, 0.1^2); norm weights = their init value + N(0, 0.1^2), so
 Gemma's ``1 + w`` and Llama's ``w`` are both exercised), in training mode.
@@ -16,7 +19,13 @@ from __future__ import annotations
 
 import torch
 
-FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "phi3")
+DENSE_FAMILIES = (
+    "llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "phi3",
+    "gemma3_text", "olmo2", "olmo3", "glm4", "granite", "smollm3", "ministral", "exaone4",
+)
+MOE_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "gpt_oss")
+OTHER_FAMILIES = ("deepseek_v3", "llama4_text")  # MoE without an aux loss
+FAMILIES = DENSE_FAMILIES + MOE_FAMILIES + OTHER_FAMILIES
 
 _COMMON = dict(
     vocab_size=128,
@@ -32,9 +41,34 @@ _COMMON = dict(
     eos_token_id=2,
 )
 
+# One sliding layer of window 4 (shorter than the batches' 8 tokens) where the family has them.
+_SLIDING = dict(sliding_window=4, layer_types=["sliding_attention", "full_attention"])
+_MOE = dict(num_experts_per_tok=2, output_router_logits=True, router_aux_loss_coef=0.1)
+
 _PER_FAMILY = {
     "gemma2": dict(final_logit_softcapping=1.0, query_pre_attn_scalar=16),
     "phi3": dict(partial_rotary_factor=0.5),
+    "gemma3_text": dict(final_logit_softcapping=1.0, query_pre_attn_scalar=16, **_SLIDING),
+    "olmo3": dict(_SLIDING),
+    "granite": dict(embedding_multiplier=2.0, residual_multiplier=0.5, attention_multiplier=0.1,
+                    logits_scaling=4.0),
+    "smollm3": dict(no_rope_layers=[1, 0]),  # layer 1 has no RoPE
+    "ministral": dict(_SLIDING),
+    "exaone4": dict(_SLIDING),  # the full layer has no RoPE when a sliding window is set
+    "mixtral": dict(num_local_experts=4, **_MOE),
+    "qwen2_moe": dict(num_experts=4, moe_intermediate_size=32, shared_expert_intermediate_size=64,
+                      mlp_only_layers=[1], **_MOE),
+    "qwen3_moe": dict(num_experts=4, moe_intermediate_size=32, mlp_only_layers=[1], **_MOE),
+    "gpt_oss": dict(num_local_experts=4, intermediate_size=32, **_SLIDING, **_MOE),
+    # layer 0 dense, layer 1 MoE (4 routed experts in 2 groups + a shared one); MLA with q LoRA;
+    # the non-interleaved rotary, so that our RoPE kernel runs
+    # layer 0 MoE (4 experts, top-1, a shared expert), layer 1 dense; layer 1 without RoPE
+    "llama4_text": dict(num_local_experts=4, num_experts_per_tok=1, intermediate_size_mlp=128,
+                        interleave_moe_layer_step=2, moe_layers=[0], no_rope_layers=[1, 0]),
+    "deepseek_v3": dict(num_key_value_heads=4, n_routed_experts=4, num_experts_per_tok=2, n_group=2, topk_group=1,
+                        moe_intermediate_size=32, n_shared_experts=1, first_k_dense_replace=1,
+                        q_lora_rank=32, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8,
+                        v_head_dim=16, rope_interleave=False),
 }
 
 
@@ -45,8 +79,8 @@ def tiny_config(model_type: str, **overrides):
     kwargs = dict(_COMMON)
     kwargs.update(_PER_FAMILY.get(model_type, {}))
     kwargs.update(overrides)
-    if model_type == "phi3":
-        kwargs.pop("head_dim", None)  # Phi-3 derives it from hidden_size / heads
+    if model_type in ("phi3", "deepseek_v3"):
+        kwargs.pop("head_dim", None)  # Phi-3: hidden_size / heads; DeepSeek-V3: qk_rope_head_dim
     config = AutoConfig.for_model(model_type, **kwargs)
     config._attn_implementation = "eager"
     return config
