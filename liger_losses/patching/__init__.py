@@ -3,8 +3,8 @@
 from liger_losses.patching.apply import apply_liger_kernels
 from liger_losses.patching.auto import AutoLigerModelForCausalLM
 from liger_losses.patching.causal_lm import causal_lm_fused_loss, make_causal_lm_forward
-from liger_losses.patching.core import revert_liger_kernels
 from liger_losses.patching.checks import FamilyMismatchError
+from liger_losses.patching.core import revert_liger_kernels
 from liger_losses.patching.families import (
     SUPPORTED_MODEL_TYPES,
     apply_liger_kernels_to_deepseek_v3,

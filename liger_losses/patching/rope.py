@@ -1,7 +1,8 @@
 """Drop-in replacements for a Hugging Face modeling module's ``apply_rotary_pos_emb``.
 
 ``make_rotary_replacement(original)`` returns a function (in place for ``INPLACE_FAMILIES`` while
-``ROPE_PATCH.current.inplace`` is set, else out of place) with the same call signature as ``original`` (either ``(q, k, cos, sin, unsqueeze_dim=1)`` as in transformers 5.x, or the older
+``ROPE_PATCH.current.inplace`` is set, else out of place) with the same call signature as
+``original`` (either ``(q, k, cos, sin, unsqueeze_dim=1)`` as in transformers 5.x, or the older
 ``(q, k, cos, sin, position_ids=None, unsqueeze_dim=1)``) that rotates with
 ``liger_losses.kernels.rope.apply_rotary_pos_emb``.
 

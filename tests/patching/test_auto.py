@@ -16,8 +16,8 @@ def test_from_pretrained_patches_saved_model(tmp_path):
     """save_pretrained of a tiny random Qwen3 then AutoLigerModelForCausalLM.from_pretrained (all
     offline): modules are ours, weights are the saved ones, and the training-mode loss equals the
     original model's HF loss within 1e-5."""
-    from liger_losses.kernels.rms_norm import LigerRMSNorm
     from liger_losses.kernels.mlp import LigerSwiGLUMLP
+    from liger_losses.kernels.rms_norm import LigerRMSNorm
 
     ref = tiny_model("qwen3")
     batch = tiny_batch(ref.config)

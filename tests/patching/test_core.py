@@ -30,8 +30,8 @@ def test_class_level_patch_and_revert():
     from transformers import AutoModelForCausalLM
     from transformers.models.llama import modeling_llama as ml
 
-    from liger_losses.kernels.rms_norm import LigerRMSNorm
     from liger_losses.kernels.mlp import LigerSwiGLUMLP
+    from liger_losses.kernels.rms_norm import LigerRMSNorm
 
     hf_norm, hf_mlp, hf_rope = ml.LlamaRMSNorm, ml.LlamaMLP, ml.apply_rotary_pos_emb
     hf_forward = ml.LlamaForCausalLM.forward

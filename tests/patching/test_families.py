@@ -17,6 +17,8 @@ from liger_losses.patching import apply_liger_kernels
 from liger_losses.patching.causal_lm import is_liger_forward
 from liger_losses.patching.families import (
     FAMILIES as SPECS,
+)
+from liger_losses.patching.families import (
     apply_liger_kernels_to_gemma2,
     apply_liger_kernels_to_llama,
 )

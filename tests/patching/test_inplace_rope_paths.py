@@ -231,9 +231,9 @@ def test_generate_and_cached_forward(model_type, spy):
     (``past_key_values`` from a ``use_cache=True`` prefix forward) gives logits within 1e-5
     relative (fp32) of the unpatched model's, as do the prefix logits, and equal the uncached full
     forward's tail; a forward under ``inference_mode`` matches too. Row 1 is left-padded (two
-    masked tokens), so positions differ per row. The in-place rotation of k happens before ``cache.update``; a cache aliasing
-    an earlier k would show here. Mistral, Qwen2 and Gemma-2 run with a sliding window of 4 (on
-    some layers), shorter than the prompt, so their sliding caches drop keys."""
+    masked tokens), so positions differ per row. The in-place rotation of k happens before
+    ``cache.update``; a cache aliasing an earlier k would show here. Mistral, Qwen2 and Gemma-2 run with a
+    sliding window of 4 (on some layers), shorter than the prompt, so their sliding caches drop keys."""
     ref = tiny_model(model_type, **_SLIDING.get(model_type, {})).eval()
     model = copy.deepcopy(ref)
     batch = tiny_batch(ref.config, batch=2, seq=10)

@@ -54,9 +54,10 @@ def test_inplace_families_and_switch():
     in-place replacement rotates in the projection's memory while ``ROPE_PATCH.current.inplace`` is
     True and out of place
     when it is switched off, with the same values as HF's llama function (fp32, 1e-5)."""
-    import liger_losses.patching.rope as prope
     from transformers.models.llama.modeling_llama import apply_rotary_pos_emb as hf_llama
     from transformers.models.phi3.modeling_phi3 import apply_rotary_pos_emb as hf_phi3
+
+    import liger_losses.patching.rope as prope
 
     fn = make_rotary_replacement(hf_llama)
     assert fn is prope.liger_rotary_pos_emb_inplace
@@ -91,8 +92,8 @@ ROPE_TYPES = {  # rope_scaling of the config (None: the default rotary)
 def test_family_tables_repeat_their_first_half(model_type, rope_type):
     """The patched models rotate with repeated_tables=True (RoPEPatchConfig.repeated_tables), which reads only the
     first half of each cos/sin row: that is exact only because every family's rotary embedding builds
-    cos/sin as cat(freqs, freqs). Checked here on the rotary module of each family whose RoPE is patched, for each rope type
-    (positions past the original context included): the halves are bitwise equal."""
+    cos/sin as cat(freqs, freqs). Checked here on the rotary module of each family whose RoPE is patched, for each
+    rope type (positions past the original context included): the halves are bitwise equal."""
     import importlib
 
     import liger_losses.patching.rope as prope

@@ -13,8 +13,17 @@ import torch
 from liger_losses.trl_integration import DPOTrainer, SFTTrainer
 
 from .utils import (
-    PAIRS, assert_grads_match, assert_metrics_match, check_compute_loss, dpo_config, first_batch, make_pair,
-    preference_dataset, rel, sft_config, sft_dataset,
+    PAIRS,
+    assert_grads_match,
+    assert_metrics_match,
+    check_compute_loss,
+    dpo_config,
+    first_batch,
+    make_pair,
+    preference_dataset,
+    rel,
+    sft_config,
+    sft_dataset,
 )
 
 TOL = 1e-4
