@@ -39,13 +39,19 @@ def test_bf16_patched_model_on_cuda(model_type):
         overrides.pop("head_dim")  # derived (Phi-3: hidden / heads; DeepSeek-V3: qk_rope_head_dim)
     if model_type == "deepseek_v3":
         overrides["num_key_value_heads"] = overrides["num_attention_heads"]  # MLA: one k per head
-    ref64 = tiny_model(model_type, dtype=torch.float64, device="cuda", **overrides)
-    hf16 = copy.deepcopy(ref64).to(torch.bfloat16)
+    # the fp64 reference runs on the CPU with eager experts: the MoE families' default grouped-GEMM experts
+    # take fp32/bf16/fp16 only
+    ref64 = tiny_model(model_type, dtype=torch.float64, device="cpu", **overrides)
+    if hasattr(ref64, "set_experts_implementation") and getattr(ref64.config, "_experts_implementation", None):
+        ref64.set_experts_implementation("eager")
+    hf16 = copy.deepcopy(ref64).to("cuda", torch.bfloat16)
     model = copy.deepcopy(hf16)
-    batch = tiny_batch(ref64.config, batch=2, seq=64, device="cuda")
+    batch_cpu = tiny_batch(ref64.config, batch=2, seq=64, device="cpu")
+    batch = {k: v.cuda() for k, v in batch_cpu.items()}
 
-    ref_logits = _logits(ref64, batch)
-    ref_out, ref_grads = loss_and_grads(ref64, batch)
+    ref_logits = _logits(ref64, batch_cpu).cuda()
+    ref_out, ref_grads = loss_and_grads(ref64, batch_cpu)
+    ref_grads = {name: g.cuda() for name, g in ref_grads.items()}
     hf_logits = _logits(hf16, batch)
     hf_out, hf_grads = loss_and_grads(hf16, batch)
 
@@ -53,7 +59,7 @@ def test_bf16_patched_model_on_cuda(model_type):
     logits = _logits(model, batch)
     out, grads = loss_and_grads(model, batch)
     assert out.logits is None
-    assert rel_err(out.loss, ref_out.loss) <= BF16
+    assert rel_err(out.loss, ref_out.loss.cuda()) <= BF16
     assert rel_err(logits, ref_logits) <= max(BF16, 2 * rel_err(hf_logits, ref_logits))
     for name, g in ref_grads.items():
         bar = max(BF16, 2 * rel_err(hf_grads[name], g))
