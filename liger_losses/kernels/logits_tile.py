@@ -62,19 +62,7 @@ triton, tl = import_triton()
 
 if triton is not None:
     from liger_losses.kernels.utils import acc_zero, keep_or_sum, kept_total  # jit helpers
-
-    @triton.jit
-    def _transform(x, logit_scale, inv_temp, softcap, HAS_SOFTCAP: tl.constexpr):
-        """z = (softcap * tanh(logit_scale * x / softcap)) / T, and tanh (0 without softcap)."""
-        y = x * logit_scale
-        t = y * 0.0
-        if HAS_SOFTCAP:
-            u = y / softcap
-            e = tl.exp(-2.0 * tl.abs(u))
-            t = (1.0 - e) / (1.0 + e)
-            t = tl.where(u < 0, -t, t)
-            y = softcap * t
-        return y * inv_temp, t
+    from liger_losses.kernels.utils import transform_logits as _transform
 
     @triton.jit
     def _gradient_pass(x_ptr, g_ptr, SCALE, row, scale_stride, scale_value, CW, valid, lse, safe, w_y, w_sum,
@@ -215,7 +203,8 @@ if triton is not None:
     _logits_tile_kernel = fast_kernel(_logits_tile_kernel)
 
 
-def _transform_torch(x: Tensor, logit_scale, temperature, softcap):
+def transform_logits_torch(x: Tensor, logit_scale, temperature, softcap):
+    """``(z, t)`` of the Triton kernels' ``transform_logits`` in PyTorch (``t`` None without softcap), fp32."""
     y = x.float() * logit_scale
     t = None
     if softcap is not None:
@@ -232,7 +221,7 @@ def _logits_tile_torch(
     # out-of-range labels count as ignored, as in the Triton kernel (no out-of-bounds gather)
     valid = (labels != ignore_index) & (labels >= 0) & (labels < V)
     safe = torch.where(valid, labels, torch.zeros_like(labels)).long()
-    z, t = _transform_torch(logits, logit_scale, temperature, softcap)
+    z, t = transform_logits_torch(logits, logit_scale, temperature, softcap)
     lse = torch.logsumexp(z, dim=1)
     z_y = z.gather(1, safe[:, None]).squeeze(1)
     logp = z_y - lse

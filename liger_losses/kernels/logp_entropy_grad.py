@@ -25,6 +25,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
+from liger_losses.kernels.logits_tile import transform_logits_torch
 from liger_losses.kernels.tuning import Knobs, knob, register
 from liger_losses.kernels.utils import (
     check_range,
@@ -55,18 +56,7 @@ LOGP_ENTROPY_GRAD_TUNING = register("logp_entropy_grad", LogpEntropyGradTuning()
 
 if triton is not None:
 
-    @triton.jit
-    def _transformed(x, logit_scale, inv_temp, softcap, HAS_SOFTCAP: tl.constexpr):
-        """``(z, tanh)`` of the logits transform (tanh 0 without softcap)."""
-        y = x * logit_scale
-        t = y * 0.0
-        if HAS_SOFTCAP:
-            u = y / softcap
-            e = tl.exp(-2.0 * tl.abs(u))
-            t = (1.0 - e) / (1.0 + e)
-            t = tl.where(u < 0, -t, t)
-            y = softcap * t
-        return y * inv_temp, t
+    from liger_losses.kernels.utils import transform_logits  # jit helper
 
     @triton.jit
     def _logp_entropy_grad_kernel(
@@ -91,7 +81,7 @@ if triton is not None:
             cols = b * BLOCK + offs
             mask = cols < V
             x = tl.load(x_ptr + cols, mask=cols < v_read, other=0.0).to(tl.float32)
-            z, t = _transformed(x, logit_scale, inv_temp, softcap, HAS_SOFTCAP)
+            z, t = transform_logits(x, logit_scale, inv_temp, softcap, HAS_SOFTCAP)
             p = tl.exp(tl.minimum(z - lse, 0.0))
             g = -gl * p
             if HAS_GE:
@@ -107,12 +97,7 @@ def _logp_entropy_grad_torch(x, labels, lse, entropy, grad_logp, grad_entropy, i
     n, V = x.shape
     valid = (labels != ignore_index) & (labels >= 0) & (labels < V)
     safe = torch.where(valid, labels, torch.zeros_like(labels)).long()
-    y = x.float() * logit_scale
-    t = None
-    if softcap is not None:
-        t = torch.tanh(y / softcap)
-        y = softcap * t
-    z = y / temperature
+    z, t = transform_logits_torch(x, logit_scale, temperature, softcap)
     zero = torch.zeros_like(lse, dtype=torch.float32)
     lse_v = torch.where(valid, lse.float(), zero)[:, None]
     p = torch.exp((z - lse_v).clamp(max=0.0))

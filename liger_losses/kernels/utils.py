@@ -73,6 +73,20 @@ if _triton is not None:
         return out
 
     @_triton.jit
+    def transform_logits(x, logit_scale, inv_temp, softcap, HAS_SOFTCAP: _tl.constexpr):
+        """``(z, t)``: the head's logit transform ``z = softcap * tanh(logit_scale * x / softcap) / T``
+        (``logit_scale * x / T`` without softcap) and the tanh ``t`` (0 without softcap), fp32."""
+        y = x * logit_scale
+        t = y * 0.0
+        if HAS_SOFTCAP:
+            u = y / softcap
+            e = _tl.exp(-2.0 * _tl.abs(u))
+            t = (1.0 - e) / (1.0 + e)
+            t = _tl.where(u < 0, -t, t)
+            y = softcap * t
+        return y * inv_temp, t
+
+    @_triton.jit
     def kept_total(acc, KEEP: _tl.constexpr):
         """The first-axis sum of an accumulator built with :func:`keep_or_sum`."""
         if KEEP:
