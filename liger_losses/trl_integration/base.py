@@ -25,11 +25,11 @@ This module gives those pieces, each usable on its own:
 * :func:`gathered_params` -- a ZeRO-3 partitioned LM head is gathered with
   ``deepspeed.zero.GatheredParameters`` for the duration of the loss (``deepspeed`` imported lazily;
   a null context otherwise).
-* :func:`needs_forward_redirect` / :func:`run_in_forward` -- "forward redirection": under FSDP
-  (and DDP / DeepSpeed engines) parameters are gathered and gradient hooks armed by the *root*
-  module's ``__call__``. Calling the backbone submodule directly would skip that, so the loss
-  function is run as the root module's forward for one call (the root's ``forward`` attribute is
-  swapped for the call and restored afterwards, also on error).
+* :func:`run_in_forward` -- "forward redirection": under FSDP (and DDP / DeepSpeed engines)
+  parameters are gathered and gradient hooks armed by the *root* module's ``__call__``. Calling the
+  backbone submodule directly would skip that, so the loss function is run as the root module's
+  forward for one call, for every model (a plain one's hooks then run as in ``model(...)``): the root's
+  ``forward`` attribute is swapped for the call and restored afterwards, also on error.
 * :func:`forward_autocast` -- the mixed-precision autocast accelerate wraps a prepared model's
   ``forward`` in (``bf16=True``/``fp16=True``); the swapped forward would drop it, so
   :meth:`~LigerTrainerMixin._liger_run` enters it around the loss function: the backbone (PEFT
@@ -176,33 +176,6 @@ def gathered_params(*params: Optional[torch.Tensor]):
 
 
 # --------------------------------------------------------------------------- forward redirection
-
-
-def needs_forward_redirect(model: nn.Module) -> bool:
-    """True when ``model`` must be *called* for its parameters/gradient hooks to work: a DDP, FSDP
-    (1 or 2) or DeepSpeed-engine wrapped model. False for a plain module (the no-op path)."""
-    try:
-        from torch.nn.parallel import DistributedDataParallel
-
-        if isinstance(model, DistributedDataParallel):
-            return True
-    except Exception:  # pragma: no cover
-        pass
-    try:
-        from torch.distributed.fsdp import FullyShardedDataParallel
-
-        if isinstance(model, FullyShardedDataParallel):
-            return True
-    except Exception:  # pragma: no cover
-        pass
-    try:  # FSDP2: fully_shard() turns the module class into an FSDPModule subclass
-        from torch.distributed.fsdp import FSDPModule
-
-        if isinstance(model, FSDPModule):
-            return True
-    except Exception:  # pragma: no cover
-        pass
-    return type(model).__name__ == "DeepSpeedEngine"
 
 
 def run_in_forward(root: nn.Module, fn: Callable[..., Any], *args, **kwargs) -> Any:

@@ -70,10 +70,9 @@ def test_run_in_forward_restores_on_error():
 
 
 def test_liger_run_plain_module_runs_fn_as_its_forward():
-    """A plain (unwrapped) module needs no redirect, yet _liger_run still runs fn through its __call__ (as TRL's
-    ``model(...)`` call does: the module's forward hooks fire) and restores its forward afterwards."""
+    """A plain (unwrapped) module: _liger_run runs fn through its __call__ (as TRL's ``model(...)`` call does: the
+    module's forward hooks fire) and restores its forward afterwards."""
     model = _Inner()
-    assert not base.needs_forward_redirect(model)
     calls = []
     model.register_forward_pre_hook(lambda module, args: calls.append("pre-hook"))
     runner = base.LigerTrainerMixin()
