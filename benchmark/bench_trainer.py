@@ -21,6 +21,8 @@ full/LoRA, sequences x tokens, and ``-L<n>`` where the depth is cut, ``-fp32w`` 
   gemma2b_sft_full_8x2048        Gemma-2-2B (final logit softcap 30, V 256000, eager attention), SFT, 16k tokens
   llama8b-L8_orpo_full_4x2048    Llama-3-8B widths and head (H 4096, V 128256, untied), 8 of 32 layers, ORPO, 16k
   llama8b-L8_sft_lora_4x8192     same model, SFT, LoRA r=16, 4 x 8192 = 32k tokens (GPU-bound)
+  gemma3-1b_sft_full_4x2048      Gemma-3-1B (gemma3_text: V 262144, 26 x 1152, MQA, sliding window 512), SFT, 8k
+  qwen3moe-L4_dpo_full_2x1024    Qwen3-30B-A3B widths (128 experts, top 8, router aux loss), 4 of 48 layers, DPO, 4k
   qwen1.5b_grpo_full_16x1024     Qwen2.5-1.5B, GRPO optimization step on a pre-generated batch (16 sequences
                                  of 256 prompt + 768 completion tokens, 4 generations per prompt, beta=0);
                                  run only when ``liger_losses.trl_integration.GRPOTrainer`` is importable,
@@ -151,6 +153,8 @@ DEFAULT_CASES = (
     Case("llama8b-L8_orpo_full_4x2048", "llama3-8b", "orpo", 4, 2048, layers=8),
     Case("llama8b-L8_sft_lora_4x8192", "llama3-8b", "sft", 4, 8192, lora=True, layers=8),
     Case("qwen1.5b_grpo_full_16x1024", "qwen2.5-1.5b", "grpo", 16, 1024),
+    Case("gemma3-1b_sft_full_4x2048", "gemma3-1b", "sft", 4, 2048),
+    Case("qwen3moe-L4_dpo_full_2x1024", "qwen3-moe-30b-a3b", "dpo", 2, 1024, layers=4),
 )
 FULL_EXTRA_CASES = (
     Case("qwen1.5b_sft_full_2x4096", "qwen2.5-1.5b", "sft", 2, 4096),
@@ -323,6 +327,8 @@ MODELING_MODULES = {
     "llama": "transformers.models.llama.modeling_llama",
     "qwen2": "transformers.models.qwen2.modeling_qwen2",
     "gemma2": "transformers.models.gemma2.modeling_gemma2",
+    "gemma3_text": "transformers.models.gemma3.modeling_gemma3",
+    "qwen3_moe": "transformers.models.qwen3_moe.modeling_qwen3_moe",
 }
 
 

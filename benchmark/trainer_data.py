@@ -117,7 +117,46 @@ LLAMA_3_8B = dict(
     rope_parameters={"rope_type": "default", "rope_theta": 500000.0},
 )
 
-SHAPES = {"llama3.2-1b": LLAMA_3_2_1B, "qwen2.5-1.5b": QWEN2_5_1_5B, "gemma2-2b": GEMMA_2_2B, "llama3-8b": LLAMA_3_8B}
+GEMMA_3_1B = dict(
+    model_type="gemma3_text",
+    vocab_size=262144,
+    hidden_size=1152,
+    intermediate_size=6912,
+    num_hidden_layers=26,
+    num_attention_heads=4,
+    num_key_value_heads=1,
+    head_dim=256,
+    hidden_activation="gelu_pytorch_tanh",
+    max_position_embeddings=32768,
+    rms_norm_eps=1e-6,
+    tie_word_embeddings=True,
+    query_pre_attn_scalar=256,
+    sliding_window=512,
+)
+
+# Qwen3-30B-A3B's widths (128 experts of 768, top 8, H 2048, GQA 32:4); cases cut its 48 layers
+QWEN3_MOE_30B_A3B = dict(
+    model_type="qwen3_moe",
+    vocab_size=151936,
+    hidden_size=2048,
+    intermediate_size=6144,
+    moe_intermediate_size=768,
+    num_experts=128,
+    num_experts_per_tok=8,
+    num_hidden_layers=48,
+    num_attention_heads=32,
+    num_key_value_heads=4,
+    head_dim=128,
+    max_position_embeddings=32768,
+    rms_norm_eps=1e-6,
+    tie_word_embeddings=False,
+    output_router_logits=True,
+    router_aux_loss_coef=0.001,
+    rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
+)
+
+SHAPES = {"llama3.2-1b": LLAMA_3_2_1B, "qwen2.5-1.5b": QWEN2_5_1_5B, "gemma2-2b": GEMMA_2_2B, "llama3-8b": LLAMA_3_8B,
+          "gemma3-1b": GEMMA_3_1B, "qwen3-moe-30b-a3b": QWEN3_MOE_30B_A3B}
 
 TINY = dict(
     LLAMA_3_2_1B, vocab_size=600, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
@@ -133,6 +172,12 @@ TINY_SHAPES = {
                       sliding_window=32, max_position_embeddings=512),
     "llama3-8b": dict(LLAMA_3_8B, vocab_size=600, hidden_size=64, intermediate_size=160, num_hidden_layers=2,
                       num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=512),
+    "gemma3-1b": dict(GEMMA_3_1B, vocab_size=700, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=1, head_dim=16, query_pre_attn_scalar=16,
+                      sliding_window=32, max_position_embeddings=512),
+    "qwen3-moe-30b-a3b": dict(QWEN3_MOE_30B_A3B, vocab_size=640, hidden_size=64, intermediate_size=128,
+                              moe_intermediate_size=32, num_experts=8, num_experts_per_tok=2, num_hidden_layers=2,
+                              num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=512),
 }
 
 
@@ -293,12 +338,13 @@ def _default_dtype(dtype: torch.dtype):
 
 
 def _config(shape: dict, layers: Optional[int]):
-    from transformers import Gemma2Config, LlamaConfig, Qwen2Config
+    from transformers import Gemma2Config, Gemma3TextConfig, LlamaConfig, Qwen2Config, Qwen3MoeConfig
 
     fields = {k: v for k, v in shape.items() if k != "model_type"}
     if layers is not None:
         fields["num_hidden_layers"] = int(layers)
-    cls = {"llama": LlamaConfig, "qwen2": Qwen2Config, "gemma2": Gemma2Config}[shape["model_type"]]
+    cls = {"llama": LlamaConfig, "qwen2": Qwen2Config, "gemma2": Gemma2Config, "gemma3_text": Gemma3TextConfig,
+           "qwen3_moe": Qwen3MoeConfig}[shape["model_type"]]
     # Gemma-2 declares no sdpa support in transformers 5 (its attention softcap), so it runs HF's eager
     # attention, as a user gets by default; the other families run sdpa
     attn = "eager" if shape["model_type"] == "gemma2" else "sdpa"
@@ -306,9 +352,16 @@ def _config(shape: dict, layers: Optional[int]):
 
 
 def _model_class(model_type: str):
-    from transformers import Gemma2ForCausalLM, LlamaForCausalLM, Qwen2ForCausalLM
+    from transformers import (
+        Gemma2ForCausalLM,
+        Gemma3ForCausalLM,
+        LlamaForCausalLM,
+        Qwen2ForCausalLM,
+        Qwen3MoeForCausalLM,
+    )
 
-    return {"llama": LlamaForCausalLM, "qwen2": Qwen2ForCausalLM, "gemma2": Gemma2ForCausalLM}[model_type]
+    return {"llama": LlamaForCausalLM, "qwen2": Qwen2ForCausalLM, "gemma2": Gemma2ForCausalLM,
+            "gemma3_text": Gemma3ForCausalLM, "qwen3_moe": Qwen3MoeForCausalLM}[model_type]
 
 
 def build_model(shape: dict, *, device: str, dtype: torch.dtype, seed: int = 0, layers: Optional[int] = None):
