@@ -11,7 +11,9 @@ Floors: time 6*N*H*V / 790 TFLOP/s; memory (V*H + N*H) * 2 bytes (the two bf16 g
 Accuracy: relative error of loss / grad_hidden / grad_weight vs a float64 reference on 1024 tokens.
 
 Run on the GPU: ``python -m benchmark.bench_fused_linear_ce [--quick]`` (results in $OUT or
-benchmark/results/: fused_linear_ce*.csv/png).
+benchmark/results/: fused_linear_ce*.csv/png). ``--frozen``: only the frozen-head rows (the weight
+without a gradient, as under LoRA; ours = the online-softmax path, ``ours-tile`` = the tile path;
+floors 4NHV and the hidden gradient) -> ``fused_linear_ce_frozen.csv``.
 """
 
 from __future__ import annotations
@@ -33,6 +35,18 @@ def ours(chunk_tokens=None):
     from liger_losses.chunked.cross_entropy import fused_linear_cross_entropy
 
     return lambda w, h, y: fused_linear_cross_entropy(w, h, y, chunk_tokens=chunk_tokens)
+
+
+def ours_tile():
+    """ours with the frozen-head path off: the tile sized for the weight gradient (the old default)."""
+    from liger_losses.chunked.config import engine_config
+    from liger_losses.chunked.cross_entropy import fused_linear_cross_entropy
+
+    def fn(w, h, y):
+        with engine_config(frozen_head_online=False):
+            return fused_linear_cross_entropy(w, h, y)
+
+    return fn
 
 
 def plain_torch():
@@ -78,17 +92,22 @@ PROVIDERS = {
 }
 
 
-def make_inputs(N, H, V, dtype=torch.bfloat16, seed=0):
+FROZEN_PROVIDERS = dict(PROVIDERS, **{"ours-tile": ours_tile})
+
+
+def make_inputs(N, H, V, dtype=torch.bfloat16, seed=0, frozen=False):
     g = torch.Generator(device="cuda").manual_seed(seed)
-    w = (torch.randn(V, H, device="cuda", generator=g) * 0.02).to(dtype).requires_grad_()
+    w = (torch.randn(V, H, device="cuda", generator=g) * 0.02).to(dtype).requires_grad_(not frozen)
     h = torch.randn(N, H, device="cuda", generator=g).to(dtype).requires_grad_()
     y = torch.randint(0, V, (N,), device="cuda", generator=g)
     return w, h, y
 
 
-def bench_case(rows, case, N, H, V, providers, extra=None, quick=False):
-    loss_rows(rows, BENCH, case, providers, make_inputs(N, H, V), floor_ms=gemm_floor_ms(6.0 * N * H * V),
-              floor_mib=(V * H + N * H) * 2 / MIB, extra=extra, quick=quick)
+def bench_case(rows, case, N, H, V, providers, extra=None, quick=False, frozen=False):
+    """Frozen (a LoRA user's head): only the hidden gradient; floors 4NHV and the [N, H] gradient."""
+    flops, grad_bytes = (4.0, N * H * 2) if frozen else (6.0, (V * H + N * H) * 2)
+    loss_rows(rows, BENCH, case, providers, make_inputs(N, H, V, frozen=frozen),
+              floor_ms=gemm_floor_ms(flops * N * H * V), floor_mib=grad_bytes / MIB, extra=extra, quick=quick)
     torch.cuda.empty_cache()
 
 
@@ -109,8 +128,18 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true", help="fewer cases and repetitions")
     ap.add_argument("--providers", default=",".join(PROVIDERS), help="comma-separated subset")
+    ap.add_argument("--frozen", action="store_true",
+                    help="only the frozen-head rows (weight without grad) -> fused_linear_ce_frozen.csv")
     args = ap.parse_args()
     providers = {k: PROVIDERS[k] for k in args.providers.split(",")}
+    if args.frozen:
+        frozen: list[Row] = []
+        names = [k for k in FROZEN_PROVIDERS if k in providers or k == "ours-tile"]
+        for n in ((8192,) if args.quick else (2048, 8192, 16384)):
+            bench_case(frozen, f"H4096_V128256_N{n}_frozen", n, 4096, 128256,
+                       {k: FROZEN_PROVIDERS[k] for k in names}, {"tokens": n, "frozen": True}, args.quick, True)
+        write_results(BENCH + "_frozen", frozen)
+        return
 
     rows: list[Row] = []
     H, V = 4096, 128256

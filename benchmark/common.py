@@ -328,7 +328,9 @@ def loss_step(loss_fn: Callable, inputs: tuple) -> Callable[[], tuple]:
 
     def fn():
         loss = loss_fn(*inputs)
-        gw, gh = torch.autograd.grad(loss, (inputs[0], inputs[1]))
+        wanted = [x for x in inputs[:2] if x.requires_grad]  # a frozen weight (LoRA's head) has none
+        grads = iter(torch.autograd.grad(loss, wanted))
+        gw, gh = (next(grads) if x.requires_grad else None for x in inputs[:2])
         return loss, gw, gh
 
     return fn
@@ -390,7 +392,8 @@ class _GemmsOnly(torch.autograd.Function):
         w = weight.detach()
         flat = hidden.detach().reshape(-1, w.shape[1])
         rows = flat if index is None else flat.index_select(0, index)
-        grad_w = torch.empty_like(w)
+        frozen = not weight.requires_grad
+        grad_w = None if frozen else torch.empty_like(w)
         grad_rows = torch.empty_like(rows)
         extra = None
         if extra_hidden is not None:
@@ -401,7 +404,9 @@ class _GemmsOnly(torch.autograd.Function):
                 torch.mm(extra[s:e], extra_weight.t())  # the reference / teacher logits, dropped
             logits = rows[s:e] @ w.t()
             torch.mm(logits, w, out=grad_rows[s:e])
-            if i == 0:
+            if frozen:
+                pass
+            elif i == 0:
                 torch.mm(logits.t(), rows[s:e], out=grad_w)
             else:
                 grad_w.addmm_(logits.t(), rows[s:e])
@@ -410,12 +415,12 @@ class _GemmsOnly(torch.autograd.Function):
             grad_h = grad_rows.view_as(hidden)
         else:
             grad_h = torch.zeros_like(flat).index_copy_(0, index, grad_rows).view_as(hidden)
-        ctx.save_for_backward(grad_w, grad_h)
+        ctx.grads = grad_w, grad_h
         return hidden.new_zeros((), dtype=torch.float32)
 
     @staticmethod
     def backward(ctx, grad):
-        grad_w, grad_h = ctx.saved_tensors
+        grad_w, grad_h = ctx.grads
         return grad_w, grad_h, None, None, None, None
 
 

@@ -38,6 +38,12 @@ Knobs (what each one trades, and what was measured):
   are enqueued, and only then does the host wait -- for the copy, not for the chunk. The GPU runs
   the chunk while the host plans the rest. Only when the rows fill at least two chunks; the cost
   is the ignored rows among the first chunk's (all valid unless more than half are ignored).
+* ``frozen_head_online`` / ``frozen_budget_bytes`` / ``frozen_block_columns``: a per-token pass
+  that wants only the hidden gradient (frozen head weight and bias) runs the online-softmax path
+  (:mod:`liger_losses.chunked.frozen_head`): token chunks whose logits block of
+  ``frozen_block_columns`` columns, fp32 accumulator and label rows fit ``frozen_budget_bytes``
+  (512 tokens at H=4096, bf16), instead of a tile sized for a weight-gradient GEMM that does not
+  run. Measured results: ``benchmark/results/fused_linear_ce_frozen.csv``.
 """
 
 from __future__ import annotations
@@ -60,16 +66,20 @@ class EngineConfig:
     unit_budget_factor: int = 4
     device_scale: bool = True
     speculative_first_chunk: bool = True
+    frozen_head_online: bool = True
+    frozen_budget_bytes: int = 24 * 1024 * 1024
+    frozen_block_columns: int = 8192
 
     def __post_init__(self):
-        for name in ("default_budget_bytes", "chunk_align", "unit_budget_factor"):
+        for name in ("default_budget_bytes", "chunk_align", "unit_budget_factor", "frozen_budget_bytes",
+                     "frozen_block_columns"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
         check_number("weight_budget_fraction", self.weight_budget_fraction)
         if not 0.0 <= self.weight_budget_fraction <= 1.0:
             raise ValueError(f"weight_budget_fraction must be in [0, 1], got {self.weight_budget_fraction!r}")
-        for name in ("device_scale", "speculative_first_chunk"):
+        for name in ("device_scale", "speculative_first_chunk", "frozen_head_online"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name} must be a bool, got {getattr(self, name)!r}")
 

@@ -52,7 +52,7 @@ def project(hidden: Tensor, weight: Tensor, bias: Optional[Tensor] = None) -> Te
 _OUT_DTYPE_MM: dict = {}  # (device type, operand dtype, out dtype) -> whether out_dtype= works
 
 
-def _mm_into(out: Tensor, a: Tensor, b: Tensor, accumulate: bool) -> None:
+def mm_into(out: Tensor, a: Tensor, b: Tensor, accumulate: bool) -> None:
     """``out (+)= a @ b``; ``out`` may have a wider dtype (fp32 accumulator for bf16 operands)."""
     if out.dtype == a.dtype:
         if accumulate:
@@ -114,7 +114,7 @@ def backprop_tile(
                 h = (hidden.float() * row_scale.unsqueeze(1)).to(dtype)
             else:
                 h = hidden if hidden.dtype == dtype else hidden.to(dtype)
-            _mm_into(grad_weight, grad_logits.t(), h, accumulate)
+            mm_into(grad_weight, grad_logits.t(), h, accumulate)
         if grad_bias is not None:
             if row_scale is not None:
                 colsum = torch.mv(grad_logits.t(), row_scale.to(dtype)).float()

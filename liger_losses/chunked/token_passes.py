@@ -26,6 +26,7 @@ from torch import Tensor
 
 from liger_losses.chunked.autograd import check_no_double_backward_of_loss
 from liger_losses.chunked.config import get_engine_config
+from liger_losses.chunked.frozen_head import online_eligible, run_online_chunks
 from liger_losses.chunked.gemm import HeadGrads, itemsize, project
 from liger_losses.chunked.planning import token_chunks
 from liger_losses.chunked.tokens import (
@@ -76,8 +77,13 @@ def run_tiles(
     )
     parts: dict[str, list] = {}
     V, H = weight.shape
-    bounds = token_chunks(V, H, itemsize(weight.dtype), labels_valid.shape[0], chunk_tokens)
-    _run_chunks(weight, hidden_rows, labels_valid, bias, bounds, grads, parts, grad_scale, tile_opts)
+    if chunk_tokens is None and online_eligible(mode=mode, grad=grad, needs_hidden=needs_hidden,
+                                                needs_weight=needs_weight, needs_bias=needs_bias,
+                                                kernel_opts=kernel_opts):
+        run_online_chunks(weight, hidden_rows, labels_valid, bias, grads, parts, grad_scale, tile_opts)
+    else:
+        bounds = token_chunks(V, H, itemsize(weight.dtype), labels_valid.shape[0], chunk_tokens)
+        _run_chunks(weight, hidden_rows, labels_valid, bias, bounds, grads, parts, grad_scale, tile_opts)
     return (_stats_of(parts, need_entropy, labels_valid.device), *grads.finish())
 
 
@@ -127,7 +133,10 @@ def run_token_tiles(
     first = bounds[0][1] if bounds else 0
     per_row = isinstance(grad_scale, Tensor)
     pending = pos = None
-    if (get_engine_config().speculative_first_chunk and first > 0 and total >= 2 * first
+    online = chunk_tokens is None and online_eligible(mode=mode, grad=grad, needs_hidden=needs_hidden,
+                                                      needs_weight=needs_weight, needs_bias=needs_bias,
+                                                      kernel_opts=kernel_opts)
+    if (get_engine_config().speculative_first_chunk and not online and first > 0 and total >= 2 * first
             and not (per_row and grad_scale.shape[0] < first)):
         pending = PendingLabelScan(labels, ignore_index, V)
         try:  # the first `first` valid positions, padded with -1

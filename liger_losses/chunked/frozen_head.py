@@ -1,0 +1,135 @@
+"""The hidden-state gradient of a frozen head without an ``[n, V]`` tile: an online softmax over
+vocabulary blocks.
+
+When a per-token pass wants only ``d loss / d hidden`` (the head's weight and bias frozen: LoRA,
+a frozen LM head), the gradient of token ``i`` is a softmax-weighted sum of the head's rows::
+
+    ce:    g_i = s_i * ((1 + 2 z_w lse_i) * sum_v p_iv d_iv W_v - (1 - eps) d_iy W_y - eps / V * sum_v d_iv W_v)
+    logp:  g_i = s_i * (d_iy W_y - sum_v p_iv d_iv W_v)
+
+(``p = softmax(z)``, ``d = dz/dx`` of the logit transform, ``s`` the row's upstream scale, ``eps``
+label smoothing, ``z_w`` the z-loss weight). The sum is computed as attention is: per chunk of
+``n`` tokens and block of ``Vb`` vocabulary columns, the logits block ``[n, Vb]`` (one GEMM),
+:func:`~liger_losses.kernels.online_block.online_block` (exponentials against a running
+reference, the row statistics, a rescale of the rows whose reference moved) and
+``acc [n, H] (fp32) += block @ W[block]`` (one GEMM). The FLOPs are the tile path's (logits and
+hidden-gradient GEMMs, ``4 N H V``); the transient memory is one ``[n, Vb]`` block and the fp32
+accumulator instead of an ``[n, V]`` tile sized for the weight-gradient GEMM (half the head: 512 MiB
+at V=128256, H=4096), so the pass's peak stays near the hidden gradient it produces.
+
+Served: ``mode`` "ce" (label smoothing only without softcap: with it, the smoothing term needs a
+second weighted sum) and "logp"; no class weights; every reduction's row scale. Statistics
+(``loss``, ``lse``, ``logp``, ``correct``, ``entropy``) are the logits-tile kernel's, float32 ``[n]``.
+Chunk and block sizes: ``EngineConfig.frozen_budget_bytes`` and ``frozen_block_columns``.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Mapping, Optional
+
+import torch
+from torch import Tensor
+
+from liger_losses.chunked.config import get_engine_config
+from liger_losses.chunked.gemm import HeadGrads, mm_into, project
+from liger_losses.chunked.planning import chunk_bounds
+from liger_losses.chunked.tokens import RowGather
+from liger_losses.kernels.online_block import OnlineState, online_block
+
+
+def online_eligible(*, mode: str, grad: bool, needs_hidden: bool, needs_weight: bool, needs_bias: bool,
+                    kernel_opts: Optional[Mapping[str, Any]]) -> bool:
+    """Whether a per-token pass takes the frozen-head path (see the module docstring)."""
+    if not (get_engine_config().frozen_head_online and grad and needs_hidden) or needs_weight or needs_bias:
+        return False
+    opts = dict(kernel_opts or {})
+    if mode not in ("ce", "logp") or opts.get("class_weight") is not None:
+        return False
+    return not (mode == "ce" and float(opts.get("label_smoothing", 0.0)) > 0.0 and opts.get("softcap") is not None)
+
+
+def vocab_blocks(V: int) -> list[tuple[int, int]]:
+    """``[0, V)`` in balanced blocks of at most ``frozen_block_columns`` columns (multiples of 128
+    where that fits)."""
+    cols = get_engine_config().frozen_block_columns
+    k = math.ceil(V / cols)
+    size = math.ceil(V / k)
+    aligned = math.ceil(size / 128) * 128
+    size = aligned if aligned <= cols else size
+    return [(v, min(v + size, V)) for v in range(0, V, size)]
+
+
+def online_token_chunks(V: int, H: int, itemsize: int, num_tokens: int) -> list[tuple[int, int]]:
+    """Token chunks of the frozen-head path: a logits block (``itemsize`` bytes), the fp32
+    accumulator and the label rows of ``W`` per token within ``frozen_budget_bytes``."""
+    cols = vocab_blocks(V)[0][1] if V else 1
+    per_token = cols * itemsize + H * 4 + H * itemsize
+    cfg = get_engine_config()
+    size = max(1, cfg.frozen_budget_bytes // per_token)
+    if size >= cfg.chunk_align:  # GEMM-friendly row counts, rounded down so the budget holds
+        size -= size % cfg.chunk_align
+    return chunk_bounds(num_tokens, 1, chunk_tokens=size)
+
+
+def _scale_rows(grad_scale, ts: int, te: int, device) -> Tensor:
+    if isinstance(grad_scale, Tensor):
+        s = grad_scale.float().reshape(-1)
+        return s[ts:te] if s.numel() > 1 else s.expand(te - ts)
+    return torch.full((te - ts,), float(grad_scale), dtype=torch.float32, device=device)
+
+
+def _chunk(weight: Tensor, h: Tensor, labels: Tensor, bias: Optional[Tensor], blocks, opts: dict,
+           need_entropy: bool, need_zsum: bool, out: Tensor, scale: Tensor, w_mean: Optional[Tensor]) -> dict:
+    """One token chunk: its statistics, and its hidden gradient written to ``out [n, H]``."""
+    n = h.shape[0]
+    state = OnlineState.empty(n, h.device)
+    acc = torch.empty(n, weight.shape[1], dtype=torch.float32, device=h.device)
+    transform = dict(logit_scale=opts.get("logit_scale", 1.0), temperature=opts.get("temperature", 1.0),
+                     softcap=opts.get("softcap"))
+    for b, (v0, v1) in enumerate(blocks):
+        tile = project(h, weight[v0:v1], None if bias is None else bias[v0:v1])
+        online_block(tile, labels, v0, state, acc, first=b == 0, need_zexp=need_entropy, need_zsum=need_zsum,
+                     impl=opts.get("impl", "auto"), **transform)
+        mm_into(acc, tile, weight[v0:v1], accumulate=b > 0)
+        del tile
+    lse = state.ref + torch.log(state.sumexp)
+    logp = state.z_y - lse
+    if opts["mode"] == "ce":
+        eps, z_w = float(opts.get("label_smoothing", 0.0)), float(opts.get("z_loss_weight", 0.0))
+        loss = (1.0 - eps) * (-logp) + z_w * lse * lse
+        if eps > 0.0:
+            loss = loss + eps * (lse - state.zsum / weight.shape[0])
+        coef_p, coef_y = scale * (1.0 + 2.0 * z_w * lse) / state.sumexp, scale * (1.0 - eps) * state.d_y
+    else:
+        eps, loss = 0.0, logp
+        coef_p, coef_y = -scale / state.sumexp, -scale * state.d_y
+    acc.mul_(coef_p.unsqueeze(1))
+    acc.addcmul_(weight.index_select(0, labels), coef_y.unsqueeze(1), value=-1.0)
+    if eps > 0.0:  # without softcap d is the constant logit_scale / T
+        d = float(transform["logit_scale"]) / float(transform["temperature"])
+        acc.sub_(w_mean.unsqueeze(0) * (scale * eps * d).unsqueeze(1))
+    out.copy_(acc)
+    stats = dict(loss=loss, lse=lse, logp=logp, correct=state.z_y >= state.zmax)
+    if need_entropy:
+        stats["entropy"] = lse - state.zexp / state.sumexp
+    return stats
+
+
+def run_online_chunks(weight: Tensor, rows: RowGather, labels_valid: Tensor, bias: Optional[Tensor],
+                      grads: HeadGrads, parts: dict, grad_scale, tile_opts: Mapping[str, Any]) -> None:
+    """The frozen-head pass over the ``N`` valid tokens of ``rows`` (labels ``labels_valid [N]``):
+    the statistics appended to ``parts`` per chunk, the hidden gradient into ``grads``."""
+    V, H = weight.shape
+    opts = dict(tile_opts)
+    blocks = vocab_blocks(V)
+    eps = float(opts.get("label_smoothing", 0.0)) if opts["mode"] == "ce" else 0.0
+    w_mean = weight.float().mean(0) if eps > 0.0 else None
+    need_entropy = bool(opts.get("need_entropy", False))
+    for ts, te in online_token_chunks(V, H, weight.element_size(), labels_valid.shape[0]):
+        out = grads.hidden.target(ts, te)
+        st = _chunk(weight, rows(ts, te), labels_valid[ts:te], bias, blocks, opts, need_entropy, eps > 0.0, out,
+                    _scale_rows(grad_scale, ts, te, weight.device), w_mean)
+        grads.hidden.commit(ts, te, out)
+        for k, v in st.items():
+            parts.setdefault(k, []).append(v)
