@@ -33,12 +33,26 @@ from torch import Tensor
 
 from liger_losses.kernels.launch import fast_kernel
 from liger_losses.kernels.logits_tile import transform_logits_torch
+from liger_losses.kernels.tuning import Knobs, knob, register
 from liger_losses.kernels.utils import device_ctx, import_triton, next_power_of_2, resolve_impl, triton_interpret
 
 # How far the exponent's reference may lag a row's maximum. e^16 ~ 8.9e6: exp(z - ref) stays far
 # inside bf16's and fp32's range, and a sum over 2^20 columns stays below 1e13 (fp32-exact enough:
 # it is a sum of positives).
 TAU = 16.0
+
+
+@dataclass(frozen=True)
+class OnlineBlockTuning(Knobs):
+    """Launch knobs of the block kernel (slot ``online_block``; ``benchmark/experiments/
+    diag_frozen_head.py`` times them): ``block_cap`` columns per step of a row's loops (1024 in the
+    interpreter), ``num_warps`` per program (one program per row)."""
+
+    block_cap: int = knob(2048, minimum=1)
+    num_warps: int = knob(4, minimum=1)
+
+
+ONLINE_BLOCK_TUNING = register("online_block", OnlineBlockTuning())
 
 
 @dataclass
@@ -178,7 +192,8 @@ def online_block(x: Tensor, labels: Tensor, v0: int, state: OnlineState, acc: Op
         _online_block_torch(x, labels, int(v0), state, acc, first, float(logit_scale), inv_temp,
                             None if softcap is None else float(softcap), need_zexp, need_zsum)
         return
-    block = min(next_power_of_2(Vb), 1024 if triton_interpret() else 2048)
+    knobs = ONLINE_BLOCK_TUNING.current
+    block = min(next_power_of_2(Vb), 1024 if triton_interpret() else knobs.block_cap)
     H = acc.shape[1] if acc is not None else 1
     acc_arg = acc if acc is not None else state.ref
     with device_ctx(x):
@@ -187,5 +202,5 @@ def online_block(x: Tensor, labels: Tensor, v0: int, state: OnlineState, acc: Op
             state.z_y, state.d_y, acc_arg, acc_arg.stride(0) if acc is not None else 0, H, float(logit_scale),
             inv_temp, float(softcap) if softcap is not None else 1.0, TAU,
             FIRST=bool(first), HAS_SOFTCAP=softcap is not None, NEED_ZEXP=bool(need_zexp),
-            NEED_ZSUM=bool(need_zsum), BLOCK=block, BLOCK_H=min(next_power_of_2(H), 1024), num_warps=4,
+            NEED_ZSUM=bool(need_zsum), BLOCK=block, BLOCK_H=min(next_power_of_2(H), 1024), num_warps=knobs.num_warps,
         )

@@ -28,7 +28,7 @@ The slots (name: knobs class, module): ``rms_norm`` / ``layer_norm``: ``NormTuni
 (norm_common), ``norm_sum``: ``PartialSumTuning`` (norm_common), ``swiglu`` / ``geglu``:
 ``GatedTuning`` (gated), ``gated_down``: ``GatedDownTuning``, ``mlp``: ``MLPTuning`` (the fused
 tail's switch), ``logits_tile``, ``logp_entropy_grad``, ``divergence_tile``, ``label_stats``,
-``scale``, ``rope``: ``<Kernel>Tuning`` in their modules, ``pdl``: ``PDLConfig``, ``rope_patch``:
+``scale``, ``rope``, ``online_block``: ``<Kernel>Tuning`` in their modules, ``pdl``: ``PDLConfig``, ``rope_patch``:
 ``RoPEPatchConfig`` (patching/rope.py). The fast launcher's switch stays ``launch.set_fast_launch``.
 
 The value is process-wide (a module global, not a context variable): autograd runs backward

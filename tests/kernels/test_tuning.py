@@ -18,7 +18,7 @@ from liger_losses.kernels.tuning import Knobs, knob, register, registered, tunin
 
 EXPECTED_SLOTS = {
     "rms_norm", "layer_norm", "norm_sum", "swiglu", "geglu", "gated_down", "mlp", "label_stats",
-    "logits_tile", "logp_entropy_grad", "divergence_tile", "rope", "scale", "pdl", "rope_patch",
+    "logits_tile", "logp_entropy_grad", "divergence_tile", "rope", "scale", "pdl", "rope_patch", "online_block",
 }
 
 
