@@ -8,7 +8,7 @@ MLP class (when the MLP is swapped), ``apply_rotary_pos_emb(q, k, cos, sin, ...)
 patched) and ``load_balancing_loss_func`` (MoE families).
 ``check_instance(spec, target, norm_cls, mlp_cls, *, mlp, cross_entropy)`` checks a model instance:
 every RMSNorm module holds a 1-D ``weight`` and an ``eps``/``variance_epsilon``, every MLP module the
-``nn.Linear`` projections our MLP re-binds, and the causal LM has ``model`` and ``lm_head`` (and
+linear projections our MLP re-binds (``nn.Linear`` or a PEFT layer around one), and the causal LM has ``model`` and ``lm_head`` (and
 the router attributes transformers' MoE forward reads).
 
 A failed check raises ``FamilyMismatchError`` naming the family, the transformers version and
@@ -109,6 +109,14 @@ _MLP_PARTS = {"phi3": ("gate_up_proj", "down_proj"), "swiglu": ("gate_proj", "up
               "geglu": ("gate_proj", "up_proj", "down_proj")}
 
 
+def is_projection(module) -> bool:
+    """A linear projection our MLP can call: ``nn.Linear`` (quantized linears subclass it), or a
+    wrapper of one (PEFT's LoRA layers hold it as ``base_layer``; adapters run in their forward)."""
+    while isinstance(module, nn.Module) and not isinstance(module, nn.Linear):
+        module = getattr(module, "base_layer", None)
+    return isinstance(module, nn.Linear)
+
+
 def mlp_parts(kind: str):
     """The sub-modules our MLP of ``kind`` re-binds from the transformers MLP."""
     return _MLP_PARTS[kind]
@@ -128,8 +136,8 @@ def check_instance(spec: FamilySpec, target: nn.Module, norm_cls: type, mlp_cls:
                 problems.append(f"{name} ({spec.rms_norm}) has no eps / variance_epsilon number")
         if mlp and mlp_cls is not None and isinstance(module, mlp_cls):
             for part in mlp_parts(spec.mlp_kind):
-                if not isinstance(getattr(module, part, None), nn.Linear):
-                    problems.append(f"{name} ({spec.mlp}) has no nn.Linear {part}")
+                if not is_projection(getattr(module, part, None)):
+                    problems.append(f"{name} ({spec.mlp}) has no linear {part}")
         if len(problems) >= 8:
             break
     if cross_entropy and isinstance(target, causal_lm_cls):

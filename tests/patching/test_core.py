@@ -100,14 +100,17 @@ def test_weights_are_shared_not_copied():
     assert model.lm_head.weight is model.model.embed_tokens.weight  # Gemma ties the head
 
 
-def test_peft_wrapped_model():
+@pytest.mark.parametrize("targets", [["q_proj", "v_proj"], "all-linear"])
+def test_peft_wrapped_model(targets):
     """A PEFT LoRA wrapper is patched through get_base_model(): the base model's norms are ours and
-    the wrapper's loss equals the unpatched wrapper's (1e-5) with LoRA weights made non-zero."""
+    the wrapper's loss equals the unpatched wrapper's (1e-5) with LoRA weights made non-zero. With
+    ``all-linear`` the MLP projections are PEFT layers, not ``nn.Linear``: the family check takes
+    them (a LoRA user's model) and our MLP calls them, adapters included."""
     peft = pytest.importorskip("peft")
     from liger_losses.kernels.rms_norm import LigerRMSNorm
 
     base = tiny_model("qwen2")
-    lora = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"])
+    lora = peft.LoraConfig(r=4, lora_alpha=8, target_modules=targets)
     ref = peft.get_peft_model(base, lora)
     for n, p in ref.named_parameters():
         if "lora_B" in n:
