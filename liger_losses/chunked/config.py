@@ -43,7 +43,10 @@ Knobs (what each one trades, and what was measured):
   (:mod:`liger_losses.chunked.frozen_head`): token chunks whose logits block of
   ``frozen_block_columns`` columns, fp32 accumulator and label rows fit ``frozen_budget_bytes``
   (512 tokens at H=4096, bf16), instead of a tile sized for a weight-gradient GEMM that does not
-  run. Measured results: ``benchmark/results/fused_linear_ce_frozen.csv``.
+  run. H200, 8192 x 4096 x 128256 (``benchmark/experiments/diag_frozen_head.py``): 16384-column
+  blocks of 512 tokens 28.9 ms / 88 MiB above the inputs, 8192 columns 29-40 ms (host-bound: twice
+  the launches), 4096 columns 59.6 ms; the tile path 26.3 ms / 565 MiB. Results:
+  ``benchmark/results/fused_linear_ce_frozen.csv``.
 """
 
 from __future__ import annotations
@@ -67,8 +70,8 @@ class EngineConfig:
     device_scale: bool = True
     speculative_first_chunk: bool = True
     frozen_head_online: bool = True
-    frozen_budget_bytes: int = 24 * 1024 * 1024
-    frozen_block_columns: int = 8192
+    frozen_budget_bytes: int = 32 * 1024 * 1024
+    frozen_block_columns: int = 16384
 
     def __post_init__(self):
         for name in ("default_budget_bytes", "chunk_align", "unit_budget_factor", "frozen_budget_bytes",

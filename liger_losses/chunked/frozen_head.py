@@ -32,7 +32,7 @@ import torch
 from torch import Tensor
 
 from liger_losses.chunked.config import get_engine_config
-from liger_losses.chunked.gemm import HeadGrads, mm_into, project
+from liger_losses.chunked.gemm import HeadGrads, mm_into
 from liger_losses.chunked.planning import chunk_bounds
 from liger_losses.chunked.tokens import RowGather
 from liger_losses.kernels.online_block import OnlineState, online_block
@@ -79,20 +79,28 @@ def _scale_rows(grad_scale, ts: int, te: int, device) -> Tensor:
     return torch.full((te - ts,), float(grad_scale), dtype=torch.float32, device=device)
 
 
-def _chunk(weight: Tensor, h: Tensor, labels: Tensor, bias: Optional[Tensor], blocks, opts: dict,
+def _chunk(weight: Tensor, h: Tensor, labels: Tensor, head_blocks, buf: Tensor, opts: dict,
            need_entropy: bool, need_zsum: bool, out: Tensor, scale: Tensor, w_mean: Optional[Tensor]) -> dict:
-    """One token chunk: its statistics, and its hidden gradient written to ``out [n, H]``."""
+    """One token chunk: its statistics, and its hidden gradient written to ``out [n, H]``. Host work
+    per block is three launches (logits GEMM into the reused buffer ``buf``, the block kernel, the
+    accumulating GEMM): the block loop runs 16-32 times per chunk."""
     n = h.shape[0]
     state = OnlineState.empty(n, h.device)
     acc = torch.empty(n, weight.shape[1], dtype=torch.float32, device=h.device)
     transform = dict(logit_scale=opts.get("logit_scale", 1.0), temperature=opts.get("temperature", 1.0),
                      softcap=opts.get("softcap"))
-    for b, (v0, v1) in enumerate(blocks):
-        tile = project(h, weight[v0:v1], None if bias is None else bias[v0:v1])
+    impl = opts.get("impl", "auto")
+    if h.dtype != weight.dtype:
+        h = h.to(weight.dtype)
+    for b, (v0, w_block, b_block) in enumerate(head_blocks):
+        tile = buf[: n * w_block.shape[0]].view(n, w_block.shape[0])
+        if b_block is None:
+            torch.mm(h, w_block.t(), out=tile)
+        else:
+            torch.addmm(b_block, h, w_block.t(), out=tile)
         online_block(tile, labels, v0, state, acc, first=b == 0, need_zexp=need_entropy, need_zsum=need_zsum,
-                     impl=opts.get("impl", "auto"), **transform)
-        mm_into(acc, tile, weight[v0:v1], accumulate=b > 0)
-        del tile
+                     impl=impl, **transform)
+        mm_into(acc, tile, w_block, accumulate=b > 0)
     lse = state.ref + torch.log(state.sumexp)
     logp = state.z_y - lse
     if opts["mode"] == "ce":
@@ -123,13 +131,20 @@ def run_online_chunks(weight: Tensor, rows: RowGather, labels_valid: Tensor, bia
     V, H = weight.shape
     opts = dict(tile_opts)
     blocks = vocab_blocks(V)
+    head_blocks = [(v0, weight[v0:v1], None if bias is None else bias[v0:v1].to(weight.dtype)) for v0, v1 in blocks]
     eps = float(opts.get("label_smoothing", 0.0)) if opts["mode"] == "ce" else 0.0
     w_mean = weight.float().mean(0) if eps > 0.0 else None
     need_entropy = bool(opts.get("need_entropy", False))
-    for ts, te in online_token_chunks(V, H, weight.element_size(), labels_valid.shape[0]):
-        out = grads.hidden.target(ts, te)
-        st = _chunk(weight, rows(ts, te), labels_valid[ts:te], bias, blocks, opts, need_entropy, eps > 0.0, out,
-                    _scale_rows(grad_scale, ts, te, weight.device), w_mean)
-        grads.hidden.commit(ts, te, out)
-        for k, v in st.items():
-            parts.setdefault(k, []).append(v)
+    chunks = online_token_chunks(V, H, weight.element_size(), labels_valid.shape[0])
+    if not chunks:
+        return
+    cols = max(v1 - v0 for v0, v1 in blocks)
+    buf = torch.empty(max(e - s for s, e in chunks) * cols, dtype=weight.dtype, device=weight.device)
+    with torch.autocast(device_type=weight.device.type, enabled=False):  # the operands are in the compute dtype
+        for ts, te in chunks:
+            out = grads.hidden.target(ts, te)
+            st = _chunk(weight, rows(ts, te), labels_valid[ts:te], head_blocks, buf, opts, need_entropy, eps > 0.0,
+                        out, _scale_rows(grad_scale, ts, te, weight.device), w_mean)
+            grads.hidden.commit(ts, te, out)
+            for k, v in st.items():
+                parts.setdefault(k, []).append(v)

@@ -8,8 +8,8 @@ MLP class (when the MLP is swapped), ``apply_rotary_pos_emb(q, k, cos, sin, ...)
 patched) and ``load_balancing_loss_func`` (MoE families).
 ``check_instance(spec, target, norm_cls, mlp_cls, *, mlp, cross_entropy)`` checks a model instance:
 every RMSNorm module holds a 1-D ``weight`` and an ``eps``/``variance_epsilon``, every MLP module the
-linear projections our MLP re-binds (``nn.Linear`` or a PEFT layer around one), and the causal LM has ``model`` and ``lm_head`` (and
-the router attributes transformers' MoE forward reads).
+linear projections our MLP re-binds (``nn.Linear`` or a PEFT layer around one), and the causal LM
+has ``model`` and ``lm_head`` (and the router attributes transformers' MoE forward reads).
 
 A failed check raises ``FamilyMismatchError`` naming the family, the transformers version and
 every mismatch found.

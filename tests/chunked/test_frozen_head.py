@@ -168,16 +168,16 @@ def test_eligibility():
 
 
 def test_plan_at_the_8b_head():
-    """At V=128256, H=4096, bf16, 8192 tokens: 16 blocks of <= 8192 columns and 512-token chunks, so
-    the transient bytes (block + fp32 accumulator + label rows) are <= 24 MiB, a third of the 64 MiB
+    """At V=128256, H=4096, bf16, 8192 tokens: 8 blocks of <= 16384 columns and 512-token chunks, so
+    the transient bytes (block + fp32 accumulator + label rows) are <= 32 MiB, half the 64 MiB
     hidden gradient (the issue's bar is 1.5x that gradient for the whole peak)."""
     blocks = vocab_blocks(128256)
-    assert len(blocks) == 16 and max(e - s for s, e in blocks) <= 8192 and blocks[-1][1] == 128256
+    assert len(blocks) == 8 and max(e - s for s, e in blocks) <= 16384 and blocks[-1][1] == 128256
     chunks = online_token_chunks(128256, 4096, 2, 8192)
     n = max(e - s for s, e in chunks)
     assert n == 512 and chunks[-1][1] == 8192
     cols = max(e - s for s, e in blocks)
-    assert n * (cols * 2 + 4096 * 4 + 4096 * 2) <= 24 * 2**20
+    assert n * (cols * 2 + 4096 * 4 + 4096 * 2) <= 32 * 2**20
 
 
 @pytest.mark.gpu
