@@ -8,7 +8,8 @@ log-probs and the vLLM importance-sampling ratio as flat ``[B * T]`` tensors -- 
 into its share of the loss and additive metric sums, differentiable in the chunk's log-probs and
 entropies. :func:`finish_metrics` turns the sums into the 0-d values TRL logs.
 
-All formulas run in float32 on the engine's statistics; see :mod:`liger_losses.chunked.grpo` for
+All formulas run in the engine's statistics dtype (float32; float64 for a float64 head, so that a
+float64 run has no float32 step); see :mod:`liger_losses.chunked.grpo` for
 the semantics of every option.
 """
 
@@ -90,10 +91,11 @@ class GRPOBatch:
     """What is known before any GEMM, flat over ``[B * T]`` (``None`` where not given)."""
 
     B: int
-    lengths: Tensor  # [B] float32 valid tokens per sequence
-    num_valid: Tensor  # 0-d float32
-    token_weight: Tensor  # [B * T] float32: d loss / d per-token loss (the loss type's normaliser)
-    advantages: Tensor  # [B * T] float32
+    # every float tensor in the statistics dtype (float32; float64 for a float64 head)
+    lengths: Tensor  # [B] valid tokens per sequence
+    num_valid: Tensor  # 0-d
+    token_weight: Tensor  # [B * T]: d loss / d per-token loss (the loss type's normaliser)
+    advantages: Tensor  # [B * T]
     advantages_per_sequence: bool  # advantages were [B] (TRL's (B, 1))
     old_logps: Optional[Tensor]
     ref_logps: Optional[Tensor]
@@ -103,7 +105,7 @@ class GRPOBatch:
 
 
 def token_weights(opts: GRPOOptions, lengths: Tensor, num_valid: Tensor, T: int, num_items_in_batch) -> Tensor:
-    """``[B * T]`` float32: the factor of each token's loss in the total, per TRL's normalisation."""
+    """``[B * T]`` in ``lengths``' dtype: the factor of each token's loss in the total, per TRL's normalisation."""
     B = lengths.shape[0]
     t = opts.loss_type
     if t in ("grpo", "sapo"):
@@ -116,9 +118,9 @@ def token_weights(opts: GRPOOptions, lengths: Tensor, num_valid: Tensor, T: int,
         per_seq = torch.full_like(lengths, 1.0 / B)
     else:  # cispo, dapo, vespo
         n = num_valid if num_items_in_batch is None else num_items_in_batch
-        n = torch.as_tensor(n, dtype=torch.float32, device=lengths.device)
+        n = torch.as_tensor(n, dtype=lengths.dtype, device=lengths.device)
         per_seq = (1.0 / n.clamp(min=1.0)).expand(B)
-    return per_seq.float()[:, None].expand(B, T).reshape(-1)
+    return per_seq.to(lengths.dtype)[:, None].expand(B, T).reshape(-1)
 
 
 def entropy_quantile_mask(entropy: Tensor, quantile: float) -> Tensor:
@@ -136,14 +138,14 @@ def entropy_quantile_mask(entropy: Tensor, quantile: float) -> Tensor:
 
 
 def _clip_flags(opts: GRPOOptions, coef_1: Tensor, adv: Tensor) -> dict:
-    """The clipping indicators TRL logs (float), per token."""
+    """The clipping indicators TRL logs (in ``coef_1``'s dtype), per token."""
+    dt = coef_1.dtype
     if opts.loss_type == "cispo":
-        return {"cispo_clip_ratio": ((coef_1 > opts.eps_high) & (adv > 0)).float()}
+        return {"cispo_clip_ratio": ((coef_1 > opts.eps_high) & (adv > 0)).to(dt)}
     if opts.loss_type in CLIP_LOSS_TYPES:
         low = (coef_1 < 1 - opts.epsilon_low) & (adv < 0)
         high = (coef_1 > 1 + opts.eps_high) & (adv > 0)
-        return {"clip_ratio_low": low.float(), "clip_ratio_high": high.float(),
-                "clip_ratio_region": (low | high).float()}
+        return {"clip_ratio_low": low.to(dt), "clip_ratio_high": high.to(dt), "clip_ratio_region": (low | high).to(dt)}
     return {}
 
 
@@ -283,7 +285,7 @@ def finish_metrics(objective: GRPOObjective, sums: dict) -> dict:
     """The 0-d metrics TRL logs, from the objective's sums over all chunks (keys of ``TRL_METRIC_NAMES``)."""
     o, bt = objective.opts, objective.batch
     n = bt.num_valid.clamp(min=1.0)
-    zero = torch.zeros((), dtype=torch.float32, device=bt.lengths.device)
+    zero = torch.zeros((), dtype=bt.lengths.dtype, device=bt.lengths.device)
     out = {"entropy": sums.get("entropy", zero) / n}
     if o.beta != 0.0:
         out["kl"] = sums.get("kl", zero) / n
@@ -300,7 +302,7 @@ def finish_metrics(objective: GRPOObjective, sums: dict) -> dict:
             seq_level = per_sequence
         seq_sums = sums.get(name + "@seq", torch.zeros_like(bt.lengths))
         if seq_level:  # TRL's (B, 1) tensors: one value per sequence, all B counted
-            values = torch.where(has_tokens, seq_sums / bt.lengths.clamp(min=1.0), e.float())
+            values = torch.where(has_tokens, seq_sums / bt.lengths.clamp(min=1.0), e.to(seq_sums.dtype))
             mean = values.mean() if bt.B else zero
         else:
             values = seq_sums / bt.lengths  # NaN without tokens (TRL's masked_seq_mean)

@@ -203,9 +203,16 @@ if triton is not None:
     _logits_tile_kernel = fast_kernel(_logits_tile_kernel)
 
 
+def torch_stats_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The arithmetic (and statistics) dtype of the PyTorch paths: float64 for float64 logits (a
+    float64 reference run stays float64 end to end), else float32 (the Triton kernels' registers)."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
 def transform_logits_torch(x: Tensor, logit_scale, temperature, softcap):
-    """``(z, t)`` of the Triton kernels' ``transform_logits`` in PyTorch (``t`` None without softcap), fp32."""
-    y = x.float() * logit_scale
+    """``(z, t)`` of the Triton kernels' ``transform_logits`` in PyTorch (``t`` None without softcap),
+    in :func:`torch_stats_dtype` (fp32; fp64 for fp64 logits)."""
+    y = x.to(torch_stats_dtype(x.dtype)) * logit_scale
     t = None
     if softcap is not None:
         t = torch.tanh(y / softcap)
@@ -227,7 +234,7 @@ def _logits_tile_torch(
     logp = z_y - lse
     s = z.sum(1)
     if class_weight is not None:
-        w = class_weight.float()
+        w = class_weight.to(z.dtype)
         w_y = w[safe]
         w_sum = w.sum()
         sw = z @ w
@@ -265,7 +272,7 @@ def _logits_tile_torch(
         if t is not None:
             g = g * (1.0 - t * t)
         scale = scale if isinstance(scale, Tensor) else torch.full_like(lse, float(scale))
-        g = g * torch.where(valid, scale.float(), zero)[:, None]
+        g = g * torch.where(valid, scale.to(z.dtype), zero)[:, None]
         (logits if out is None else out).copy_(g)
     return stats
 
