@@ -18,7 +18,9 @@ With ``grad=True`` the tile is overwritten, in its own dtype, by
 ``grad_scale[row] * d loss[row] / d x[row, :]`` (through softcap, scale and temperature); with
 ``grad=False`` the tile is left untouched (statistics only, e.g. for a reference model). All
 arithmetic is float32 in registers. Triton: one program per row, two passes over the row in
-blocks (online max / sum-exp, then the gradient). ``impl="torch"``: same semantics in PyTorch.
+blocks (online max / sum-exp, then the gradient). ``impl="torch"``: same semantics in PyTorch,
+in float32 -- float64 (statistics included) for float64 logits, so a float64 reference run has no
+float32 step.
 """
 
 from __future__ import annotations
@@ -48,7 +50,8 @@ MODES = ("ce", "logp")
 
 
 class TileStats(NamedTuple):
-    """Per-row statistics of a logits tile, each ``[n]`` (float32 except ``correct``: bool)."""
+    """Per-row statistics of a logits tile, each ``[n]`` (float32 -- float64 from the PyTorch path on
+    float64 logits -- except ``correct``: bool)."""
 
     loss: Tensor
     lse: Tensor

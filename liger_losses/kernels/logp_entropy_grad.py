@@ -14,7 +14,8 @@ with the transform of :mod:`~liger_losses.kernels.logits_tile` (``y = logit_scal
 ``softcap * tanh(y / softcap)``, ``z = y / temperature``; ``dz/dx = logit_scale / temperature *
 (1 - tanh^2)``) and ``p = exp(z - lse)`` (``d entropy / d z_k = -p_k (log p_k + entropy)``).
 Rows whose label is ``ignore_index`` or outside ``[0, V)`` get a zero row. One read and one write
-of the tile (the statistics are inputs); float32 arithmetic. ``impl="torch"``: the same in PyTorch.
+of the tile (the statistics are inputs); float32 arithmetic. ``impl="torch"``: the same in PyTorch
+(float64 arithmetic for float64 logits).
 """
 
 from __future__ import annotations
