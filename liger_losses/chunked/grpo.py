@@ -41,7 +41,8 @@ importance ratio and ``A`` the advantages, TRL's semantics of every option:
 * ``off_policy_mask_threshold``: ``l`` times ``A >= 0 or mean_t m (sampling - logp) <= threshold``
   per sequence (``sampling`` = ``sampling_logps``, else ``old``; NaN counts 0).
 * ``top_entropy_quantile < 1``: ``l`` times ``entropy >= quantile(entropy of the batch's tokens,
-  1 - top_entropy_quantile)`` (one batch; TRL gathers the quantile over processes).
+  1 - top_entropy_quantile)``; with ``torch.distributed`` initialized (several processes) the quantile is
+  over every process's tokens, as TRL gathers them (a collective: every process calls the loss).
 * ``importance_sampling_ratio`` (not for ``vespo``, which folds it into ``w``): ``l`` times it.
 * ``beta != 0``: ``l += beta * kl`` with the k3 estimator ``kl = exp(ref - logp) - (ref - logp) - 1``,
   times ``r`` when ``use_bias_correction_kl`` (TRL's default True).

@@ -123,13 +123,39 @@ def token_weights(opts: GRPOOptions, lengths: Tensor, num_valid: Tensor, T: int,
     return per_seq.to(lengths.dtype)[:, None].expand(B, T).reshape(-1)
 
 
+def gather_over_processes(x: Tensor) -> Tensor:
+    """``x [n]`` of every process concatenated in rank order (``n`` may differ between processes) when
+    ``torch.distributed`` is initialized with more than one process, else ``x``. A collective: every
+    process must call it. Goes through the CPU for a backend without device collectives (gloo)."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return x
+    world = dist.get_world_size()
+    on_device = x.device.type != "cpu" and "nccl" in str(dist.get_backend()).lower()
+    dev = x.device if on_device else torch.device("cpu")
+    local = x.detach().reshape(-1).to(dev)
+    count = torch.tensor([local.numel()], dtype=torch.long, device=dev)
+    counts = [torch.zeros_like(count) for _ in range(world)]
+    dist.all_gather(counts, count)
+    sizes = [int(c) for c in counts]  # host read: the padded length
+    padded = local.new_zeros(max(sizes))
+    padded[: local.numel()] = local
+    parts = [torch.empty_like(padded) for _ in range(world)]
+    dist.all_gather(parts, padded)
+    return torch.cat([p[:n] for p, n in zip(parts, sizes)]).to(x.device)
+
+
 def entropy_quantile_mask(entropy: Tensor, quantile: float) -> Tensor:
-    """TRL's high-entropy mask on one batch: ``entropy >= q-quantile(entropy)`` with ``q = 1 -
-    top_entropy_quantile`` (linear interpolation, as ``torch.quantile``, which is limited to 2^24
-    elements: sorted here instead)."""
-    if entropy.numel() == 0:
+    """TRL's high-entropy mask: ``entropy >= q-quantile(entropies)`` with ``q = 1 - top_entropy_quantile``
+    (linear interpolation, as ``torch.quantile``, which is limited to 2^24 elements: sorted here instead).
+    The quantile is over the valid tokens of every process when ``torch.distributed`` is initialized with
+    several (TRL 1.16 gathers them, :func:`gather_over_processes`: every process must call the loss),
+    else over this batch's; all False when there is no token anywhere."""
+    pool = gather_over_processes(entropy.detach())
+    if pool.numel() == 0:
         return torch.zeros_like(entropy, dtype=torch.bool)
-    s = entropy.detach().sort().values
+    s = pool.sort().values
     pos = (1.0 - quantile) * (s.numel() - 1)
     lo = int(math.floor(pos))
     hi = min(lo + 1, s.numel() - 1)
