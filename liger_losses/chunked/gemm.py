@@ -9,7 +9,8 @@
   gradient at the compacted tokens' positions, :class:`~liger_losses.chunked.tokens.RowScatter`).
 
 The weight gradient is accumulated in the weight's dtype or a wider ``accum_dtype`` (fp32
-accumulator for bf16 operands through ``out_dtype`` where torch has it); the bias gradient in fp32.
+accumulator for bf16 operands through ``out_dtype`` where torch has it); the bias gradient in fp32
+(fp64 for fp64 tiles: a float64 run has no float32 step).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import torch
 from torch import Tensor
 
 from liger_losses.chunked.tokens import RowGather, RowScatter
+from liger_losses.kernels.logits_tile import torch_stats_dtype
 from liger_losses.kernels.scale import scale_unless_one_
 from liger_losses.kernels.utils import autocast_dtype
 
@@ -93,12 +95,13 @@ def backprop_tile(
 
     * ``grad_hidden [n, H]`` (buffer, overwritten) ``= row_scale * (G @ W)``
     * ``grad_weight [V, H]`` ``(+)= G^T @ (row_scale * hidden)`` (``accumulate=False`` overwrites)
-    * ``grad_bias [V]`` (fp32) ``(+)= G^T @ row_scale`` (column sums of the scaled ``G``)
+    * ``grad_bias [V]`` (fp32; fp64 for fp64 tiles) ``(+)= G^T @ row_scale`` (column sums of the scaled ``G``)
 
-    ``row_scale [n]`` (float32) is the per-row upstream factor, applied to the small ``[n, H]``
+    ``row_scale [n]`` (float32; float64 for fp64 tiles) is the per-row upstream factor, applied to the small ``[n, H]``
     matrices, never to the tile. ``None`` buffers are skipped (frozen weight: no ``G^T`` GEMM).
     """
     dtype = grad_logits.dtype
+    acc = torch_stats_dtype(dtype)
     dev = grad_logits.device.type
     with torch.autocast(device_type=dev, enabled=False):
         w = weight if weight.dtype == dtype else weight.to(dtype)
@@ -111,15 +114,15 @@ def backprop_tile(
                 grad_hidden.mul_(row_scale.unsqueeze(1))
         if grad_weight is not None:
             if row_scale is not None:
-                h = (hidden.float() * row_scale.unsqueeze(1)).to(dtype)
+                h = (hidden.to(acc) * row_scale.to(acc).unsqueeze(1)).to(dtype)
             else:
                 h = hidden if hidden.dtype == dtype else hidden.to(dtype)
             mm_into(grad_weight, grad_logits.t(), h, accumulate)
         if grad_bias is not None:
             if row_scale is not None:
-                colsum = torch.mv(grad_logits.t(), row_scale.to(dtype)).float()
+                colsum = torch.mv(grad_logits.t(), row_scale.to(dtype)).to(grad_bias.dtype)
             else:
-                colsum = grad_logits.sum(0, dtype=torch.float32)
+                colsum = grad_logits.sum(0, dtype=grad_bias.dtype)
             if accumulate:
                 grad_bias.add_(colsum)
             else:
@@ -129,9 +132,10 @@ def backprop_tile(
 class HeadGrads:
     """The gradients of a head's inputs, filled chunk by chunk by :meth:`add`: ``hidden`` (a
     :class:`RowScatter` over ``rows``' tokens), ``weight`` ``[V, H]`` (``weight_dtype``) and ``bias``
-    ``[V]`` fp32, each None when not wanted. The first :meth:`add` overwrites the weight and bias
-    gradients, later ones accumulate (``started``); :meth:`finish` returns ``(grad_hidden [M, H],
-    grad_weight, grad_bias)`` (Nones kept), the weight gradient zeroed when no chunk was added."""
+    ``[V]`` fp32 (fp64 when ``dtype`` is), each None when not wanted. The first :meth:`add`
+    overwrites the weight and bias gradients, later ones accumulate (``started``); :meth:`finish`
+    returns ``(grad_hidden [M, H], grad_weight, grad_bias)`` (Nones kept), the weight gradient
+    zeroed when no chunk was added."""
 
     def __init__(self, rows: Optional[RowGather], V: int, H: int, *, dtype, weight_dtype, device,
                  hidden: bool, weight: bool, bias: bool):
@@ -140,7 +144,7 @@ class HeadGrads:
         if rows is not None:
             self.attach(rows)
         self.weight = torch.empty(V, H, dtype=weight_dtype, device=device) if weight else None
-        self.bias = torch.zeros(V, dtype=torch.float32, device=device) if bias else None
+        self.bias = torch.zeros(V, dtype=torch_stats_dtype(dtype), device=device) if bias else None
         self.started = False
 
     @property
@@ -183,10 +187,10 @@ class HeadGrads:
         self.started = True
 
     def scale(self, ts: int, te: int, factor: Tensor) -> None:
-        """Multiply what has been added so far by the 0-d fp32 ``factor`` (in fp32, rounded once:
-        ``mul_`` would round the factor to a bf16 buffer's dtype first): the hidden gradient of
-        tokens ``[ts, te)`` and, once a chunk was added, the weight and bias gradients."""
-        factor = factor.float()
+        """Multiply what has been added so far by the 0-d ``factor`` (in fp32 -- fp64 for fp64 buffers --
+        rounded once: ``mul_`` would round the factor to a bf16 buffer's dtype first): the hidden
+        gradient of tokens ``[ts, te)`` and, once a chunk was added, the weight and bias gradients."""
+        factor = factor.to(torch_stats_dtype(self.dtype))
         if self.hidden is not None:
             self.hidden.scale(ts, te, factor)
         if self.started:

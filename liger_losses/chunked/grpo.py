@@ -16,7 +16,9 @@
   log-probs for the off-policy mask (TRL's ``sampling_per_token_logps``).
 
 Log-probs and entropies are those of ``softmax(z / temperature)`` (TRL divides the logits by
-``temperature``), float32 whatever the input dtype. With ``m`` the valid-token mask, ``r`` the
+``temperature``), float32 whatever the input dtype -- float64 for a float64 head (weight or autocast
+dtype), where the whole computation stays float64 (on the PyTorch path; the Triton kernels' registers
+are float32). With ``m`` the valid-token mask, ``r`` the
 importance ratio and ``A`` the advantages, TRL's semantics of every option:
 
 * ``importance_sampling_level``: ``"token"``: ``r = exp(logp - old)`` per token; ``"sequence"``
@@ -39,7 +41,8 @@ importance ratio and ``A`` the advantages, TRL's semantics of every option:
 * ``off_policy_mask_threshold``: ``l`` times ``A >= 0 or mean_t m (sampling - logp) <= threshold``
   per sequence (``sampling`` = ``sampling_logps``, else ``old``; NaN counts 0).
 * ``top_entropy_quantile < 1``: ``l`` times ``entropy >= quantile(entropy of the batch's tokens,
-  1 - top_entropy_quantile)`` (one batch; TRL gathers the quantile over processes).
+  1 - top_entropy_quantile)``; with ``torch.distributed`` initialized (several processes) the quantile is
+  over every process's tokens, as TRL gathers them (a collective: every process calls the loss).
 * ``importance_sampling_ratio`` (not for ``vespo``, which folds it into ``w``): ``l`` times it.
 * ``beta != 0``: ``l += beta * kl`` with the k3 estimator ``kl = exp(ref - logp) - (ref - logp) - 1``,
   times ``r`` when ``use_bias_correction_kl`` (TRL's default True).
@@ -69,6 +72,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
+from liger_losses.chunked.gemm import compute_dtype
 from liger_losses.chunked.grpo_objective import (
     TOKEN_COUNT_LOSS_TYPES,
     GRPOBatch,
@@ -81,6 +85,7 @@ from liger_losses.chunked.module import ChunkedLossModule
 from liger_losses.chunked.options import HeadOptions, check_head_inputs
 from liger_losses.chunked.output import LossOutput
 from liger_losses.chunked.token_objective import run_token_objective
+from liger_losses.kernels.logits_tile import torch_stats_dtype
 from liger_losses.kernels.utils import check_same_device, check_tensor
 
 # metric keys -> the names TRL 1.16's GRPOTrainer logs them under
@@ -98,9 +103,10 @@ TRL_METRIC_NAMES = {
 }
 
 
-def _per_token(name: str, value: Optional[Tensor], B: int, T: int, allow_sequence: bool = False):
+def _per_token(name: str, value: Optional[Tensor], B: int, T: int, dtype: torch.dtype,
+               allow_sequence: bool = False):
     """``value`` checked as a float ``[B, T]`` tensor (or ``[B]`` / ``[B, 1]`` with ``allow_sequence``),
-    returned flat ``[B * T]`` float32, detached, broadcast over T."""
+    returned flat ``[B * T]`` in ``dtype``, detached, broadcast over T."""
     if value is None:
         return None
     check_tensor(name, value, floating=True)
@@ -108,7 +114,7 @@ def _per_token(name: str, value: Optional[Tensor], B: int, T: int, allow_sequenc
     if tuple(value.shape) not in shapes:
         want = " or ".join(f"[{', '.join(map(str, s))}]" for s in shapes)
         raise ValueError(f"{name} must have shape {want}, got {tuple(value.shape)}")
-    v = value.detach().float().reshape(B, -1)
+    v = value.detach().to(dtype).reshape(B, -1)
     return v.expand(B, T).reshape(-1)
 
 
@@ -130,29 +136,30 @@ def _check_num_items(loss_type: str, num_items_in_batch):
 
 
 def _batch(opts, labels, ignore_index, advantages, old_logps, ref_logps, sampling_logps,
-           importance_sampling_ratio, num_items_in_batch) -> GRPOBatch:
+           importance_sampling_ratio, num_items_in_batch, dtype: torch.dtype) -> GRPOBatch:
+    """The :class:`GRPOBatch` of the inputs, its tensors in ``dtype`` (the engine's statistics dtype)."""
     B, T = labels.shape
     check_tensor("advantages", advantages, floating=True)
     if tuple(advantages.shape) not in ((B,), (B, T)):
         raise ValueError(f"advantages must have shape [{B}] or [{B}, {T}], got {tuple(advantages.shape)}")
     mask = labels != ignore_index
-    lengths = mask.sum(-1).float()
+    lengths = mask.sum(-1).to(dtype)
     num_valid = lengths.sum()
     vespo_log_is = None
-    is_ratio = _per_token("importance_sampling_ratio", importance_sampling_ratio, B, T, allow_sequence=True)
+    is_ratio = _per_token("importance_sampling_ratio", importance_sampling_ratio, B, T, dtype, allow_sequence=True)
     if is_ratio is not None and opts.loss_type == "vespo":
-        raw = importance_sampling_ratio.detach().float().reshape(B, -1)
+        raw = importance_sampling_ratio.detach().to(dtype).reshape(B, -1)
         vespo_log_is = torch.log(raw).clamp(math.log(1e-8), 20.0).sum(-1)
     if isinstance(num_items_in_batch, Tensor):
-        num_items_in_batch = num_items_in_batch.detach().float().reshape(()).to(labels.device)
+        num_items_in_batch = num_items_in_batch.detach().to(dtype).reshape(()).to(labels.device)
     return GRPOBatch(
         B=B, lengths=lengths, num_valid=num_valid,
         token_weight=token_weights(opts, lengths, num_valid, T, num_items_in_batch),
-        advantages=_per_token("advantages", advantages, B, T, allow_sequence=True),
+        advantages=_per_token("advantages", advantages, B, T, dtype, allow_sequence=True),
         advantages_per_sequence=advantages.dim() == 1,
-        old_logps=_per_token("old_logps", old_logps, B, T),
-        ref_logps=_per_token("ref_logps", ref_logps, B, T),
-        sampling_logps=_per_token("sampling_logps", sampling_logps, B, T),
+        old_logps=_per_token("old_logps", old_logps, B, T, dtype),
+        ref_logps=_per_token("ref_logps", ref_logps, B, T, dtype),
+        sampling_logps=_per_token("sampling_logps", sampling_logps, B, T, dtype),
         is_ratio=is_ratio, vespo_log_is=vespo_log_is,
     )
 
@@ -171,7 +178,7 @@ def run_grpo(weight: Tensor, hidden: Tensor, ref_hidden: Optional[Tensor], label
     check_same_device(hidden=hidden, advantages=advantages, old_logps=old_logps, ref_logps=ref_logps,
                       sampling_logps=sampling_logps, importance_sampling_ratio=importance_sampling_ratio)
     batch = _batch(options, labels, head.ignore_index, advantages, old_logps, ref_logps, sampling_logps,
-                   importance_sampling_ratio, num_items_in_batch)
+                   importance_sampling_ratio, num_items_in_batch, torch_stats_dtype(compute_dtype(weight)))
     objective = GRPOObjective(options, batch)
     use_ref_hidden = options.beta != 0.0 and ref_logps is None  # no reference GEMM when it is not used
     loss, sums, _ = run_token_objective(

@@ -8,7 +8,8 @@ log-probs and the vLLM importance-sampling ratio as flat ``[B * T]`` tensors -- 
 into its share of the loss and additive metric sums, differentiable in the chunk's log-probs and
 entropies. :func:`finish_metrics` turns the sums into the 0-d values TRL logs.
 
-All formulas run in float32 on the engine's statistics; see :mod:`liger_losses.chunked.grpo` for
+All formulas run in the engine's statistics dtype (float32; float64 for a float64 head, so that a
+float64 run has no float32 step); see :mod:`liger_losses.chunked.grpo` for
 the semantics of every option.
 """
 
@@ -90,10 +91,11 @@ class GRPOBatch:
     """What is known before any GEMM, flat over ``[B * T]`` (``None`` where not given)."""
 
     B: int
-    lengths: Tensor  # [B] float32 valid tokens per sequence
-    num_valid: Tensor  # 0-d float32
-    token_weight: Tensor  # [B * T] float32: d loss / d per-token loss (the loss type's normaliser)
-    advantages: Tensor  # [B * T] float32
+    # every float tensor in the statistics dtype (float32; float64 for a float64 head)
+    lengths: Tensor  # [B] valid tokens per sequence
+    num_valid: Tensor  # 0-d
+    token_weight: Tensor  # [B * T]: d loss / d per-token loss (the loss type's normaliser)
+    advantages: Tensor  # [B * T]
     advantages_per_sequence: bool  # advantages were [B] (TRL's (B, 1))
     old_logps: Optional[Tensor]
     ref_logps: Optional[Tensor]
@@ -103,7 +105,7 @@ class GRPOBatch:
 
 
 def token_weights(opts: GRPOOptions, lengths: Tensor, num_valid: Tensor, T: int, num_items_in_batch) -> Tensor:
-    """``[B * T]`` float32: the factor of each token's loss in the total, per TRL's normalisation."""
+    """``[B * T]`` in ``lengths``' dtype: the factor of each token's loss in the total, per TRL's normalisation."""
     B = lengths.shape[0]
     t = opts.loss_type
     if t in ("grpo", "sapo"):
@@ -116,18 +118,44 @@ def token_weights(opts: GRPOOptions, lengths: Tensor, num_valid: Tensor, T: int,
         per_seq = torch.full_like(lengths, 1.0 / B)
     else:  # cispo, dapo, vespo
         n = num_valid if num_items_in_batch is None else num_items_in_batch
-        n = torch.as_tensor(n, dtype=torch.float32, device=lengths.device)
+        n = torch.as_tensor(n, dtype=lengths.dtype, device=lengths.device)
         per_seq = (1.0 / n.clamp(min=1.0)).expand(B)
-    return per_seq.float()[:, None].expand(B, T).reshape(-1)
+    return per_seq.to(lengths.dtype)[:, None].expand(B, T).reshape(-1)
+
+
+def gather_over_processes(x: Tensor) -> Tensor:
+    """``x [n]`` of every process concatenated in rank order (``n`` may differ between processes) when
+    ``torch.distributed`` is initialized with more than one process, else ``x``. A collective: every
+    process must call it. Goes through the CPU for a backend without device collectives (gloo)."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return x
+    world = dist.get_world_size()
+    on_device = x.device.type != "cpu" and "nccl" in str(dist.get_backend()).lower()
+    dev = x.device if on_device else torch.device("cpu")
+    local = x.detach().reshape(-1).to(dev)
+    count = torch.tensor([local.numel()], dtype=torch.long, device=dev)
+    counts = [torch.zeros_like(count) for _ in range(world)]
+    dist.all_gather(counts, count)
+    sizes = [int(c) for c in counts]  # host read: the padded length
+    padded = local.new_zeros(max(sizes))
+    padded[: local.numel()] = local
+    parts = [torch.empty_like(padded) for _ in range(world)]
+    dist.all_gather(parts, padded)
+    return torch.cat([p[:n] for p, n in zip(parts, sizes)]).to(x.device)
 
 
 def entropy_quantile_mask(entropy: Tensor, quantile: float) -> Tensor:
-    """TRL's high-entropy mask on one batch: ``entropy >= q-quantile(entropy)`` with ``q = 1 -
-    top_entropy_quantile`` (linear interpolation, as ``torch.quantile``, which is limited to 2^24
-    elements: sorted here instead)."""
-    if entropy.numel() == 0:
+    """TRL's high-entropy mask: ``entropy >= q-quantile(entropies)`` with ``q = 1 - top_entropy_quantile``
+    (linear interpolation, as ``torch.quantile``, which is limited to 2^24 elements: sorted here instead).
+    The quantile is over the valid tokens of every process when ``torch.distributed`` is initialized with
+    several (TRL 1.16 gathers them, :func:`gather_over_processes`: every process must call the loss),
+    else over this batch's; all False when there is no token anywhere."""
+    pool = gather_over_processes(entropy.detach())
+    if pool.numel() == 0:
         return torch.zeros_like(entropy, dtype=torch.bool)
-    s = entropy.detach().sort().values
+    s = pool.sort().values
     pos = (1.0 - quantile) * (s.numel() - 1)
     lo = int(math.floor(pos))
     hi = min(lo + 1, s.numel() - 1)
@@ -136,14 +164,14 @@ def entropy_quantile_mask(entropy: Tensor, quantile: float) -> Tensor:
 
 
 def _clip_flags(opts: GRPOOptions, coef_1: Tensor, adv: Tensor) -> dict:
-    """The clipping indicators TRL logs (float), per token."""
+    """The clipping indicators TRL logs (in ``coef_1``'s dtype), per token."""
+    dt = coef_1.dtype
     if opts.loss_type == "cispo":
-        return {"cispo_clip_ratio": ((coef_1 > opts.eps_high) & (adv > 0)).float()}
+        return {"cispo_clip_ratio": ((coef_1 > opts.eps_high) & (adv > 0)).to(dt)}
     if opts.loss_type in CLIP_LOSS_TYPES:
         low = (coef_1 < 1 - opts.epsilon_low) & (adv < 0)
         high = (coef_1 > 1 + opts.eps_high) & (adv > 0)
-        return {"clip_ratio_low": low.float(), "clip_ratio_high": high.float(),
-                "clip_ratio_region": (low | high).float()}
+        return {"clip_ratio_low": low.to(dt), "clip_ratio_high": high.to(dt), "clip_ratio_region": (low | high).to(dt)}
     return {}
 
 
@@ -283,7 +311,7 @@ def finish_metrics(objective: GRPOObjective, sums: dict) -> dict:
     """The 0-d metrics TRL logs, from the objective's sums over all chunks (keys of ``TRL_METRIC_NAMES``)."""
     o, bt = objective.opts, objective.batch
     n = bt.num_valid.clamp(min=1.0)
-    zero = torch.zeros((), dtype=torch.float32, device=bt.lengths.device)
+    zero = torch.zeros((), dtype=bt.lengths.dtype, device=bt.lengths.device)
     out = {"entropy": sums.get("entropy", zero) / n}
     if o.beta != 0.0:
         out["kl"] = sums.get("kl", zero) / n
@@ -300,7 +328,7 @@ def finish_metrics(objective: GRPOObjective, sums: dict) -> dict:
             seq_level = per_sequence
         seq_sums = sums.get(name + "@seq", torch.zeros_like(bt.lengths))
         if seq_level:  # TRL's (B, 1) tensors: one value per sequence, all B counted
-            values = torch.where(has_tokens, seq_sums / bt.lengths.clamp(min=1.0), e.float())
+            values = torch.where(has_tokens, seq_sums / bt.lengths.clamp(min=1.0), e.to(seq_sums.dtype))
             mean = values.mean() if bt.B else zero
         else:
             values = seq_sums / bt.lengths  # NaN without tokens (TRL's masked_seq_mean)

@@ -23,9 +23,11 @@ from typing import Optional
 import torch
 from torch import Tensor
 
+from liger_losses.chunked.gemm import compute_dtype
 from liger_losses.chunked.options import HeadOptions, check_head_inputs, check_real, set_fields
 from liger_losses.chunked.output import LossOutput
 from liger_losses.chunked.token_objective import TokenChunk, TokenObjective, run_token_objective
+from liger_losses.kernels.logits_tile import torch_stats_dtype
 from liger_losses.kernels.utils import check_same_device, check_tensor
 
 RLOO_TRL_METRIC_NAMES = {
@@ -62,7 +64,7 @@ def _clipped(log_ratio: Tensor, adv: Tensor, eps_low: float, eps_high: float):
     coef_2 = coef_1.clamp(1 - eps_low, 1 + eps_high)
     loss = -torch.min(coef_1 * adv, coef_2 * adv)
     c = coef_1.detach()
-    return loss, ((c < 1 - eps_low) & (adv < 0)).float(), ((c > 1 + eps_high) & (adv > 0)).float()
+    return loss, ((c < 1 - eps_low) & (adv < 0)).to(c.dtype), ((c > 1 + eps_high) & (adv > 0)).to(c.dtype)
 
 
 class RLOOObjective(TokenObjective):
@@ -76,11 +78,11 @@ class RLOOObjective(TokenObjective):
         self.B = advantages.shape[0]
 
     def __call__(self, chunk: TokenChunk) -> tuple[Tensor, dict]:
-        zeros = torch.zeros(self.B, dtype=torch.float32, device=self.adv.device)
+        zeros = torch.zeros(self.B, dtype=chunk.logps.dtype, device=self.adv.device)
         seq_logps = zeros.index_add(0, chunk.seq, chunk.logps)
         present = zeros.index_add(0, chunk.seq, torch.ones_like(chunk.logps)) > 0
         loss, low, high = _clipped(seq_logps - self.old, self.adv, self.eps_low, self.eps_high)
-        keep = present.float()
+        keep = present.to(zeros.dtype)
         sums = {"entropy": chunk.entropy.detach().sum(), "low@seq": low * keep, "high@seq": high * keep}
         return (loss * keep).sum() / self.B, sums
 
@@ -96,7 +98,8 @@ def run_rloo(weight: Tensor, hidden: Tensor, labels: Tensor, *, head: HeadOption
             raise ValueError(f"{name} must have shape [{B}] (one per sequence), got {tuple(value.shape)}")
     check_same_device(hidden=hidden, advantages=advantages, old_logps=old_logps)
     eps_low, eps_high = options.epsilon_low, options.eps_high
-    adv, old = advantages.detach().float(), old_logps.detach().float()
+    dtype = torch_stats_dtype(compute_dtype(weight))  # float64 only for a float64 head: no float32 step then
+    adv, old = advantages.detach().to(dtype), old_logps.detach().to(dtype)
     objective = RLOOObjective(adv, old, eps_low, eps_high)
     loss, sums, _ = run_token_objective(weight, hidden, labels, objective, head=head, bias=bias,
                                         inputs_checked=True)
@@ -107,7 +110,7 @@ def run_rloo(weight: Tensor, hidden: Tensor, labels: Tensor, *, head: HeadOption
     loss = loss + (e_loss * empty).sum() / max(B, 1)
     low = torch.where(empty, e_low, sums.get("low@seq", torch.zeros_like(adv)))
     high = torch.where(empty, e_high, sums.get("high@seq", torch.zeros_like(adv)))
-    n = mask.sum().clamp(min=1).float()
+    n = mask.sum().clamp(min=1).to(dtype)
     metrics = {
         "entropy": sums.get("entropy", torch.zeros((), device=adv.device)) / n,
         "clip_ratio_low_mean": low.mean(), "clip_ratio_low_min": low.min(),

@@ -2,8 +2,9 @@
 
 :func:`fused_linear_token_objective` scores ``hidden [B, T, H]`` against ``labels [B, T]`` through
 ``weight [V, H]`` (+ ``bias [V]``) chunk by chunk on the engine's primitives and hands each chunk's
-per-token statistics (:class:`TokenChunk`: float32 ``[n]`` log-probs, entropies, reference
-log-probs, positions) to a small PyTorch ``objective(chunk) -> (loss, metric_sums)``. ``loss`` is
+per-token statistics (:class:`TokenChunk`: ``[n]`` log-probs, entropies, reference log-probs in
+float32 -- float64 when the head computes in float64, so a float64 run stays float64 end to end --
+and positions) to a small PyTorch ``objective(chunk) -> (loss, metric_sums)``. ``loss`` is
 the chunk's 0-d contribution to the total (the objective applies its own normalisation, known
 before any GEMM), ``metric_sums`` are additive (0-d or ``[B]`` tensors summed over chunks).
 Autograd on the ``[n]`` tensors gives ``d loss / d logp`` and ``d loss / d entropy`` per token, and
@@ -46,7 +47,7 @@ from liger_losses.chunked.options import HeadOptions, check_head_inputs
 from liger_losses.chunked.planning import group_chunk_bounds, tile_budget, token_chunks
 from liger_losses.chunked.tokens import grad_like, hidden_rows_at, scan_labels, valid_index
 from liger_losses.chunked.weights import head_in_dtype
-from liger_losses.kernels.logits_tile import logits_tile
+from liger_losses.kernels.logits_tile import logits_tile, torch_stats_dtype
 from liger_losses.kernels.logp_entropy_grad import logp_entropy_grad_
 from liger_losses.kernels.utils import check_choice, check_same_device, check_tensor
 
@@ -59,9 +60,9 @@ COUPLINGS = ("token", "sequence", "batch")
 class TokenChunk:
     """The tokens of one chunk (or of the whole batch in two phases), in batch order."""
 
-    logps: Tensor  # [n] float32 log p(label); a leaf requiring grad when gradients are wanted
-    entropy: Optional[Tensor]  # [n] float32 softmax entropy (need_entropy); a leaf when entropy_grad
-    ref_logps: Optional[Tensor]  # [n] float32 reference log-probs (from ref_hidden), else None
+    logps: Tensor  # [n] stats dtype (float32; float64 heads: float64) log p(label); a leaf when grads are wanted
+    entropy: Optional[Tensor]  # [n] softmax entropy (need_entropy); a leaf when entropy_grad
+    ref_logps: Optional[Tensor]  # [n] reference log-probs (from ref_hidden), else None
     index: Tensor  # [n] long: flat positions in labels' [B * T] layout
     seq: Tensor  # [n] long: the sequence of each token (index // T)
 
@@ -168,6 +169,7 @@ class TokenDriver:
         B, T, H = hidden.shape
         self.dev = hidden.device
         self.cdt = compute_dtype(weight)
+        self.sdt = torch_stats_dtype(self.cdt)  # the objective's dtype: float64 only for a float64 head
         w_full, self.w = head_in_dtype(weight, self.cdt)
         self.b = bias
         self.V = V = self.w.shape[0]
@@ -226,10 +228,12 @@ class TokenDriver:
         """``(d loss / d logp [n] | None, d loss / d entropy [n] | None)``; adds the chunk's loss and metrics."""
         run = self.run
         with torch.enable_grad():
-            lp = logps.detach().float().clone().requires_grad_(want_grad)
+            lp = logps.detach().to(self.sdt).clone().requires_grad_(want_grad)
             ent = None
             if entropy is not None:
-                ent = entropy.detach().float().clone().requires_grad_(want_grad and run.entropy_grad)
+                ent = entropy.detach().to(self.sdt).clone().requires_grad_(want_grad and run.entropy_grad)
+            if ref is not None:
+                ref = ref.to(self.sdt)
             chunk = TokenChunk(lp, ent, ref, self.index[ts:te], self.seq[ts:te])
             loss, metrics = run.objective(chunk)
             if not isinstance(loss, Tensor) or loss.dim() != 0:
@@ -241,9 +245,9 @@ class TokenDriver:
                 got = [None] * len(leaves)
                 if loss.requires_grad:
                     got = torch.autograd.grad(loss, leaves, allow_unused=True)
-                gl, *rest = [torch.zeros_like(x) if g is None else g.float() for g, x in zip(got, leaves)]
+                gl, *rest = [torch.zeros_like(x) if g is None else g.to(self.sdt) for g, x in zip(got, leaves)]
                 ge = rest[0] if rest else None
-        self.loss = self.loss + loss.detach().float()
+        self.loss = self.loss + loss.detach().to(self.sdt)
         for k, v in (metrics or {}).items():
             v = v.detach()
             self.metric_sums[k] = v if k not in self.metric_sums else self.metric_sums[k] + v
@@ -256,10 +260,10 @@ class TokenDriver:
 
     # ------------------------------------------------------------------ paths
     def execute(self):
-        self.loss = torch.zeros((), dtype=torch.float32, device=self.dev)
+        self.loss = torch.zeros((), dtype=self.sdt, device=self.dev)
         bounds = self.plan()
         if self.N == 0:
-            e = torch.zeros(0, dtype=torch.float32, device=self.dev)
+            e = torch.zeros(0, dtype=self.sdt, device=self.dev)
             self.call_objective(0, 0, e, e if self.run.need_entropy else None,
                                 e if self.ref_rows is not None else None, False)
         elif bounds is not None:
@@ -321,7 +325,7 @@ class TokenDriver:
         return torch.cat(parts)
 
     def stats(self) -> TokenStats:
-        e = torch.zeros(0, dtype=torch.float32, device=self.dev)
+        e = torch.zeros(0, dtype=self.sdt, device=self.dev)
         logps = self.cat("logps")
         return TokenStats(e if logps is None else logps.detach(), self.cat("entropy"), self.cat("ref_logps"),
                           self.index)

@@ -18,7 +18,9 @@ With ``grad=True`` the tile is overwritten, in its own dtype, by
 ``grad_scale[row] * d loss[row] / d x[row, :]`` (through softcap, scale and temperature); with
 ``grad=False`` the tile is left untouched (statistics only, e.g. for a reference model). All
 arithmetic is float32 in registers. Triton: one program per row, two passes over the row in
-blocks (online max / sum-exp, then the gradient). ``impl="torch"``: same semantics in PyTorch.
+blocks (online max / sum-exp, then the gradient). ``impl="torch"``: same semantics in PyTorch,
+in float32 -- float64 (statistics included) for float64 logits, so a float64 reference run has no
+float32 step.
 """
 
 from __future__ import annotations
@@ -48,7 +50,8 @@ MODES = ("ce", "logp")
 
 
 class TileStats(NamedTuple):
-    """Per-row statistics of a logits tile, each ``[n]`` (float32 except ``correct``: bool)."""
+    """Per-row statistics of a logits tile, each ``[n]`` (float32 -- float64 from the PyTorch path on
+    float64 logits -- except ``correct``: bool)."""
 
     loss: Tensor
     lse: Tensor
@@ -203,9 +206,16 @@ if triton is not None:
     _logits_tile_kernel = fast_kernel(_logits_tile_kernel)
 
 
+def torch_stats_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The arithmetic (and statistics) dtype of the PyTorch paths: float64 for float64 logits (a
+    float64 reference run stays float64 end to end), else float32 (the Triton kernels' registers)."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
 def transform_logits_torch(x: Tensor, logit_scale, temperature, softcap):
-    """``(z, t)`` of the Triton kernels' ``transform_logits`` in PyTorch (``t`` None without softcap), fp32."""
-    y = x.float() * logit_scale
+    """``(z, t)`` of the Triton kernels' ``transform_logits`` in PyTorch (``t`` None without softcap),
+    in :func:`torch_stats_dtype` (fp32; fp64 for fp64 logits)."""
+    y = x.to(torch_stats_dtype(x.dtype)) * logit_scale
     t = None
     if softcap is not None:
         t = torch.tanh(y / softcap)
@@ -227,7 +237,7 @@ def _logits_tile_torch(
     logp = z_y - lse
     s = z.sum(1)
     if class_weight is not None:
-        w = class_weight.float()
+        w = class_weight.to(z.dtype)
         w_y = w[safe]
         w_sum = w.sum()
         sw = z @ w
@@ -265,7 +275,7 @@ def _logits_tile_torch(
         if t is not None:
             g = g * (1.0 - t * t)
         scale = scale if isinstance(scale, Tensor) else torch.full_like(lse, float(scale))
-        g = g * torch.where(valid, scale.float(), zero)[:, None]
+        g = g * torch.where(valid, scale.to(z.dtype), zero)[:, None]
         (logits if out is None else out).copy_(g)
     return stats
 

@@ -14,7 +14,8 @@ with the transform of :mod:`~liger_losses.kernels.logits_tile` (``y = logit_scal
 ``softcap * tanh(y / softcap)``, ``z = y / temperature``; ``dz/dx = logit_scale / temperature *
 (1 - tanh^2)``) and ``p = exp(z - lse)`` (``d entropy / d z_k = -p_k (log p_k + entropy)``).
 Rows whose label is ``ignore_index`` or outside ``[0, V)`` get a zero row. One read and one write
-of the tile (the statistics are inputs); float32 arithmetic. ``impl="torch"``: the same in PyTorch.
+of the tile (the statistics are inputs); float32 arithmetic. ``impl="torch"``: the same in PyTorch
+(float64 arithmetic for float64 logits).
 """
 
 from __future__ import annotations
@@ -98,14 +99,14 @@ def _logp_entropy_grad_torch(x, labels, lse, entropy, grad_logp, grad_entropy, i
     valid = (labels != ignore_index) & (labels >= 0) & (labels < V)
     safe = torch.where(valid, labels, torch.zeros_like(labels)).long()
     z, t = transform_logits_torch(x, logit_scale, temperature, softcap)
-    zero = torch.zeros_like(lse, dtype=torch.float32)
-    lse_v = torch.where(valid, lse.float(), zero)[:, None]
+    zero = torch.zeros_like(lse, dtype=z.dtype)
+    lse_v = torch.where(valid, lse.to(z.dtype), zero)[:, None]
     p = torch.exp((z - lse_v).clamp(max=0.0))
-    gl = torch.where(valid, grad_logp.float(), zero)[:, None]
+    gl = torch.where(valid, grad_logp.to(z.dtype), zero)[:, None]
     g = -gl * p
     if grad_entropy is not None:
-        ge = torch.where(valid, grad_entropy.float(), zero)[:, None]
-        ent = torch.where(valid, entropy.float(), zero)[:, None]
+        ge = torch.where(valid, grad_entropy.to(z.dtype), zero)[:, None]
+        ent = torch.where(valid, entropy.to(z.dtype), zero)[:, None]
         g = g - ge * p * (z - lse_v + ent)
     g = g + gl * torch.zeros_like(g).scatter_(1, safe[:, None], 1.0)
     g = g * (logit_scale / temperature)

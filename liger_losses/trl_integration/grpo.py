@@ -13,7 +13,10 @@ liger_chunk_tokens=None)`` takes every argument of ``trl.GRPOTrainer`` plus thre
   importance-sampling level, clipping, ``delta``, ``beta`` with the reference log-probs TRL computed,
   the vLLM importance-sampling ratio, the off-policy mask, the entropy quantile and bonus,
   ``temperature``); TRL's gradient-accumulation scaling is applied as TRL does it. Generation, rewards,
-  advantages, old and reference log-probs are TRL's. Metrics are logged under TRL's names.
+  advantages, old and reference log-probs are TRL's. Metrics are logged under TRL's names. MoE models
+  (``aux_loss_enabled``, TRL's rule): the same backbone forward returns the router logits and, as TRL,
+  ``router_aux_loss_coef * aux_loss`` (divided by the accumulation steps in training) is added to the
+  loss and ``aux_loss`` logged (``router_aux.py``).
   ``liger_patch_model=True`` also swaps the model's layers for our kernels.
 
 Metrics are reduced over processes as TRL reduces them (:func:`log_rl_metrics`): token (or
@@ -21,7 +24,7 @@ sequence) means weighted by each process's count, ``*_min`` / ``*_max`` over all
 
 Options TRL supports that use_liger=True cannot serve raise ``ValueError`` at construction, naming the
 option: ``use_adaptive_entropy``, ``cast_lm_head_to_fp32``, vision-language models, PEFT prompt
-learning, MoE router auxiliary loss.
+learning.
 """
 
 from __future__ import annotations
@@ -44,6 +47,7 @@ from .base import (
     reject_vision,
     unwrap_causal_lm,
 )
+from .router_aux import log_router_aux_loss, policy_hidden_and_router_aux
 
 # metrics TRL takes over all processes' sequences (nanmin / nanmax of the gathered values)
 _MIN_MAX = {"clip_ratio_low_min": "min", "clip_ratio_high_max": "max"}
@@ -111,9 +115,6 @@ class GRPOTrainer(LigerTrainerMixin, trl.GRPOTrainer):
 
             if isinstance(self.processing_class, ProcessorMixin):
                 reject_vision(self.processing_class)
-            if self.aux_loss_enabled:
-                reject("router_aux_loss_coef", self.args.router_aux_loss_coef,
-                       "the MoE load-balancing loss needs the router logits of TRL's forward")
             grpo_options(self)  # the loss options, validated now rather than at the first step
             self._liger_after_init(self.model, self.ref_model, trl_kwargs=trl_kwargs)
 
@@ -157,10 +158,11 @@ class GRPOTrainer(LigerTrainerMixin, trl.GRPOTrainer):
             is_ratio = inputs.get("importance_sampling_ratio")
 
         def run():
-            hidden = self._liger_backbone_hidden(model, model_kwargs)[:, start:start + labels.size(1)]
+            hidden, aux = policy_hidden_and_router_aux(self, model, model_kwargs)
+            hidden = hidden[:, start:start + labels.size(1)]
             weight, bias = self._liger_head(model)
             with gathered_params(weight, bias):
-                return run_grpo(
+                return aux, run_grpo(
                     weight, hidden, None, labels, head=head, options=options, bias=bias,
                     advantages=inputs["advantages"], old_logps=inputs.get("old_per_token_logps"),
                     ref_logps=inputs.get("ref_per_token_logps") if self.beta != 0.0 else None,
@@ -169,9 +171,13 @@ class GRPOTrainer(LigerTrainerMixin, trl.GRPOTrainer):
                 )
 
         with self.accelerator.autocast():
-            loss, metrics = self._liger_run(model, run)
+            aux, (loss, metrics) = self._liger_run(model, run)
         if divisor != 1.0:
             loss = loss / divisor
+        if aux is not None:  # TRL: the policy loss is scaled for accumulation, so is the aux term
+            steps = self.current_gradient_accumulation_steps if mode == "train" else 1.0
+            loss = loss + self.router_aux_loss_coef * aux / steps
+            log_router_aux_loss(self, mode, aux)
         n_tokens, n_seqs = mask.sum(), torch.tensor(float(mask.size(0)), device=mask.device)
         per_seq = inputs["advantages"].dim() == 1 and self.importance_sampling_level == "sequence"
         counts = {k: n_tokens for k in TRL_METRIC_NAMES}

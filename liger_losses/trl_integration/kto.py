@@ -17,10 +17,12 @@ liger_chunk_tokens=None)`` takes every argument of ``trl.KTOTrainer`` plus three
   logs (``kl``, ``entropy``, ``logits/*``, ``rewards/*``, ``logps/*``, ``rewards/margins``, ``num_tokens``) is
   logged under TRL's name, reduced across processes as TRL does (sums over processes / global counts).
   ``liger_patch_model=True`` also swaps the models' layers for our kernels; ``liger_chunk_tokens`` fixes the
-  tokens per logits tile.
+  tokens per logits tile. MoE models (``aux_loss_enabled``, TRL's rule): the policy's forward on the batch
+  returns the router logits and, as TRL, ``router_aux_loss_coef * aux_loss`` is added to the loss and
+  ``aux_loss`` logged (``router_aux.py``; the KL and reference forwards take none, as TRL's).
 
 Options TRL supports that use_liger=True cannot serve raise ``ValueError`` at construction, naming the option:
-vision-language models / datasets, MoE router auxiliary loss (``router_aux_loss_coef``), PEFT prompt learning.
+vision-language models / datasets, PEFT prompt learning.
 """
 
 from __future__ import annotations
@@ -60,6 +62,7 @@ class KTOTrainer(LigerReferenceTrainerMixin, trl.KTOTrainer):
 
     _liger_config_cls = trl.KTOConfig
     _liger_build_loss = staticmethod(build_kto_loss)
+    _liger_serves_router_aux_loss = True  # TRL 1.16's KTO: loss + router_aux_loss_coef * aux_loss
 
     # ------------------------------------------------------------------ helpers
 

@@ -47,7 +47,7 @@ class LigerReferenceTrainerMixin(LigerTrainerMixin):
 
     _liger_config_cls: ClassVar[type]  # the TRL config (trl.DPOConfig...)
     _liger_build_loss: ClassVar[Callable[..., nn.Module]]  # (args, *, chunk_tokens, softcap, logit_scale) -> loss
-    # True where the trainer adds the MoE router aux loss to its policy loss as TRL does (DPO); else rejected
+    # True where the trainer adds the MoE router aux loss to its policy loss as TRL does (DPO, KTO); else rejected
     _liger_serves_router_aux_loss: ClassVar[bool] = False
 
     # ------------------------------------------------------------------ construction

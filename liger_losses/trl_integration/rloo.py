@@ -11,9 +11,12 @@ liger_chunk_tokens=None)`` takes every argument of ``trl.RLOOTrainer`` plus thre
   on them and the LM head -- logits are never held whole. Generation, rewards (with TRL's KL term),
   advantages and old log-probs are TRL's. Metrics (``entropy``, ``clip_ratio/*``) under TRL's names,
   reduced over processes as TRL does (token / sequence weighted means, min / max over processes).
+  MoE models (``aux_loss_enabled``, TRL's rule): the same backbone forward returns the router logits
+  and, as TRL, ``router_aux_loss_coef * aux_loss`` is added to the (unscaled) loss and ``aux_loss``
+  logged (``router_aux.py``).
 
 Options TRL supports that use_liger=True cannot serve raise ``ValueError`` at construction, naming the
-option: ``cast_lm_head_to_fp32``, vision-language models, PEFT prompt learning, MoE router auxiliary loss.
+option: ``cast_lm_head_to_fp32``, vision-language models, PEFT prompt learning.
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ from .base import (
     unwrap_causal_lm,
 )
 from .grpo import log_rl_metrics
+from .router_aux import log_router_aux_loss, policy_hidden_and_router_aux
 
 
 class RLOOTrainer(LigerTrainerMixin, trl.RLOOTrainer):
@@ -51,9 +55,6 @@ class RLOOTrainer(LigerTrainerMixin, trl.RLOOTrainer):
 
             if isinstance(self.processing_class, ProcessorMixin):
                 reject_vision(self.processing_class)
-            if self.aux_loss_enabled:
-                reject("router_aux_loss_coef", self.args.router_aux_loss_coef,
-                       "the MoE load-balancing loss needs the router logits of TRL's forward")
             self._liger_after_init(self.model, self.ref_model, trl_kwargs=trl_kwargs)
 
     def _compute_loss(self, model, inputs):
@@ -69,10 +70,11 @@ class RLOOTrainer(LigerTrainerMixin, trl.RLOOTrainer):
         logit_opts = head_logit_options(unwrap_causal_lm(model).config)
 
         def run():
-            hidden = self._liger_backbone_hidden(model, model_kwargs)[:, start:start + labels.size(1)]
+            hidden, aux = policy_hidden_and_router_aux(self, model, model_kwargs)
+            hidden = hidden[:, start:start + labels.size(1)]
             weight, bias = self._liger_head(model)
             with gathered_params(weight, bias):
-                return fused_linear_rloo_loss(
+                return aux, fused_linear_rloo_loss(
                     weight, hidden, labels, bias=bias, advantages=inputs["advantages"],
                     old_logps=inputs["old_logps"], epsilon_low=self.epsilon_low, epsilon_high=self.epsilon_high,
                     temperature=self.temperature, ignore_index=IGNORE_INDEX,
@@ -80,7 +82,10 @@ class RLOOTrainer(LigerTrainerMixin, trl.RLOOTrainer):
                 )
 
         with self.accelerator.autocast():
-            loss, metrics = self._liger_run(model, run)
+            aux, (loss, metrics) = self._liger_run(model, run)
+        if aux is not None:  # TRL: the loss is unscaled (the Trainer divides it), so is the aux term
+            loss = loss + self.router_aux_loss_coef * aux
+            log_router_aux_loss(self, mode, aux)
         n_seqs = torch.tensor(float(labels.size(0)), device=labels.device)
         counts = {k: n_seqs for k in RLOO_TRL_METRIC_NAMES}
         counts["entropy"] = completion_mask.sum()

@@ -5,14 +5,17 @@
 ``aux_loss`` (0-d fp32) is ``transformers.models.mixtral.modeling_mixtral.load_balancing_loss_func(
 router_logits, text_config.num_experts, text_config.num_experts_per_tok, attention_mask)`` -- the
 function, arguments and attention mask (``None`` for padding-free batches: every token counts) TRL's
-``add_fused_lm_head`` forward uses. The trainers add ``router_aux_loss_coef * aux_loss`` to their loss
-where TRL does (SFT: divided by the accumulation steps when ``num_items_in_batch`` is given; DPO: as is)
-and log ``aux_loss`` like TRL.
+``add_fused_lm_head`` forward uses. ``policy_hidden_and_router_aux(trainer, model, model_kwargs)`` is the
+same when ``trainer.aux_loss_enabled`` (TRL's rule: the config has ``output_router_logits`` and the
+coefficient is not 0), else the plain backbone forward and ``None``; ``log_router_aux_loss`` logs it as
+TRL does (``aux_loss``: the mean over processes). The trainers add ``router_aux_loss_coef * aux_loss``
+to their loss where TRL does: SFT divided by the accumulation steps when ``num_items_in_batch`` is
+given; GRPO divided by them in training (its policy loss is already scaled); DPO, KTO and RLOO as is.
 """
 
 from __future__ import annotations
 
-from typing import Any, Dict, Tuple
+from typing import Any, Dict, Optional, Tuple
 
 import torch
 from torch import nn
@@ -35,3 +38,17 @@ def backbone_hidden_and_router_aux(model: nn.Module, model_kwargs: Dict[str, Any
     outputs = backbone_of(unwrap_causal_lm(model))(**model_kwargs, output_router_logits=True)
     aux = router_aux_loss(model, outputs.router_logits, model_kwargs.get("attention_mask"))
     return outputs.last_hidden_state, aux
+
+
+def policy_hidden_and_router_aux(trainer, model: nn.Module,
+                                 model_kwargs: Dict[str, Any]) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """``(last hidden states [B, T, H], aux_loss or None)``: with the router logits when TRL computes the aux
+    loss (``trainer.aux_loss_enabled``), else the plain backbone forward (no router logits asked for)."""
+    if trainer.aux_loss_enabled:
+        return backbone_hidden_and_router_aux(model, model_kwargs)
+    return backbone_of(unwrap_causal_lm(model))(**model_kwargs).last_hidden_state, None
+
+
+def log_router_aux_loss(trainer, mode: str, aux_loss: torch.Tensor) -> None:
+    """Log ``aux_loss`` as TRL's trainers do: ``aux_loss``, the mean over processes."""
+    trainer._metrics[mode]["aux_loss"].append(trainer.accelerator.gather_for_metrics(aux_loss.detach()).mean().item())

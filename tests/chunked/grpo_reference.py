@@ -38,8 +38,10 @@ def reference_loss(logps, entropy, mask, advantages, *, loss_type="dapo", beta=0
                    vespo_k_pos=2.0, vespo_lambda_pos=3.0, vespo_k_neg=3.0, vespo_lambda_neg=2.0,
                    off_policy_mask_threshold=None, top_entropy_quantile=1.0, entropy_coef=0.0,
                    max_completion_length=None, old_logps=None, ref_logps=None, sampling_logps=None,
-                   importance_sampling_ratio=None, num_items_in_batch=None):
-    """``(loss, metrics)``; metrics as floats under this library's keys (``TRL_METRIC_NAMES``)."""
+                   importance_sampling_ratio=None, num_items_in_batch=None, entropy_pool=None):
+    """``(loss, metrics)``; metrics as floats under this library's keys (``TRL_METRIC_NAMES``).
+    ``entropy_pool``: the valid tokens' entropies the quantile is taken over (TRL gathers every
+    process's), default this batch's."""
     eh = epsilon_low if epsilon_high is None else epsilon_high
     B = logps.shape[0]
     adv = advantages[:, None] if advantages.dim() == 1 else advantages
@@ -82,7 +84,7 @@ def reference_loss(logps, entropy, mask, advantages, *, loss_type="dapo", beta=0
         ptl = ptl * ((adv >= 0) | (seq_kl <= off_policy_mask_threshold)).double()
     ent_mask = None
     if top_entropy_quantile < 1.0:
-        valid = entropy.detach()[mask.bool()]
+        valid = entropy.detach()[mask.bool()] if entropy_pool is None else entropy_pool
         thr = torch.quantile(valid, 1 - top_entropy_quantile)
         ent_mask = ((entropy.detach() * mask) >= thr) & mask.bool()
         ptl = ptl * ent_mask.double()

@@ -1,9 +1,9 @@
 """Tests of liger_losses/chunked/rloo.py against a float64 reference and TRL 1.16's own RLOO loss code.
 
-Bar: float64 inputs, loss and the gradients of hidden, weight and bias within 5e-6 relative of the
-float64 reference on full logits: the ratio exponentiates a sequence's *summed* log-probs, whose
-float32 error (~2e-7 per token from the tile kernels) grows with its length (up to 2.9e-6 measured
-here); metrics within 1e-6. chunk_tokens=4 cuts sequences (two phases), chunk_tokens=T keeps them whole (one pass).
+Bar: float64 inputs, loss and the gradients of hidden, weight and bias within 1e-6 relative of the
+float64 reference on full logits (the issue's bar; a float64 head runs in float64 end to end, so the
+ratio of a sequence's *summed* log-probs carries no float32 error: ~1e-15 measured here); metrics
+within 1e-6. chunk_tokens=4 cuts sequences (two phases), chunk_tokens=T keeps them whole (one pass).
 """
 
 import math
@@ -18,7 +18,7 @@ from tests.chunked.grpo_reference import reference_logps
 from tests.helpers import assert_close_rel
 
 B, T, H, V = 4, 6, 8, 20
-TOL = 5e-6
+TOL = 1e-6
 
 
 def _case(seed=0, pad_row=None):
