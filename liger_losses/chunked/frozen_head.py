@@ -35,6 +35,7 @@ from liger_losses.chunked.config import get_engine_config
 from liger_losses.chunked.gemm import HeadGrads, mm_into
 from liger_losses.chunked.planning import chunk_bounds
 from liger_losses.chunked.tokens import RowGather
+from liger_losses.kernels.logits_tile import torch_stats_dtype
 from liger_losses.kernels.online_block import OnlineState, online_block
 
 
@@ -72,11 +73,12 @@ def online_token_chunks(V: int, H: int, itemsize: int, num_tokens: int) -> list[
     return chunk_bounds(num_tokens, 1, chunk_tokens=size)
 
 
-def _scale_rows(grad_scale, ts: int, te: int, device) -> Tensor:
+def _scale_rows(grad_scale, ts: int, te: int, device, dtype: torch.dtype) -> Tensor:
+    """The upstream scale of rows ``[ts, te)`` in the statistics' ``dtype``."""
     if isinstance(grad_scale, Tensor):
-        s = grad_scale.float().reshape(-1)
+        s = grad_scale.to(dtype).reshape(-1)
         return s[ts:te] if s.numel() > 1 else s.expand(te - ts)
-    return torch.full((te - ts,), float(grad_scale), dtype=torch.float32, device=device)
+    return torch.full((te - ts,), float(grad_scale), dtype=dtype, device=device)
 
 
 def _chunk(weight: Tensor, h: Tensor, labels: Tensor, head_blocks, buf: Tensor, opts: dict,
@@ -85,8 +87,9 @@ def _chunk(weight: Tensor, h: Tensor, labels: Tensor, head_blocks, buf: Tensor, 
     per block is three launches (logits GEMM into the reused buffer ``buf``, the block kernel, the
     accumulating GEMM): the block loop runs 16-32 times per chunk."""
     n = h.shape[0]
-    state = OnlineState.empty(n, h.device)
-    acc = torch.empty(n, weight.shape[1], dtype=torch.float32, device=h.device)
+    stats_dtype = torch_stats_dtype(weight.dtype)  # a float64 run stays float64 end to end
+    state = OnlineState.empty(n, h.device, stats_dtype)
+    acc = torch.empty(n, weight.shape[1], dtype=stats_dtype, device=h.device)
     transform = dict(logit_scale=opts.get("logit_scale", 1.0), temperature=opts.get("temperature", 1.0),
                      softcap=opts.get("softcap"))
     impl = opts.get("impl", "auto")
@@ -133,7 +136,7 @@ def run_online_chunks(weight: Tensor, rows: RowGather, labels_valid: Tensor, bia
     blocks = vocab_blocks(V)
     head_blocks = [(v0, weight[v0:v1], None if bias is None else bias[v0:v1].to(weight.dtype)) for v0, v1 in blocks]
     eps = float(opts.get("label_smoothing", 0.0)) if opts["mode"] == "ce" else 0.0
-    w_mean = weight.float().mean(0) if eps > 0.0 else None
+    w_mean = weight.to(torch_stats_dtype(weight.dtype)).mean(0) if eps > 0.0 else None
     need_entropy = bool(opts.get("need_entropy", False))
     chunks = online_token_chunks(V, H, weight.element_size(), labels_valid.shape[0])
     if not chunks:
@@ -144,7 +147,7 @@ def run_online_chunks(weight: Tensor, rows: RowGather, labels_valid: Tensor, bia
         for ts, te in chunks:
             out = grads.hidden.target(ts, te)
             st = _chunk(weight, rows(ts, te), labels_valid[ts:te], head_blocks, buf, opts, need_entropy, eps > 0.0,
-                        out, _scale_rows(grad_scale, ts, te, weight.device), w_mean)
+                        out, _scale_rows(grad_scale, ts, te, weight.device, torch_stats_dtype(weight.dtype)), w_mean)
             grads.hidden.commit(ts, te, out)
             for k, v in st.items():
                 parts.setdefault(k, []).append(v)

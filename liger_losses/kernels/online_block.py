@@ -15,7 +15,7 @@ vocabulary) and a running per-row :class:`OnlineState`, :func:`online_block`:
   ``ignore_index`` or out-of-range labels are never seen);
 * overwrites ``x`` by ``exp(z - ref) * dz/dx`` in its own dtype (``sum_v x_v W_v`` is then the
   unnormalized softmax-weighted row sum);
-* multiplies row ``r`` of ``acc [n, H]`` (fp32, unit column stride) by ``exp(ref_old - ref_new)``
+* multiplies row ``r`` of ``acc [n, H]`` (fp32; fp64 in a float64 run; unit column stride) by ``exp(ref_old - ref_new)``
   where the reference moved (``first=True``: no ``acc`` yet, nothing rescaled; a row whose reference
   stayed is not touched, so usually no ``acc`` byte moves).
 
@@ -68,8 +68,9 @@ class OnlineState:
     d_y: Tensor
 
     @classmethod
-    def empty(cls, n: int, device) -> "OnlineState":
-        buf = torch.zeros((7, n), dtype=torch.float32, device=device)
+    def empty(cls, n: int, device, dtype: torch.dtype = torch.float32) -> "OnlineState":
+        """A fresh state of ``n`` rows (``dtype``: float32, or float64 for a float64 run's PyTorch path)."""
+        buf = torch.zeros((7, n), dtype=dtype, device=device)
         buf[0].fill_(float("-inf"))
         buf[4].fill_(float("-inf"))
         return cls(*buf.unbind(0))
@@ -183,8 +184,9 @@ def online_block(x: Tensor, labels: Tensor, v0: int, state: OnlineState, acc: Op
     if labels.shape != (n,) or x.stride(1) != 1:
         raise ValueError(f"x must be [n, Vb] with unit column stride and labels [n]; got x {tuple(x.shape)} "
                          f"strides {tuple(x.stride())}, labels {tuple(labels.shape)}")
-    if not first and (acc is None or acc.shape[0] != n or acc.dtype != torch.float32 or acc.stride(1) != 1):
-        raise ValueError("acc must be an [n, H] float32 tensor with unit column stride after the first block")
+    if not first and (acc is None or acc.shape[0] != n or acc.dtype not in (torch.float32, torch.float64)
+                      or acc.stride(1) != 1):
+        raise ValueError("acc must be an [n, H] float32 (float64) tensor with unit column stride after the first block")
     inv_temp = 1.0 / float(temperature)
     if n == 0:
         return

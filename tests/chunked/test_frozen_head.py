@@ -1,10 +1,10 @@
 """The frozen-head path (``chunked.frozen_head``, ``kernels.online_block``): a per-token pass that
 wants only the hidden gradient, in vocabulary blocks with an online softmax.
 
-Every case is held to a float64 autograd reference. The statistics are float32 (as the
-logits-tile kernel's), so float64 inputs give ~1e-7: the bar is 2e-6 for the loss, the metrics and
-the hidden gradient, and the online path may not be worse than the tile path on the same inputs
-(x2 + 1e-7, which admits the float32 rounding differences of two summation orders).
+Every case is held to a float64 autograd reference. A float64 run's PyTorch path stays float64
+(``kernels.logits_tile.torch_stats_dtype``), so the bar is 1e-10 for the loss, the metrics and the
+hidden gradient (summation order alone); the Triton kernel's float32 registers are held to the
+PyTorch path at fp32 inputs instead.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from tests.helpers import rel_err
 
 V, H, N = 700, 48, 150
 SMALL = dict(frozen_budget_bytes=64 * 1024, frozen_block_columns=256)  # several chunks and blocks
-TOL = 2e-6
+TOL = 1e-10
 
 
 def _inputs(seed=0, dtype=torch.float64, jump=False):
@@ -77,8 +77,8 @@ def _run(w, h, b, y, *, online, impl, **opts):
 @pytest.mark.parametrize("jump", [False, True], ids=["steady", "reference_moves"])
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_cross_entropy_matches_float64(name, jump):
-    """Loss, entropy, token accuracy and hidden gradient of the frozen-head path vs float64 (TOL), and no
-    worse than the tile path, for every served option; ``reference_moves`` exercises the rescale."""
+    """Loss, entropy, token accuracy and hidden gradient of the frozen-head path (and the tile path)
+    vs float64 (TOL), for every served option; ``reference_moves`` exercises the rescale."""
     opts = CASES[name]
     w, h, b, y = _inputs(jump=jump)
     ref = _reference(w, h, b, y, **opts)
@@ -87,7 +87,7 @@ def test_cross_entropy_matches_float64(name, jump):
     for i, what in enumerate(("loss", "grad_hidden", "entropy")):
         err_online, err_tile = rel_err(online[i], ref[i]), rel_err(tile[i], ref[i])
         assert err_online <= TOL, (what, err_online)
-        assert err_online <= 2 * err_tile + 1e-7, (what, err_online, err_tile)
+        assert err_tile <= TOL, (what, err_tile)
     # argmax hits compare float32 logits (a softcap saturates some into ties): as the tile path's
     assert float(online[3]) == pytest.approx(float(tile[3]), abs=1e-6)
     if "softcap" not in opts:
@@ -137,7 +137,7 @@ def test_block_kernel_interpreter_matches_torch(monkeypatch):
 
 def test_token_logprobs_frozen_head():
     """Token log-probs with a frozen head (their backward recomputes through the same pass, mode
-    "logp", per-token upstream gradient): log-probs and hidden gradient vs float64 within TOL."""
+    "logp", per-token upstream gradient): log-probs vs float64 within TOL, the hidden gradient 1e-6."""
     w, h, b, y = _inputs(seed=4, jump=True)
     upstream = torch.randn(N, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
     with engine_config(**SMALL):
@@ -149,7 +149,9 @@ def test_token_logprobs_frozen_head():
     ref = torch.where(valid, torch.log_softmax(z, 1).gather(1, y.clamp_min(0)[:, None]).squeeze(1), 0.0)
     (ref_gh,) = torch.autograd.grad((ref * upstream).sum(), hd)
     assert rel_err(logps, ref) <= TOL
-    assert rel_err(gh, ref_gh) <= TOL
+    # the recomputed backward takes the upstream gradient as a float32 row scale (both paths: the
+    # tile path's error here is the same 2.7e-8), so the gradient's bar is float32's
+    assert rel_err(gh, ref_gh) <= 1e-6
 
 
 def test_eligibility():
