@@ -67,6 +67,9 @@ from benchmark import trainer_data as data
 from benchmark.common import print_table, results_dir
 
 PATHS = ("ours", "ours-fp32-accum", "trl", "ours-seed1")
+# ``--paths`` also takes ``<path>-seed1`` for any path (that path with data_seed=1): a second sample of
+# each path, to tell a path's difference from run-to-run noise on both sides
+SEED1 = "-seed1"
 TASKS = ("sft", "dpo")
 CURVE_KEYS = ("loss", "entropy", "grad_norm")
 
@@ -115,8 +118,9 @@ def fp32_accum_sft_trainer():
 
 def with_fp32_accum(trainer):
     """Rebuild a preference trainer's loss module with ``accum_dtype=torch.float32`` (its other options kept)."""
-    loss = trainer.liger_loss
-    trainer.liger_loss = type(loss)(**{**loss.options, "accum_dtype": torch.float32})
+    import dataclasses
+
+    trainer.liger_loss.head = dataclasses.replace(trainer.liger_loss.head, accum_dtype=torch.float32)
     return trainer
 
 
@@ -139,7 +143,7 @@ def make_args(task: str, path: str, *, steps: int, out_dir: str, tiny: bool):
         lr_scheduler_type="constant_with_warmup", warmup_steps=min(10, steps // 4), max_grad_norm=1.0,
         bf16=True, optim="adamw_torch_fused", logging_steps=1, save_strategy="no", eval_strategy="no",
         report_to="none", dataloader_num_workers=0, disable_tqdm=True, seed=0,
-        data_seed=1 if path == "ours-seed1" else 0, use_cpu=tiny,
+        data_seed=1 if path.endswith(SEED1) else 0, use_cpu=tiny,
     )
     if task == "sft":
         return trl.SFTConfig(max_length=4096, **kwargs)
@@ -151,6 +155,7 @@ def run_path(task: str, path: str, dataset, *, steps: int, chunk_tokens, tiny: b
     from transformers.trainer_callback import PrinterCallback
 
     device = "cpu" if tiny else "cuda"
+    label, path = path, path.removesuffix(SEED1)  # the behaviour of the base path, the name with its seed
     tokenizer = data.build_tokenizer(shape["vocab_size"])
     model = data.build_model(shape, device=device, dtype=torch.bfloat16, seed=0)
     ref_model = None
@@ -159,7 +164,7 @@ def run_path(task: str, path: str, dataset, *, steps: int, chunk_tokens, tiny: b
     curves = _curve_callback()
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory() as out_dir:
-        args = make_args(task, path, steps=steps, out_dir=out_dir, tiny=tiny)
+        args = make_args(task, label, steps=steps, out_dir=out_dir, tiny=tiny)
         common = dict(args=args, train_dataset=dataset, processing_class=tokenizer, callbacks=[curves])
         liger = dict(use_liger=True, liger_chunk_tokens=chunk_tokens)
         from liger_losses.trl_integration import DPOTrainer, SFTTrainer
@@ -182,9 +187,9 @@ def run_path(task: str, path: str, dataset, *, steps: int, chunk_tokens, tiny: b
     del trainer, model, ref_model
     if not tiny:
         torch.cuda.empty_cache()
-    rows = [{"task": task, "path": path, **r} for r in curves.rows]
+    rows = [{"task": task, "path": label, **r} for r in curves.rows]
     last = rows[-1] if rows else {}
-    print(f"[{task} {path}] {len(rows)} steps in {time.perf_counter() - t0:.1f} s; last: "
+    print(f"[{task} {label}] {len(rows)} steps in {time.perf_counter() - t0:.1f} s; last: "
           + ", ".join(f"{k} {last.get(k, float('nan')):.4g}" for k in CURVE_KEYS), flush=True)
     return rows
 
@@ -262,7 +267,8 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--tiny", action="store_true", help="CPU smoke run: tiny model, 12 steps of 2 x 64 tokens")
     ap.add_argument("--tasks", nargs="+", choices=TASKS, default=list(TASKS))
-    ap.add_argument("--paths", nargs="+", choices=PATHS, default=None, help="default: all (see --no-noise-run)")
+    ap.add_argument("--paths", nargs="+", choices=PATHS + tuple(p + SEED1 for p in PATHS[:3]), default=None,
+                    help="default: all (see --no-noise-run); <path>-seed1: that path with data_seed=1")
     ap.add_argument("--no-noise-run", action="store_true", help="drop the ours-seed1 run")
     ap.add_argument("--quick", action="store_true", help="the same without the noise run (6 runs, ~1.7 min)")
     ap.add_argument("--steps", type=int, default=None, help="optimizer steps per run (default 200; --tiny 12)")
