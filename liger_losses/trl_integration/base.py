@@ -55,6 +55,8 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 import torch
 from torch import nn
 
+from ..chunked.weights import run_with_head_params
+
 IGNORE_INDEX = -100
 
 
@@ -424,13 +426,16 @@ class LigerTrainerMixin:
         reducer, DeepSpeed's engine gathers -- so ``fn`` runs through :func:`run_in_forward`; and (2) the
         mixed-precision autocast accelerate wraps a prepared model's ``forward`` in (:func:`forward_autocast`),
         which a swapped forward would otherwise drop: with ``bf16=True`` the backbone, PEFT adapters included,
-        and the LM-head GEMMs then run in bf16 as in TRL's step, not in the weights' dtype.
+        and the LM-head GEMMs then run in bf16 as in TRL's step, not in the weights' dtype; and (3) for an LM
+        head that FSDP2 shards in a group of its own, that group's hooks (``run_with_head_params``: ``fn`` runs as
+        the head's forward too, so the head is unsharded while ``fn`` reads it and its gradient is reduced).
         """
         autocast = forward_autocast(model, getattr(self, "accelerator", None))
+        head = unwrap_causal_lm(model).get_output_embeddings()
 
         def as_forward():
-            with autocast:
-                return fn(*args, **kwargs)
+            with autocast:  # an FSDP2 head of its own group: fn runs as its forward too (run_with_head_params)
+                return run_with_head_params(head, fn, *args, **kwargs)
 
         return run_in_forward(model, as_forward)
 
