@@ -482,10 +482,30 @@ class LigerTrainerMixin:
         raise ValueError("Expected 'attention_mask' or 'position_ids' in inputs.")
 
     def _liger_log(self, mode: str, metrics: Mapping[str, torch.Tensor], names: Mapping[str, str], *,
-                   inputs: Optional[Mapping[str, Any]] = None) -> None:
+                   inputs: Optional[Mapping[str, Any]] = None,
+                   token_counts: Optional[Mapping[str, torch.Tensor]] = None) -> None:
         """Append each metric of ``metrics`` (0-d tensors) under its TRL name ``names[key]``, averaged over processes
-        (keys absent from ``metrics`` are ignored); with ``inputs``, ``num_tokens`` too (:meth:`_liger_gather`)."""
+        (keys absent from ``metrics`` are ignored); with ``inputs``, ``num_tokens`` too (:meth:`_liger_gather`).
+
+        A key of ``token_counts`` is a mean over this process's tokens (its count, 0-d): it is reduced as TRL reduces
+        it, ``sum(mean * count) / sum(count)`` over processes (0 when no process has a token), not as a mean of the
+        processes' means, which differs when the processes hold different numbers of tokens."""
+        counts = token_counts or {}
         keys = [key for key in names if key in metrics]
-        values = self._liger_gather(mode, [metrics[key] for key in keys], "mean", inputs=inputs)
-        for key, value in zip(keys, values):
+        values, reductions = [], []
+        for key in keys:
+            if key in counts:
+                count = counts[key].to(metrics[key].device, torch.float64)
+                values += [metrics[key].detach().double() * count, count]
+                reductions += ["sum", "sum"]
+            else:
+                values.append(metrics[key])
+                reductions.append("mean")
+        out = iter(self._liger_gather(mode, values, reductions, inputs=inputs) if values else [])
+        for key in keys:
+            if key in counts:
+                total, count = next(out), next(out)
+                value = total / count if count > 0 else 0.0
+            else:
+                value = next(out)
             self._metrics[mode][names[key]].append(value)
