@@ -5,30 +5,41 @@ launcher sets (``ACCELERATE_USE_FSDP=true``, ``FSDP_VERSION=2``, ``FSDP_AUTO_WRA
 over ``LlamaDecoderLayer``, ``FSDP_RESHARD_AFTER_FORWARD=true``, ``FSDP_STATE_DICT_TYPE=SHARDED_STATE_DICT``) plus
 the ``MASTER_ADDR``/``RANK``/``WORLD_SIZE``/``LOCAL_RANK`` of each process (``tests.distributed.ranks``); accelerate
 keeps FSDP for accelerator devices, so ``tests.distributed.accelerate_cpu`` lets its state take FSDP on CPU
-processes as it does on GPUs. accelerate
-1.15 then shards each decoder layer, the embedding, ``[final norm, lm_head]`` as one group and the root; TRL
-shards DPO's reference model as one root group (``trl.models.prepare_fsdp``).
+processes as it does on GPUs. accelerate 1.15 then shards each decoder layer, the embedding, ``[final norm,
+lm_head]`` as one group and the root; TRL shards DPO's reference model as one root group
+(``trl.models.prepare_fsdp``).
 
-Each trainer runs 3 optimizer steps on tiny fp32 Llamas (``liger_losses.demo``), global batch 4 (2 per rank):
-* ours on 2 ranks equals ours in one process with batch 4 and no FSDP -- every logged value of every step
-  (loss, grad_norm and the trainer's metrics: SFT's entropy / mean_token_accuracy / num_tokens, DPO's
-  rewards / logps / logits);
-* ours on 2 ranks equals TRL's own trainer (``use_liger=False``) on 2 ranks under the same FSDP2 setup.
-Tolerance: relative 1e-4 per logged value (absolute where the value is below 1e-6). The same fp32 math runs
-in another order -- per-rank sub-batches padded to their own length, the gradient summed over 2 ranks, our
-chunked head against full logits -- which gives ~1e-6 on one step (tests/trl_integration's parity bar is the
-same 1e-4); Adam's first steps divide by sqrt(v), which magnifies that noise a little on later steps.
+Each trainer runs 3 optimizer steps on tiny Llamas (``liger_losses.demo``), global batch 4 (2 per rank), with
+3 variants (:data:`VARIANTS`): ``fp32`` (untied head, a reference model for DPO); ``bf16-tied-ckpt`` (``bf16=True``:
+accelerate's FSDP2 ``MixedPrecisionPolicy`` of bf16 parameters over fp32 ones, plus CPU autocast; the head tied to
+the embedding; ``FSDP_ACTIVATION_CHECKPOINTING=true``); ``lora`` (DPO with a PEFT LoRA adapter and no reference
+model: the reference is the policy with the adapter off). Checked, for every step's loss, grad_norm and every
+metric the trainer logs (SFT: entropy, mean_token_accuracy, num_tokens; DPO: rewards/*, logps/*, logits/*,
+mean_token_accuracy, entropy):
+
+* ours on 2 ranks equals ours in one process with batch 4 and no FSDP, and both ranks log the same values
+  (``fp32`` and ``lora``);
+* ours on 2 ranks equals TRL's own trainer (``use_liger=False``) on 2 ranks under the same FSDP2 setup (all).
+
+Tolerances, relative per logged value (absolute where the value is below 1e-6): fp32 1e-4 -- the same fp32 math
+in another order (per-rank sub-batches padded to their own length, the gradient summed over 2 ranks, our chunked
+head against full logits) gives ~1e-6 on one step (tests/trl_integration's parity bar is the same 1e-4), and
+Adam's first steps divide by sqrt(v), which magnifies that noise a little. bf16 3e-2 -- both trainers round the
+head's logits and GEMM operands to bf16 (8 bits of mantissa, 4e-3 per rounding) in another order and tile
+shape, over 3 steps. Absolute instead (:data:`BF16_ABSOLUTE`): logits/* are means of near-zero values (2e-3);
+rewards/* are beta = 0.1 times a difference of two bf16 sequence log-probs near -12, whose bf16 spacing is
+0.0625, so one rounding step on each side moves them by 0.1 * 2 * 0.0625 = 1.25e-2 (measured: <= 3e-3).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import pytest
 
 from tests.distributed.ranks import run_on_ranks, skip_unless_gloo_fsdp2
 
-TOL = 1e-4
 STEPS = 3
 GLOBAL_BATCH = 4
 
@@ -41,107 +52,173 @@ FSDP2_ENV = {
     "FSDP_STATE_DICT_TYPE": "SHARDED_STATE_DICT",
     "FSDP_CPU_RAM_EFFICIENT_LOADING": "false",
 }
-# how the Trainer's logs name what each trainer logs (besides loss, grad_norm, learning_rate, epoch)
+# bf16: metrics compared absolutely (see the module docstring)
+BF16_ABSOLUTE = {"logits/chosen": 2e-3, "logits/rejected": 2e-3, "rewards/chosen": 1.25e-2,
+                 "rewards/rejected": 1.25e-2, "rewards/margins": 1.25e-2}
+# what each trainer logs besides loss, grad_norm, learning_rate and epoch
 METRICS = {
     "sft": ("entropy", "mean_token_accuracy", "num_tokens"),
     "dpo": ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen",
-            "logps/rejected", "logits/chosen", "logits/rejected"),
+            "logps/rejected", "logits/chosen", "logits/rejected", "mean_token_accuracy", "entropy", "num_tokens"),
 }
 
 
-def _trainer(kind: str, use_liger: bool, world: int, run_dir: str):
+@dataclasses.dataclass(frozen=True)
+class Variant:
+    name: str
+    kinds: tuple
+    bf16: bool = False
+    tied: bool = False
+    checkpointing: bool = False
+    lora: bool = False
+    single_process: bool = True  # also compared with one process (fp32 variants)
+
+    @property
+    def tol(self) -> float:
+        return 3e-2 if self.bf16 else 1e-4
+
+
+VARIANTS = [
+    Variant("fp32", ("sft", "dpo")),
+    Variant("bf16-tied-ckpt", ("sft", "dpo"), bf16=True, tied=True, checkpointing=True, single_process=False),
+    Variant("lora", ("dpo",), lora=True),
+]
+
+
+def _model(tok, seed: int, tied: bool):
+    from liger_losses.demo import build_tiny_model
+
+    model = build_tiny_model(tok, seed=seed)
+    if tied:
+        model.config.tie_word_embeddings = True
+        model.lm_head.weight = model.model.embed_tokens.weight
+    return model
+
+
+def _trainer(kind: str, use_liger: bool, world: int, run_dir: str, variant: Variant):
     from liger_losses.trl_integration import DPOTrainer, SFTTrainer
     from tests.trl_integration.utils import (
         PAIRS,
-        build_tiny_model,
         build_tokenizer,
         dpo_config,
+        lora_config,
         preference_dataset,
         sft_config,
         sft_dataset,
     )
 
     tok = build_tokenizer()
-    cfg = dict(max_steps=STEPS, per_device_train_batch_size=GLOBAL_BATCH // world, learning_rate=3e-3)
+    cfg = dict(max_steps=STEPS, per_device_train_batch_size=GLOBAL_BATCH // world, learning_rate=3e-3,
+               bf16=variant.bf16)
     extra = {"use_liger": use_liger}
     if use_liger:
         extra.update(liger_patch_model=False, liger_chunk_tokens=5)  # tiles cut through sequences
+    if variant.lora:
+        extra["peft_config"] = lora_config()
+    policy = _model(tok, 0, variant.tied)
     if kind == "sft":
-        return SFTTrainer(build_tiny_model(tok, seed=0), sft_config(run_dir, **cfg), train_dataset=sft_dataset(),
-                          processing_class=tok, **extra)
-    return DPOTrainer(build_tiny_model(tok, seed=0), build_tiny_model(tok, seed=1), dpo_config(run_dir, **cfg),
-                      train_dataset=preference_dataset(PAIRS), processing_class=tok, **extra)
+        return SFTTrainer(policy, sft_config(run_dir, **cfg), train_dataset=sft_dataset(), processing_class=tok,
+                          **extra)
+    ref = None if variant.lora else _model(tok, 1, variant.tied)
+    return DPOTrainer(policy, ref, dpo_config(run_dir, **cfg), train_dataset=preference_dataset(PAIRS),
+                      processing_class=tok, **extra)
 
 
-def _logs(trainer) -> list:
-    trainer.train()
-    return [{k: float(v) for k, v in h.items() if isinstance(v, (int, float))}
-            for h in trainer.state.log_history if "loss" in h]
+def _check_sharded(trainer, variant: Variant) -> None:
+    """The model ``train()`` prepared is FSDP2's, the head in accelerate's ``[norm, (embed,) lm_head]`` group."""
+    import torch
+    from torch.distributed.fsdp import FSDPModule
+
+    from liger_losses.trl_integration.base import unwrap_causal_lm
+
+    assert isinstance(trainer.model_wrapped, FSDPModule), type(trainer.model_wrapped)
+    causal_lm = unwrap_causal_lm(trainer.model_wrapped)
+    assert isinstance(causal_lm.lm_head, FSDPModule)
+    assert (causal_lm.lm_head.weight is causal_lm.model.embed_tokens.weight) == variant.tied
+    ref = getattr(trainer, "ref_model", None)
+    assert ref is None or isinstance(ref, FSDPModule)
+    policy = trainer.accelerator.state.fsdp_plugin.mixed_precision_policy
+    assert (policy is not None and policy.param_dtype == torch.bfloat16) == variant.bf16, policy
 
 
-def _worker(rank: int, world: int, runs, run_dir: str, fsdp: bool) -> dict:
+def _worker(rank: int, world: int, variant: Variant, runs, run_dir: str, fsdp: bool) -> dict:
     if fsdp:
         from tests.distributed.accelerate_cpu import enable_fsdp_on_cpu
 
-        os.environ.update(FSDP2_ENV)
+        os.environ.update(FSDP2_ENV, FSDP_ACTIVATION_CHECKPOINTING=str(variant.checkpointing).lower())
         enable_fsdp_on_cpu()
     else:
         for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
             os.environ.pop(key, None)
     out = {}
     for kind, use_liger in runs:
-        trainer = _trainer(kind, use_liger, world, os.path.join(run_dir, f"{kind}-{use_liger}-{rank}"))
-        out[(kind, use_liger)] = _logs(trainer)
-        if fsdp:  # the model train() prepared is FSDP2's, its head in accelerate's [norm, lm_head] group
-            from torch.distributed.fsdp import FSDPModule
-
-            assert isinstance(trainer.model_wrapped, FSDPModule), type(trainer.model_wrapped)
-            assert isinstance(trainer.model_wrapped.lm_head, FSDPModule)
-            ref = getattr(trainer, "ref_model", None)
-            assert ref is None or isinstance(ref, FSDPModule)
+        trainer = _trainer(kind, use_liger, world, os.path.join(run_dir, f"{kind}-{use_liger}-{rank}"), variant)
+        trainer.train()
+        out[(kind, use_liger)] = [{k: float(v) for k, v in h.items() if isinstance(v, (int, float))}
+                                  for h in trainer.state.log_history if "loss" in h]
+        if fsdp:
+            _check_sharded(trainer, variant)
     return out
 
 
-RUNS = [("sft", True), ("sft", False), ("dpo", True), ("dpo", False)]
-
-
 @pytest.fixture(scope="module")
-def logs(tmp_path_factory):
-    """``{"fsdp2": [rank 0's logs, rank 1's], "single": logs of one process}``, each ``{(kind, use_liger): [step
-    logs]}``; one pair of processes runs the four FSDP2 trainings, one process the single-process ones."""
+def logs_of(tmp_path_factory):
+    """``logs_of(variant) -> {"fsdp2": [rank 0's logs, rank 1's], "single": one process's or None}``, each
+    ``{(kind, use_liger): [step logs]}``: one pair of processes runs the variant's FSDP2 trainings (ours and
+    TRL's), one process ours without FSDP; computed once per variant."""
     skip_unless_gloo_fsdp2()
     pytest.importorskip("trl")
-    run_dir = str(tmp_path_factory.mktemp("fsdp2_trainers"))
-    fsdp = run_on_ranks(_worker, RUNS, run_dir, True, world=2, init_process_group=False, timeout=600)
-    single = run_on_ranks(_worker, [r for r in RUNS if r[1]], run_dir, False, world=1, init_process_group=False,
-                          timeout=600)[0]
-    return {"fsdp2": fsdp, "single": single}
+    cache = {}
+
+    def get(variant: Variant):
+        if variant.lora:
+            pytest.importorskip("peft")
+        if variant.name not in cache:
+            run_dir = str(tmp_path_factory.mktemp(f"fsdp2-{variant.name}"))
+            runs = [(kind, use_liger) for kind in variant.kinds for use_liger in (True, False)]
+            fsdp = run_on_ranks(_worker, variant, runs, run_dir, True, world=2, init_process_group=False,
+                                timeout=600)
+            single = None
+            if variant.single_process:
+                single = run_on_ranks(_worker, variant, [(k, True) for k in variant.kinds], run_dir, False,
+                                      world=1, init_process_group=False, timeout=600)[0]
+            cache[variant.name] = {"fsdp2": fsdp, "single": single}
+        return cache[variant.name]
+
+    return get
 
 
-def _assert_logs_match(got, want, keys, what):
+def _assert_logs_match(got, want, keys, variant: Variant, what):
     assert len(got) == len(want) == STEPS, (what, len(got), len(want))
     for step, (a, b) in enumerate(zip(got, want)):
         for key in keys:
             assert key in a and key in b, (what, step, key, sorted(a), sorted(b))
-            err = abs(a[key] - b[key]) if abs(b[key]) < 1e-6 else abs(a[key] - b[key]) / abs(b[key])
-            assert err <= TOL, (what, step, key, a[key], b[key], err)
+            if variant.bf16 and key in BF16_ABSOLUTE:
+                err, tol = abs(a[key] - b[key]), BF16_ABSOLUTE[key]
+            else:
+                err = abs(a[key] - b[key]) if abs(b[key]) < 1e-6 else abs(a[key] - b[key]) / abs(b[key])
+                tol = variant.tol
+            assert err <= tol, (what, step, key, a[key], b[key], err)
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("kind", ["sft", "dpo"])
-def test_two_ranks_equal_one_process(logs, kind):
+ALL = [pytest.param(v, k, id=f"{v.name}-{k}") for v in VARIANTS for k in v.kinds]
+
+
+@pytest.mark.parametrize("variant, kind", [p for p in ALL if p.values[0].single_process])
+def test_two_ranks_equal_one_process(logs_of, variant, kind):
     """Ours on 2 FSDP2 ranks: every step's loss, grad_norm and metrics equal one process with the same global
-    batch (rel 1e-4), and both ranks log the same values."""
+    batch (fp32: rel 1e-4), and both ranks log the same values."""
+    got = logs_of(variant)
     keys = ("loss", "grad_norm") + METRICS[kind]
-    rank0, rank1 = logs["fsdp2"]
-    _assert_logs_match(rank0[(kind, True)], logs["single"][(kind, True)], keys, f"{kind}: 2 ranks vs 1 process")
-    _assert_logs_match(rank1[(kind, True)], rank0[(kind, True)], keys, f"{kind}: rank 1 vs rank 0")
+    rank0, rank1 = got["fsdp2"]
+    _assert_logs_match(rank0[(kind, True)], got["single"][(kind, True)], keys, variant, f"{kind}: 2 ranks vs 1")
+    _assert_logs_match(rank1[(kind, True)], rank0[(kind, True)], keys, variant, f"{kind}: rank 1 vs rank 0")
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("kind", ["sft", "dpo"])
-def test_two_ranks_equal_trl_under_fsdp2(logs, kind):
-    """Ours and TRL's trainer, both on 2 FSDP2 ranks: every step's loss, grad_norm and metrics agree (rel 1e-4)."""
+@pytest.mark.parametrize("variant, kind", ALL)
+def test_two_ranks_equal_trl_under_fsdp2(logs_of, variant, kind):
+    """Ours and TRL's trainer, both on 2 FSDP2 ranks: every step's loss, grad_norm and metrics agree (fp32 rel
+    1e-4, bf16 3e-2 and the absolute bars of BF16_ABSOLUTE; see the module docstring)."""
+    rank0 = logs_of(variant)["fsdp2"][0]
     keys = ("loss", "grad_norm") + METRICS[kind]
-    rank0 = logs["fsdp2"][0]
-    _assert_logs_match(rank0[(kind, True)], rank0[(kind, False)], keys, f"{kind}: ours vs TRL on 2 ranks")
+    _assert_logs_match(rank0[(kind, True)], rank0[(kind, False)], keys, variant, f"{kind}: ours vs TRL, 2 ranks")
