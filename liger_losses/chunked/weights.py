@@ -1,10 +1,10 @@
 """Sharded LM-head weights: the one place a sharded ``[V, H]`` weight becomes full, and back.
 
-:func:`gather_weight` returns the full weight of a ``DTensor`` (``full_tensor()``), a copy of a
-DeepSpeed ZeRO-3 partitioned parameter gathered for the call, or a plain tensor as is;
+:func:`gather_weight` returns the full weight of a ``DTensor`` (``full_tensor()``) or a plain tensor
+as is, and refuses a DeepSpeed ZeRO-3 partitioned parameter (:func:`zero3_gathered` gathers one);
 :func:`weight_grad_like` lays the full ``[V, H]`` gradient out like the weight (a ``DTensor`` keeps its
 mesh and placements; a ZeRO-3 parameter gets the full gradient, which DeepSpeed's hook on the
-parameter's gradient accumulator reduce-scatters); :func:`head_in_dtype` is the gathered weight in the
+parameter's gradient accumulator reduces); :func:`head_in_dtype` is the gathered weight in the
 compute dtype of the tiles and GEMMs. :func:`run_with_head_params` runs a fused loss with the LM-head
 module's parameters as a call of that module gives them (FSDP2: unsharded, in the policy's dtype, the
 gradient reduce-scattered).
@@ -42,31 +42,41 @@ def is_zero3_partitioned(weight) -> bool:
     return getattr(status, "name", str(status)) != "AVAILABLE" or weight.numel() == 0
 
 
-def _zero3_full_copy(weight: Tensor) -> Tensor:
-    """A detached copy of a partitioned ZeRO-3 ``weight``, gathered with
-    ``deepspeed.zero.GatheredParameters`` (every rank must call it: it is a collective)."""
+def zero3_gathered(params):
+    """``deepspeed.zero.GatheredParameters(params, modifier_rank=None)``: inside, the ZeRO-3 ``params`` hold their
+    full values (a collective: every rank must enter it). ValueError when ``deepspeed`` cannot be imported."""
     try:
         import deepspeed  # noqa: WPS433 - lazy: only ZeRO-3 runs need it
     except ImportError as exc:  # a ds_* attribute without deepspeed: nothing can gather it
         raise ValueError(
-            "weight is a DeepSpeed ZeRO-3 partitioned parameter (ds_status="
-            f"{getattr(getattr(weight, 'ds_status', None), 'name', None)}) and deepspeed cannot be "
-            "imported to gather it; gather it before calling the loss, e.g. "
+            "weight is a DeepSpeed ZeRO-3 partitioned parameter and deepspeed cannot be imported to gather it; "
+            "gather it before calling the loss, e.g. "
             "`with deepspeed.zero.GatheredParameters([lm_head.weight]): loss = ...`"
         ) from exc
-    with deepspeed.zero.GatheredParameters([weight], modifier_rank=None):
-        return weight.detach().clone()
+    return deepspeed.zero.GatheredParameters(list(params), modifier_rank=None)
 
 
 def gather_weight(weight: Tensor) -> Tensor:
-    """The full ``[V, H]`` weight: a ``DTensor`` is gathered (``full_tensor()``); a DeepSpeed ZeRO-3
-    partitioned parameter is gathered for the call and copied (the loss adapters gather the head
-    around the forward, so this serves the recomputing backward and callers that did not; ValueError
-    when ``deepspeed`` cannot be imported); a plain tensor (or a gathered ZeRO-3 one) is returned as is."""
+    """The full ``[V, H]`` weight: a ``DTensor`` is gathered (``full_tensor()``); a plain tensor (or a gathered
+    DeepSpeed ZeRO-3 parameter) is returned as is; a partitioned ZeRO-3 parameter raises ``ValueError``.
+
+    Under ZeRO-3 a loss run inside the engine's forward (the patched causal LM; the TRL adapters, whose
+    ``_liger_run`` makes the loss the model's forward) finds the head gathered: DeepSpeed gathers a partitioned
+    parameter read there, registers it with the running module and gathers it again for that module's backward,
+    where autograd accumulates the full gradient and ZeRO-3's hook on the accumulator reduces it. Outside a
+    forward (a reference model's head, under ``no_grad``) gather it with ``deepspeed.zero.GatheredParameters``
+    (``trl_integration.base.gathered_params``). A gradient cannot be accumulated into a parameter that is
+    partitioned when the backward reaches it, so a copy gathered here would not help."""
     if is_dtensor(weight):
         return weight.full_tensor()
     if is_zero3_partitioned(weight):
-        return _zero3_full_copy(weight)
+        status = getattr(weight, "ds_status", None)
+        raise ValueError(
+            f"weight is a DeepSpeed ZeRO-3 partitioned parameter (ds_status={getattr(status, 'name', status)}); "
+            "run the loss inside the DeepSpeed engine's forward (DeepSpeed gathers the head read there, and again "
+            "for the backward), or for a no-grad call gather it first, e.g. "
+            "`with deepspeed.zero.GatheredParameters([lm_head.weight]): ...`"
+        )
     return weight
 
 
@@ -116,8 +126,10 @@ def run_with_head_params(head: nn.Module, fn: Callable[..., Any], *args, **kwarg
     cast is skipped. So for an ``FSDPModule`` head, ``fn`` runs *as the head's forward*: ``head()`` is called
     with its ``forward`` swapped for ``fn`` (restored before ``fn`` runs, and on error), so FSDP2 unshards
     the head (in the policy's ``param_dtype``) before, reshards after (``reshard_after_forward``), unshards it
-    again before the backward and reduce-scatters its gradient. ``fn`` must read ``head.weight`` itself
-    (inside, the module holds the unsharded parameter). Any other head: ``fn(*args, **kwargs)`` as is.
+    again before the backward and reduces its gradient. ``fn`` must read ``head.weight`` itself (inside, the
+    module holds the unsharded parameter). Any other head (DeepSpeed ZeRO-3's included: reading a partitioned
+    parameter inside the engine's forward gathers it and registers it with the running module, which gathers
+    it again for the backward, so nothing is needed here): ``fn(*args, **kwargs)`` as is.
     """
     if not _is_fsdp2_module(head):
         return fn(*args, **kwargs)

@@ -55,7 +55,7 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 import torch
 from torch import nn
 
-from ..chunked.weights import run_with_head_params
+from ..chunked.weights import is_zero3_partitioned, run_with_head_params, zero3_gathered
 
 IGNORE_INDEX = -100
 
@@ -166,15 +166,15 @@ def is_zero3_param(param: Optional[torch.Tensor]) -> bool:
 
 def gathered_params(*params: Optional[torch.Tensor]):
     """Context in which ZeRO-3 partitioned ``params`` hold their full values (a null context when
-    none is partitioned). Our losses read ``lm_head.weight`` directly, so the head module's own
+    none is partitioned now). Our losses read ``lm_head.weight`` directly, so the head module's own
     gather hook never fires; this does its job. ``deepspeed`` is imported only when needed."""
-    sharded = [p for p in params if is_zero3_param(p)]
+    # only those partitioned now: an outer gather (run_with_head_params) already holds the policy's head, and
+    # DeepSpeed refuses nested GatheredParameters over the same parameter
+    sharded = [p for p in params if is_zero3_param(p) and is_zero3_partitioned(p)]
     if not sharded:
         return contextlib.nullcontext()
-    import deepspeed  # noqa: WPS433 - lazy: only ZeRO-3 runs need it
-
-    # modifier_rank=None: read-only gather; gradients flow through the module's backward hooks.
-    return deepspeed.zero.GatheredParameters(sharded, modifier_rank=None)
+    # read-only gather; the gradients reach ZeRO-3's hooks on the parameters' gradient accumulators
+    return zero3_gathered(sharded)
 
 
 # --------------------------------------------------------------------------- forward redirection
@@ -431,7 +431,8 @@ class LigerTrainerMixin:
         the head's forward too, so the head is unsharded while ``fn`` reads it and its gradient is reduced).
         """
         autocast = forward_autocast(model, getattr(self, "accelerator", None))
-        head = unwrap_causal_lm(model).get_output_embeddings()
+        get_head = getattr(unwrap_causal_lm(model), "get_output_embeddings", None)
+        head = get_head() if callable(get_head) else None
 
         def as_forward():
             with autocast:  # an FSDP2 head of its own group: fn runs as its forward too (run_with_head_params)
