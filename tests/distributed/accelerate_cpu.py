@@ -8,11 +8,31 @@ plugin (the one ``Accelerator`` built from the ``FSDP_*`` environment), its mixe
 state's, and ``distributed_type = FSDP`` (also in ``PartialState``'s shared state). Everything after that --
 ``fsdp2_prepare_model``, the FSDP2 mixed-precision policy, gradient clipping, TRL's ``prepare_fsdp`` of the
 reference model -- is accelerate's and TRL's own code. Call it in the worker process before the trainer.
+
+:func:`launcher_args` parses an accelerate config file the way ``accelerate launch --config_file FILE`` does;
+:func:`launcher_fsdp_env` is the FSDP part of the environment that launcher then gives every process (the
+``ACCELERATE_USE_FSDP`` and ``FSDP_*`` variables), so a test runs with exactly what an example config sets.
 """
 
 from __future__ import annotations
 
 import os
+
+
+def launcher_args(config_file: str):
+    """The launch arguments ``accelerate launch --config_file config_file train.py`` works from (validated)."""
+    from accelerate.commands.launch import _validate_launch_command, launch_command_parser
+
+    args = launch_command_parser().parse_args(["--config_file", str(config_file), "train.py"])
+    return _validate_launch_command(args)[0]
+
+
+def launcher_fsdp_env(config_file: str) -> dict:
+    """``ACCELERATE_USE_FSDP`` and the ``FSDP_*`` variables accelerate's launcher sets for ``config_file``."""
+    from accelerate.utils.launch import prepare_multi_gpu_env
+
+    env = prepare_multi_gpu_env(launcher_args(config_file))
+    return {k: v for k, v in env.items() if k == "ACCELERATE_USE_FSDP" or k.startswith("FSDP_")}
 
 
 def enable_fsdp_on_cpu() -> None:

@@ -1,9 +1,10 @@
 """SFT and DPO trainers (``use_liger=True``) under accelerate's FSDP2 on 2 gloo ranks.
 
-Accelerate is driven as ``accelerate launch --use_fsdp --fsdp_version 2`` drives it: the environment its
-launcher sets (``ACCELERATE_USE_FSDP=true``, ``FSDP_VERSION=2``, ``FSDP_AUTO_WRAP_POLICY=TRANSFORMER_BASED_WRAP``
-over ``LlamaDecoderLayer``, ``FSDP_RESHARD_AFTER_FORWARD=true``, ``FSDP_STATE_DICT_TYPE=SHARDED_STATE_DICT``) plus
-the ``MASTER_ADDR``/``RANK``/``WORLD_SIZE``/``LOCAL_RANK`` of each process (``tests.distributed.ranks``); accelerate
+Accelerate is driven as ``accelerate launch --config_file examples/accelerate/fsdp2.yaml`` drives it: the FSDP
+environment its launcher derives from that file (``ACCELERATE_USE_FSDP=true``, ``FSDP_VERSION=2``,
+``FSDP_AUTO_WRAP_POLICY=TRANSFORMER_BASED_WRAP``, ``FSDP_RESHARD_AFTER_FORWARD=true``, ...; computed by accelerate's
+own ``prepare_multi_gpu_env``; the precision comes from each trainer config) plus the
+``MASTER_ADDR``/``RANK``/``WORLD_SIZE``/``LOCAL_RANK`` of each process (``tests.distributed.ranks``); accelerate
 keeps FSDP for accelerator devices, so ``tests.distributed.accelerate_cpu`` lets its state take FSDP on CPU
 processes as it does on GPUs. accelerate 1.15 then shards each decoder layer, the embedding, ``[final norm,
 lm_head]`` as one group and the root; TRL shards DPO's reference model as one root group
@@ -43,11 +44,13 @@ from tests.distributed.ranks import run_on_ranks, skip_unless_gloo_fsdp2
 STEPS = 3
 GLOBAL_BATCH = 4
 
-FSDP2_ENV = {
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+FSDP2_CONFIG = os.path.join(REPO, "examples", "accelerate", "fsdp2.yaml")
+# FSDP_TRANSFORMER_CLS_TO_WRAP: the config leaves it to the model's _no_split_modules, which is the same class
+EXPECTED_FSDP2_ENV = {
     "ACCELERATE_USE_FSDP": "true",
     "FSDP_VERSION": "2",
     "FSDP_AUTO_WRAP_POLICY": "TRANSFORMER_BASED_WRAP",
-    "FSDP_TRANSFORMER_CLS_TO_WRAP": "LlamaDecoderLayer",
     "FSDP_RESHARD_AFTER_FORWARD": "true",
     "FSDP_STATE_DICT_TYPE": "SHARDED_STATE_DICT",
     "FSDP_CPU_RAM_EFFICIENT_LOADING": "false",
@@ -141,11 +144,13 @@ def _check_sharded(trainer, variant: Variant) -> None:
     assert (policy is not None and policy.param_dtype == torch.bfloat16) == variant.bf16, policy
 
 
-def _worker(rank: int, world: int, variant: Variant, runs, run_dir: str, fsdp: bool) -> dict:
+def _worker(rank: int, world: int, variant: Variant, runs, run_dir: str, env) -> dict:
+    fsdp = env is not None
     if fsdp:
         from tests.distributed.accelerate_cpu import enable_fsdp_on_cpu
 
-        os.environ.update(FSDP2_ENV, FSDP_ACTIVATION_CHECKPOINTING=str(variant.checkpointing).lower())
+        os.environ.update(env)
+        os.environ["FSDP_ACTIVATION_CHECKPOINTING"] = str(variant.checkpointing).lower()
         enable_fsdp_on_cpu()
     else:
         for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
@@ -168,6 +173,10 @@ def logs_of(tmp_path_factory):
     TRL's), one process ours without FSDP; computed once per variant."""
     skip_unless_gloo_fsdp2()
     pytest.importorskip("trl")
+    from tests.distributed.accelerate_cpu import launcher_fsdp_env
+
+    fsdp2_env = launcher_fsdp_env(FSDP2_CONFIG)
+    assert EXPECTED_FSDP2_ENV.items() <= fsdp2_env.items(), fsdp2_env
     cache = {}
 
     def get(variant: Variant):
@@ -176,11 +185,11 @@ def logs_of(tmp_path_factory):
         if variant.name not in cache:
             run_dir = str(tmp_path_factory.mktemp(f"fsdp2-{variant.name}"))
             runs = [(kind, use_liger) for kind in variant.kinds for use_liger in (True, False)]
-            fsdp = run_on_ranks(_worker, variant, runs, run_dir, True, world=2, init_process_group=False,
+            fsdp = run_on_ranks(_worker, variant, runs, run_dir, fsdp2_env, world=2, init_process_group=False,
                                 timeout=600)
             single = None
             if variant.single_process:
-                single = run_on_ranks(_worker, variant, [(k, True) for k in variant.kinds], run_dir, False,
+                single = run_on_ranks(_worker, variant, [(k, True) for k in variant.kinds], run_dir, None,
                                       world=1, init_process_group=False, timeout=600)[0]
             cache[variant.name] = {"fsdp2": fsdp, "single": single}
         return cache[variant.name]
