@@ -11,7 +11,9 @@ reference model -- is accelerate's and TRL's own code. Call it in the worker pro
 
 :func:`launcher_args` parses an accelerate config file the way ``accelerate launch --config_file FILE`` does;
 :func:`launcher_fsdp_env` is the FSDP part of the environment that launcher then gives every process (the
-``ACCELERATE_USE_FSDP`` and ``FSDP_*`` variables), so a test runs with exactly what an example config sets.
+``ACCELERATE_USE_FSDP`` and ``FSDP_*`` variables), :func:`launcher_deepspeed_env` the DeepSpeed part (the
+``ACCELERATE_*`` variables), so a test runs with exactly what an example config sets.
+:func:`enable_deepspeed_on_cpu` does for DeepSpeed what :func:`enable_fsdp_on_cpu` does for FSDP.
 """
 
 from __future__ import annotations
@@ -35,6 +37,19 @@ def launcher_fsdp_env(config_file: str) -> dict:
     return {k: v for k, v in env.items() if k == "ACCELERATE_USE_FSDP" or k.startswith("FSDP_")}
 
 
+def launcher_deepspeed_env(config_file: str) -> dict:
+    """The ``ACCELERATE_*`` variables accelerate's launcher sets for a DeepSpeed ``config_file`` (one node)."""
+    from accelerate.commands.launch import _validate_launch_command, launch_command_parser
+    from accelerate.utils.launch import prepare_deepspeed_cmd_env
+
+    args = launch_command_parser().parse_args(["--config_file", str(config_file), "train.py"])
+    args, defaults, _ = _validate_launch_command(args)
+    fields = list(defaults.deepspeed_config) + ["mixed_precision"]  # as `accelerate launch` records them
+    args.deepspeed_fields_from_accelerate_config = ",".join(fields)
+    _, env = prepare_deepspeed_cmd_env(args)
+    return {k: v for k, v in env.items() if k.startswith("ACCELERATE_")}
+
+
 def enable_fsdp_on_cpu() -> None:
     from accelerate.state import AcceleratorState, PartialState
     from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
@@ -56,3 +71,26 @@ def enable_fsdp_on_cpu() -> None:
 
     init._fsdp_on_cpu = True
     AcceleratorState.__init__ = init
+
+
+def enable_deepspeed_on_cpu() -> None:
+    """Let ``ACCELERATE_USE_DEEPSPEED=true`` work on CPU processes: accelerate's backend choice finds no device
+    backend without an accelerator and falls back to one process (``DistributedType.NO``); this makes it choose
+    gloo over the launcher's ranks (``MULTI_CPU``), as ``use_cpu`` would, after which accelerate initialises
+    DeepSpeed's communication and switches the state to ``DEEPSPEED`` itself. Needs ``DS_ACCELERATOR=cpu``."""
+    from accelerate.state import PartialState
+    from accelerate.utils import DistributedType
+
+    original = PartialState._prepare_backend
+    if getattr(original, "_deepspeed_on_cpu", False):
+        return
+
+    def prepare_backend(self, cpu=False, sagemaker_dp=False, backend=None):
+        chosen, kind = original(self, cpu=cpu, sagemaker_dp=sagemaker_dp, backend=backend)
+        if kind == DistributedType.NO and os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true" \
+                and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+            return "gloo", DistributedType.MULTI_CPU
+        return chosen, kind
+
+    prepare_backend._deepspeed_on_cpu = True
+    PartialState._prepare_backend = prepare_backend

@@ -98,7 +98,9 @@ def _model(tok, seed: int, tied: bool):
     return model
 
 
-def _trainer(kind: str, use_liger: bool, world: int, run_dir: str, variant: Variant):
+def _trainer(kind: str, use_liger: bool, world: int, run_dir: str, variant: Variant, **overrides):
+    """TRL's (``use_liger=False``) or our trainer of ``kind`` for ``variant``, global batch 4 over ``world``
+    processes; ``overrides`` go to the trainer config."""
     from liger_losses.trl_integration import DPOTrainer, SFTTrainer
     from tests.trl_integration.utils import (
         PAIRS,
@@ -112,7 +114,7 @@ def _trainer(kind: str, use_liger: bool, world: int, run_dir: str, variant: Vari
 
     tok = build_tokenizer()
     cfg = dict(max_steps=STEPS, per_device_train_batch_size=GLOBAL_BATCH // world, learning_rate=3e-3,
-               bf16=variant.bf16)
+               bf16=variant.bf16, **overrides)
     extra = {"use_liger": use_liger}
     if use_liger:
         extra.update(liger_patch_model=False, liger_chunk_tokens=5)  # tiles cut through sequences
@@ -144,6 +146,13 @@ def _check_sharded(trainer, variant: Variant) -> None:
     assert (policy is not None and policy.param_dtype == torch.bfloat16) == variant.bf16, policy
 
 
+def step_logs(trainer) -> list:
+    """``trainer.train()``, then the numbers of every step's log (the entries with a loss)."""
+    trainer.train()
+    return [{k: float(v) for k, v in h.items() if isinstance(v, (int, float))}
+            for h in trainer.state.log_history if "loss" in h]
+
+
 def _worker(rank: int, world: int, variant: Variant, runs, run_dir: str, env) -> dict:
     fsdp = env is not None
     if fsdp:
@@ -158,9 +167,7 @@ def _worker(rank: int, world: int, variant: Variant, runs, run_dir: str, env) ->
     out = {}
     for kind, use_liger in runs:
         trainer = _trainer(kind, use_liger, world, os.path.join(run_dir, f"{kind}-{use_liger}-{rank}"), variant)
-        trainer.train()
-        out[(kind, use_liger)] = [{k: float(v) for k, v in h.items() if isinstance(v, (int, float))}
-                                  for h in trainer.state.log_history if "loss" in h]
+        out[(kind, use_liger)] = step_logs(trainer)
         if fsdp:
             _check_sharded(trainer, variant)
     return out
