@@ -10,11 +10,12 @@ processes as it does on GPUs. accelerate 1.15 then shards each decoder layer, th
 lm_head]`` as one group and the root; TRL shards DPO's reference model as one root group
 (``trl.models.prepare_fsdp``).
 
-Each trainer runs 3 optimizer steps on tiny Llamas (``liger_losses.demo``), global batch 4 (2 per rank), with
-3 variants (:data:`VARIANTS`): ``fp32`` (untied head, a reference model for DPO); ``bf16-tied-ckpt`` (``bf16=True``:
+Each trainer runs 3 optimizer steps on tiny Llamas (``liger_losses.demo``), global batch 4 (2 per rank), in
+4 variants (:data:`VARIANTS`): ``fp32`` (untied head, a reference model for DPO); ``bf16-tied-ckpt`` (``bf16=True``:
 accelerate's FSDP2 ``MixedPrecisionPolicy`` of bf16 parameters over fp32 ones, plus CPU autocast; the head tied to
 the embedding; ``FSDP_ACTIVATION_CHECKPOINTING=true``); ``lora`` (DPO with a PEFT LoRA adapter and no reference
-model: the reference is the policy with the adapter off). Checked, for every step's loss, grad_norm and every
+model: the reference is the policy with the adapter off); ``fp32-others`` (KTO with a reference model, ORPO, CPO,
+GKD with a wider teacher; against TRL on 2 ranks only, every value TRL logs). Checked, for every step's loss, grad_norm and every
 metric the trainer logs (SFT: entropy, mean_token_accuracy, num_tokens; DPO: rewards/*, logps/*, logits/*,
 mean_token_accuracy, entropy):
 
@@ -55,6 +56,7 @@ EXPECTED_FSDP2_ENV = {
     "FSDP_STATE_DICT_TYPE": "SHARDED_STATE_DICT",
     "FSDP_CPU_RAM_EFFICIENT_LOADING": "false",
 }
+NOT_METRICS = {"loss", "grad_norm", "learning_rate", "epoch", "step"}
 # bf16: metrics compared absolutely (see the module docstring)
 BF16_ABSOLUTE = {"logits/chosen": 2e-3, "logits/rejected": 2e-3, "rewards/chosen": 1.25e-2,
                  "rewards/rejected": 1.25e-2, "rewards/margins": 1.25e-2}
@@ -85,6 +87,9 @@ VARIANTS = [
     Variant("fp32", ("sft", "dpo")),
     Variant("bf16-tied-ckpt", ("sft", "dpo"), bf16=True, tied=True, checkpointing=True, single_process=False),
     Variant("lora", ("dpo",), lora=True),
+    # the other trainers: against TRL's on 2 ranks only (their metrics are TRL's per-rank means, KTO's KL term a
+    # per-rank batch statistic: neither equals one process with the global batch, for TRL either)
+    Variant("fp32-others", ("kto", "orpo", "cpo", "gkd"), single_process=False),
 ]
 
 
@@ -124,9 +129,33 @@ def _trainer(kind: str, use_liger: bool, world: int, run_dir: str, variant: Vari
     if kind == "sft":
         return SFTTrainer(policy, sft_config(run_dir, **cfg), train_dataset=sft_dataset(), processing_class=tok,
                           **extra)
+    if kind in ("kto", "orpo", "cpo", "gkd"):
+        return _more_trainer(kind, tok, policy, run_dir, cfg, extra)
     ref = None if variant.lora else _model(tok, 1, variant.tied)
     return DPOTrainer(policy, ref, dpo_config(run_dir, **cfg), train_dataset=preference_dataset(PAIRS),
                       processing_class=tok, **extra)
+
+
+def _more_trainer(kind, tok, policy, run_dir, cfg, extra):
+    """KTO (with a reference model), ORPO, CPO or GKD (a wider teacher) as the tests of tests/trl_integration
+    build them."""
+    from liger_losses.trl_integration import CPOTrainer, GKDTrainer, KTOTrainer, ORPOTrainer
+    from tests.trl_integration.test_cpo import cpo_config
+    from tests.trl_integration.test_gkd import chat_dataset, gkd_config
+    from tests.trl_integration.test_kto import kto_config, unpaired_dataset
+    from tests.trl_integration.test_orpo import orpo_config
+    from tests.trl_integration.utils import PAIRS, build_tiny_model, preference_dataset
+
+    if kind == "kto":
+        return KTOTrainer(policy, _model(tok, 1, False), kto_config(run_dir, **cfg), train_dataset=unpaired_dataset(),
+                          processing_class=tok, **extra)
+    if kind == "gkd":
+        teacher = build_tiny_model(tok, seed=1, hidden_size=96)
+        return GKDTrainer(policy, teacher, gkd_config(run_dir, **cfg), train_dataset=chat_dataset(),
+                          processing_class=tok, **extra)
+    trainer_cls, config = (ORPOTrainer, orpo_config) if kind == "orpo" else (CPOTrainer, cpo_config)
+    return trainer_cls(policy, config(run_dir, **cfg), train_dataset=preference_dataset(PAIRS), processing_class=tok,
+                       **extra)
 
 
 def _check_sharded(trainer, variant: Variant) -> None:
@@ -236,5 +265,5 @@ def test_two_ranks_equal_trl_under_fsdp2(logs_of, variant, kind):
     """Ours and TRL's trainer, both on 2 FSDP2 ranks: every step's loss, grad_norm and metrics agree (fp32 rel
     1e-4, bf16 3e-2 and the absolute bars of BF16_ABSOLUTE; see the module docstring)."""
     rank0 = logs_of(variant)["fsdp2"][0]
-    keys = ("loss", "grad_norm") + METRICS[kind]
+    keys = ("loss", "grad_norm") + METRICS.get(kind, tuple(sorted(set(rank0[(kind, False)][0]) - NOT_METRICS)))
     _assert_logs_match(rank0[(kind, True)], rank0[(kind, False)], keys, variant, f"{kind}: ours vs TRL, 2 ranks")
