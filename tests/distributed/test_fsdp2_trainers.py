@@ -15,9 +15,9 @@ Each trainer runs 3 optimizer steps on tiny Llamas (``liger_losses.demo``), glob
 accelerate's FSDP2 ``MixedPrecisionPolicy`` of bf16 parameters over fp32 ones, plus CPU autocast; the head tied to
 the embedding; ``FSDP_ACTIVATION_CHECKPOINTING=true``); ``lora`` (DPO with a PEFT LoRA adapter and no reference
 model: the reference is the policy with the adapter off); ``fp32-others`` (KTO with a reference model, ORPO, CPO,
-GKD with a wider teacher; against TRL on 2 ranks only, every value TRL logs). Checked, for every step's loss, grad_norm and every
-metric the trainer logs (SFT: entropy, mean_token_accuracy, num_tokens; DPO: rewards/*, logps/*, logits/*,
-mean_token_accuracy, entropy):
+GKD with a wider teacher; against TRL on 2 ranks only, every value TRL logs). Checked, for every step's loss,
+grad_norm and every metric the trainer logs (SFT: entropy, mean_token_accuracy, num_tokens; DPO: rewards/*,
+logps/*, logits/*, mean_token_accuracy, entropy):
 
 * ours on 2 ranks equals ours in one process with batch 4 and no FSDP, and both ranks log the same values
   (``fp32`` and ``lora``);
