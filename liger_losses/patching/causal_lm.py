@@ -47,6 +47,7 @@ import torch
 import torch.nn.functional as F
 
 from liger_losses.chunked.cross_entropy import fused_linear_cross_entropy
+from liger_losses.chunked.weights import run_with_head_params
 
 LIGER_MARK = "_liger_original_forward"  # our forwards carry the one they wrap here
 
@@ -143,7 +144,8 @@ def causal_lm_fused_loss(
     targets = _targets(labels, shift_labels, hidden_full, hidden, logits_to_keep, ignore_index)
     head = model.lm_head
     softcap = getattr(model.config, "final_logit_softcapping", None)
-    loss = fused_linear_cross_entropy(
+    # head.weight read inside: an FSDP2-sharded head is unsharded there (run_with_head_params)
+    return run_with_head_params(head, lambda: fused_linear_cross_entropy(
         head.weight,
         hidden,
         targets,
@@ -153,8 +155,7 @@ def causal_lm_fused_loss(
         logit_scale=logit_scale,
         reduction="mean",
         num_items_in_batch=num_items_in_batch,  # sum / num_items_in_batch, scaled in fp32
-    )
-    return loss
+    ))
 
 
 def _logit_scale(config, logits_divisor: Optional[str]) -> float:

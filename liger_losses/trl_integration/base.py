@@ -55,6 +55,8 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 import torch
 from torch import nn
 
+from ..chunked.weights import is_zero3_partitioned, run_with_head_params, zero3_gathered
+
 IGNORE_INDEX = -100
 
 
@@ -164,15 +166,15 @@ def is_zero3_param(param: Optional[torch.Tensor]) -> bool:
 
 def gathered_params(*params: Optional[torch.Tensor]):
     """Context in which ZeRO-3 partitioned ``params`` hold their full values (a null context when
-    none is partitioned). Our losses read ``lm_head.weight`` directly, so the head module's own
+    none is partitioned now). Our losses read ``lm_head.weight`` directly, so the head module's own
     gather hook never fires; this does its job. ``deepspeed`` is imported only when needed."""
-    sharded = [p for p in params if is_zero3_param(p)]
+    # only those partitioned now: an outer gather (run_with_head_params) already holds the policy's head, and
+    # DeepSpeed refuses nested GatheredParameters over the same parameter
+    sharded = [p for p in params if is_zero3_param(p) and is_zero3_partitioned(p)]
     if not sharded:
         return contextlib.nullcontext()
-    import deepspeed  # noqa: WPS433 - lazy: only ZeRO-3 runs need it
-
-    # modifier_rank=None: read-only gather; gradients flow through the module's backward hooks.
-    return deepspeed.zero.GatheredParameters(sharded, modifier_rank=None)
+    # read-only gather; the gradients reach ZeRO-3's hooks on the parameters' gradient accumulators
+    return zero3_gathered(sharded)
 
 
 # --------------------------------------------------------------------------- forward redirection
@@ -424,13 +426,17 @@ class LigerTrainerMixin:
         reducer, DeepSpeed's engine gathers -- so ``fn`` runs through :func:`run_in_forward`; and (2) the
         mixed-precision autocast accelerate wraps a prepared model's ``forward`` in (:func:`forward_autocast`),
         which a swapped forward would otherwise drop: with ``bf16=True`` the backbone, PEFT adapters included,
-        and the LM-head GEMMs then run in bf16 as in TRL's step, not in the weights' dtype.
+        and the LM-head GEMMs then run in bf16 as in TRL's step, not in the weights' dtype; and (3) for an LM
+        head that FSDP2 shards in a group of its own, that group's hooks (``run_with_head_params``: ``fn`` runs as
+        the head's forward too, so the head is unsharded while ``fn`` reads it and its gradient is reduced).
         """
         autocast = forward_autocast(model, getattr(self, "accelerator", None))
+        get_head = getattr(unwrap_causal_lm(model), "get_output_embeddings", None)
+        head = get_head() if callable(get_head) else None
 
         def as_forward():
-            with autocast:
-                return fn(*args, **kwargs)
+            with autocast:  # an FSDP2 head of its own group: fn runs as its forward too (run_with_head_params)
+                return run_with_head_params(head, fn, *args, **kwargs)
 
         return run_in_forward(model, as_forward)
 
@@ -477,10 +483,30 @@ class LigerTrainerMixin:
         raise ValueError("Expected 'attention_mask' or 'position_ids' in inputs.")
 
     def _liger_log(self, mode: str, metrics: Mapping[str, torch.Tensor], names: Mapping[str, str], *,
-                   inputs: Optional[Mapping[str, Any]] = None) -> None:
+                   inputs: Optional[Mapping[str, Any]] = None,
+                   token_counts: Optional[Mapping[str, torch.Tensor]] = None) -> None:
         """Append each metric of ``metrics`` (0-d tensors) under its TRL name ``names[key]``, averaged over processes
-        (keys absent from ``metrics`` are ignored); with ``inputs``, ``num_tokens`` too (:meth:`_liger_gather`)."""
+        (keys absent from ``metrics`` are ignored); with ``inputs``, ``num_tokens`` too (:meth:`_liger_gather`).
+
+        A key of ``token_counts`` is a mean over this process's tokens (its count, 0-d): it is reduced as TRL reduces
+        it, ``sum(mean * count) / sum(count)`` over processes (0 when no process has a token), not as a mean of the
+        processes' means, which differs when the processes hold different numbers of tokens."""
+        counts = token_counts or {}
         keys = [key for key in names if key in metrics]
-        values = self._liger_gather(mode, [metrics[key] for key in keys], "mean", inputs=inputs)
-        for key, value in zip(keys, values):
+        values, reductions = [], []
+        for key in keys:
+            if key in counts:
+                count = counts[key].to(metrics[key].device, torch.float64)
+                values += [metrics[key].detach().double() * count, count]
+                reductions += ["sum", "sum"]
+            else:
+                values.append(metrics[key])
+                reductions.append("mean")
+        out = iter(self._liger_gather(mode, values, reductions, inputs=inputs) if values else [])
+        for key in keys:
+            if key in counts:
+                total, count = next(out), next(out)
+                value = total / count if count > 0 else 0.0
+            else:
+                value = next(out)
             self._metrics[mode][names[key]].append(value)

@@ -30,7 +30,7 @@ import torch
 import trl
 
 from ..chunked.preference.dpo import TRL_METRIC_NAMES, LigerFusedLinearDPOLoss, ld_mask_weights
-from .base import build_config_loss, completion_labels
+from .base import IGNORE_INDEX, build_config_loss, completion_labels
 from .reference import LigerReferenceTrainerMixin
 
 # batch keys that are not model inputs (TRL's DataCollatorForPreference adds them)
@@ -107,5 +107,9 @@ class DPOTrainer(LigerReferenceTrainerMixin, trl.DPOTrainer):
             model, model_kwargs, labels, ref_hidden, ref_weight, ref_bias,
             ref_chosen_logps=ref_chosen, ref_rejected_logps=ref_rejected,
         )
-        self._liger_log(mode, metrics, TRL_METRIC_NAMES, inputs=inputs)
+        # token-weighted means, reduced over processes as TRL does: by their token counts
+        chosen, rejected = (labels != IGNORE_INDEX).sum(dim=1).chunk(2, dim=0)
+        counts = {"chosen_logits_mean": chosen.sum(), "rejected_logits_mean": rejected.sum(),
+                  "mean_token_accuracy": chosen.sum(), "entropy": chosen.sum() + rejected.sum()}
+        self._liger_log(mode, metrics, TRL_METRIC_NAMES, inputs=inputs, token_counts=counts)
         return self._liger_return(model, model_kwargs, loss, return_outputs)
