@@ -29,8 +29,8 @@ full/LoRA, sequences x tokens, and ``-L<n>`` where the depth is cut, ``-fp32w`` 
                                  else its rows say "skipped: ..." (no device time spent)
 
 ``--full`` adds: qwen1.5b_sft_full_2x4096 (issue 18's SFT row), llama1b_{dpo,sft}_full_8x2048 (the earlier
-single-shape benchmark's cases, ``trainer_b8.csv``), llama1b_sft_lora_8x2048, gemma2b_dpo_lora_4x1024 and
-llama8b_sft_lora_2x4096 (the full 32-layer 8B) -- and 2 warm-up + 5 timed steps per run instead of 1 + 3.
+single-shape benchmark's cases, ``trainer_b8.csv``), llama1b_sft_lora_8x2048, gemma2b_dpo_lora_4x1024,
+llama8b_sft_lora_2x4096 (the full 32-layer 8B) and llama8b-L8_grpo_full_16x1024 (GRPO's step at the 8B widths) -- and 2 warm-up + 5 timed steps per run instead of 1 + 3.
 
 Economy: each model is built (random init, seed 0) once per (family, depth, dtype) and its weights kept as a
 pinned CPU copy (``benchmark.trainer_data.snapshot_weights``); every run loads that copy into a skeleton
@@ -163,6 +163,7 @@ FULL_EXTRA_CASES = (
     Case("llama1b_sft_lora_8x2048", "llama3.2-1b", "sft", 8, 2048, lora=True),
     Case("gemma2b_dpo_lora_4x1024", "gemma2-2b", "dpo", 4, 1024, lora=True),
     Case("llama8b_sft_lora_2x4096", "llama3-8b", "sft", 2, 4096, lora=True),
+    Case("llama8b-L8_grpo_full_16x1024", "llama3-8b", "grpo", 16, 1024, layers=8),
 )
 ALL_CASES = {c.name: c for c in DEFAULT_CASES + FULL_EXTRA_CASES}
 

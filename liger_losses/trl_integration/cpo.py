@@ -18,8 +18,9 @@ argument of ``trl.experimental.cpo.CPOTrainer`` plus three keywords:
   tokens per logits tile.
 
 Options TRL supports that use_liger=True cannot serve raise ``ValueError`` at construction, naming the option:
-encoder-decoder models (``is_encoder_decoder``), MoE router auxiliary loss (``output_router_logits``), PEFT
-prompt learning. Also :func:`mean_logit_all_positions` / :func:`mean_logits_of_groups` and
+encoder-decoder models (``is_encoder_decoder``), PEFT prompt learning. MoE models: ``aux_loss_coef *
+aux_loss`` of the policy's own backbone forward is added to the loss, as TRL does (not logged, as TRL's CPO
+does not log it). Also :func:`mean_logit_all_positions` / :func:`mean_logits_of_groups` and
 :func:`gathered_metric_means` live here and are shared by the ORPO adapter.
 """
 
@@ -41,6 +42,7 @@ from .base import (
     reject,
     unwrap_causal_lm,
 )
+from .router_aux import policy_hidden_and_router_aux
 
 # CPOConfig field -> keyword of LigerFusedLinearCPOLoss
 _CPO_OPTIONS = {
@@ -131,9 +133,6 @@ def check_paired_model(trainer) -> None:
     """Construction checks shared by the CPO and ORPO adapters (after TRL's ``__init__``)."""
     if trainer.is_encoder_decoder:
         reject("is_encoder_decoder", True, "encoder-decoder models are not supported (decoder-only causal LMs)")
-    if trainer.aux_loss_enabled:
-        reject("output_router_logits", True, "the MoE load-balancing loss needs the router logits of the model's "
-               "forward")
 
 
 class CPOTrainer(LigerTrainerMixin, _TRLCPOTrainer):
@@ -179,15 +178,17 @@ class CPOTrainer(LigerTrainerMixin, _TRLCPOTrainer):
         labels = cat["concatenated_labels"][:, 1:]
 
         def head_loss():
-            hidden = self._liger_backbone_hidden(model, model_kwargs)
+            hidden, aux = policy_hidden_and_router_aux(self, model, model_kwargs)
             weight, bias = self._liger_head(model)
             with gathered_params(weight, bias):
                 out = self.liger_loss(weight, hidden[:, :-1], labels.to(hidden.device), bias=bias)
                 logits_means = mean_logits_of_groups(
                     [hidden[:num_pairs], hidden[num_pairs:]], weight, bias, **self._liger_logit_opts)
-            return out, logits_means
+            return out, logits_means, aux
 
-        (loss, metrics), (logits_chosen, logits_rejected) = self._liger_run(model, head_loss)
+        (loss, metrics), (logits_chosen, logits_rejected), aux = self._liger_run(model, head_loss)
+        if aux is not None:  # TRL 1.16's CPO: loss + aux_loss_coef * aux_loss, not logged
+            loss = loss + self.aux_loss_coef * aux
         metrics = dict(metrics, chosen_logits_mean=logits_chosen, rejected_logits_mean=logits_rejected)
         prefix = "eval_" if train_eval == "eval" else ""
         return loss, gathered_metric_means(self.accelerator, metrics, TRL_METRIC_NAMES, prefix)

@@ -24,7 +24,8 @@ argument of ``trl.experimental.orpo.ORPOTrainer`` plus three keywords:
   and every vocabulary entry, as TRL's.
 
 Options TRL supports that use_liger=True cannot serve raise ``ValueError`` at construction, naming the option:
-encoder-decoder models, MoE router auxiliary loss (``output_router_logits``), PEFT prompt learning.
+encoder-decoder models, PEFT prompt learning. MoE models: ``aux_loss_coef * aux_loss`` of the policy's own
+backbone forward is added to the loss, as TRL does (not logged, as TRL's ORPO does not log it).
 """
 
 from __future__ import annotations
@@ -49,6 +50,7 @@ from .base import (
     unwrap_causal_lm,
 )
 from .cpo import check_paired_model, gathered_metric_means, mean_logits_of_groups
+from .router_aux import policy_hidden_and_router_aux
 
 
 class ORPOPromptNLLObjective:
@@ -160,7 +162,8 @@ class ORPOTrainer(LigerTrainerMixin, _TRLORPOTrainer):
         nll_labels = completion_labels(input_ids[:num_pairs], attention_mask[:num_pairs])  # every attended token
 
         def head_loss():
-            hidden = self._liger_backbone_hidden(model, model_kwargs)[:, :-1]
+            hidden, aux = policy_hidden_and_router_aux(self, model, model_kwargs)
+            hidden = hidden[:, :-1]
             weight, bias = self._liger_head(model)
             with gathered_params(weight, bias):
                 loss, metrics = self._liger_orpo(
@@ -168,8 +171,10 @@ class ORPOTrainer(LigerTrainerMixin, _TRLORPOTrainer):
                 )
                 metrics["chosen_logits_mean"], metrics["rejected_logits_mean"] = mean_logits_of_groups(
                     [hidden[:num_pairs], hidden[num_pairs:]], weight, bias, **self._liger_logit_opts)
-            return loss, metrics
+            return loss, metrics, aux
 
-        loss, metrics = self._liger_run(model, head_loss)
+        loss, metrics, aux = self._liger_run(model, head_loss)
+        if aux is not None:  # TRL 1.16's ORPO: loss + aux_loss_coef * aux_loss, not logged
+            loss = loss + self.aux_loss_coef * aux
         prefix = "eval_" if train_eval == "eval" else ""
         return loss.to(self.args.device), gathered_metric_means(self.accelerator, metrics, TRL_METRIC_NAMES, prefix)

@@ -256,57 +256,34 @@ def test_triton_interpreter(name):
         assert_close_rel(a, c, 1e-5, name_)
 
 
-def _quantile_worker(rank: int, world: int, port: int, queue) -> None:
+def _quantile_worker(rank: int, world: int) -> tuple:
     """One gloo rank of test_entropy_quantile_over_processes: its own batch (seed 30 + rank)."""
-    import os
-
-    import torch.distributed as dist
-
-    os.environ["MASTER_ADDR"] = "127.0.0.1"
-    os.environ["MASTER_PORT"] = str(port)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    try:
-        cases = [_case(30 + r) for r in range(world)]
-        pool = []
-        for w, h, b, labels, _ in cases:  # every rank's valid-token entropies, as TRL gathers them
-            with torch.no_grad():
-                _, ent, mask = reference_logps(w, h, b, labels)
-            pool.append(ent[mask.bool()])
-        w, h, b, labels, side = cases[rank]
-        old, _ = _side_logps(w, h, b, labels, side)
-        opts = _options("dapo", top_entropy_quantile=0.4)
-        gathered = _reference(w, h, b, labels, side["advantages"], old_logps=old,
-                              entropy_pool=torch.cat(pool), **opts)
-        local = _reference(w, h, b, labels, side["advantages"], old_logps=old, **opts)
-        out, grads = _fused(w, h, b, labels, advantages=side["advantages"], old_logps=old, chunk_tokens=4,
-                            impl="torch", **opts)
-        errs = [rel_err(out.loss, gathered[0])] + [rel_err(g, r) for g, r in zip(grads, gathered[2])]
-        queue.put((rank, errs, rel_err(local[0], gathered[0])))
-    finally:
-        dist.destroy_process_group()
+    cases = [_case(30 + r) for r in range(world)]
+    pool = []
+    for w, h, b, labels, _ in cases:  # every rank's valid-token entropies, as TRL gathers them
+        with torch.no_grad():
+            _, ent, mask = reference_logps(w, h, b, labels)
+        pool.append(ent[mask.bool()])
+    w, h, b, labels, side = cases[rank]
+    old, _ = _side_logps(w, h, b, labels, side)
+    opts = _options("dapo", top_entropy_quantile=0.4)
+    gathered = _reference(w, h, b, labels, side["advantages"], old_logps=old,
+                          entropy_pool=torch.cat(pool), **opts)
+    local = _reference(w, h, b, labels, side["advantages"], old_logps=old, **opts)
+    out, grads = _fused(w, h, b, labels, advantages=side["advantages"], old_logps=old, chunk_tokens=4,
+                        impl="torch", **opts)
+    errs = [rel_err(out.loss, gathered[0])] + [rel_err(g, r) for g, r in zip(grads, gathered[2])]
+    return errs, rel_err(local[0], gathered[0])
 
 
 def test_entropy_quantile_over_processes():
     """Two gloo ranks with different batches: the high-entropy mask's quantile is over both ranks' tokens
     (TRL 1.16 gathers them): each rank's loss and gradients equal the float64 reference with the pooled
     quantile (1e-6), which differs from the local-only quantile's loss (the pooling matters here)."""
-    import socket
+    from tests.distributed.ranks import run_on_ranks, skip_unless_gloo_fsdp2
 
-    import torch.multiprocessing as mp
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    procs = [ctx.Process(target=_quantile_worker, args=(r, 2, port, queue)) for r in range(2)]
-    for p in procs:
-        p.start()
-    results = [queue.get(timeout=120) for _ in procs]
-    for p in procs:
-        p.join(timeout=60)
-        assert p.exitcode == 0
-    for rank, errs, local_vs_pooled in results:
+    skip_unless_gloo_fsdp2()
+    for rank, (errs, local_vs_pooled) in enumerate(run_on_ranks(_quantile_worker)):
         assert max(errs) <= F64, (rank, errs)
         assert local_vs_pooled > 1e-3, (rank, local_vs_pooled)
 

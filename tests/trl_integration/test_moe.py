@@ -1,4 +1,4 @@
-"""SFT, DPO, KTO, GRPO and RLOO trainers (use_liger=True) on a tiny MoE model vs TRL 1.16, router aux loss included.
+"""SFT, DPO, KTO, ORPO, CPO, GRPO and RLOO trainers (use_liger=True) on a tiny MoE model vs TRL 1.16, aux loss included.
 
 A tiny random Qwen3-MoE (2 layers, 4 experts, top-2, ``router_aux_loss_coef=0.5`` so the aux term
 is far above the tolerance) built offline for the bundled character tokenizer. Parity: TRL's trainer
@@ -204,3 +204,30 @@ def test_rloo_training_parity_with_router_aux_loss(tok, tmp_path):
     theirs, ours = _rl_pair(RLOOTrainer, tok, tmp_path,
                             lambda d: _rloo_config(d, max_steps=3, learning_rate=5e-3))
     _rl_run(theirs, ours)
+
+
+@pytest.mark.parametrize("kind", ["orpo", "cpo"])
+def test_paired_step0_parity_with_router_aux_loss(tok, tmp_path, kind):
+    """ORPO and CPO (TRL's experimental trainers): loss (+ aux_loss_coef * the policy's aux loss, which
+    TRL adds but does not log), every metric TRL returns and every gradient (the router's included) equal
+    TRL's (rel <= 1e-4); the aux term is a visible part of the loss."""
+    from .utils import check_batch_loss_metrics
+
+    if kind == "orpo":
+        from liger_losses.trl_integration.orpo import ORPOTrainer as trainer_cls
+
+        from .test_orpo import orpo_config as config
+    else:
+        from liger_losses.trl_integration.cpo import CPOTrainer as trainer_cls
+
+        from .test_cpo import cpo_config as config
+    model = tiny_moe(tok, seed=0)
+    model.config.output_router_logits = True  # what these trainers read to enable the aux loss
+    theirs, ours = make_pair(trainer_cls, [model], lambda d: config(d), tmp_path,
+                             lambda: preference_dataset(PAIRS), processing_class=tok)
+    assert theirs.aux_loss_enabled and ours.aux_loss_enabled
+    check_batch_loss_metrics(theirs, ours, TOL)
+    batch = first_batch(theirs)
+    with torch.no_grad():
+        out = theirs.concatenated_forward(theirs.model, batch)
+    assert AUX_COEF * float(out[-1]) > 1e-2  # TRL's aux loss, far above the tolerance
