@@ -30,7 +30,8 @@ full/LoRA, sequences x tokens, and ``-L<n>`` where the depth is cut, ``-fp32w`` 
 
 ``--full`` adds: qwen1.5b_sft_full_2x4096 (issue 18's SFT row), llama1b_{dpo,sft}_full_8x2048 (the earlier
 single-shape benchmark's cases, ``trainer_b8.csv``), llama1b_sft_lora_8x2048, gemma2b_dpo_lora_4x1024,
-llama8b_sft_lora_2x4096 (the full 32-layer 8B) and llama8b-L8_grpo_full_16x1024 (GRPO's step at the 8B widths) -- and 2 warm-up + 5 timed steps per run instead of 1 + 3.
+llama8b_sft_lora_2x4096 (the full 32-layer 8B) and llama8b-L8_grpo_full_16x1024 (GRPO's step at the 8B
+widths) -- and 2 warm-up + 5 timed steps per run instead of 1 + 3.
 
 Economy: each model is built (random init, seed 0) once per (family, depth, dtype) and its weights kept as a
 pinned CPU copy (``benchmark.trainer_data.snapshot_weights``); every run loads that copy into a skeleton
