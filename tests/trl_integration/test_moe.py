@@ -1,4 +1,4 @@
-"""SFT, DPO, KTO, ORPO, CPO, GRPO and RLOO trainers (use_liger=True) on a tiny MoE model vs TRL 1.16, aux loss included.
+"""Every trainer (use_liger=True: SFT, DPO, KTO, ORPO, CPO, GKD, distillation, GRPO, RLOO) on a tiny MoE vs TRL 1.16.
 
 A tiny random Qwen3-MoE (2 layers, 4 experts, top-2, ``router_aux_loss_coef=0.5`` so the aux term
 is far above the tolerance) built offline for the bundled character tokenizer. Parity: TRL's trainer
@@ -231,3 +231,47 @@ def test_paired_step0_parity_with_router_aux_loss(tok, tmp_path, kind):
     with torch.no_grad():
         out = theirs.concatenated_forward(theirs.model, batch)
     assert AUX_COEF * float(out[-1]) > 1e-2  # TRL's aux loss, far above the tolerance
+
+
+def test_gkd_step0_parity_on_moe(tok, tmp_path):
+    """GKD with a MoE student and teacher (``output_router_logits`` on): TRL 1.16's GKD loss is the
+    divergence alone (its compute_loss adds no aux loss), so ours equals it: loss and every student
+    gradient (router included) within 1e-4."""
+    from liger_losses.trl_integration.gkd import GKDTrainer
+
+    from .test_gkd import chat_dataset, gkd_config
+
+    models = [tiny_moe(tok, seed=0), tiny_moe(tok, seed=1)]
+    for m in models:
+        m.config.output_router_logits = True
+    theirs, ours = make_pair(GKDTrainer, models, lambda d: gkd_config(d, beta=0.5), tmp_path, chat_dataset,
+                             processing_class=tok)
+    batch = first_batch(theirs)
+    theirs.model.train()
+    ours.model.train()
+    loss_t = theirs.compute_loss(theirs.model, batch)
+    loss_o = ours.compute_loss(ours.model, batch)
+    assert float(loss_t) > 0
+    assert rel(loss_o.detach(), loss_t.detach()) <= TOL, (float(loss_o), float(loss_t))
+    assert_grads_match(loss_t, loss_o, theirs, ours, TOL)
+
+
+def test_distillation_step0_parity_on_moe(tok, tmp_path):
+    """The distillation trainer with a MoE student and teacher: on one generated batch, loss and every
+    student gradient equal TRL's within 1e-4 (TRL's loss is the divergence alone, no aux loss). Router
+    logits stay off: with them on, transformers' own generate (TRL's sampling) fails in the MoE
+    load-balancing loss on the cached step's attention mask."""
+    from liger_losses.trl_integration.distillation import DistillationTrainer
+
+    from .test_distillation import _generated_batch, distill_config, prompt_dataset
+    from .utils import step0
+
+    models = [tiny_moe(tok, seed=0), tiny_moe(tok, seed=1)]
+    theirs, ours = make_pair(DistillationTrainer, models, lambda d: distill_config(d), tmp_path, prompt_dataset,
+                             processing_class=tok)
+    batch = _generated_batch(theirs)
+    loss_t, _ = step0(theirs, batch)
+    loss_o, _ = step0(ours, batch)
+    assert float(loss_t) > 0
+    assert rel(loss_o.detach(), loss_t.detach()) <= TOL, (float(loss_o), float(loss_t))
+    assert_grads_match(loss_t, loss_o, theirs, ours, TOL)
