@@ -404,12 +404,8 @@ class _GemmsOnly(torch.autograd.Function):
                 torch.mm(extra[s:e], extra_weight.t())  # the reference / teacher logits, dropped
             logits = rows[s:e] @ w.t()
             torch.mm(logits, w, out=grad_rows[s:e])
-            if frozen:
-                pass
-            elif i == 0:
-                torch.mm(logits.t(), rows[s:e], out=grad_w)
-            else:
-                grad_w.addmm_(logits.t(), rows[s:e])
+            if not frozen:  # a frozen head has no weight-gradient GEMM
+                grad_w.addmm_(logits.t(), rows[s:e], beta=float(i > 0))
             del logits
         if index is None:
             grad_h = grad_rows.view_as(hidden)

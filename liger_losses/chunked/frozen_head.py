@@ -25,7 +25,6 @@ Chunk and block sizes: ``EngineConfig.frozen_budget_bytes`` and ``frozen_block_c
 
 from __future__ import annotations
 
-import math
 from typing import Any, Mapping, Optional
 
 import torch
@@ -39,10 +38,14 @@ from liger_losses.kernels.logits_tile import torch_stats_dtype
 from liger_losses.kernels.online_block import OnlineState, online_block
 
 
-def online_eligible(*, mode: str, grad: bool, needs_hidden: bool, needs_weight: bool, needs_bias: bool,
-                    kernel_opts: Optional[Mapping[str, Any]]) -> bool:
-    """Whether a per-token pass takes the frozen-head path (see the module docstring)."""
-    if not (get_engine_config().frozen_head_online and grad and needs_hidden) or needs_weight or needs_bias:
+def online_eligible(*, chunk_tokens: Optional[int], mode: str, grad: bool, needs_hidden: bool,
+                    needs_weight: bool, needs_bias: bool, kernel_opts: Optional[Mapping[str, Any]]) -> bool:
+    """Whether a per-token pass takes the frozen-head path (see the module docstring); a pass with a
+    fixed ``chunk_tokens`` keeps the tile path, whose chunks that size means."""
+    cfg = get_engine_config()
+    if chunk_tokens is not None or not (cfg.frozen_head_online and grad and needs_hidden):
+        return False
+    if needs_weight or needs_bias:
         return False
     opts = dict(kernel_opts or {})
     if mode not in ("ce", "logp") or opts.get("class_weight") is not None:
@@ -51,14 +54,9 @@ def online_eligible(*, mode: str, grad: bool, needs_hidden: bool, needs_weight: 
 
 
 def vocab_blocks(V: int) -> list[tuple[int, int]]:
-    """``[0, V)`` in balanced blocks of at most ``frozen_block_columns`` columns (multiples of 128
-    where that fits)."""
-    cols = get_engine_config().frozen_block_columns
-    k = math.ceil(V / cols)
-    size = math.ceil(V / k)
-    aligned = math.ceil(size / 128) * 128
-    size = aligned if aligned <= cols else size
-    return [(v, min(v + size, V)) for v in range(0, V, size)]
+    """``[0, V)`` in balanced blocks of at most ``frozen_block_columns`` columns (multiples of
+    ``chunk_align`` where that fits): :func:`~.planning.chunk_bounds` with a budget in columns."""
+    return chunk_bounds(V, 1, budget_bytes=get_engine_config().frozen_block_columns, itemsize=1)
 
 
 def online_token_chunks(V: int, H: int, itemsize: int, num_tokens: int) -> list[tuple[int, int]]:
@@ -81,15 +79,14 @@ def _scale_rows(grad_scale, ts: int, te: int, device, dtype: torch.dtype) -> Ten
     return torch.full((te - ts,), float(grad_scale), dtype=dtype, device=device)
 
 
-def _chunk(weight: Tensor, h: Tensor, labels: Tensor, head_blocks, buf: Tensor, opts: dict,
+def _chunk(weight: Tensor, h: Tensor, labels: Tensor, head_blocks, buf: Tensor, acc_buf: Tensor, opts: dict,
            need_entropy: bool, need_zsum: bool, out: Tensor, scale: Tensor, w_mean: Optional[Tensor]) -> dict:
     """One token chunk: its statistics, and its hidden gradient written to ``out [n, H]``. Host work
     per block is three launches (logits GEMM into the reused buffer ``buf``, the block kernel, the
-    accumulating GEMM): the block loop runs 16-32 times per chunk."""
+    GEMM accumulating into ``acc_buf``'s rows): the block loop runs 8-16 times per chunk."""
     n = h.shape[0]
-    stats_dtype = torch_stats_dtype(weight.dtype)  # a float64 run stays float64 end to end
-    state = OnlineState.empty(n, h.device, stats_dtype)
-    acc = torch.empty(n, weight.shape[1], dtype=stats_dtype, device=h.device)
+    state = OnlineState.empty(n, h.device, acc_buf.dtype)
+    acc = acc_buf[: n * weight.shape[1]].view(n, weight.shape[1])
     transform = dict(logit_scale=opts.get("logit_scale", 1.0), temperature=opts.get("temperature", 1.0),
                      softcap=opts.get("softcap"))
     impl = opts.get("impl", "auto")
@@ -142,12 +139,15 @@ def run_online_chunks(weight: Tensor, rows: RowGather, labels_valid: Tensor, bia
     if not chunks:
         return
     cols = max(v1 - v0 for v0, v1 in blocks)
-    buf = torch.empty(max(e - s for s, e in chunks) * cols, dtype=weight.dtype, device=weight.device)
+    rows_max = max(e - s for s, e in chunks)
+    stats_dtype = torch_stats_dtype(weight.dtype)  # a float64 run stays float64 end to end
+    buf = torch.empty(rows_max * cols, dtype=weight.dtype, device=weight.device)
+    acc_buf = torch.empty(rows_max * H, dtype=stats_dtype, device=weight.device)
     with torch.autocast(device_type=weight.device.type, enabled=False):  # the operands are in the compute dtype
         for ts, te in chunks:
             out = grads.hidden.target(ts, te)
-            st = _chunk(weight, rows(ts, te), labels_valid[ts:te], head_blocks, buf, opts, need_entropy, eps > 0.0,
-                        out, _scale_rows(grad_scale, ts, te, weight.device, torch_stats_dtype(weight.dtype)), w_mean)
+            st = _chunk(weight, rows(ts, te), labels_valid[ts:te], head_blocks, buf, acc_buf, opts, need_entropy,
+                        eps > 0.0, out, _scale_rows(grad_scale, ts, te, weight.device, stats_dtype), w_mean)
             grads.hidden.commit(ts, te, out)
             for k, v in st.items():
                 parts.setdefault(k, []).append(v)

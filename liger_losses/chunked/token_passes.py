@@ -77,9 +77,8 @@ def run_tiles(
     )
     parts: dict[str, list] = {}
     V, H = weight.shape
-    if chunk_tokens is None and online_eligible(mode=mode, grad=grad, needs_hidden=needs_hidden,
-                                                needs_weight=needs_weight, needs_bias=needs_bias,
-                                                kernel_opts=kernel_opts):
+    if online_eligible(chunk_tokens=chunk_tokens, mode=mode, grad=grad, needs_hidden=needs_hidden,
+                       needs_weight=needs_weight, needs_bias=needs_bias, kernel_opts=kernel_opts):
         run_online_chunks(weight, hidden_rows, labels_valid, bias, grads, parts, grad_scale, tile_opts)
     else:
         bounds = token_chunks(V, H, itemsize(weight.dtype), labels_valid.shape[0], chunk_tokens)
@@ -133,9 +132,8 @@ def run_token_tiles(
     first = bounds[0][1] if bounds else 0
     per_row = isinstance(grad_scale, Tensor)
     pending = pos = None
-    online = chunk_tokens is None and online_eligible(mode=mode, grad=grad, needs_hidden=needs_hidden,
-                                                      needs_weight=needs_weight, needs_bias=needs_bias,
-                                                      kernel_opts=kernel_opts)
+    online = online_eligible(chunk_tokens=chunk_tokens, mode=mode, grad=grad, needs_hidden=needs_hidden,
+                             needs_weight=needs_weight, needs_bias=needs_bias, kernel_opts=kernel_opts)
     if (get_engine_config().speculative_first_chunk and not online and first > 0 and total >= 2 * first
             and not (per_row and grad_scale.shape[0] < first)):
         pending = PendingLabelScan(labels, ignore_index, V)
