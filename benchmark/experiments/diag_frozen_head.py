@@ -1,12 +1,14 @@
 """Experiment (GPU): the frozen-head cross-entropy's chunk and block sizes, and where its time goes.
 
-Question: the online-softmax path (``chunked/frozen_head.py``) holds the peak at ~1.25x the hidden
-gradient, but at 8192 x 4096 x 128256 it first ran 29.5 ms against the tile path's 26.1 (GEMMs alone
-24.9). Which of token chunk (``frozen_budget_bytes``), vocabulary block (``frozen_block_columns``)
-and the block kernel's launch (``online_block`` knobs) decide that, and what do the kernels add?
+Question: the online-softmax path (``chunked/frozen_head.py``) holds the peak near the hidden
+gradient, but at 8192 x 4096 x 128256 it ran 28.7 ms against the tile path's 26.3 (GEMMs alone
+25.0). Which of token chunk (``frozen_budget_bytes``), vocabulary block (``frozen_block_columns``)
+and the block kernel's launch (``online_block`` knobs) decide that, and is the rest host time?
 
-Prints, per configuration, ``do_bench`` median ms and the peak above the inputs (MiB); then a
-profiler table of the default configuration's GPU time by kernel.
+Prints, per configuration, ``do_bench`` median ms and the peak above the inputs (MiB); the GPU time
+of one call by kernel (profiler) against its wall time; and the block loop of one chunk run eagerly
+against the same loop replayed from a CUDA graph (the host's share of the loop), at the default
+chunk and at a small one.
 
 Status: open (sizes the defaults in ``chunked/config.py``).
 
@@ -19,14 +21,52 @@ import torch
 
 MIB = 2**20
 CONFIGS = [  # (frozen_budget_bytes MiB, frozen_block_columns, online_block knobs)
-    (24, 8192, {}),
-    (24, 8192, {"num_warps": 8, "block_cap": 4096}),
-    (24, 4096, {}),
     (32, 16384, {}),
-    (40, 8192, {}),
+    (32, 16384, {"num_warps": 8}),
+    (32, 16384, {"block_cap": 4096, "num_warps": 8}),
+    (32, 8192, {}),
+    (28, 16384, {}),
+    (40, 16384, {}),
     (48, 16384, {}),
-    (64, 16384, {}),
+    (40, 8192, {}),
 ]
+
+
+def _block_loop_probe(w, h, y, n, cols):
+    """ms of one chunk's block loop (``n`` rows, ``cols``-column blocks): eager vs a CUDA graph."""
+    import triton.testing
+
+    from liger_losses.chunked.gemm import mm_into
+    from liger_losses.kernels.online_block import OnlineState, online_block
+
+    V, H = w.shape
+    blocks = [(v0, w[v0:min(v0 + cols, V)]) for v0 in range(0, V, cols)]
+    hs, ys = h[:n].detach().clone(), y[:n].clone()
+    buf = torch.empty(n * cols, dtype=w.dtype, device=w.device)
+    acc = torch.empty(n, H, dtype=torch.float32, device=w.device)
+    state = OnlineState.empty(n, w.device)
+
+    def loop():
+        state.ref.fill_(float("-inf"))
+        state.zmax.fill_(float("-inf"))
+        for b, (v0, wb) in enumerate(blocks):
+            tile = buf[: n * wb.shape[0]].view(n, wb.shape[0])
+            torch.mm(hs, wb.t(), out=tile)
+            online_block(tile, ys, v0, state, acc, first=b == 0)
+            mm_into(acc, tile, wb, accumulate=b > 0)
+
+    eager = triton.testing.do_bench(loop, warmup=10, rep=100)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            loop()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        loop()
+    replay = triton.testing.do_bench(graph.replay, warmup=10, rep=100)
+    return eager, replay, len(blocks)
 
 
 def main():
@@ -34,6 +74,7 @@ def main():
 
     from liger_losses.chunked.config import engine_config
     from liger_losses.chunked.cross_entropy import fused_linear_cross_entropy
+    from liger_losses.chunked.frozen_head import online_token_chunks
     from liger_losses.kernels.tuning import tuning
 
     torch.manual_seed(0)
@@ -61,14 +102,24 @@ def main():
     for budget, cols, knobs in CONFIGS:
         with engine_config(frozen_budget_bytes=budget * MIB, frozen_block_columns=cols), tuning(online_block=knobs):
             ms, peak = measure()
-        print(f"budget {budget} MiB, block {cols} cols, {knobs}: {ms:.2f} ms, peak {peak:.0f} MiB", flush=True)
+            n = online_token_chunks(V, H, 2, N)[0][1]
+        print(f"budget {budget} MiB, block {cols} cols, {n}-token chunks, {knobs}: {ms:.2f} ms, peak {peak:.0f} MiB",
+              flush=True)
 
-    acts = [torch.profiler.ProfilerActivity.CUDA]
-    with torch.profiler.profile(activities=acts) as prof:
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         for _ in range(3):
             step()
         torch.cuda.synchronize()
-    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=12, max_name_column_width=70))
+    events = prof.key_averages()
+    busy = sum(e.self_device_time_total for e in events) / 3 / 1000
+    print(f"default: GPU busy {busy:.2f} ms per call (kernels' self time, 3 calls)")
+    print(events.table(sort_by="cuda_time_total", row_limit=12, max_name_column_width=70))
+
+    n_default = online_token_chunks(V, H, 2, N)[0][1]
+    for n in (n_default, 128):
+        eager, replay, nb = _block_loop_probe(w, h, y, n, 16384)
+        print(f"block loop, {n} rows x {nb} blocks of 16384: eager {eager:.3f} ms, CUDA graph {replay:.3f} ms "
+              f"({(eager - replay) / nb * 1000:.1f} us host per block beyond the GPU's)", flush=True)
 
 
 if __name__ == "__main__":

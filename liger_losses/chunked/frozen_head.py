@@ -13,8 +13,8 @@ label smoothing, ``z_w`` the z-loss weight). The sum is computed as attention is
 :func:`~liger_losses.kernels.online_block.online_block` (exponentials against a running
 reference, the row statistics, a rescale of the rows whose reference moved) and
 ``acc [n, H] (fp32) += block @ W[block]`` (one GEMM). The FLOPs are the tile path's (logits and
-hidden-gradient GEMMs, ``4 N H V``); the transient memory is one ``[n, Vb]`` block and the fp32
-accumulator instead of an ``[n, V]`` tile sized for the weight-gradient GEMM (half the head: 512 MiB
+hidden-gradient GEMMs, ``4 N H V``); the transient memory is one ``[n, Vb]`` block (which then holds the label
+rows of ``W``) and the fp32 accumulator instead of an ``[n, V]`` tile sized for the weight-gradient GEMM (half the head: 512 MiB
 at V=128256, H=4096), so the pass's peak stays near the hidden gradient it produces.
 
 Served: ``mode`` "ce" (label smoothing only without softcap: with it, the smoothing term needs a
@@ -60,15 +60,12 @@ def vocab_blocks(V: int) -> list[tuple[int, int]]:
 
 
 def online_token_chunks(V: int, H: int, itemsize: int, num_tokens: int) -> list[tuple[int, int]]:
-    """Token chunks of the frozen-head path: a logits block (``itemsize`` bytes), the fp32
-    accumulator and the label rows of ``W`` per token within ``frozen_budget_bytes``."""
+    """Token chunks of the frozen-head path: per token, a row of the logits block (``itemsize``
+    bytes; it holds the label rows of ``W`` once the block loop is done, so at least ``H`` wide)
+    and of the fp32 accumulator, within ``frozen_budget_bytes``; balanced, as the tile path's."""
     cols = vocab_blocks(V)[0][1] if V else 1
-    per_token = cols * itemsize + H * 4 + H * itemsize
-    cfg = get_engine_config()
-    size = max(1, cfg.frozen_budget_bytes // per_token)
-    if size >= cfg.chunk_align:  # GEMM-friendly row counts, rounded down so the budget holds
-        size -= size % cfg.chunk_align
-    return chunk_bounds(num_tokens, 1, chunk_tokens=size)
+    per_token = max(cols, H) * itemsize + H * 4
+    return chunk_bounds(num_tokens, per_token, budget_bytes=get_engine_config().frozen_budget_bytes, itemsize=1)
 
 
 def _scale_rows(grad_scale, ts: int, te: int, device, dtype: torch.dtype) -> Tensor:
@@ -113,7 +110,8 @@ def _chunk(weight: Tensor, h: Tensor, labels: Tensor, head_blocks, buf: Tensor, 
         eps, loss = 0.0, logp
         coef_p, coef_y = -scale / state.sumexp, -scale * state.d_y
     acc.mul_(coef_p.unsqueeze(1))
-    acc.addcmul_(weight.index_select(0, labels), coef_y.unsqueeze(1), value=-1.0)
+    w_y = torch.index_select(weight, 0, labels, out=buf[: n * weight.shape[1]].view(n, -1))  # the block is spent
+    acc.addcmul_(w_y, coef_y.unsqueeze(1), value=-1.0)
     if eps > 0.0:  # without softcap d is the constant logit_scale / T
         d = float(transform["logit_scale"]) / float(transform["temperature"])
         acc.sub_(w_mean.unsqueeze(0) * (scale * eps * d).unsqueeze(1))
@@ -141,7 +139,7 @@ def run_online_chunks(weight: Tensor, rows: RowGather, labels_valid: Tensor, bia
     cols = max(v1 - v0 for v0, v1 in blocks)
     rows_max = max(e - s for s, e in chunks)
     stats_dtype = torch_stats_dtype(weight.dtype)  # a float64 run stays float64 end to end
-    buf = torch.empty(rows_max * cols, dtype=weight.dtype, device=weight.device)
+    buf = torch.empty(rows_max * max(cols, H), dtype=weight.dtype, device=weight.device)
     acc_buf = torch.empty(rows_max * H, dtype=stats_dtype, device=weight.device)
     with torch.autocast(device_type=weight.device.type, enabled=False):  # the operands are in the compute dtype
         for ts, te in chunks:
