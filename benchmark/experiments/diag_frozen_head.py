@@ -21,14 +21,12 @@ import torch
 
 MIB = 2**20
 CONFIGS = [  # (frozen_budget_bytes MiB, frozen_block_columns, online_block knobs)
+    (24, 16384, {}),
     (32, 16384, {}),
     (32, 16384, {"num_warps": 8}),
-    (32, 16384, {"block_cap": 4096, "num_warps": 8}),
-    (32, 8192, {}),
-    (28, 16384, {}),
-    (40, 16384, {}),
     (48, 16384, {}),
-    (40, 8192, {}),
+    (24, 8192, {}),
+    (32, 8192, {}),
 ]
 
 
@@ -67,6 +65,33 @@ def _block_loop_probe(w, h, y, n, cols):
         loop()
     replay = triton.testing.do_bench(graph.replay, warmup=10, rep=100)
     return eager, replay, len(blocks)
+
+
+def _idle_report(step, label="default", top=8):
+    """Where the GPU idles within one call: the gaps between consecutive kernels (profiler trace
+    of one call after a warm one), their sum, and the largest with the kernels around them."""
+    step()
+    torch.cuda.synchronize()
+    acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+    with torch.profiler.profile(activities=acts) as prof:
+        step()
+        torch.cuda.synchronize()
+    kernels = sorted((e.time_range.start, e.time_range.end, e.name) for e in prof.events()
+                     if e.device_type == torch.autograd.DeviceType.CUDA)
+    if not kernels:
+        print(f"{label}: no kernel events")
+        return
+    gaps, end = [], kernels[0][1]
+    for i in range(1, len(kernels)):
+        start = kernels[i][0]
+        if start > end:
+            gaps.append((start - end, kernels[i - 1][2][:40], kernels[i][2][:40]))
+        end = max(end, kernels[i][1])
+    span = (end - kernels[0][0]) / 1000
+    idle = sum(g for g, _, _ in gaps) / 1000
+    print(f"{label}: {len(kernels)} kernels over {span:.2f} ms, idle {idle:.2f} ms in {len(gaps)} gaps; largest:")
+    for g, before, after in sorted(gaps, reverse=True)[:top]:
+        print(f"  {g:8.1f} us  after {before!r}  before {after!r}")
 
 
 def main():
@@ -114,6 +139,9 @@ def main():
     busy = sum(e.self_device_time_total for e in events) / 3 / 1000
     print(f"default: GPU busy {busy:.2f} ms per call (kernels' self time, 3 calls)")
     print(events.table(sort_by="cuda_time_total", row_limit=12, max_name_column_width=70))
+    _idle_report(step)
+    with engine_config(frozen_head_online=False):
+        _idle_report(step, label="tile path")
 
     n_default = online_token_chunks(V, H, 2, N)[0][1]
     for n in (n_default, 128):

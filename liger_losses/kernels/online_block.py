@@ -7,10 +7,9 @@ vocabulary) and a running per-row :class:`OnlineState`, :func:`online_block`:
 
 * transforms ``z`` as :mod:`~liger_losses.kernels.logits_tile` does (``logit_scale``, ``softcap``,
   ``temperature``) and ``dz/dx = logit_scale / T * (1 - tanh^2)``;
-* updates the state (float32 ``[n]`` each): ``ref``, the exponent's reference: raised to a
+* updates the state (float32 ``[n]`` each): ``ref``, the exponent's reference: raised to the block's
   maximum only when that exceeds it by more than ``TAU`` (so ``exp(z - ref) <= e^TAU``, and most
-  blocks move no reference; the PyTorch path takes the block's maximum, the kernel the maximum of
-  its column step, so the two references may differ: every statistic is taken relative to its own); ``sumexp = sum exp(z - ref)``; ``zexp = sum exp(z - ref) z`` (the
+  blocks move no reference); ``sumexp = sum exp(z - ref)``; ``zexp = sum exp(z - ref) z`` (the
   entropy's); ``zsum = sum z`` (label smoothing's); ``zmax = max z`` (argmax hits); ``z_y``/``d_y``,
   the label's ``z`` and ``dz/dx`` once its block is seen (labels outside the block are left alone;
   ``ignore_index`` or out-of-range labels are never seen);
@@ -20,10 +19,8 @@ vocabulary) and a running per-row :class:`OnlineState`, :func:`online_block`:
   where the reference moved (``first=True``: no ``acc`` yet, nothing rescaled; a row whose reference
   stayed is not touched, so usually no ``acc`` byte moves).
 
-Triton: one program per row, one pass over its block (each element read and written once; a
-column step that raises the reference rescales the row's already written columns, which happens
-about once per row, at its first step); ``impl="torch"`` (or no Triton on the device): the same in
-PyTorch.
+Triton: one program per row (two passes over its block, the second mostly from L2); ``impl="torch"``
+(or no Triton on the device): the same in PyTorch.
 """
 
 from __future__ import annotations
@@ -92,8 +89,17 @@ if triton is not None:
         row = tl.program_id(0).to(tl.int64)
         x_row = x_ptr + row * stride_x
         offs = tl.arange(0, BLOCK)
-        ref_old = tl.load(ref_ptr + row).to(tl.float32)
-        # the label's z and dz/dx, when it falls in this block (read before the block is overwritten)
+        bmax = tl.full((BLOCK,), float("-inf"), tl.float32)
+        for start in range(0, Vb, BLOCK):
+            cols = start + offs
+            x = tl.load(x_row + cols, mask=cols < Vb, other=0.0).to(tl.float32)
+            z, t = _transform(x, logit_scale, inv_temp, softcap, HAS_SOFTCAP)
+            bmax = tl.maximum(bmax, tl.where(cols < Vb, z, float("-inf")))
+        block_max = tl.max(bmax, axis=0)
+        ref_old = tl.load(ref_ptr + row)
+        ref = tl.where(block_max > ref_old + tau, block_max, ref_old)
+        tl.store(zm_ptr + row, tl.maximum(tl.load(zm_ptr + row), block_max))
+        # the label's z and dz/dx, when it falls in this block
         local = tl.load(lab_ptr + row).to(tl.int64) - v0
         here = (local >= 0) & (local < Vb)
         x_y = tl.load(x_row + tl.where(here, local, 0), mask=here, other=0.0).to(tl.float32)
@@ -101,11 +107,6 @@ if triton is not None:
         d_y = logit_scale * inv_temp * (1.0 - t_y * t_y)
         tl.store(zy_ptr + row, tl.where(here, z_y, tl.load(zy_ptr + row)))
         tl.store(dy_ptr + row, tl.where(here, d_y, tl.load(dy_ptr + row)))
-        # One pass: the reference follows the running maximum step by step (a step whose maximum
-        # passes it by TAU raises it, and rescales what this row already wrote: rare after a row's
-        # first step), so every block element is read once and written once.
-        ref = ref_old
-        bmax = tl.full((BLOCK,), float("-inf"), tl.float32)
         se = tl.zeros((BLOCK,), tl.float32)
         ze = tl.zeros((BLOCK,), tl.float32)
         zs = tl.zeros((BLOCK,), tl.float32)
@@ -114,18 +115,6 @@ if triton is not None:
             mask = cols < Vb
             x = tl.load(x_row + cols, mask=mask, other=0.0).to(tl.float32)
             z, t = _transform(x, logit_scale, inv_temp, softcap, HAS_SOFTCAP)
-            zm = tl.where(mask, z, float("-inf"))
-            bmax = tl.maximum(bmax, zm)
-            step_max = tl.max(zm, axis=0)
-            if step_max > ref + tau:
-                f = tl.exp(ref - step_max)  # 0 while the reference is still -inf
-                se = se * f
-                ze = ze * f
-                for done in range(0, start, BLOCK):
-                    dcols = done + offs
-                    g_old = tl.load(x_row + dcols).to(tl.float32)
-                    tl.store(x_row + dcols, (g_old * f).to(x_ptr.dtype.element_ty))
-                ref = step_max
             e = tl.where(mask, tl.exp(z - ref), 0.0)
             se += e
             if NEED_ZEXP:
@@ -134,7 +123,6 @@ if triton is not None:
                 zs += tl.where(mask, z, 0.0)
             g = e * (logit_scale * inv_temp) * (1.0 - t * t)
             tl.store(x_row + cols, g.to(x_ptr.dtype.element_ty), mask=mask)
-        tl.store(zm_ptr + row, tl.maximum(tl.load(zm_ptr + row), tl.max(bmax, axis=0)))
         if FIRST:
             alpha = 0.0
         else:
