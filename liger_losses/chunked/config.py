@@ -41,11 +41,12 @@ Knobs (what each one trades, and what was measured):
 * ``frozen_head_online`` / ``frozen_budget_bytes`` / ``frozen_block_columns``: a per-token pass
   that wants only the hidden gradient (frozen head weight and bias) runs the online-softmax path
   (:mod:`liger_losses.chunked.frozen_head`): token chunks whose logits block of
-  ``frozen_block_columns`` columns, fp32 accumulator and label rows fit ``frozen_budget_bytes``
-  (512 tokens at H=4096, bf16), instead of a tile sized for a weight-gradient GEMM that does not
-  run. H200, 8192 x 4096 x 128256 (``benchmark/experiments/diag_frozen_head.py``): 16384-column
-  blocks of 512 tokens 28.9 ms / 88 MiB above the inputs, 8192 columns 29-40 ms (host-bound: twice
-  the launches), 4096 columns 59.6 ms; the tile path 26.3 ms / 565 MiB. Results:
+  ``frozen_block_columns`` columns (which then holds the label rows of ``W``) and fp32
+  accumulator fit ``frozen_budget_bytes`` (512 tokens at H=4096, bf16), instead of a tile sized for
+  a weight-gradient GEMM that does not run. H200, 8192 x 4096 x 128256
+  (``benchmark/experiments/diag_frozen_head.py``): 16384-column blocks of 512 tokens 30.0 ms / 88
+  MiB above the inputs, of 683 tokens (32 MiB) 29.2-31.1 ms / 96 MiB, 1024 tokens (48 MiB) 29.8 /
+  112 (chunk size within the run-to-run spread); the tile path 26.9 ms / 565 MiB. Results:
   ``benchmark/results/fused_linear_ce_frozen.csv``.
 """
 
@@ -70,7 +71,7 @@ class EngineConfig:
     device_scale: bool = True
     speculative_first_chunk: bool = True
     frozen_head_online: bool = True
-    frozen_budget_bytes: int = 32 * 1024 * 1024
+    frozen_budget_bytes: int = 24 * 1024 * 1024
     frozen_block_columns: int = 16384
 
     def __post_init__(self):
