@@ -707,6 +707,28 @@ def write_partial(name: str, rows: list[Row]) -> None:
         w.writerows(dicts)
 
 
+def rows_from_csv(paths: list[str]) -> list[Row]:
+    """The rows of matrix CSVs written by pieces of one matrix (``--cases`` runs under other names),
+    in file order; numbers back to floats so the plot and ratios can use them."""
+    core = {"bench", "case", "mode", "provider", "ms", "peak_mib", "floor_ms", "floor_mib", "error",
+            "time_over_floor", "peak_over_floor"}
+    rows = []
+    for path in paths:
+        with open(path, newline="") as f:
+            for d in csv.DictReader(f):
+                extra = {}
+                for k, v in d.items():
+                    if k in core:
+                        continue
+                    try:
+                        extra[k] = float(v) if v not in ("", None) else ""
+                    except ValueError:
+                        extra[k] = v
+                rows.append(Row(d["bench"], d["case"], d["mode"], d["provider"], float(d["ms"] or "nan"),
+                                float(d["peak_mib"] or "nan"), extra=extra, error=d["error"] or None))
+    return rows
+
+
 def pick_cases(patterns: Optional[list], full: bool) -> list[Case]:
     pool = list(DEFAULT_CASES + FULL_EXTRA_CASES) if (full or patterns) else list(DEFAULT_CASES)
     if not patterns:
@@ -774,9 +796,20 @@ def main(argv=None) -> int:
                     help="liger_chunk_tokens of our trainers (default: the engine's tile budget)")
     ap.add_argument("--profile", action="store_true", help="torch.profiler summary of two timed steps per run")
     ap.add_argument("--cprofile", action="store_true", help="cProfile of the timed steps per run")
+    ap.add_argument("--merge", nargs="+", default=None, metavar="CSV",
+                    help="no runs: join these matrix CSVs (pieces of one matrix) into --name's CSV and PNG")
     ap.add_argument("--memory-peak", action="store_true",
                     help="allocator history over the timed steps: where their peak is, by source line (slower)")
     a = ap.parse_args(argv)
+    if a.merge:
+        rows = rows_from_csv(a.merge)
+        add_ratios(rows)
+        write_results(a.name or "trainer_matrix", rows)
+        plot_matrix(a.name or "trainer_matrix", rows)
+        return 0
+    if a.profile and a.cprofile:
+        # cProfile would time the torch profiler's own event processing, not the step's host work
+        raise SystemExit("bench_trainer: use --profile or --cprofile, not both in one run")
     cases = pick_cases(a.cases, a.full)
     if a.list:
         for c in cases:

@@ -13,9 +13,10 @@ label smoothing, ``z_w`` the z-loss weight). The sum is computed as attention is
 :func:`~liger_losses.kernels.online_block.online_block` (exponentials against a running
 reference, the row statistics, a rescale of the rows whose reference moved) and
 ``acc [n, H] (fp32) += block @ W[block]`` (one GEMM). The FLOPs are the tile path's (logits and
-hidden-gradient GEMMs, ``4 N H V``); the transient memory is one ``[n, Vb]`` block (which then holds the label
-rows of ``W``) and the fp32 accumulator instead of an ``[n, V]`` tile sized for the weight-gradient GEMM (half the head: 512 MiB
-at V=128256, H=4096), so the pass's peak stays near the hidden gradient it produces.
+hidden-gradient GEMMs, ``4 N H V``); the transient memory is one ``[n, Vb]`` block (which then
+holds the label rows of ``W``) and the fp32 accumulator instead of an ``[n, V]`` tile sized for the
+weight-gradient GEMM (half the head: 512 MiB at V=128256, H=4096), so the pass's peak stays near
+the hidden gradient it produces.
 
 Served: ``mode`` "ce" (label smoothing only without softcap: with it, the smoothing term needs a
 second weighted sum) and "logp"; no class weights; every reduction's row scale. Statistics
