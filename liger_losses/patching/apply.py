@@ -7,7 +7,8 @@ Mixtral, which has no dense MLP, it changes nothing), ``geglu`` to the GeGLU fam
 gemma2, gemma3_text). A family whose transformers classes no longer look as the patch expects
 raises ``FamilyMismatchError`` before anything is patched (``checks.py``). Returns ``model``
 itself. The RoPE patch is module-level: it affects every model of that family in the process
-(``revert_liger_kernels`` undoes it).
+(``revert_liger_kernels`` undoes it). On a model with PEFT LoRA adapters, ``lora=True`` also
+gives its LoRA linears the fused adapter forward of ``lora.py`` (used under autocast only).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from __future__ import annotations
 from torch import nn
 
 from liger_losses.patching.core import patch_family, unwrap_model
+from liger_losses.patching.lora import patch_lora_linears
 from liger_losses.patching.specs import FAMILIES, SUPPORTED_MODEL_TYPES
 
 
@@ -39,13 +41,18 @@ def apply_liger_kernels(
     swiglu: bool = True,
     geglu: bool = True,
     cross_entropy: bool = True,
+    lora: bool = True,
 ) -> nn.Module:
-    """Swap in liger_losses kernels (RMSNorm, RoPE, SwiGLU/GeGLU MLP, fused-linear CE) in place."""
+    """Swap in liger_losses kernels (RMSNorm, RoPE, SwiGLU/GeGLU MLP, fused-linear CE) in place;
+    ``lora``: PEFT LoRA linears add their adapters with one GEMM under autocast (``lora.py``)."""
     spec = family_of(model)
-    for name, value in (("swiglu", swiglu), ("geglu", geglu)):
+    for name, value in (("swiglu", swiglu), ("geglu", geglu), ("lora", lora)):
         if not isinstance(value, bool):
             raise TypeError(f"{name} must be a bool, got {type(value).__name__}")
     mlp = geglu if spec.mlp_kind == "geglu" else swiglu
-    return patch_family(
+    patched = patch_family(
         spec, model, rms_norm=rms_norm, rope=rope, mlp=mlp, cross_entropy=cross_entropy
     )
+    if lora:
+        patch_lora_linears(model)
+    return patched

@@ -1,0 +1,246 @@
+"""``patching/lora.py``: PEFT LoRA linears with the adapter added by one GEMM under autocast.
+
+Under CPU bf16 autocast the fused forward and PEFT's compute the same sum with different roundings
+(once vs three times), so both are held to a float64 evaluation of the same model: the fused
+forward's relative error (output, input gradient, every adapter gradient) must be no worse than
+1.25x PEFT's own plus 1e-3 of bf16's unit roundoff (a different rounding of the same numbers, not a
+different sum). Everywhere the fused forward does not apply (no autocast, adapters disabled or
+merged, mixed-adapter batches, DoRA, adapter biases) the output and gradients must equal PEFT's
+exactly: the call is PEFT's own forward.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+from liger_losses.patching import apply_liger_kernels
+from liger_losses.patching.lora import lora_linear_forward, patch_lora_linears
+from tests.helpers import rel_err
+from tests.patching.tiny_models import tiny_batch, tiny_model
+
+peft = pytest.importorskip("peft")
+
+BF16_EPS = 2.0**-8
+
+
+class TwoLinears(nn.Module):
+    """x -> o(silu(q(x))): two adapted linears, the second with a base bias (a smooth activation: a
+    ReLU kink flips a gradient entry whole wherever two roundings straddle zero)."""
+
+    def __init__(self):
+        super().__init__()
+        self.q = nn.Linear(64, 96, bias=False)
+        self.o = nn.Linear(96, 64)
+
+    def forward(self, x):
+        return self.o(torch.nn.functional.silu(self.q(x)))
+
+
+def _peft_model(dtype=torch.bfloat16, seed=0, **lora_kwargs):
+    torch.manual_seed(seed)
+    base = TwoLinears().to(dtype)
+    cfg = peft.LoraConfig(r=8, lora_alpha=16, target_modules=["q", "o"], **lora_kwargs)
+    model = peft.get_peft_model(base, cfg)
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if "lora_B" in n:
+                p.normal_(0, 0.1)
+    return model
+
+
+def _run(model, x, *, autocast: bool, **call_kwargs):
+    """Output and gradients (input first, then every parameter that has one, by name)."""
+    x = x.detach().clone().requires_grad_()
+    model.zero_grad(set_to_none=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        out = model(x, **call_kwargs)
+    (out.double() ** 2).sum().backward()
+    grads = {"x": x.grad.detach().clone()}
+    grads.update({n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None})
+    return out.detach(), grads
+
+
+def test_autocast_as_accurate_as_peft():
+    """bf16 weights, fp32 adapters (PEFT's default), CPU bf16 autocast: the fused forward's output
+    and gradients are within the module docstring's bar of a float64 run of the same model."""
+    ref_model = _peft_model()
+    ours = copy.deepcopy(ref_model)
+    assert patch_lora_linears(ours) == 2
+    assert {p.dtype for n, p in ref_model.named_parameters() if "lora" in n} == {torch.float32}
+    x = torch.randn(3, 10, 64, generator=torch.Generator().manual_seed(1)).bfloat16()
+    exact = copy.deepcopy(ref_model).double()
+    want_out, want = _run(exact, x.double(), autocast=False)
+    peft_out, peft_grads = _run(ref_model, x, autocast=True)
+    our_out, our_grads = _run(ours, x, autocast=True)
+    assert our_out.dtype == peft_out.dtype == torch.bfloat16
+    pairs = [("output", our_out, peft_out, want_out)] + [(k, our_grads[k], peft_grads[k], want[k]) for k in want]
+    for name, got, theirs, ref in pairs:
+        bar = 1.25 * rel_err(theirs, ref) + 1e-3 * BF16_EPS
+        assert rel_err(got, ref) <= bar, name
+
+
+def test_fused_path_is_taken_under_autocast(monkeypatch):
+    """The fused forward really runs under autocast (PEFT's forward is not called) and is not
+    without autocast (PEFT's forward is called)."""
+    model = _peft_model()
+    patch_lora_linears(model)
+    cls = type(model.base_model.model.q)
+    calls = []
+    original = cls.forward
+    monkeypatch.setattr(cls, "forward", lambda self, *a, **k: calls.append(1) or original(self, *a, **k))
+    x = torch.randn(2, 5, 64).bfloat16()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        model(x)
+    assert calls == []
+    model(x)
+    assert len(calls) == 2
+
+
+def test_fp32_training_is_peft_exactly():
+    """Without autocast the call is PEFT's forward: output and gradients bitwise equal (fp32
+    model, and a bf16 model with fp32 adapters)."""
+    for dtype in (torch.float32, torch.bfloat16):
+        ref_model = _peft_model(dtype=dtype)
+        ours = copy.deepcopy(ref_model)
+        patch_lora_linears(ours)
+        x = torch.randn(2, 7, 64).to(dtype)
+        out_a, g_a = _run(ref_model, x, autocast=False)
+        out_b, g_b = _run(ours, x, autocast=False)
+        assert torch.equal(out_a, out_b)
+        assert all(torch.equal(g_a[k], g_b[k]) for k in g_a)
+
+
+@pytest.mark.parametrize("case", ["disabled", "merged", "dora", "lora_bias", "mixed_batch"])
+def test_unfusable_cases_are_peft_exactly(case):
+    """Under autocast, adapters disabled or merged, DoRA, adapter biases and mixed-adapter batches
+    (``adapter_names``) run PEFT's own forward: output and gradients bitwise equal."""
+    kwargs = dict(use_dora=True) if case == "dora" else dict(lora_bias=True) if case == "lora_bias" else {}
+    ref_model = _peft_model(**kwargs)
+    ours = copy.deepcopy(ref_model)
+    patch_lora_linears(ours)
+    x = torch.randn(2, 6, 64).bfloat16()
+    call = {}
+    if case == "mixed_batch":  # PEFT serves these in eval mode only
+        call = dict(adapter_names=["default", "__base__"])
+        ref_model.eval()
+        ours.eval()
+    for m in (ref_model, ours):
+        if case == "merged":
+            m.merge_adapter()
+    if case == "disabled":
+        with ref_model.disable_adapter():
+            want = _run(ref_model, x, autocast=True)
+        with ours.disable_adapter():
+            got = _run(ours, x, autocast=True)
+    else:
+        want = _run(ref_model, x, autocast=True, **call)
+        got = _run(ours, x, autocast=True, **call)
+    assert torch.equal(want[0], got[0])
+    assert want[1].keys() == got[1].keys()
+    assert all(torch.equal(want[1][k], got[1][k]) for k in want[1])
+
+
+def test_dropout_draws_peft_mask():
+    """With lora_dropout 0.5 in training mode and the same seed, the fused forward drops the
+    same entries as PEFT (its input is cast and dropped as PEFT's is): the outputs differ only by
+    rounding (relative 2e-2, against ~0.3 for a different mask)."""
+    ref_model = _peft_model(lora_dropout=0.5)
+    ours = copy.deepcopy(ref_model)
+    patch_lora_linears(ours)
+    x = torch.randn(4, 16, 64).bfloat16()
+    torch.manual_seed(5)
+    want, _ = _run(ref_model, x, autocast=True)
+    torch.manual_seed(5)
+    got, _ = _run(ours, x, autocast=True)
+    torch.manual_seed(6)
+    other, _ = _run(ref_model, x, autocast=True)
+    assert rel_err(got, want) <= 2e-2 < rel_err(other, want)
+
+
+def test_apply_liger_kernels_patches_lora_linears():
+    """``apply_liger_kernels`` binds the fused forward to every LoRA linear of a PEFT causal LM
+    (``all-linear``: attention and MLP projections), not with ``lora=False``; patching twice binds
+    it once; a non-bool ``lora`` is a TypeError; the patched model's loss under bf16 autocast is
+    within bf16 rounding of PEFT's (relative 2e-2)."""
+    base = tiny_model("llama", dtype=torch.bfloat16)
+    model = peft.get_peft_model(base, peft.LoraConfig(r=4, lora_alpha=8, target_modules="all-linear"))
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if "lora_B" in n:
+                p.normal_(0, 0.1)
+    plain = copy.deepcopy(model)
+    off = copy.deepcopy(model)
+    apply_liger_kernels(off, lora=False)
+    lora_cls = type(model.get_base_model().model.layers[0].self_attn.q_proj)
+
+    def fused(m):
+        return [getattr(mod.__dict__.get("forward"), "__func__", None) is lora_linear_forward
+                for mod in m.modules() if isinstance(mod, lora_cls)]
+
+    assert not any(fused(off))
+    apply_liger_kernels(model)
+    apply_liger_kernels(model)
+    flags = fused(model)
+    assert len(flags) == 2 * 7 and all(flags)
+    with pytest.raises(TypeError, match="lora must be a bool"):
+        apply_liger_kernels(model, lora="yes")
+    batch = tiny_batch(base.config)
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        want = plain(**batch).loss
+        got = model(**batch).loss
+    assert rel_err(got.float(), want.float()) <= 2e-2
+
+
+@pytest.mark.gpu
+def test_gpu_autocast_accuracy_and_peak():
+    """CUDA bf16 autocast, a LoRA linear pair at 4096 -> 14336 -> 4096 over 4096 tokens: the
+    fused forward's output and gradients within the module docstring's bar of float64, and its
+    forward + backward peak above the inputs no higher than PEFT's (it saves no input copies)."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+
+    class Wide(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.q = nn.Linear(4096, 14336, bias=False)
+            self.o = nn.Linear(14336, 4096, bias=False)
+
+        def forward(self, x):
+            return self.o(torch.nn.functional.silu(self.q(x)))
+
+    torch.manual_seed(0)
+    base = Wide().cuda().bfloat16()
+    ref_model = peft.get_peft_model(base, peft.LoraConfig(r=16, lora_alpha=32, target_modules=["q", "o"]))
+    with torch.no_grad():
+        for n, p in ref_model.named_parameters():
+            if "lora_B" in n:
+                p.normal_(0, 0.02)
+    ours = copy.deepcopy(ref_model)
+    patch_lora_linears(ours)
+    x = torch.randn(4096, 4096, device="cuda").bfloat16()
+
+    def run(model, xin, autocast):
+        xin = xin.detach().clone().requires_grad_()
+        model.zero_grad(set_to_none=True)
+        torch.cuda.synchronize()
+        start = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
+            out = model(xin)
+        (out.float() ** 2).mean().backward()
+        peak = torch.cuda.max_memory_allocated() - start
+        grads = {"x": xin.grad.double()}
+        grads.update({n: p.grad.double() for n, p in model.named_parameters() if p.grad is not None})
+        return out.detach().double(), grads, peak
+
+    want_out, want, _ = run(copy.deepcopy(ref_model).double(), x.double(), False)
+    peft_out, peft_grads, peft_peak = run(ref_model, x, True)
+    our_out, our_grads, our_peak = run(ours, x, True)
+    pairs = [("output", our_out, peft_out, want_out)] + [(k, our_grads[k], peft_grads[k], want[k]) for k in want]
+    for name, got, theirs, ref in pairs:
+        assert rel_err(got, ref) <= 1.25 * rel_err(theirs, ref) + 1e-3 * BF16_EPS, name
+    assert our_peak <= peft_peak
