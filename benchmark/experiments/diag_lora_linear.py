@@ -10,7 +10,10 @@ all seven linears, bf16 weights, fp32 adapters, CUDA autocast bf16, tokens = bat
 ``do_bench`` median ms of forward + backward and the peak above the inputs (MiB) for PEFT's forward
 and the patched one, and the relative difference of output and adapter gradients between them.
 
-Status: open (decides whether ``apply_liger_kernels(..., lora=True)`` is the default).
+H200 (torch 2.11, PEFT 0.21): 4 x 2048 tokens PEFT 21.75 ms / 2694 MiB, fused 18.74 / 2150; 4 x 8192
+99.7 / 10770 against 83.5 / 8594; outputs and gradients equal to 1e-8 (the adapter's share rounds
+away in bf16 at these weights). Status: answered; ``apply_liger_kernels(..., lora=True)`` is the
+default.
 
     python -m benchmark.experiments.diag_lora_linear
 """
