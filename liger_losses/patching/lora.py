@@ -19,10 +19,12 @@ forward that, under autocast, computes the same sum as one GEMM into the base ou
     result = addmm(result, t, lora_B.weight.T, alpha=scaling)
 
 Autocast runs both forms in its lower-precision dtype, so the operands are the same numbers
-(``x -> fp32 -> bf16`` is exact); the sum is rounded once instead of three times. With dropout
-the input is cast and dropped as PEFT does (the same random mask), only the output side is fused.
-Everything else runs PEFT's own forward: no autocast (fp32 training keeps PEFT's fp32 adapter
-math), adapters disabled or merged, mixed-adapter batches (``adapter_names``), LoRA variants
+(``x -> fp32 -> bf16`` is exact); the sum is rounded once instead of three times. Without autocast
+the same holds when the input, the base output and the adapters share one dtype (fp32 training,
+or bf16 adapters on a bf16 model). With dropout the input is cast and dropped as PEFT does (the
+same random mask), only the output side is fused. Everything else runs PEFT's own forward: mixed
+dtypes without autocast (fp32 adapters on a bf16 model keep PEFT's fp32 adapter math and type
+promotion), adapters disabled or merged, mixed-adapter batches (``adapter_names``), LoRA variants
 (DoRA, aLoRA...), adapter biases, a tensor scaling. Shapes and dtypes are PEFT's: the output has
 the base output's shape and dtype.
 """
@@ -54,8 +56,9 @@ def _variant_keys() -> tuple:
     return tuple(VARIANT_KWARG_KEYS)
 
 
-def _adapters_fusable(layer, names) -> bool:
-    """Every active adapter of ``layer`` is vanilla LoRA without biases, with a numeric scaling."""
+def _adapters_fusable(layer, names, dtype) -> bool:
+    """Every active adapter of ``layer`` is vanilla LoRA without biases, with a numeric scaling, and
+    (``dtype`` not None: no autocast) its weights in ``dtype``."""
     variants = getattr(layer, "lora_variant", {}) or {}
     dora = getattr(layer, "use_dora", {}) or {}
     for name in names:
@@ -63,7 +66,10 @@ def _adapters_fusable(layer, names) -> bool:
             continue
         if name in variants or dora.get(name, False):
             return False
-        if layer.lora_A[name].bias is not None or layer.lora_B[name].bias is not None:
+        a, b = layer.lora_A[name], layer.lora_B[name]
+        if a.bias is not None or b.bias is not None:
+            return False
+        if dtype is not None and (a.weight.dtype != dtype or b.weight.dtype != dtype):
             return False
         if not isinstance(layer.scaling[name], numbers.Real):
             return False
@@ -73,10 +79,14 @@ def _adapters_fusable(layer, names) -> bool:
 def lora_linear_forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
     """The forward :func:`patch_lora_linears` binds to a ``lora.Linear`` (see the module docstring)."""
     keys = _variant_keys()
+    autocast = torch.is_floating_point(x) and torch.is_autocast_enabled(x.device.type)
+    # without autocast, one dtype for input, base weight and adapters (else PEFT's promotion rules)
+    same = None if autocast else x.dtype
+    base_weight = getattr(self.get_base_layer(), "weight", None)
     if (self.disable_adapters or self.merged or kwargs.get("adapter_names") is not None
             or any(kwargs.get(k) is not None for k in keys) or not torch.is_floating_point(x)
-            or not torch.is_autocast_enabled(x.device.type)
-            or not _adapters_fusable(self, self.active_adapters)):
+            or (same is not None and (base_weight is None or base_weight.dtype != same))
+            or not _adapters_fusable(self, self.active_adapters, same)):
         return type(self).forward(self, x, *args, **kwargs)
     kwargs = {k: v for k, v in kwargs.items() if k != "adapter_names" and k not in keys}
     result = self.base_layer(x, *args, **kwargs)

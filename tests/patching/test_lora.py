@@ -1,12 +1,13 @@
-"""``patching/lora.py``: PEFT LoRA linears with the adapter added by one GEMM under autocast.
+"""``patching/lora.py``: PEFT LoRA linears with the adapter added by one GEMM.
 
-Under CPU bf16 autocast the fused forward and PEFT's compute the same sum with different roundings
-(once vs three times), so both are held to a float64 evaluation of the same model: the fused
-forward's relative error (output, input gradient, every adapter gradient) must be no worse than
-1.25x PEFT's own plus 1e-3 of bf16's unit roundoff (a different rounding of the same numbers, not a
-different sum). Everywhere the fused forward does not apply (no autocast, adapters disabled or
-merged, mixed-adapter batches, DoRA, adapter biases) the output and gradients must equal PEFT's
-exactly: the call is PEFT's own forward.
+Under CPU bf16 autocast (and without autocast in one dtype) the fused forward and PEFT's compute
+the same sum with different roundings (once vs three times), so both are held to a float64
+evaluation of the same model: the fused forward's relative error (output, input gradient, every
+adapter gradient) must be no worse than 1.25x PEFT's own plus 1e-3 of the dtype's unit roundoff (a
+different rounding of the same numbers, not a different sum). Everywhere the fused forward does
+not apply (mixed dtypes without autocast, adapters disabled or merged, mixed-adapter batches,
+DoRA, adapter biases) the output and gradients must equal PEFT's exactly: the call is PEFT's own
+forward.
 """
 
 from __future__ import annotations
@@ -83,35 +84,59 @@ def test_autocast_as_accurate_as_peft():
         assert rel_err(got, ref) <= bar, name
 
 
-def test_fused_path_is_taken_under_autocast(monkeypatch):
-    """The fused forward really runs under autocast (PEFT's forward is not called) and is not
-    without autocast (PEFT's forward is called)."""
-    model = _peft_model()
-    patch_lora_linears(model)
-    cls = type(model.base_model.model.q)
+def test_fused_path_is_taken_where_it_applies(monkeypatch):
+    """The fused forward really runs under autocast and, without autocast, when input, base and
+    adapters share a dtype (PEFT's forward is not called); a bf16 model with fp32 adapters
+    without autocast calls PEFT's forward."""
+    cls = type(_peft_model().base_model.model.q)
     calls = []
     original = cls.forward
     monkeypatch.setattr(cls, "forward", lambda self, *a, **k: calls.append(1) or original(self, *a, **k))
+    model = _peft_model()
+    patch_lora_linears(model)
     x = torch.randn(2, 5, 64).bfloat16()
     with torch.autocast("cpu", dtype=torch.bfloat16):
         model(x)
     assert calls == []
     model(x)
     assert len(calls) == 2
+    calls.clear()
+    fp32 = _peft_model(dtype=torch.float32)
+    patch_lora_linears(fp32)
+    fp32(x.float())
+    assert calls == []
 
 
-def test_fp32_training_is_peft_exactly():
-    """Without autocast the call is PEFT's forward: output and gradients bitwise equal (fp32
-    model, and a bf16 model with fp32 adapters)."""
-    for dtype in (torch.float32, torch.bfloat16):
-        ref_model = _peft_model(dtype=dtype)
-        ours = copy.deepcopy(ref_model)
-        patch_lora_linears(ours)
-        x = torch.randn(2, 7, 64).to(dtype)
-        out_a, g_a = _run(ref_model, x, autocast=False)
-        out_b, g_b = _run(ours, x, autocast=False)
-        assert torch.equal(out_a, out_b)
-        assert all(torch.equal(g_a[k], g_b[k]) for k in g_a)
+def test_mixed_dtypes_without_autocast_are_peft_exactly():
+    """A bf16 model with fp32 adapters and no autocast runs PEFT's forward (its fp32 adapter math
+    and type promotion): output and gradients bitwise equal."""
+    ref_model = _peft_model(dtype=torch.bfloat16)
+    ours = copy.deepcopy(ref_model)
+    patch_lora_linears(ours)
+    x = torch.randn(2, 7, 64).bfloat16()
+    out_a, g_a = _run(ref_model, x, autocast=False)
+    out_b, g_b = _run(ours, x, autocast=False)
+    assert torch.equal(out_a, out_b)
+    assert all(torch.equal(g_a[k], g_b[k]) for k in g_a)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16_adapters"])
+def test_one_dtype_without_autocast_as_accurate_as_peft(dtype):
+    """No autocast, input, base and adapters in one dtype (fp32 training; bf16 adapters on a bf16
+    model): the fused forward is held to float64 as under autocast, with that dtype's roundoff."""
+    ref_model = _peft_model(dtype=dtype)
+    ref_model.to(dtype)  # PEFT made the adapters fp32; this run keeps them in the model's dtype
+    ours = copy.deepcopy(ref_model)
+    patch_lora_linears(ours)
+    x = torch.randn(3, 10, 64, generator=torch.Generator().manual_seed(2)).to(dtype)
+    want_out, want = _run(copy.deepcopy(ref_model).double(), x.double(), autocast=False)
+    peft_out, peft_grads = _run(ref_model, x, autocast=False)
+    our_out, our_grads = _run(ours, x, autocast=False)
+    eps = torch.finfo(dtype).eps
+    pairs = [("output", our_out, peft_out, want_out)] + [(k, our_grads[k], peft_grads[k], want[k]) for k in want]
+    for name, got, theirs, ref in pairs:
+        assert got.dtype == theirs.dtype, name
+        assert rel_err(got, ref) <= 1.25 * rel_err(theirs, ref) + 1e-3 * eps, name
 
 
 @pytest.mark.parametrize("case", ["disabled", "merged", "dora", "lora_bias", "mixed_batch"])
