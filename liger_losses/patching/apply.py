@@ -8,7 +8,8 @@ gemma2, gemma3_text). A family whose transformers classes no longer look as the 
 raises ``FamilyMismatchError`` before anything is patched (``checks.py``). Returns ``model``
 itself. The RoPE patch is module-level: it affects every model of that family in the process
 (``revert_liger_kernels`` undoes it). On a model with PEFT LoRA adapters, ``lora=True`` also
-gives its LoRA linears the fused adapter forward of ``lora.py`` (used under autocast only).
+gives its LoRA linears the fused adapter forward of ``lora.py`` (under autocast, or when input,
+base and adapters share a dtype; PEFT's own forward otherwise).
 """
 
 from __future__ import annotations
@@ -44,7 +45,7 @@ def apply_liger_kernels(
     lora: bool = True,
 ) -> nn.Module:
     """Swap in liger_losses kernels (RMSNorm, RoPE, SwiGLU/GeGLU MLP, fused-linear CE) in place;
-    ``lora``: PEFT LoRA linears add their adapters with one GEMM under autocast (``lora.py``)."""
+    ``lora``: PEFT LoRA linears add their adapters with one GEMM (``lora.py``)."""
     spec = family_of(model)
     for name, value in (("swiglu", swiglu), ("geglu", geglu), ("lora", lora)):
         if not isinstance(value, bool):
