@@ -24,15 +24,19 @@ the same holds when the input, the base output and the adapters share one dtype 
 or bf16 adapters on a bf16 model). With dropout the input is cast and dropped as PEFT does (the
 same random mask), only the output side is fused. Everything else runs PEFT's own forward: mixed
 dtypes without autocast (fp32 adapters on a bf16 model keep PEFT's fp32 adapter math and type
-promotion), adapters disabled or merged, mixed-adapter batches (``adapter_names``), LoRA variants
-(DoRA, aLoRA...), adapter biases, a tensor scaling. Shapes and dtypes are PEFT's: the output has
-the base output's shape and dtype.
+promotion), adapters disabled or merged, mixed-adapter batches (``adapter_names``) and other
+keywords, LoRA variants (DoRA, aLoRA...), adapter biases, a tensor scaling, adapter weights of a
+dtype autocast does not take, and adapters whose weights the fused forward must not read directly:
+``lora_A``/``lora_B`` that are not plain ``nn.Linear`` (an FSDP1 unit), that carry forward hooks
+(DeepSpeed ZeRO-3's gathers, FSDP2 on the adapter itself) or DTensor / ZeRO-3 weights, or any
+global module hook. A base layer whose output leaves autocast's dtype gets PEFT's sum on that
+output. Shapes and dtypes are PEFT's: the output has the base output's shape and dtype.
 """
 
 from __future__ import annotations
 
+import functools
 import numbers
-import types
 
 import torch
 import torch.nn.functional as F
@@ -56,9 +60,23 @@ def _variant_keys() -> tuple:
     return tuple(VARIANT_KWARG_KEYS)
 
 
+def _plain_linear(module) -> bool:
+    """``module`` is an ``nn.Linear`` whose weight the fused forward may read directly: no hooks of
+    its own (a ZeRO-3 gather, an FSDP unit, pruning), no global module hooks, a plain tensor
+    weight (not a DTensor or a ZeRO-3 partition), no bias."""
+    if type(module) is not nn.Linear or module.bias is not None:
+        return False
+    if module._forward_pre_hooks or module._forward_hooks:
+        return False
+    weight = module.weight
+    return (type(weight) in (nn.Parameter, torch.Tensor) and not hasattr(weight, "ds_id")
+            and tuple(weight.shape) == (module.out_features, module.in_features))
+
+
 def _adapters_fusable(layer, names, dtype) -> bool:
-    """Every active adapter of ``layer`` is vanilla LoRA without biases, with a numeric scaling, and
-    (``dtype`` not None: no autocast) its weights in ``dtype``."""
+    """Every active adapter of ``layer`` is vanilla LoRA on plain linears without biases, with a
+    numeric scaling, and its weights in ``dtype`` (None, under autocast: a float dtype autocast
+    takes)."""
     variants = getattr(layer, "lora_variant", {}) or {}
     dora = getattr(layer, "use_dora", {}) or {}
     for name in names:
@@ -67,29 +85,53 @@ def _adapters_fusable(layer, names, dtype) -> bool:
         if name in variants or dora.get(name, False):
             return False
         a, b = layer.lora_A[name], layer.lora_B[name]
-        if a.bias is not None or b.bias is not None:
+        if not (_plain_linear(a) and _plain_linear(b)):
             return False
-        if dtype is not None and (a.weight.dtype != dtype or b.weight.dtype != dtype):
+        allowed = (dtype,) if dtype is not None else (torch.float32, torch.bfloat16, torch.float16)
+        if a.weight.dtype not in allowed or b.weight.dtype not in allowed:
             return False
         if not isinstance(layer.scaling[name], numbers.Real):
             return False
     return True
 
 
+def _global_hooks() -> bool:
+    from torch.nn.modules import module as module_impl
+
+    return bool(getattr(module_impl, "_global_forward_pre_hooks", None)
+                or getattr(module_impl, "_global_forward_hooks", None))
+
+
+def _peft_adapter_sum(layer, x: torch.Tensor, result: torch.Tensor) -> torch.Tensor:
+    """PEFT's vanilla adapter sum on an already computed base output (its own ops and dtypes)."""
+    result_dtype = result.dtype
+    for name in layer.active_adapters:
+        if name not in layer.lora_A:
+            continue
+        lora_a, lora_b = layer.lora_A[name], layer.lora_B[name]
+        h = layer._cast_input_dtype(x, lora_a.weight.dtype)
+        result = result + lora_b(lora_a(layer.lora_dropout[name](h))) * layer.scaling[name]
+    return result.to(result_dtype)
+
+
 def lora_linear_forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
     """The forward :func:`patch_lora_linears` binds to a ``lora.Linear`` (see the module docstring)."""
     keys = _variant_keys()
-    autocast = torch.is_floating_point(x) and torch.is_autocast_enabled(x.device.type)
+    floating = torch.is_floating_point(x)
+    autocast = floating and torch.is_autocast_enabled(x.device.type)
     # without autocast, one dtype for input, base weight and adapters (else PEFT's promotion rules)
     same = None if autocast else x.dtype
     base_weight = getattr(self.get_base_layer(), "weight", None)
-    if (self.disable_adapters or self.merged or kwargs.get("adapter_names") is not None
-            or any(kwargs.get(k) is not None for k in keys) or not torch.is_floating_point(x)
+    if (self.disable_adapters or self.merged or not floating
+            or args or any(k != "adapter_names" and k not in keys for k in kwargs)
+            or kwargs.get("adapter_names") is not None or any(kwargs.get(k) is not None for k in keys)
             or (same is not None and (base_weight is None or base_weight.dtype != same))
-            or not _adapters_fusable(self, self.active_adapters, same)):
+            or not _adapters_fusable(self, self.active_adapters, same) or _global_hooks()):
         return type(self).forward(self, x, *args, **kwargs)
-    kwargs = {k: v for k, v in kwargs.items() if k != "adapter_names" and k not in keys}
-    result = self.base_layer(x, *args, **kwargs)
+    result = self.base_layer(x)
+    expected = torch.get_autocast_dtype(x.device.type) if autocast else x.dtype
+    if result.dtype != expected:  # a base layer that left autocast's dtype: PEFT's sum on its output
+        return _peft_adapter_sum(self, x, result)
     shape = result.shape
     out = result.reshape(-1, shape[-1])
     for name in self.active_adapters:
@@ -105,10 +147,25 @@ def lora_linear_forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
     return out.view(shape)
 
 
+def _bound_forward(module):
+    """The forward a ``lora.Linear`` instance runs in place of its class's: the one accelerate's
+    hook wraps (``_old_forward``), else an instance attribute; None when it runs the class's."""
+    if hasattr(module, "_hf_hook") and hasattr(module, "_old_forward"):
+        current = module._old_forward
+        return None if getattr(current, "__func__", None) is type(module).forward else current
+    return module.__dict__.get("forward")
+
+
+def _is_ours(forward) -> bool:
+    return isinstance(forward, functools.partial) and forward.func is lora_linear_forward
+
+
 def patch_lora_linears(model: nn.Module) -> int:
-    """Bind :func:`lora_linear_forward` to every PEFT ``lora.Linear`` in ``model`` whose class
-    forward is PEFT's own (subclasses with forwards of their own are left alone). Returns how many
-    layers carry it (patching twice changes nothing)."""
+    """Give every PEFT ``lora.Linear`` in ``model`` the forward of :func:`lora_linear_forward`, where
+    it runs PEFT's class forward: a subclass with a forward of its own, or an instance whose forward
+    was replaced already (X-LoRA's, a user's wrapper), is left alone. Returns how many layers carry
+    it (patching twice changes nothing). The forward is a ``functools.partial`` of a module-level
+    function, so a patched model pickles."""
     cls = _lora_linear_class()
     if cls is None:
         return 0
@@ -116,15 +173,16 @@ def patch_lora_linears(model: nn.Module) -> int:
     for module in model.modules():
         if not isinstance(module, cls) or type(module).forward is not cls.forward:
             continue
-        current = module._old_forward if hasattr(module, "_hf_hook") and hasattr(module, "_old_forward") \
-            else module.__dict__.get("forward")
-        if getattr(current, "__func__", None) is lora_linear_forward:
+        current = _bound_forward(module)
+        if _is_ours(current):
             count += 1
             continue
-        bound = types.MethodType(lora_linear_forward, module)
+        if current is not None:
+            continue
+        fused = functools.partial(lora_linear_forward, module)
         if hasattr(module, "_hf_hook") and hasattr(module, "_old_forward"):
-            module._old_forward = bound  # accelerate keeps its hook around the forward it stored
+            module._old_forward = fused  # accelerate keeps its hook around the forward it stored
         else:
-            module.forward = bound
+            module.forward = fused
         count += 1
     return count
