@@ -180,3 +180,26 @@ def test_forward_autocast_follows_accelerate_wrapper():
             assert torch.is_autocast_enabled("cpu") and torch.get_autocast_dtype("cpu") == torch.bfloat16
     with forward_autocast(prepared, None):
         assert not torch.is_autocast_enabled("cpu")
+
+
+@pytest.mark.parametrize("patch", [True, False], ids=["patched", "not-patched"])
+def test_sft_peft_step_takes_the_fused_lora_forward(tok, tmp_path, monkeypatch, patch):
+    """SFT with a LoRA adapter and bf16=True: with layer patching every LoRA linear of the policy runs the
+    fused adapter forward (``patching/lora.py``; PEFT's class forward is never entered), without it PEFT's;
+    the step's loss agrees with TRL's within the bf16 tolerance of the module docstring either way."""
+    peft = pytest.importorskip("peft")
+    cls = peft.tuners.lora.layer.Linear
+    calls = []
+    original = cls.forward
+    monkeypatch.setattr(cls, "forward", lambda self, *a, **k: calls.append(1) or original(self, *a, **k))
+    theirs, ours = make_pair(SFTTrainer, [build_tiny_model(tok, seed=0)], _one_step(sft_config, bf16=True),
+                             tmp_path, sft_dataset, processing_class=tok, peft_config=lora_config(),
+                             liger_kwargs={"liger_patch_model": patch})
+    theirs.train()
+    assert calls, "TRL's step ran no LoRA linear"
+    calls.clear()
+    ours.train()
+    assert (calls == []) == patch
+    loss_t = [h["loss"] for h in theirs.state.log_history if "loss" in h]
+    loss_o = [h["loss"] for h in ours.state.log_history if "loss" in h]
+    assert rel(loss_o[0], loss_t[0]) <= BF16_LOSS_TOL
