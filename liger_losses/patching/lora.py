@@ -41,6 +41,7 @@ import numbers
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.modules import module as _module_impl
 
 
 def _lora_linear_class():
@@ -52,7 +53,9 @@ def _lora_linear_class():
     return Linear
 
 
+@functools.lru_cache(maxsize=None)
 def _variant_keys() -> tuple:
+    """PEFT's variant keywords of ``lora.Linear.forward`` (looked up once: read at every call)."""
     try:
         from peft.tuners.lora.layer import VARIANT_KWARG_KEYS
     except ImportError:  # older PEFT: no variant keywords
@@ -96,10 +99,8 @@ def _adapters_fusable(layer, names, dtype) -> bool:
 
 
 def _global_hooks() -> bool:
-    from torch.nn.modules import module as module_impl
-
-    return bool(getattr(module_impl, "_global_forward_pre_hooks", None)
-                or getattr(module_impl, "_global_forward_hooks", None))
+    return bool(getattr(_module_impl, "_global_forward_pre_hooks", None)
+                or getattr(_module_impl, "_global_forward_hooks", None))
 
 
 def _peft_adapter_sum(layer, x: torch.Tensor, result: torch.Tensor) -> torch.Tensor:
