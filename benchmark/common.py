@@ -113,7 +113,7 @@ def randn(*shape, device="cuda", **kwargs) -> torch.Tensor:
     return torch.randn(*shape, device=device, generator=_GEN[device], **kwargs)
 
 
-def _graphed(fn: Callable[[], object]) -> Callable[[], object]:
+def graphed(fn: Callable[[], object]) -> Callable[[], object]:
     """``fn`` captured once in a CUDA graph (after warm-up on a side stream); returns the replay."""
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
@@ -144,11 +144,11 @@ def time_ms(fn: Callable[[], object], *, warmup: int = 25, rep: int = 100) -> fl
 
     if graph_mode():
         try:
-            fn = _graphed(fn)
+            fn = graphed(fn)
         except Exception as exc:  # noqa: BLE001 - seen on the first captures of a process; retry once
             print(f"(graph capture failed, retrying once: {type(exc).__name__}: {str(exc)[:80]})")
             torch.cuda.synchronize()
-            fn = _graphed(fn)
+            fn = graphed(fn)
     with l2_state(flush_mode()):
         return float(triton.testing.do_bench(fn, warmup=warmup, rep=rep, return_mode="median"))
 

@@ -34,6 +34,7 @@ def _block_loop_probe(w, h, y, n, cols):
     """ms of one chunk's block loop (``n`` rows, ``cols``-column blocks): eager vs a CUDA graph."""
     import triton.testing
 
+    from benchmark.common import graphed
     from liger_losses.chunked.gemm import mm_into
     from liger_losses.kernels.online_block import OnlineState, online_block
 
@@ -54,16 +55,7 @@ def _block_loop_probe(w, h, y, n, cols):
             mm_into(acc, tile, wb, accumulate=b > 0)
 
     eager = triton.testing.do_bench(loop, warmup=10, rep=100)
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(3):
-            loop()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        loop()
-    replay = triton.testing.do_bench(graph.replay, warmup=10, rep=100)
+    replay = triton.testing.do_bench(graphed(loop), warmup=10, rep=100)
     return eager, replay, len(blocks)
 
 

@@ -37,7 +37,7 @@ import argparse
 import torch
 
 from benchmark.bench_norm import copy_fns
-from benchmark.common import FLUSHES, _graphed, hbm_floor_ms, l2_state
+from benchmark.common import FLUSHES, graphed, hbm_floor_ms, l2_state
 from benchmark.experiments.diag_norm_backward import make_modules
 
 
@@ -107,10 +107,10 @@ def main() -> None:
             floor = hbm_floor_ms(10 * N * H)
             for name, fn in providers(kind, N, H).items():
                 try:
-                    replay = _graphed(fn)
+                    replay = graphed(fn)
                 except Exception:  # noqa: BLE001 - first captures of a process may fail once
                     torch.cuda.synchronize()
-                    replay = _graphed(fn)
+                    replay = graphed(fn)
                 times = [graph_ms(replay, m) for m in FLUSHES]
                 cells = ",".join(f"{t:.4f},{t / floor:.3f}" for t in times)
                 print(f"{kind},{N},{name},{cells}", flush=True)

@@ -29,7 +29,7 @@ import os
 
 import torch
 
-from benchmark.common import _graphed, hbm_floor_ms, time_ms
+from benchmark.common import graphed, hbm_floor_ms, time_ms
 from benchmark.experiments.diag_l2_flush import kernel_times, providers
 from liger_losses.kernels.pdl import PDL_CONFIG
 
@@ -57,7 +57,7 @@ def main() -> None:
                     ms = time_ms(fn, warmup=10, rep=60)
                     print(f"{kind} N={N} H={H} {variant:12s} {ms:.4f} ms  {ms / floor:.3f}x floor", flush=True)
                     if args.profile:
-                        for key, us in kernel_times(_graphed(fn)):
+                        for key, us in kernel_times(graphed(fn)):
                             print(f"    {us:8.2f} us  {key}")
                     torch.cuda.synchronize()
     from benchmark.experiments.diag_rope import case_fns

@@ -30,7 +30,7 @@ import os
 import torch
 
 from benchmark.bench_rope import SHAPES, cos_sin, providers
-from benchmark.common import _graphed, hbm_floor_ms, time_ms
+from benchmark.common import graphed, hbm_floor_ms, time_ms
 from benchmark.experiments.diag_l2_flush import kernel_times
 
 
@@ -89,7 +89,7 @@ def run_shapes(args) -> None:
             ms = time_ms(fn, warmup=10, rep=60)
             print(f"{shape} T={args.tokens} warps={args.warps} {name:18s} full {ms:.4f} ms  "
                   f"net {ms - clone_ms:.4f} ms  net/floor {(ms - clone_ms) / floor:.3f}", flush=True)
-            for key, us in kernel_times(_graphed(fn)):
+            for key, us in kernel_times(graphed(fn)):
                 if "rope" in key:
                     print(f"    {us:8.2f} us  {key}")
 

@@ -7,12 +7,12 @@ mesh and placements; a ZeRO-3 parameter gets the full gradient, which DeepSpeed'
 parameter's gradient accumulator reduces); :func:`head_in_dtype` is the gathered weight in the
 compute dtype of the tiles and GEMMs. :func:`run_with_head_params` runs a fused loss with the LM-head
 module's parameters as a call of that module gives them (FSDP2: unsharded, in the policy's dtype, the
-gradient reduce-scattered).
+gradient reduce-scattered), through :func:`run_as_forward` (a function run as a module's forward).
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 import torch
 from torch import Tensor, nn
@@ -133,21 +133,30 @@ def run_with_head_params(head: nn.Module, fn: Callable[..., Any], *args, **kwarg
     """
     if not _is_fsdp2_module(head):
         return fn(*args, **kwargs)
-    had_attr = "forward" in head.__dict__
-    saved = head.__dict__.get("forward")
+    return run_as_forward(head, lambda: fn(*args, **kwargs))
+
+
+def run_as_forward(module: nn.Module, fn: Callable[[], Any], *, call: Optional[nn.Module] = None) -> Any:
+    """``fn()`` run *as the forward of* ``module``: ``call()`` (default ``module()``) is made with
+    ``module``'s ``forward`` swapped for one that restores the original and runs ``fn``, so every hook
+    around that call (FSDP's unshard/reshard, DDP's reducer, accelerate's wrappers) runs around ``fn``,
+    and nested calls of the module inside ``fn`` are ordinary. The original ``forward`` (an instance
+    attribute or the class's) is restored on error too. Returns ``fn``'s result."""
+    had_attr = "forward" in module.__dict__
+    saved = module.__dict__.get("forward")
 
     def restore():
         if had_attr:
-            head.__dict__["forward"] = saved
+            module.__dict__["forward"] = saved
         else:
-            head.__dict__.pop("forward", None)
+            module.__dict__.pop("forward", None)
 
     def redirected(*_a, **_k):
         restore()
-        return fn(*args, **kwargs)
+        return fn()
 
-    head.forward = redirected
+    module.forward = redirected
     try:
-        return head()
+        return (module if call is None else call)()
     finally:
         restore()

@@ -168,12 +168,30 @@ def unwrap_model(model: nn.Module) -> nn.Module:
     return get_base() if callable(get_base) else model
 
 
-def _patch_instance_forward(target: nn.Module, forward: Callable) -> None:
-    new = types.MethodType(forward, target)
-    if hasattr(target, "_hf_hook") and hasattr(target, "_old_forward"):
-        target._old_forward = new  # accelerate keeps its hook around the forward it stored
+def _hf_hooked(target: nn.Module) -> bool:
+    return hasattr(target, "_hf_hook") and hasattr(target, "_old_forward")
+
+
+def instance_forward(target: nn.Module) -> Optional[Callable]:
+    """The forward ``target`` runs in place of its class's (the one accelerate's hook wraps, else
+    an instance attribute), or None when it runs its class's."""
+    if _hf_hooked(target):
+        current = target._old_forward
+        return None if getattr(current, "__func__", None) is type(target).forward else current
+    return target.__dict__.get("forward")
+
+
+def set_instance_forward(target: nn.Module, forward: Callable) -> None:
+    """Make ``forward`` (a callable of the call's arguments) what ``target`` runs as its forward,
+    inside accelerate's hook where there is one (it keeps the forward it stored)."""
+    if _hf_hooked(target):
+        target._old_forward = forward
     else:
-        target.forward = new
+        target.forward = forward
+
+
+def _patch_instance_forward(target: nn.Module, forward: Callable) -> None:
+    set_instance_forward(target, types.MethodType(forward, target))
 
 
 # --------------------------------------------------------------------------- entry point

@@ -43,6 +43,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.modules import module as _module_impl
 
+from liger_losses.patching.core import instance_forward, set_instance_forward
+
 
 def _lora_linear_class():
     """PEFT's ``lora.layer.Linear`` (None when PEFT is not installed)."""
@@ -148,15 +150,6 @@ def lora_linear_forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
     return out.view(shape)
 
 
-def _bound_forward(module):
-    """The forward a ``lora.Linear`` instance runs in place of its class's: the one accelerate's
-    hook wraps (``_old_forward``), else an instance attribute; None when it runs the class's."""
-    if hasattr(module, "_hf_hook") and hasattr(module, "_old_forward"):
-        current = module._old_forward
-        return None if getattr(current, "__func__", None) is type(module).forward else current
-    return module.__dict__.get("forward")
-
-
 def _is_ours(forward) -> bool:
     return isinstance(forward, functools.partial) and forward.func is lora_linear_forward
 
@@ -174,16 +167,12 @@ def patch_lora_linears(model: nn.Module) -> int:
     for module in model.modules():
         if not isinstance(module, cls) or type(module).forward is not cls.forward:
             continue
-        current = _bound_forward(module)
+        current = instance_forward(module)
         if _is_ours(current):
             count += 1
             continue
         if current is not None:
             continue
-        fused = functools.partial(lora_linear_forward, module)
-        if hasattr(module, "_hf_hook") and hasattr(module, "_old_forward"):
-            module._old_forward = fused  # accelerate keeps its hook around the forward it stored
-        else:
-            module.forward = fused
+        set_instance_forward(module, functools.partial(lora_linear_forward, module))
         count += 1
     return count

@@ -55,7 +55,7 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 import torch
 from torch import nn
 
-from ..chunked.weights import is_zero3_partitioned, run_with_head_params, zero3_gathered
+from ..chunked.weights import is_zero3_partitioned, run_as_forward, run_with_head_params, zero3_gathered
 
 IGNORE_INDEX = -100
 
@@ -168,8 +168,8 @@ def gathered_params(*params: Optional[torch.Tensor]):
     """Context in which ZeRO-3 partitioned ``params`` hold their full values (a null context when
     none is partitioned now). Our losses read ``lm_head.weight`` directly, so the head module's own
     gather hook never fires; this does its job. ``deepspeed`` is imported only when needed."""
-    # only those partitioned now: an outer gather (run_with_head_params) already holds the policy's head, and
-    # DeepSpeed refuses nested GatheredParameters over the same parameter
+    # only those partitioned now: inside the engine's forward DeepSpeed has already gathered the policy's head
+    # read there, and it refuses nested GatheredParameters over the same parameter
     sharded = [p for p in params if is_zero3_param(p) and is_zero3_partitioned(p)]
     if not sharded:
         return contextlib.nullcontext()
@@ -189,25 +189,7 @@ def run_in_forward(root: nn.Module, fn: Callable[..., Any], *args, **kwargs) -> 
     original forward is restored before ``fn`` runs, so nested calls of the model inside ``fn``
     are ordinary calls. Returns ``fn``'s result.
     """
-    inner = innermost_module(root)
-    had_attr = "forward" in inner.__dict__
-    saved = inner.__dict__.get("forward")
-
-    def restore():
-        if had_attr:
-            inner.__dict__["forward"] = saved
-        else:
-            inner.__dict__.pop("forward", None)
-
-    def redirected(*_a, **_k):
-        restore()
-        return fn(*args, **kwargs)
-
-    inner.forward = redirected
-    try:
-        return root()
-    finally:
-        restore()
+    return run_as_forward(innermost_module(root), lambda: fn(*args, **kwargs), call=root)
 
 
 def forward_autocast(model: nn.Module, accelerator) -> contextlib.AbstractContextManager:

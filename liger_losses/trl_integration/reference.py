@@ -39,7 +39,7 @@ from .base import (
     reject_vision,
     unwrap_causal_lm,
 )
-from .router_aux import backbone_hidden_and_router_aux
+from .router_aux import log_router_aux_loss, policy_hidden_and_router_aux
 
 
 class LigerReferenceTrainerMixin(LigerTrainerMixin):
@@ -164,12 +164,9 @@ class LigerReferenceTrainerMixin(LigerTrainerMixin):
         aux_enabled = self.aux_loss_enabled and self._liger_serves_router_aux_loss
 
         def run():
-            aux = None
-            if aux_enabled:  # MoE: the router logits of this same policy forward give the aux loss
-                hidden, aux = backbone_hidden_and_router_aux(model, model_kwargs)
-                hidden = hidden[:, :-1]
-            else:
-                hidden = self._liger_backbone_hidden(model, model_kwargs)[:, :-1]
+            # MoE: the router logits of this same policy forward give the aux loss
+            hidden, aux = policy_hidden_and_router_aux(self, model, model_kwargs, enabled=aux_enabled)
+            hidden = hidden[:, :-1]
             weight, bias = self._liger_head(model)
             extra = {k: v.to(hidden.device) if isinstance(v, torch.Tensor) else v for k, v in loss_kwargs.items()}
             with gathered_params(weight, bias, ref_weight, ref_bias):
@@ -183,5 +180,5 @@ class LigerReferenceTrainerMixin(LigerTrainerMixin):
         if aux is not None:  # TRL's DPO: loss + router_aux_loss_coef * aux_loss, logged as aux_loss
             loss = loss + self.router_aux_loss_coef * aux
             mode = "train" if self.model.training else "eval"
-            self._metrics[mode]["aux_loss"].append(self.accelerator.gather_for_metrics(aux.detach()).mean().item())
+            log_router_aux_loss(self, mode, aux)
         return loss, metrics

@@ -40,13 +40,14 @@ def backbone_hidden_and_router_aux(model: nn.Module, model_kwargs: Dict[str, Any
     return outputs.last_hidden_state, aux
 
 
-def policy_hidden_and_router_aux(trainer, model: nn.Module,
-                                 model_kwargs: Dict[str, Any]) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
-    """``(last hidden states [B, T, H], aux_loss or None)``: with the router logits when TRL computes the aux
-    loss (``trainer.aux_loss_enabled``), else the plain backbone forward (no router logits asked for)."""
-    if trainer.aux_loss_enabled:
+def policy_hidden_and_router_aux(trainer, model: nn.Module, model_kwargs: Dict[str, Any], *,
+                                 enabled: Optional[bool] = None) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """``(last hidden states [B, T, H], aux_loss or None)``: with the router logits when the aux loss is
+    served (``enabled``, default TRL's rule ``trainer.aux_loss_enabled``), else the trainer's plain backbone
+    forward (no router logits asked for)."""
+    if trainer.aux_loss_enabled if enabled is None else enabled:
         return backbone_hidden_and_router_aux(model, model_kwargs)
-    return backbone_of(unwrap_causal_lm(model))(**model_kwargs).last_hidden_state, None
+    return trainer._liger_backbone_hidden(model, model_kwargs), None
 
 
 def log_router_aux_loss(trainer, mode: str, aux_loss: torch.Tensor) -> None:

@@ -42,7 +42,7 @@ from .base import (
     reject_vision,
     unwrap_causal_lm,
 )
-from .router_aux import backbone_hidden_and_router_aux
+from .router_aux import log_router_aux_loss, policy_hidden_and_router_aux
 
 
 def _f32_ratio(num: float, den: float) -> float:
@@ -113,11 +113,8 @@ class SFTTrainer(LigerTrainerMixin, trl.SFTTrainer):
         smoothing = float(self.args.label_smoothing_factor or 0.0)
 
         def head_loss():
-            aux = None
-            if self.aux_loss_enabled:  # MoE: the router logits of this same forward give the aux loss
-                hidden, aux = backbone_hidden_and_router_aux(model, model_kwargs)
-            else:
-                hidden = self._liger_backbone_hidden(model, model_kwargs)
+            # MoE: the router logits of this same forward give the aux loss
+            hidden, aux = policy_hidden_and_router_aux(self, model, model_kwargs)
             if shift_labels is None:
                 hidden = hidden[:, :-1]
             weight, bias = self._liger_head(model)
@@ -144,7 +141,7 @@ class SFTTrainer(LigerTrainerMixin, trl.SFTTrainer):
         )
 
         if aux_loss is not None:
-            self._metrics[mode]["aux_loss"].append(self.accelerator.gather_for_metrics(aux_loss.detach()).mean().item())
+            log_router_aux_loss(self, mode, aux_loss)
         return self._liger_return(model, model_kwargs, loss, return_outputs)
 
     # -- the two loss paths; each returns (loss, num_valid, num_correct, entropy_sum) as 0-d tensors
