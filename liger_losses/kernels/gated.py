@@ -29,6 +29,7 @@ from liger_losses.kernels.launch import fast_kernel
 from liger_losses.kernels.tuning import Knobs, knob
 from liger_losses.kernels.utils import (
     MAX_GRID_Y,
+    CheckedSignatures,
     check_no_double_backward,
     check_same_device,
     check_tensor,
@@ -36,6 +37,8 @@ from liger_losses.kernels.utils import (
     import_triton,
     owns_buffer,
     pair_rows,
+    resolve_impl,
+    tensor_signature,
 )
 
 triton, tl = import_triton()
@@ -148,6 +151,28 @@ def check_inplace_backward(inplace_backward) -> None:
         raise TypeError(f"inplace_backward must be a bool, got {type(inplace_backward).__name__}")
 
 
+_CHECKED = CheckedSignatures()
+
+
+def checked_gated_impl(gate, up, inplace_backward, impl: str, *options, check_options=None) -> str:
+    """"triton" or "torch" for a gated call, after :func:`check_gate_up`,
+    :func:`check_inplace_backward` and ``check_options()`` (the caller's own option checks, on
+    ``options``); remembered per signature (:class:`~liger_losses.kernels.utils.CheckedSignatures`)."""
+    g_sig, u_sig = tensor_signature(gate), tensor_signature(up)
+    plain = bool(g_sig) and bool(u_sig)  # two plain tensors (the only case that may be remembered)
+    key = _CHECKED.key(g_sig if plain else None, u_sig, up.shape == gate.shape if plain else None,
+                       type(inplace_backward), inplace_backward, impl, *options)
+    which = _CHECKED.get(key)
+    if which is None:
+        check_gate_up(gate, up)
+        check_inplace_backward(inplace_backward)
+        if check_options is not None:
+            check_options()
+        which = resolve_impl(impl, gate, up)
+        _CHECKED.remember(key, which)
+    return which
+
+
 def launch_rows(kernel, tensors, knobs: GatedTuning, **constexprs) -> None:
     """Launch ``kernel[(cdiv(I, BLOCK), rows)](*tensors, I, *row_strides, ...)`` over the 2-D
     ``tensors`` (all ``[rows, I]``), ``BLOCK``/``num_warps`` from ``knobs`` (the caller reads its
@@ -166,6 +191,17 @@ def launch_rows(kernel, tensors, knobs: GatedTuning, **constexprs) -> None:
             )
 
 
+def launch_flat(kernel, tensors, knobs: GatedTuning, **constexprs) -> None:
+    """:func:`launch_rows` over contiguous ``tensors`` of one size seen as one flat row, without
+    making the 2-D views (host time: the MLP calls this on every layer of every step)."""
+    n = tensors[0].numel()
+    block = knobs.block_size
+    with device_ctx(tensors[0]):
+        kernel[(-(-n // block), 1)](
+            *tensors, n, *((n,) * len(tensors)), BLOCK=block, num_warps=knobs.num_warps, **constexprs
+        )
+
+
 def gated_torch(gate: torch.Tensor, up: torch.Tensor, activation: str) -> torch.Tensor:
     """The PyTorch path of the kernels: ``act(gate) * up`` in fp32, stored in gate's dtype
     (``activation`` a key of :data:`ACTIVATIONS`)."""
@@ -180,8 +216,9 @@ def gated_torch(gate: torch.Tensor, up: torch.Tensor, activation: str) -> torch.
 def writes_grads_inplace(inplace_backward: bool, gate, a2, up=None, b2=None) -> bool:
     """Whether a backward may write d_gate/d_up into the inputs' buffers: asked for, and the
     caller owns them (:func:`~liger_losses.kernels.utils.owns_buffer` through the 2-D views
-    ``a2``/``b2``) -- two separate buffers for ``gate`` and ``up``, or with ``up=None`` one
-    contiguous packed ``gate_up`` (``gate``) seen through ``a2``."""
+    ``a2``/``b2``, None for contiguous inputs seen whole) -- two separate buffers for ``gate``
+    and ``up``, or with ``up=None`` one contiguous packed ``gate_up`` (``gate``) seen through
+    ``a2``."""
     if not inplace_backward:
         return False
     if up is None:
@@ -191,14 +228,20 @@ def writes_grads_inplace(inplace_backward: bool, gate, a2, up=None, b2=None) -> 
 
 
 def gated_forward(ctx, gate, up, inplace_backward, kernel, knobs, **constexprs) -> torch.Tensor:
-    """Autograd forward: ``kernel`` over the 2-D views (:func:`launch_rows`) into an output made
-    in gate's shape (returned as is, not as a view made here, so callers may modify it in
-    place); saves gate and up and whether the backward may write into their buffers."""
-    a2, b2 = pair_rows(gate, up)
+    """Autograd forward: ``kernel`` over gate and up (one flat row when both are contiguous, else
+    their 2-D views, :func:`launch_rows`) into an output made in gate's shape (returned as is, not
+    as a view made here, so callers may modify it in place); saves gate and up and whether the
+    backward may write into their buffers."""
     out = torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)
-    if out.numel():
-        launch_rows(kernel, (a2, b2, out.view(a2.shape)), knobs, **constexprs)
-    ctx.inplace = writes_grads_inplace(inplace_backward, gate, a2, up, b2)
+    if gate.is_contiguous() and up.is_contiguous():
+        if out.numel():
+            launch_flat(kernel, (gate, up, out), knobs, **constexprs)
+        ctx.inplace = writes_grads_inplace(inplace_backward, gate, None, up, None)
+    else:
+        a2, b2 = pair_rows(gate, up)
+        if out.numel():
+            launch_rows(kernel, (a2, b2, out.view(a2.shape)), knobs, **constexprs)
+        ctx.inplace = writes_grads_inplace(inplace_backward, gate, a2, up, b2)
     ctx.save_for_backward(gate, up)
     return out
 
@@ -222,23 +265,31 @@ def guard_second_backward(ctx) -> None:
 
 
 def gated_backward(ctx, grad_out, kernel, knobs, **constexprs) -> tuple[torch.Tensor, torch.Tensor]:
-    """Autograd backward: ``kernel(dc, a, b, da, db)`` over the 2-D views; returns
-    (grad_gate, grad_up). With the in-place backward a second backward through the same graph
-    (``retain_graph=True``) raises a RuntimeError saying so (the first one overwrote gate and up)."""
+    """Autograd backward: ``kernel(dc, a, b, da, db)`` (flat when gate, up and the gradient are
+    contiguous, else over the 2-D views); returns (grad_gate, grad_up). With the in-place backward a
+    second backward through the same graph (``retain_graph=True``) raises a RuntimeError saying so
+    (the first one overwrote gate and up)."""
     guard_second_backward(ctx)
     gate, up = ctx.saved_tensors
-    a2, b2 = pair_rows(gate, up)
-    dc2 = grad_out.contiguous().view(a2.shape)
-    if ctx.inplace:
-        da2, db2 = a2, b2
+    if gate.is_contiguous() and up.is_contiguous():
+        dc = grad_out.contiguous()
+        da, db = (gate, up) if ctx.inplace else (torch.empty_like(gate), torch.empty_like(up))
+        if da.numel():
+            launch_flat(kernel, (dc, gate, up, da, db), knobs, **constexprs)
     else:
-        da2 = torch.empty(a2.shape, dtype=gate.dtype, device=gate.device)
-        db2 = torch.empty(b2.shape, dtype=up.dtype, device=up.device)
-    if da2.numel():
-        launch_rows(kernel, (dc2, a2, b2, da2, db2), knobs, **constexprs)
+        a2, b2 = pair_rows(gate, up)
+        dc2 = grad_out.contiguous().view(a2.shape)
+        if ctx.inplace:
+            da2, db2 = a2, b2
+        else:
+            da2 = torch.empty(a2.shape, dtype=gate.dtype, device=gate.device)
+            db2 = torch.empty(b2.shape, dtype=up.dtype, device=up.device)
+        if da2.numel():
+            launch_rows(kernel, (dc2, a2, b2, da2, db2), knobs, **constexprs)
+        da, db = da2.view(gate.shape), db2.view(up.shape)
     if ctx.inplace:
         # Anyone else who saved gate/up now gets a loud version-counter error, not wrong grads.
         torch.autograd.graph.increment_version(gate)
         torch.autograd.graph.increment_version(up)
         return gate, up
-    return da2.view(gate.shape), db2.view(up.shape)
+    return da, db

@@ -27,8 +27,7 @@ import torch
 from liger_losses.kernels.gated import (
     ACTIVATIONS,
     GatedTuning,
-    check_gate_up,
-    check_inplace_backward,
+    checked_gated_impl,
     gated_backward,
     gated_bwd_kernel,
     gated_forward,
@@ -36,7 +35,7 @@ from liger_losses.kernels.gated import (
     gated_torch,
 )
 from liger_losses.kernels.tuning import register
-from liger_losses.kernels.utils import check_choice, resolve_impl
+from liger_losses.kernels.utils import check_choice
 
 APPROXIMATIONS = ("tanh", "none")
 GATED_ACTIVATION = {"tanh": "gelu_tanh", "none": "gelu"}  # approximate -> gated.ACTIVATIONS key
@@ -68,10 +67,9 @@ def geglu(
     impl: str = "auto",
 ) -> torch.Tensor:
     """``gelu(gate, approximate) * up`` (same shape as the inputs), fp32 inside, gate's dtype out."""
-    check_gate_up(gate, up)
-    check_choice("approximate", approximate, APPROXIMATIONS)
-    check_inplace_backward(inplace_backward)
-    if resolve_impl(impl, gate, up) == "torch":
+    which = checked_gated_impl(gate, up, inplace_backward, impl, approximate,
+                               check_options=lambda: check_choice("approximate", approximate, APPROXIMATIONS))
+    if which == "torch":
         return gated_torch(gate, up, GATED_ACTIVATION[approximate])
     return GEGLUFunction.apply(gate, up, approximate, inplace_backward)
 

@@ -2,7 +2,7 @@
 
 * :func:`dense_perm` / :func:`empty_like_layout`: whether ``(shape, stride)`` is a permutation of a
   contiguous layout (non-overlapping and dense), and an uninitialised tensor laid out like one.
-* :func:`carrier_of` / :func:`rebuild` / :func:`as_geometry`: for an in-place update of a view
+* :func:`carrier_of` / :func:`rebuild`: for an in-place update of a view
   ``x`` that is a permuted reshape of the whole of its contiguous base (Hugging Face's
   ``proj(h).view(B, T, H, D).transpose(1, 2)``), the base to update instead (one in-place op on
   the base for autograd, not an in-place op on a view, which costs a base-sized copy), the view's
@@ -77,16 +77,14 @@ def rebuild_plan(shape, stride):
     return tuple(shape[i] for i in perm), tuple(perm.index(i) for i in range(len(shape)))
 
 
-def as_geometry(t: torch.Tensor, geom) -> torch.Tensor:
-    """``t`` (a contiguous carrier-shaped tensor) seen with geometry ``geom``."""
-    if geom is None:
-        return t
-    shape, stride, offset = geom
-    return t.as_strided(shape, stride, t.storage_offset() + offset)
-
-
 def overlaps(x: torch.Tensor) -> bool:
     """True when two elements of ``x`` share memory (expanded / zero-stride layouts)."""
-    if torch._debug_has_internal_overlap(x) == 1:
+    return overlaps_cached(x.shape, x.stride())
+
+
+@functools.lru_cache(maxsize=1024)
+def overlaps_cached(shape, stride) -> bool:
+    if any(st == 0 and sz > 1 for sz, st in zip(shape, stride)):
         return True
-    return any(st == 0 and sz > 1 for sz, st in zip(x.shape, x.stride()))
+    # torch's own test (a function of sizes and strides only) on a meta tensor of this layout
+    return torch._debug_has_internal_overlap(torch.empty_strided(shape, stride, device="meta")) == 1

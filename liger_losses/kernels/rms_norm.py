@@ -62,12 +62,14 @@ from liger_losses.kernels.pdl import launch_options, pdl_launch
 from liger_losses.kernels.tuning import register
 from liger_losses.kernels.utils import (
     IMPLS,
+    CheckedSignatures,
     as_rows,
     check_choice,
     check_no_double_backward,
     check_number,
     device_ctx,
     import_triton,
+    tensor_signature,
 )
 
 triton, tl = import_triton()
@@ -216,17 +218,17 @@ if triton is not None:
 # --------------------------------------------------------------------------- host side
 
 
-def _forward(x2, weight, eps, offset, casting_mode, out2):
-    """Launch the forward kernel on ``x2`` ``[rows, H]`` (unit last stride) into ``out2`` (a
-    contiguous ``[rows, H]`` view of the caller's output); returns rstd ``[rows]`` fp32."""
+def _forward(x2, weight, eps, offset, casting_mode, out):
+    """Launch the forward kernel on ``x2`` ``[rows, H]`` (unit last stride) into ``out`` (contiguous,
+    ``rows * H`` elements, any shape); returns rstd ``[rows]`` fp32."""
     n_rows, n_cols = x2.shape
     rstd = torch.empty((n_rows,), dtype=torch.float32, device=x2.device)
     block_m, block_n, warps, programs = fwd_tiling(n_rows, n_cols, RMS_NORM_TUNING.current)
     pdl = fwd_pdl(x2.device, block_m)
     with device_ctx(x2):
         _rms_norm_fwd_kernel[(programs,)](
-            x2, weight if weight is not None else x2, out2, rstd,
-            n_rows, n_cols, x2.stride(0), out2.stride(0),
+            x2, weight if weight is not None else x2, out, rstd,
+            n_rows, n_cols, x2.stride(0), n_cols,
             float(eps), float(offset),
             CASTING=_CASTING_CODE[casting_mode], HAS_WEIGHT=weight is not None,
             BLOCK_M=block_m, BLOCK_N=block_n, PDL=pdl, num_warps=warps, **launch_options(pdl),
@@ -262,6 +264,18 @@ def _backward(dy2, x2, weight, rstd, offset, casting_mode, need_dx, need_dw, inp
     return dx, dw
 
 
+def _forward_output(hidden, weight, eps, offset, casting_mode):
+    """(out, hidden as [rows, H], rstd): the forward kernel into a new output of hidden's shape."""
+    shape = hidden.shape
+    x2 = as_rows(hidden)
+    # the output is allocated in its final shape and returned as is (not a view made inside the
+    # Function), so callers may modify views of it in place (e.g. in-place RoPE on Qwen3's q_norm
+    # output, transposed)
+    out = torch.empty(shape, dtype=_output_dtype(hidden, weight, casting_mode), device=hidden.device)
+    rstd = _forward(x2, weight, eps, offset, casting_mode, out)
+    return out, x2, rstd
+
+
 class RMSNormFunction(torch.autograd.Function):
     """Triton RMSNorm: ``apply(hidden, weight, eps, offset, casting_mode, inplace_backward)``.
 
@@ -271,16 +285,9 @@ class RMSNormFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden, weight, eps, offset, casting_mode, inplace_backward):
-        shape = hidden.shape
-        x2 = as_rows(hidden)
-        out_dtype = _output_dtype(hidden, weight, casting_mode)
-        # the output is allocated in its final shape and returned as is (not a view made inside
-        # the Function), so callers may modify views of it in place (e.g. in-place RoPE on
-        # Qwen3's q_norm output, transposed)
-        out = torch.empty(shape, dtype=out_dtype, device=hidden.device)
-        rstd = _forward(x2, weight, eps, offset, casting_mode, out.view(-1, shape[-1]))
+        out, x2, rstd = _forward_output(hidden, weight, eps, offset, casting_mode)
         ctx.save_for_backward(x2, weight, rstd)
-        ctx.shape = shape
+        ctx.shape = hidden.shape
         ctx.offset = offset
         ctx.casting_mode = casting_mode
         ctx.inplace_backward = inplace_backward
@@ -336,6 +343,9 @@ def rms_norm_torch(
     return (y * (offset + weight).to(compute)).to(hidden.dtype)
 
 
+_CHECKED = CheckedSignatures()
+
+
 def rms_norm(
     hidden: torch.Tensor,
     weight: Optional[torch.Tensor],
@@ -351,12 +361,19 @@ def rms_norm(
     Returns ``[..., H]`` in ``hidden.dtype`` (llama mode with a weight: the promoted dtype of
     ``weight`` and ``hidden``, as Hugging Face).
     """
-    check_norm_args(hidden, eps, weight=weight)
-    check_number("offset", offset)
-    check_choice("casting_mode", casting_mode, CASTING_MODES)
-    which = norm_impl(impl, hidden, weight=weight)
+    key = _CHECKED.key(tensor_signature(hidden), tensor_signature(weight), type(eps), eps, type(offset), offset,
+                       casting_mode, impl)
+    which = _CHECKED.get(key)
+    if which is None:
+        check_norm_args(hidden, eps, weight=weight)
+        check_number("offset", offset)
+        check_choice("casting_mode", casting_mode, CASTING_MODES)
+        which = norm_impl(impl, hidden, weight=weight)
+        _CHECKED.remember(key, which)
     if which == "torch" or hidden.numel() == 0:
         return rms_norm_torch(hidden, weight, eps=eps, offset=offset, casting_mode=casting_mode)
+    if not (torch.is_grad_enabled() and (hidden.requires_grad or (weight is not None and weight.requires_grad))):
+        return _forward_output(hidden, weight, eps, offset, casting_mode)[0]  # no graph to record
     return RMSNormFunction.apply(hidden, weight, eps, offset, casting_mode, bool(inplace_backward))
 
 

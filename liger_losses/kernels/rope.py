@@ -40,15 +40,17 @@ from typing import Optional
 import torch
 
 from liger_losses.kernels.launch import fast_kernel
-from liger_losses.kernels.layouts import as_geometry, carrier_of, empty_like_layout, overlaps, rebuild
+from liger_losses.kernels.layouts import carrier_of, empty_like_layout, overlaps, rebuild
 from liger_losses.kernels.pdl import launch_options, pdl_launch
 from liger_losses.kernels.tuning import Knobs, knob, register
 from liger_losses.kernels.utils import (
+    CheckedSignatures,
     check_no_double_backward,
     check_same_device,
     check_tensor,
     device_ctx,
     import_triton,
+    layout_signature,
     next_power_of_2,
     resolve_impl,
     triton_fallback,
@@ -207,12 +209,6 @@ if triton is not None:
     _rope_kernel = fast_kernel(_rope_kernel)
 
 
-def _bth_strides(x: torch.Tensor, head_dim_index: int) -> tuple[int, int, int]:
-    """(batch, token, head) strides of a 4-D q/k whose head axis is ``head_dim_index``."""
-    token_index = 2 if head_dim_index == 1 else 1
-    return x.stride(0), x.stride(token_index), x.stride(head_dim_index)
-
-
 def _unit_last(x: torch.Tensor) -> torch.Tensor:
     return x if x.stride(-1) == 1 else x.contiguous()
 
@@ -251,9 +247,21 @@ def _launch_into(q, k, qo, ko, cos, sin, head_axis: int, backward: bool, copy_pa
     halves of a head before writing them and programs touch disjoint tokens, so there is no
     read-after-write hazard; the pass-through dims are then left alone (``copy_pass=False``).
     ``repeat``: only the first half of each cos/sin row is read, for both halves."""
-    bsz, d = q.shape[0], q.shape[-1]
-    seq = q.shape[2] if head_axis == 1 else q.shape[1]
-    n_qh, n_kh = q.shape[head_axis], k.shape[head_axis]
+    q_stride, k_stride = q.stride(), k.stride()
+    _launch_geometry(q, k, qo, ko, q.shape, k.shape, q_stride, k_stride,
+                     q_stride if qo is q else qo.stride(), k_stride if ko is k else ko.stride(),
+                     cos, sin, head_axis, backward, copy_pass, repeat)
+
+
+def _launch_geometry(q, k, qo, ko, q_shape, k_shape, q_stride, k_stride, qo_stride, ko_stride,
+                     cos, sin, head_axis: int, backward: bool, copy_pass: bool, repeat: bool):
+    """:func:`_launch_into` with the four tensors given as data (their first element) plus shapes and
+    strides, so that a carrier (:func:`~liger_losses.kernels.layouts.carrier_of`) is launched on
+    without making its view (host time per call matters: every layer of every step)."""
+    bsz, d = q_shape[0], q_shape[-1]
+    token_axis = 2 if head_axis == 1 else 1
+    seq = q_shape[token_axis]
+    n_qh, n_kh = q_shape[head_axis], k_shape[head_axis]
     if bsz * seq == 0 or d == 0:
         return
     half, half_block, pass_dims, pass_block, block_hq, block_hk, warps, loads_first = _config(
@@ -262,18 +270,22 @@ def _launch_into(q, k, qo, ko, cos, sin, head_axis: int, backward: bool, copy_pa
     # one head stride for all four (the usual [B, T, H, D] projections): a constexpr, so the
     # kernel's offsets need no per-head address arithmetic (H200, 8B shapes, with repeat: 59 -> 56
     # registers, ~1% less time, benchmark/experiments/diag_rope.py)
-    strides = {x.stride(head_axis) for x in (q, k, qo, ko)}
-    head_stride = strides.pop() if len(strides) == 1 else 0
-    c_sb = 0 if cos.shape[0] == 1 else cos.stride(0)
-    s_sb = 0 if sin.shape[0] == 1 else sin.stride(0)
+    head_stride = q_stride[head_axis]
+    if not (k_stride[head_axis] == qo_stride[head_axis] == ko_stride[head_axis] == head_stride):
+        head_stride = 0
+    cos_stride, sin_stride = cos.stride(), sin.stride()
+    c_sb = 0 if cos.shape[0] == 1 else cos_stride[0]
+    s_sb = 0 if sin.shape[0] == 1 else sin_stride[0]
     pdl = pdl_launch(q.device, "rope")
     with device_ctx(q):  # Triton launches on the current GPU
         _rope_kernel[(bsz * seq,)](
             q, k, qo, ko, cos, sin,
             seq, n_qh, n_kh,
-            *_bth_strides(q, head_axis), *_bth_strides(k, head_axis),
-            *_bth_strides(qo, head_axis), *_bth_strides(ko, head_axis),
-            c_sb, cos.stride(1), s_sb, sin.stride(1),
+            q_stride[0], q_stride[token_axis], q_stride[head_axis],
+            k_stride[0], k_stride[token_axis], k_stride[head_axis],
+            qo_stride[0], qo_stride[token_axis], qo_stride[head_axis],
+            ko_stride[0], ko_stride[token_axis], ko_stride[head_axis],
+            c_sb, cos_stride[1], s_sb, sin_stride[1],
             HALF=half, HALF_BLOCK=half_block, PASS=pass_dims, PASS_BLOCK=pass_block,
             BLOCK_HQ=block_hq, BLOCK_HK=block_hk, BACKWARD=backward, LOADS_FIRST=loads_first,
             REPEAT_TABLES=repeat, HEAD_STRIDE=head_stride, PDL=pdl, num_warps=warps, **launch_options(pdl),
@@ -322,6 +334,12 @@ class RoPEFunction(torch.autograd.Function):
 # --------------------------------------------------------------------------- in-place path
 
 
+def _geometry(t: torch.Tensor, geom) -> tuple:
+    """(shape, stride) of ``t`` seen with ``geom`` (:func:`~liger_losses.kernels.layouts.carrier_of`:
+    offset 0), or ``t``'s own when ``geom`` is None."""
+    return (t.shape, t.stride()) if geom is None else geom[:2]
+
+
 class RoPEInplaceFunction(torch.autograd.Function):
     """Rotates q and k IN PLACE (through their carriers, see ``carrier_of``) and returns them, marked
     dirty, so autograd raises its usual error for a leaf that requires grad or for a tensor some
@@ -333,8 +351,11 @@ class RoPEInplaceFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, qc, kc, cos, sin, q_geom, k_geom, head_axis, inplace_backward=False, repeat=False):
-        q, k = as_geometry(qc, q_geom), as_geometry(kc, k_geom)
-        _launch_into(q, k, q, k, cos, sin, head_axis, backward=False, copy_pass=False, repeat=repeat)
+        # the carriers seen with q's and k's geometry (offset 0, see carrier_of), without the views
+        q_shape, q_stride = (qc.shape, qc.stride()) if q_geom is None else q_geom[:2]
+        k_shape, k_stride = (kc.shape, kc.stride()) if k_geom is None else k_geom[:2]
+        _launch_geometry(qc, kc, qc, kc, q_shape, k_shape, q_stride, k_stride, q_stride, k_stride,
+                         cos, sin, head_axis, False, False, repeat)
         ctx.repeat = repeat
         ctx.mark_dirty(qc, kc)
         ctx.save_for_backward(cos, sin)
@@ -364,10 +385,10 @@ class RoPEInplaceFunction(torch.autograd.Function):
 
         outq = out_buffer(dqc, given_q, ctx.layouts[0])
         outk = out_buffer(dkc, given_k, ctx.layouts[1])
-        _launch_into(
-            as_geometry(dqc, q_geom), as_geometry(dkc, k_geom), as_geometry(outq, q_geom), as_geometry(outk, k_geom),
-            cos, sin, ctx.head_axis, backward=True, repeat=ctx.repeat,
-        )
+        (q_shape, q_stride), (k_shape, k_stride) = _geometry(dqc, q_geom), _geometry(dkc, k_geom)
+        _launch_geometry(dqc, dkc, outq, outk, q_shape, k_shape, q_stride, k_stride,
+                         _geometry(outq, q_geom)[1], _geometry(outk, k_geom)[1],
+                         cos, sin, ctx.head_axis, True, True, ctx.repeat)
         return outq, outk, None, None, None, None, None, None, None
 
 
@@ -496,6 +517,20 @@ def _check_inputs(q, k, cos, sin, position_ids, unsqueeze_dim):
     return cos, sin, head_axis
 
 
+def _check_flags(inplace, inplace_backward, repeated_tables) -> None:
+    if not isinstance(inplace, bool):
+        raise TypeError(f"inplace must be a bool, got {inplace!r}")
+    if not isinstance(inplace_backward, bool):
+        raise TypeError(f"inplace_backward must be a bool, got {inplace_backward!r}")
+    if inplace_backward and not inplace:
+        raise ValueError("inplace_backward=True needs inplace=True")
+    if not isinstance(repeated_tables, bool):
+        raise TypeError(f"repeated_tables must be a bool, got {repeated_tables!r}")
+
+
+_CHECKED = CheckedSignatures()
+
+
 def apply_rotary_pos_emb(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -537,22 +572,26 @@ def apply_rotary_pos_emb(
     """
     if isinstance(position_ids, int) and not isinstance(position_ids, bool):
         unsqueeze_dim, position_ids = position_ids, None
-    cos, sin, head_axis = _check_inputs(q, k, cos, sin, position_ids, unsqueeze_dim)
-    which = resolve_impl(impl, q, k, cos, sin)
+    # a 3-D cos/sin without position_ids (every patched model) is checked once per signature
+    key = _CHECKED.key(layout_signature(q), layout_signature(k), layout_signature(cos), layout_signature(sin),
+                       None if position_ids is not None else True, type(unsqueeze_dim), unsqueeze_dim,
+                       type(inplace), inplace, type(inplace_backward), inplace_backward,
+                       type(repeated_tables), repeated_tables, impl)
+    checked = _CHECKED.get(key)
+    if checked is None:
+        cos, sin, head_axis = _check_inputs(q, k, cos, sin, position_ids, unsqueeze_dim)
+        which = resolve_impl(impl, q, k, cos, sin)
+        _check_flags(inplace, inplace_backward, repeated_tables)
+        if cos.dim() == 3:  # 2-D tables were gathered by position_ids: checked every call
+            _CHECKED.remember(key, (head_axis, which))
+    else:
+        head_axis, which = checked
     cos_grad = torch.is_grad_enabled() and (cos.requires_grad or sin.requires_grad)
     if which == "triton" and cos_grad:
         which = triton_fallback(impl, ValueError(
             "cos and sin must not require grad with impl='triton' (the kernel gives no cos/sin "
             "gradient); use impl='torch' or detach them"
         ))
-    if not isinstance(inplace, bool):
-        raise TypeError(f"inplace must be a bool, got {inplace!r}")
-    if not isinstance(inplace_backward, bool):
-        raise TypeError(f"inplace_backward must be a bool, got {inplace_backward!r}")
-    if inplace_backward and not inplace:
-        raise ValueError("inplace_backward=True needs inplace=True")
-    if not isinstance(repeated_tables, bool):
-        raise TypeError(f"repeated_tables must be a bool, got {repeated_tables!r}")
     if which == "torch":
         oq, ok = _rope_torch(q, k, cos, sin, head_axis, repeated_tables)
         return (q.copy_(oq), k.copy_(ok)) if inplace else (oq, ok)

@@ -30,8 +30,8 @@ import torch
 from liger_losses.kernels.gated import (
     ACTIVATIONS,
     GatedTuning,
-    check_gate_up,
     check_inplace_backward,
+    checked_gated_impl,
     gated_backward,
     gated_bwd_kernel,
     gated_forward,
@@ -118,9 +118,7 @@ def swiglu(
     ``inplace_backward=True`` writes the gradients into gate's and up's buffers (see the module
     docstring: only for callers that own those tensors).
     """
-    check_gate_up(gate, up)
-    check_inplace_backward(inplace_backward)
-    if resolve_impl(impl, gate, up) == "torch":
+    if checked_gated_impl(gate, up, inplace_backward, impl) == "torch":
         return gated_torch(gate, up, "silu")
     return SwiGLUFunction.apply(gate, up, inplace_backward)
 

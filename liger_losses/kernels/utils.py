@@ -146,6 +146,73 @@ def resolve_impl(impl: str, *tensors: Optional[torch.Tensor]) -> str:
     return "torch"
 
 
+# --------------------------------------------------------------------------- checked signatures
+
+
+_PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
+
+
+def tensor_signature(t) -> Optional[tuple]:
+    """What the input checks of a tensor argument read, short of its leading dims --
+    ``(dtype, device, ndim, last dim)`` -- for a plain ``torch.Tensor`` / ``nn.Parameter`` (``()``
+    for None); None for anything else (a subclass, a non-tensor), which then never takes the
+    checked-signature shortcut. Checks that read more (equal shapes) put that in the key too."""
+    if t is None:
+        return ()
+    if type(t) not in _PLAIN_TENSORS:
+        return None
+    ndim = t.dim()
+    return (t.dtype, t.device, ndim, t.shape[-1] if ndim else 0)
+
+
+def layout_signature(t) -> Optional[tuple]:
+    """:func:`tensor_signature` with the whole shape, for checks that relate several shapes."""
+    if t is None:
+        return ()
+    if type(t) not in _PLAIN_TENSORS:
+        return None
+    return (t.dtype, t.device, t.shape)
+
+
+class CheckedSignatures:
+    """Argument signatures that passed a public function's checks, each with what the checks
+    resolved (the implementation, normalized options), so that a repeated call -- every layer of
+    every step -- skips them. On the GPU machine's CPU the checks of one call are ~10-20 us, a
+    sizeable part of a layer kernel's host time (``benchmark/results/host.csv``).
+
+    A key must hold everything the checks and the resolution read: argument types and values,
+    :func:`tensor_signature` of each tensor, the ``impl`` switch and :func:`triton_interpret`.
+    ``key(...)`` returns None while ``torch.compile`` traces (the compiler sees the plain checks).
+    At most ``maxsize`` signatures are kept (then they are forgotten and collected anew)."""
+
+    __slots__ = ("_seen", "maxsize")
+
+    def __init__(self, maxsize: int = 1024):
+        self._seen: dict = {}
+        self.maxsize = maxsize
+
+    @staticmethod
+    def key(*parts) -> Optional[tuple]:
+        """``parts`` plus the interpreter switch, or None when a part is None (an argument that
+        must always be checked) or while compiling."""
+        if None in parts or is_compiling():
+            return None
+        return (*parts, triton_interpret())
+
+    def get(self, key: Optional[tuple]):
+        return None if key is None else self._seen.get(key)
+
+    def remember(self, key: Optional[tuple], value) -> None:
+        if key is None:
+            return
+        if len(self._seen) >= self.maxsize:
+            self._seen.clear()
+        self._seen[key] = value
+
+    def clear(self) -> None:
+        self._seen.clear()
+
+
 # --------------------------------------------------------------------------- input checks
 
 
@@ -423,16 +490,19 @@ def pair_rows(gate: torch.Tensor, up: torch.Tensor) -> tuple[torch.Tensor, torch
     return rows_view(gate), rows_view(up)
 
 
-def owns_buffer(x: torch.Tensor, x2: torch.Tensor) -> bool:
-    """True when gradients may be written into ``x``'s buffer through its 2-D view ``x2``:
-    ``x`` is an autograd intermediate (not a leaf, whose .grad could alias it), ``x2`` is a view
-    (no copy was made) and its rows do not overlap. A view counts only when its base is an
-    intermediate too: a view of a leaf has a grad_fn but the leaf's buffer behind it."""
+def owns_buffer(x: torch.Tensor, x2: Optional[torch.Tensor] = None) -> bool:
+    """True when gradients may be written into ``x``'s buffer through its 2-D view ``x2`` (None:
+    through ``x`` itself, contiguous): ``x`` is an autograd intermediate (not a leaf, whose .grad
+    could alias it), ``x2`` is a view (no copy was made) and its rows do not overlap. A view
+    counts only when its base is an intermediate too: a view of a leaf has a grad_fn but the
+    leaf's buffer behind it."""
     base = x._base if x._base is not None else x
+    if x.grad_fn is None or base.grad_fn is None:
+        return False
+    if x2 is None:
+        return True
     return (
-        x.grad_fn is not None
-        and base.grad_fn is not None
-        and x2.untyped_storage().data_ptr() == x.untyped_storage().data_ptr()
+        x2.untyped_storage().data_ptr() == x.untyped_storage().data_ptr()
         and (x2.shape[0] == 1 or x2.stride(0) >= x2.shape[1])
     )
 
