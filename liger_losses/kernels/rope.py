@@ -42,12 +42,11 @@ import torch
 from liger_losses.kernels.launch import fast_kernel
 from liger_losses.kernels.layouts import carrier_of, empty_like_layout, overlaps, rebuild
 from liger_losses.kernels.pdl import launch_options, pdl_launch
+from liger_losses.kernels.rope_checks import check_flags, check_inputs
 from liger_losses.kernels.tuning import Knobs, knob, register
 from liger_losses.kernels.utils import (
     CheckedSignatures,
     check_no_double_backward,
-    check_same_device,
-    check_tensor,
     device_ctx,
     import_triton,
     layout_signature,
@@ -462,72 +461,6 @@ def _rope_torch(q, k, cos, sin, head_axis: int, repeat: bool = False):
 # --------------------------------------------------------------------------- public function
 
 
-def _check_inputs(q, k, cos, sin, position_ids, unsqueeze_dim):
-    check_tensor("q", q, ndim=4, floating=True)
-    check_tensor("k", k, ndim=4, floating=True)
-    if k.dtype != q.dtype:
-        raise TypeError(f"k must have q's dtype {q.dtype}, got {k.dtype}")
-    if isinstance(unsqueeze_dim, bool) or unsqueeze_dim not in (1, 2, -3, -2):
-        raise ValueError(
-            f"unsqueeze_dim must be 1 (q/k [B, H, T, D]) or 2 (q/k [B, T, H, D]), got {unsqueeze_dim!r}"
-        )
-    head_axis = 1 if unsqueeze_dim in (1, -3) else 2
-    layout = "[B, H, T, D]" if head_axis == 1 else "[B, T, H, D]"
-    bsz, d = q.shape[0], q.shape[-1]
-    seq = q.shape[3 - head_axis]
-    want_k = list(q.shape)
-    want_k[head_axis] = "Hk"
-    if k.shape[0] != bsz or k.shape[3 - head_axis] != seq or k.shape[-1] != d:
-        raise ValueError(
-            f"k must have shape {layout} = {tuple(want_k)} matching q {tuple(q.shape)}, got {tuple(k.shape)}"
-        )
-    if d % 2:
-        raise ValueError(f"q's head_dim (last dimension) must be even, got shape {tuple(q.shape)}")
-    check_tensor("cos", cos, ndim=(2, 3), floating=True)
-    check_tensor("sin", sin, ndim=(2, 3), floating=True)
-    if sin.shape != cos.shape:
-        raise ValueError(f"sin must have cos's shape {tuple(cos.shape)}, got {tuple(sin.shape)}")
-    check_same_device(q=q, k=k, cos=cos, sin=sin, position_ids=position_ids)
-    if cos.dim() == 2:
-        if position_ids is None:
-            raise ValueError(
-                f"cos must have shape [B or 1, T, R] (got {tuple(cos.shape)}); a 2-D table [S, R] "
-                "needs position_ids [B or 1, T]"
-            )
-        check_tensor("position_ids", position_ids, ndim=(1, 2), floating=False)
-        if position_ids.shape[-1] != seq or (position_ids.dim() == 2 and position_ids.shape[0] not in (1, bsz)):
-            raise ValueError(
-                f"position_ids must have shape [{bsz} or 1, {seq}], got {tuple(position_ids.shape)}"
-            )
-        lo, hi = torch.stack([position_ids.min(), position_ids.max()]).tolist() if position_ids.numel() else (0, -1)
-        if lo < 0 or hi >= cos.shape[0]:
-            raise ValueError(f"position_ids must be in [0, {cos.shape[0]}) (rows of the cos table)")
-        pid2 = position_ids if position_ids.dim() == 2 else position_ids[None]
-        cos, sin = cos[pid2], sin[pid2]
-    rot = cos.shape[-1]
-    if cos.shape[0] not in (1, bsz) or cos.shape[1] != seq:
-        raise ValueError(
-            f"cos and sin must have shape [{bsz} or 1, {seq}, R] (q is {layout} {tuple(q.shape)}), "
-            f"got {tuple(cos.shape)}"
-        )
-    if rot % 2 or rot == 0 or rot > d:
-        raise ValueError(
-            f"cos's last dimension (rotary dim R) must be even and in [2, head_dim={d}], got {rot}"
-        )
-    return cos, sin, head_axis
-
-
-def _check_flags(inplace, inplace_backward, repeated_tables) -> None:
-    if not isinstance(inplace, bool):
-        raise TypeError(f"inplace must be a bool, got {inplace!r}")
-    if not isinstance(inplace_backward, bool):
-        raise TypeError(f"inplace_backward must be a bool, got {inplace_backward!r}")
-    if inplace_backward and not inplace:
-        raise ValueError("inplace_backward=True needs inplace=True")
-    if not isinstance(repeated_tables, bool):
-        raise TypeError(f"repeated_tables must be a bool, got {repeated_tables!r}")
-
-
 _CHECKED = CheckedSignatures()
 
 
@@ -579,9 +512,9 @@ def apply_rotary_pos_emb(
                        type(repeated_tables), repeated_tables, impl)
     checked = _CHECKED.get(key)
     if checked is None:
-        cos, sin, head_axis = _check_inputs(q, k, cos, sin, position_ids, unsqueeze_dim)
+        cos, sin, head_axis = check_inputs(q, k, cos, sin, position_ids, unsqueeze_dim)
         which = resolve_impl(impl, q, k, cos, sin)
-        _check_flags(inplace, inplace_backward, repeated_tables)
+        check_flags(inplace, inplace_backward, repeated_tables)
         if cos.dim() == 3:  # 2-D tables were gathered by position_ids: checked every call
             _CHECKED.remember(key, (head_axis, which))
     else:

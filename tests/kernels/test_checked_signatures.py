@@ -8,7 +8,9 @@ still raises the error the checks give, and that a change of what the implementa
 import pytest
 import torch
 
-from liger_losses.kernels import gated, rms_norm as rms_norm_module, rope as rope_module
+from liger_losses.kernels import gated
+from liger_losses.kernels import rms_norm as rms_norm_module
+from liger_losses.kernels import rope as rope_module
 from liger_losses.kernels.geglu import geglu
 from liger_losses.kernels.rms_norm import rms_norm
 from liger_losses.kernels.rope import apply_rotary_pos_emb
