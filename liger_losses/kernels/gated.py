@@ -155,9 +155,9 @@ _CHECKED = CheckedSignatures()
 
 
 def checked_gated_impl(gate, up, inplace_backward, impl: str, *options, check_options=None) -> str:
-    """"triton" or "torch" for a gated call, after :func:`check_gate_up`,
-    :func:`check_inplace_backward` and ``check_options()`` (the caller's own option checks, on
-    ``options``); remembered per signature (:class:`~liger_losses.kernels.utils.CheckedSignatures`)."""
+    """"triton" or "torch" for a gated call, after :func:`check_gate_up`, ``check_options()`` (the
+    caller's own option checks, on ``options``) and :func:`check_inplace_backward`; remembered per
+    signature (:class:`~liger_losses.kernels.utils.CheckedSignatures`)."""
     g_sig, u_sig = tensor_signature(gate), tensor_signature(up)
     plain = bool(g_sig) and bool(u_sig)  # two plain tensors (the only case that may be remembered)
     key = _CHECKED.key(g_sig if plain else None, u_sig, up.shape == gate.shape if plain else None,
@@ -165,9 +165,9 @@ def checked_gated_impl(gate, up, inplace_backward, impl: str, *options, check_op
     which = _CHECKED.get(key)
     if which is None:
         check_gate_up(gate, up)
-        check_inplace_backward(inplace_backward)
         if check_options is not None:
             check_options()
+        check_inplace_backward(inplace_backward)
         which = resolve_impl(impl, gate, up)
         _CHECKED.remember(key, which)
     return which

@@ -69,6 +69,7 @@ from liger_losses.kernels.utils import (
     check_number,
     device_ctx,
     import_triton,
+    records_autograd,
     tensor_signature,
 )
 
@@ -372,7 +373,7 @@ def rms_norm(
         _CHECKED.remember(key, which)
     if which == "torch" or hidden.numel() == 0:
         return rms_norm_torch(hidden, weight, eps=eps, offset=offset, casting_mode=casting_mode)
-    if not (torch.is_grad_enabled() and (hidden.requires_grad or (weight is not None and weight.requires_grad))):
+    if not records_autograd(hidden, weight):
         return _forward_output(hidden, weight, eps, offset, casting_mode)[0]  # no graph to record
     return RMSNormFunction.apply(hidden, weight, eps, offset, casting_mode, bool(inplace_backward))
 

@@ -51,6 +51,7 @@ from liger_losses.kernels.utils import (
     import_triton,
     layout_signature,
     next_power_of_2,
+    records_autograd,
     resolve_impl,
     triton_fallback,
 )
@@ -401,7 +402,7 @@ def _rope_inplace_triton(q, k, cos, sin, head_axis, inplace_backward=False, repe
     if q.stride(-1) != 1 or k.stride(-1) != 1:  # rare: rotate out of place, then copy back
         oq, ok = _rope_triton(q, k, cos, sin, head_axis, repeat)
         return q.copy_(oq), k.copy_(ok)
-    if not (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad)):
+    if not records_autograd(q, k):
         _launch_into(q, k, q, k, cos, sin, head_axis, backward=False, copy_pass=False, repeat=repeat)
         return q, k
     qc, q_geom = carrier_of(q)
@@ -426,7 +427,7 @@ def _rope_inplace_triton(q, k, cos, sin, head_axis, inplace_backward=False, repe
 
 
 def _rope_triton(q, k, cos, sin, head_axis, repeat=False):
-    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad):
+    if records_autograd(q, k):
         return RoPEFunction.apply(q, k, cos, sin, head_axis, repeat)
     return _launch(q, k, cos, sin, head_axis, backward=False, repeat=repeat)
 
@@ -513,18 +514,20 @@ def apply_rotary_pos_emb(
     checked = _CHECKED.get(key)
     if checked is None:
         cos, sin, head_axis = check_inputs(q, k, cos, sin, position_ids, unsqueeze_dim)
-        which = resolve_impl(impl, q, k, cos, sin)
-        check_flags(inplace, inplace_backward, repeated_tables)
-        if cos.dim() == 3:  # 2-D tables were gathered by position_ids: checked every call
-            _CHECKED.remember(key, (head_axis, which))
+        resolved = resolve_impl(impl, q, k, cos, sin)
     else:
-        head_axis, which = checked
+        head_axis, resolved = checked
+    which = resolved
     cos_grad = torch.is_grad_enabled() and (cos.requires_grad or sin.requires_grad)
     if which == "triton" and cos_grad:
         which = triton_fallback(impl, ValueError(
             "cos and sin must not require grad with impl='triton' (the kernel gives no cos/sin "
             "gradient); use impl='torch' or detach them"
         ))
+    if checked is None:
+        check_flags(inplace, inplace_backward, repeated_tables)
+        if cos.dim() == 3:  # 2-D tables were gathered by position_ids: checked every call
+            _CHECKED.remember(key, (head_axis, resolved))
     if which == "torch":
         oq, ok = _rope_torch(q, k, cos, sin, head_axis, repeated_tables)
         return (q.copy_(oq), k.copy_(ok)) if inplace else (oq, ok)

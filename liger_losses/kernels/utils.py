@@ -22,6 +22,7 @@ import os
 from typing import Iterable, Optional, Sequence
 
 import torch
+import torch.autograd.forward_ad as _forward_ad
 
 IMPLS = ("auto", "triton", "torch")
 
@@ -150,6 +151,18 @@ def resolve_impl(impl: str, *tensors: Optional[torch.Tensor]) -> str:
 
 
 _PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
+# The part types a CheckedSignatures key may hold: immutable, hashable, compared by value (a None
+# part -- an argument that must be checked every call -- is not among them).
+_KEY_TYPES = (tuple, str, int, float, bool, type)
+
+
+def records_autograd(*tensors: Optional[torch.Tensor]) -> bool:
+    """Whether a call on ``tensors`` must go through an autograd Function: grad mode is on and one
+    of them requires grad, or a forward-AD dual level is open (a dual tensor's tangent needs the
+    Function's ``jvp``, and the tensor itself does not require grad)."""
+    if getattr(_forward_ad, "_current_level", 0) >= 0:
+        return True
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
 
 
 def tensor_signature(t) -> Optional[tuple]:
@@ -193,9 +206,14 @@ class CheckedSignatures:
 
     @staticmethod
     def key(*parts) -> Optional[tuple]:
-        """``parts`` plus the interpreter switch, or None when a part is None (an argument that
-        must always be checked) or while compiling."""
-        if None in parts or is_compiling():
+        """``parts`` plus the interpreter switch, or None -- the call is then checked in full --
+        when a part is None (an argument that must always be checked) or of any type but the
+        immutable plain ones (signature tuples, str, int, float, bool, type: a tensor, an array or
+        a list given as an option is never remembered), or while compiling."""
+        for part in parts:
+            if type(part) not in _KEY_TYPES:
+                return None
+        if is_compiling():
             return None
         return (*parts, triton_interpret())
 

@@ -149,3 +149,50 @@ def test_owns_buffer_of_a_whole_contiguous_tensor():
     assert owns_buffer(inter) and not owns_buffer(leaf)
     assert not owns_buffer(leaf.view(32))  # a view of a leaf: the leaf's buffer behind it
     assert owns_buffer(inter.view(2, 16))
+
+
+def test_options_of_other_types_are_checked_every_call():
+    """Lists, arrays and tensors given as options are never part of a key: the checks see them (a
+    tensor changed in place after a good call is not taken for the value it had)."""
+    x, w = torch.randn(4, 16), torch.ones(16)
+    rms_norm(x, w)
+    with pytest.raises(ValueError, match="casting_mode"):
+        rms_norm(x, w, casting_mode=["llama"])
+    with pytest.raises(ValueError, match="impl"):
+        rms_norm(x, w, impl=["auto"])
+    q, k = torch.randn(1, 4, 8, 16), torch.randn(1, 2, 8, 16)
+    cos, sin = torch.randn(1, 8, 16), torch.randn(1, 8, 16)
+    dim = torch.tensor(1)
+    apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=dim)
+    dim.fill_(7)
+    with pytest.raises(ValueError, match="unsqueeze_dim"):
+        apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=dim)
+
+
+def test_error_order_is_the_checks_order():
+    """With two bad arguments the first check's error is raised, as without the shortcut."""
+    gate, up = torch.randn(4, 16), torch.randn(4, 16)
+    with pytest.raises(ValueError, match="approximate"):
+        geglu(gate, up, approximate="bad", inplace_backward=1)
+    q, k = torch.randn(1, 4, 8, 16), torch.randn(1, 2, 8, 16)
+    cos = torch.randn(1, 8, 16, requires_grad=True)
+    with pytest.raises(ValueError, match="cos and sin must not require grad"):
+        apply_rotary_pos_emb(q, k, cos, cos.detach(), inplace=1, impl="triton")
+
+
+@pytest.mark.parametrize("grad_mode", [True, False])
+def test_forward_mode_ad_is_not_dropped(grad_mode):
+    """A dual tensor does not require grad; the no-graph shortcuts must still go through the
+    autograd Function, which has no jvp and says so, instead of returning a tangent-less output."""
+    import torch.autograd.forward_ad as fwAD
+
+    x, w = torch.randn(4, 16), torch.ones(16)
+    q, k = torch.randn(1, 4, 8, 16), torch.randn(1, 2, 8, 16)
+    cos, sin = torch.randn(1, 8, 16), torch.randn(1, 8, 16)
+    with torch.set_grad_enabled(grad_mode), fwAD.dual_level():
+        with pytest.raises(NotImplementedError):
+            rms_norm(fwAD.make_dual(x, torch.ones_like(x)), w, impl="triton")
+        with pytest.raises(NotImplementedError):
+            apply_rotary_pos_emb(fwAD.make_dual(q, torch.ones_like(q)), k, cos, sin, impl="triton")
+        plain = rms_norm(x, w, impl="triton")  # no dual input: the Function runs as usual
+    assert torch.equal(plain, rms_norm(x, w, impl="triton").detach())
