@@ -11,12 +11,14 @@ Per shape (bf16, 100 prompt tokens per sequence masked, labels shifted): ``do_be
 backward, the peak above the inputs, the wall time of one synchronous call, the values, and the
 relative difference of the two paths' gradients.
 
-H200 (torch 2.11, triton 3.6): Llama-3.2-1B head, 2 x 2048: sequence path 10.37 ms / 1061 MiB,
-cross-entropy 10.49 / 275; Gemma-3-1B head (V 262144), 4 x 2048: 26.28 / 1018 against 29.55 /
-300; 8 x 2048 at the Llama head 41.63 / 1109 against 43.04 / 327; one call's wall time 4.1 / 9.6 /
-9.8 ms against 4.3 / 10.0 / 10.8; values equal to 4e-7, gradients 4.4e-3 apart (bf16 rounding of
-each). Status: answered: the sequence path stays (faster and no more host time; its larger tiles
-sit below the step's peak, which is in the layers' backward).
+H200 (torch 2.11, triton 3.6), two runs: Llama-3.2-1B head, 2 x 2048: sequence path 10.37 / 9.91 ms
+at 1061 MiB, cross-entropy 10.49 / 10.26 at 275; Gemma-3-1B head (V 262144), 4 x 2048: 26.28 / 25.71
+at 1018 against 29.55 / 28.36 at 300; 8 x 2048 at the Llama head 41.63 / 40.85 at 1109 against 43.04
+/ 42.71 at 327. One synchronous call's wall time goes either way (4.1 / 9.6 / 9.8 against 4.3 /
+10.0 / 10.8 ms in one run, 2.9 / 6.9 / 7.1 against 4.2 / 6.7 / 6.3 in the other). Values equal to
+4e-7, gradients 4.4e-3 apart (bf16 rounding of each). Status: answered: the sequence path stays
+(faster on the GPU, not heavier on the host; its larger tiles sit below the step's peak, which is
+in the layers' backward).
 
     python -m benchmark.experiments.diag_sft_loss_path
 """
