@@ -11,8 +11,9 @@ launch, and the autograd forward/backward bodies.
             act'(a) = s + 2 a s (1 - s) sqrt(2/pi) (1 + 3 * 0.044715 a^2)    (1 - tanh(u)^2 = 4 s (1 - s))
     erf:    act(a) = 0.5 a (1 + erf(a / sqrt(2))),  act'(a) = 0.5 (1 + erf(a / sqrt(2))) + a phi(a)
 
-``gate`` and ``up`` have one shape ``[..., I]`` and dtype; the kernels see them as 2-D views
-``[rows, I]`` (:func:`~liger_losses.kernels.utils.pair_rows`) on a grid ``(cdiv(I, BLOCK), rows)``;
+``gate`` and ``up`` have one shape ``[..., I]`` and dtype; the kernels see them as one flat row
+when both are contiguous (:func:`launch_flat`), else as 2-D views ``[rows, I]``
+(:func:`~liger_losses.kernels.utils.rows_view`), on a grid ``(cdiv(I, BLOCK), rows)``;
 each kernel takes ``(*pointers, I, *row_strides, BLOCK)`` (+ its own constexprs).
 The backward writes ``d_gate``/``d_up`` into fresh tensors, or with ``inplace_backward`` into the
 buffers of ``gate`` and ``up`` (only when the caller owns them: see :mod:`swiglu`).
@@ -36,8 +37,8 @@ from liger_losses.kernels.utils import (
     device_ctx,
     import_triton,
     owns_buffer,
-    pair_rows,
     resolve_impl,
+    rows_view,
     tensor_signature,
 )
 
@@ -159,9 +160,8 @@ def checked_gated_impl(gate, up, inplace_backward, impl: str, *options, check_op
     caller's own option checks, on ``options``) and :func:`check_inplace_backward`; remembered per
     signature (:class:`~liger_losses.kernels.utils.CheckedSignatures`)."""
     g_sig, u_sig = tensor_signature(gate), tensor_signature(up)
-    plain = bool(g_sig) and bool(u_sig)  # two plain tensors (the only case that may be remembered)
-    key = _CHECKED.key(g_sig if plain else None, u_sig, up.shape == gate.shape if plain else None,
-                       type(inplace_backward), inplace_backward, impl, *options)
+    same_shape = up.shape == gate.shape if g_sig and u_sig else None  # None: not two plain tensors
+    key = _CHECKED.key(g_sig, u_sig, same_shape, type(inplace_backward), inplace_backward, impl, *options)
     which = _CHECKED.get(key)
     if which is None:
         check_gate_up(gate, up)
@@ -238,7 +238,7 @@ def gated_forward(ctx, gate, up, inplace_backward, kernel, knobs, **constexprs) 
             launch_flat(kernel, (gate, up, out), knobs, **constexprs)
         ctx.inplace = writes_grads_inplace(inplace_backward, gate, None, up, None)
     else:
-        a2, b2 = pair_rows(gate, up)
+        a2, b2 = rows_view(gate), rows_view(up)
         if out.numel():
             launch_rows(kernel, (a2, b2, out.view(a2.shape)), knobs, **constexprs)
         ctx.inplace = writes_grads_inplace(inplace_backward, gate, a2, up, b2)
@@ -277,7 +277,7 @@ def gated_backward(ctx, grad_out, kernel, knobs, **constexprs) -> tuple[torch.Te
         if da.numel():
             launch_flat(kernel, (dc, gate, up, da, db), knobs, **constexprs)
     else:
-        a2, b2 = pair_rows(gate, up)
+        a2, b2 = rows_view(gate), rows_view(up)
         dc2 = grad_out.contiguous().view(a2.shape)
         if ctx.inplace:
             da2, db2 = a2, b2

@@ -165,26 +165,24 @@ def records_autograd(*tensors: Optional[torch.Tensor]) -> bool:
     return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
 
 
-def tensor_signature(t) -> Optional[tuple]:
-    """What the input checks of a tensor argument read, short of its leading dims --
-    ``(dtype, device, ndim, last dim)`` -- for a plain ``torch.Tensor`` / ``nn.Parameter`` (``()``
-    for None); None for anything else (a subclass, a non-tensor), which then never takes the
-    checked-signature shortcut. Checks that read more (equal shapes) put that in the key too."""
+def tensor_signature(t, *, whole_shape: bool = False) -> Optional[tuple]:
+    """What the input checks of a tensor argument read -- ``(dtype, device, ndim, last dim)``, or
+    ``(dtype, device, shape)`` with ``whole_shape`` (for checks that relate several shapes) -- for a
+    plain ``torch.Tensor`` / ``nn.Parameter`` (``()`` for None); None for anything else (a subclass,
+    a non-tensor), which then never takes the checked-signature shortcut."""
     if t is None:
         return ()
     if type(t) not in _PLAIN_TENSORS:
         return None
+    if whole_shape:
+        return (t.dtype, t.device, t.shape)
     ndim = t.dim()
     return (t.dtype, t.device, ndim, t.shape[-1] if ndim else 0)
 
 
 def layout_signature(t) -> Optional[tuple]:
-    """:func:`tensor_signature` with the whole shape, for checks that relate several shapes."""
-    if t is None:
-        return ()
-    if type(t) not in _PLAIN_TENSORS:
-        return None
-    return (t.dtype, t.device, t.shape)
+    """:func:`tensor_signature` with the whole shape."""
+    return tensor_signature(t, whole_shape=True)
 
 
 class CheckedSignatures:
@@ -226,9 +224,6 @@ class CheckedSignatures:
         if len(self._seen) >= self.maxsize:
             self._seen.clear()
         self._seen[key] = value
-
-    def clear(self) -> None:
-        self._seen.clear()
 
 
 # --------------------------------------------------------------------------- input checks
@@ -498,14 +493,6 @@ def rows_view(x: torch.Tensor) -> torch.Tensor:
     if x2.stride(-1) != 1 and x2.shape[-1] > 1:
         x2 = x.contiguous().view(shape)
     return x2
-
-
-def pair_rows(gate: torch.Tensor, up: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(a2, b2): 2-D views of gate/up of equal shape; one flat row of ``numel`` when both are
-    contiguous (a 1-D grid over elements), else ``[rows, I]`` with their row strides."""
-    if gate.is_contiguous() and up.is_contiguous():
-        return gate.view(1, -1), up.view(1, -1)
-    return rows_view(gate), rows_view(up)
 
 
 def owns_buffer(x: torch.Tensor, x2: Optional[torch.Tensor] = None) -> bool:
