@@ -297,7 +297,10 @@ def write_profile(prof, path: str, wall_s: float) -> None:
         f"GPU busy {gpu_us / 1e6 / wall_s:.0%}",
         events.table(sort_by="self_cpu_time_total", row_limit=25, max_name_column_width=70),
         events.table(sort_by=attr, row_limit=40, max_name_column_width=70),
+        "every op and kernel with device time (self device us, calls, self CPU us), to compare providers:",
     ]
+    timed = sorted((e for e in events if getattr(e, attr) > 0), key=lambda e: -getattr(e, attr))
+    lines += [f"{getattr(e, attr):12.1f} {e.count:7d} {e.self_cpu_time_total:12.1f}  {e.key}" for e in timed]
     with open(path, "w") as f:
         f.write("\n".join(lines))
     print(lines[0], flush=True)

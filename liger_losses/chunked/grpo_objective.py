@@ -190,6 +190,10 @@ class GRPOObjective(TokenObjective):
     :class:`~liger_losses.chunked.token_objective.TokenObjective` whose :attr:`coupling` follows
     from the options and the side inputs."""
 
+    # the per-chunk calls of one pass take the gradient only; the metrics come from one call on
+    # every token (TokenObjective.metrics_once)
+    metrics_once = True
+
     def __init__(self, opts: GRPOOptions, batch: GRPOBatch):
         self.opts, self.batch = opts, batch
 
@@ -219,9 +223,8 @@ class GRPOObjective(TokenObjective):
         adv = bt.advantages[idx]
         old = lp.detach() if bt.old_logps is None else bt.old_logps[idx]
         log_ratio = lp - old
-        lengths = bt.lengths.clamp(min=1.0)
         if o.importance_sampling_level == "sequence":
-            log_iw = (self.seq_sum(log_ratio, seq) / lengths)[seq]
+            log_iw = (self.seq_sum(log_ratio, seq) / bt.lengths.clamp(min=1.0))[seq]
         else:
             log_iw = log_ratio
         coef_1 = torch.exp(log_iw)
@@ -250,7 +253,7 @@ class GRPOObjective(TokenObjective):
             per_token = -phi * adv * lp
         if o.off_policy_mask_threshold is not None:
             sampling = old if bt.sampling_logps is None else bt.sampling_logps[idx]
-            seq_kl = self.seq_sum(torch.nan_to_num(sampling - lp.detach(), nan=0.0), seq) / lengths
+            seq_kl = self.seq_sum(torch.nan_to_num(sampling - lp.detach(), nan=0.0), seq) / bt.lengths.clamp(min=1.0)
             keep = (adv >= 0) | (seq_kl[seq] <= o.off_policy_mask_threshold)
             per_token = per_token * keep
         entropy_mask = None
@@ -262,13 +265,16 @@ class GRPOObjective(TokenObjective):
         if kl is not None:
             per_token = per_token + o.beta * kl
         loss = (per_token * bt.token_weight[idx]).sum()
-        sums = {"policy_loss": loss.detach(), "entropy": chunk.entropy.detach().sum()}
+        policy_loss = loss
         if o.entropy_coef != 0.0:
             if entropy_mask is None:
                 bonus = chunk.entropy.sum() / bt.num_valid.clamp(min=1.0)
             else:
                 bonus = (chunk.entropy * entropy_mask).sum() / entropy_mask.sum().clamp(min=1.0)
             loss = loss - o.entropy_coef * bonus
+        if not chunk.metrics:  # the gradient alone (metrics_once)
+            return loss, {}
+        sums = {"policy_loss": policy_loss.detach(), "entropy": chunk.entropy.detach().sum()}
         if kl is not None:
             sums["kl"] = kl.detach().sum()
         flags = _clip_flags(o, coef_1.detach(), adv)

@@ -25,6 +25,13 @@ Two phases: a first pass takes every token's statistics (no gradient), the objec
 all tokens, and a second pass recomputes each tile and writes its gradient from the saved row
 statistics (:func:`~liger_losses.kernels.logp_entropy_grad.logp_entropy_grad_`): 8·N·H·V FLOPs.
 
+Metrics once (:attr:`TokenObjective.metrics_once`): in one pass, an objective that declares it is
+called per chunk with ``chunk.metrics=False`` for its gradient alone, and once more on every token,
+without grad, for the loss value and the metric sums. Its per-chunk calls then skip the metric
+ops, which on a GPU step are host time (each op a launch): the GRPO objective's per-chunk call
+has about a third of the ops then (see ``benchmark/NOTES.md``). The sums are the same sums, added
+in another order.
+
 The gradient of a chunk: without an entropy gradient the log-prob kernel writes ``d logp / d logits``
 in place and ``d loss / d logp`` is the row scale of the gradient GEMMs; with ``entropy_grad`` the
 statistics are taken first and :func:`logp_entropy_grad_` writes the combined gradient. Gradients
@@ -65,6 +72,9 @@ class TokenChunk:
     ref_logps: Optional[Tensor]  # [n] reference log-probs (from ref_hidden), else None
     index: Tensor  # [n] long: flat positions in labels' [B * T] layout
     seq: Tensor  # [n] long: the sequence of each token (index // T)
+    # False: the driver takes only the loss share's gradient from this call (metrics_once), and the
+    # objective may return no metric sums
+    metrics: bool = True
 
 
 class TokenObjective(abc.ABC):
@@ -73,6 +83,9 @@ class TokenObjective(abc.ABC):
     :data:`COUPLINGS`), which picks the driver's path."""
 
     coupling: str = "token"
+    # True: in one pass, per-chunk calls get chunk.metrics=False (their loss share is only
+    # differentiated); one more call on every token, under no grad, gives the loss and the metrics
+    metrics_once: bool = False
 
     @abc.abstractmethod
     def __call__(self, chunk: TokenChunk) -> tuple[Tensor, dict]:
@@ -224,17 +237,21 @@ class TokenDriver:
                          **self.kernel_opts)
         return st.logp
 
-    def call_objective(self, ts, te, logps, entropy, ref, want_grad):
-        """``(d loss / d logp [n] | None, d loss / d entropy [n] | None)``; adds the chunk's loss and metrics."""
+    def call_objective(self, ts, te, logps, entropy, ref, want_grad, metrics=True):
+        """``(d loss / d logp [n] | None, d loss / d entropy [n] | None)``; adds the chunk's loss and
+        metrics, unless ``metrics`` is False (the gradient alone: :attr:`TokenObjective.metrics_once`)."""
         run = self.run
-        with torch.enable_grad():
-            lp = logps.detach().to(self.sdt).clone().requires_grad_(want_grad)
+        with torch.set_grad_enabled(want_grad):
+            lp = logps.detach().to(self.sdt)
+            # a leaf of its own: the kept statistics cannot change through it (in place on a leaf
+            # that requires grad raises), so only the no-grad call copies it
+            lp = lp.requires_grad_() if want_grad else lp.clone()
             ent = None
             if entropy is not None:
                 ent = entropy.detach().to(self.sdt).clone().requires_grad_(want_grad and run.entropy_grad)
             if ref is not None:
                 ref = ref.to(self.sdt)
-            chunk = TokenChunk(lp, ent, ref, self.index[ts:te], self.seq[ts:te])
+            chunk = TokenChunk(lp, ent, ref, self.index[ts:te], self.seq[ts:te], metrics)
             loss, metrics = run.objective(chunk)
             if not isinstance(loss, Tensor) or loss.dim() != 0:
                 raise ValueError(f"objective must return a 0-d loss tensor, got "
@@ -247,6 +264,8 @@ class TokenDriver:
                     got = torch.autograd.grad(loss, leaves, allow_unused=True)
                 gl, *rest = [torch.zeros_like(x) if g is None else g.to(self.sdt) for g, x in zip(got, leaves)]
                 ge = rest[0] if rest else None
+        if not metrics:
+            return gl, ge
         self.loss = self.loss + loss.detach().to(self.sdt)
         for k, v in (metrics or {}).items():
             v = v.detach()
@@ -275,6 +294,7 @@ class TokenDriver:
 
     def one_pass(self, bounds):
         run, opts = self.run, self.kernel_opts
+        once = run.objective.metrics_once
         for ts, te in bounds:
             ref = self.ref_logps(ts, te)
             h = self.rows(ts, te)
@@ -284,7 +304,9 @@ class TokenDriver:
             st = logits_tile(tile, labels, mode="logp", grad=fused, need_entropy=run.need_entropy,
                              need_logits_sum=False, **opts)
             self.keep(st.logp, st.entropy, ref)
-            gl, ge = self.call_objective(ts, te, st.logp, st.entropy, ref, self.need_grad)
+            gl = ge = None
+            if self.need_grad or not once:
+                gl, ge = self.call_objective(ts, te, st.logp, st.entropy, ref, self.need_grad, metrics=not once)
             if self.need_grad:
                 if fused:
                     self.grads.add(tile, h, self.w, ts, te, row_scale=gl)
@@ -292,6 +314,8 @@ class TokenDriver:
                     logp_entropy_grad_(tile, labels, st.lse, gl, entropy=st.entropy, grad_entropy=ge, **opts)
                     self.grads.add(tile, h, self.w, ts, te)
             del tile
+        if once:  # the loss value and the metrics, from every token at once
+            self.call_objective(0, self.N, self.cat("logps"), self.cat("entropy"), self.cat("ref_logps"), False)
 
     def two_phases(self, bounds):
         run, opts = self.run, self.kernel_opts

@@ -126,3 +126,54 @@ def test_sequence_coupling_reads_unit_budget_factor(factor, path, monkeypatch):
     with engine_config(default_budget_bytes=2 * V * 8, weight_budget_fraction=0.0, unit_budget_factor=factor):
         fused_linear_token_objective(w, h, labels, MeanLogp(n, "sequence"), impl="torch")
     assert taken == [path]
+
+
+class MeanLogpMetricsOnce(MeanLogp):
+    """:class:`MeanLogp` declaring ``metrics_once``; records each call's token count, ``metrics``
+    flag and whether its log-probs require grad."""
+
+    metrics_once = True
+
+    def __init__(self, num_valid: int, coupling: str = "token"):
+        super().__init__(num_valid, coupling)
+        self.calls = []
+
+    def __call__(self, chunk):
+        self.calls.append((chunk.logps.numel(), chunk.metrics, chunk.logps.requires_grad))
+        loss = -chunk.logps.sum() / self.num_valid
+        if not chunk.metrics:
+            return loss, {}
+        return loss, {"tokens": torch.tensor(float(chunk.logps.numel())), "logp_sum": chunk.logps.detach().sum()}
+
+
+@pytest.mark.parametrize("coupling", ["token", "sequence"])
+def test_metrics_once_takes_gradients_per_chunk_and_metrics_from_all_tokens(coupling):
+    """With ``metrics_once`` the one-pass driver calls the objective per chunk with
+    ``metrics=False`` and grad-requiring log-probs, then once on every token without grad; the
+    loss, the metric sums and the gradients equal those of the same objective without it (the
+    gradients bitwise: the per-chunk graphs are the same; loss and sums to 1e-12 in float64: the
+    same terms added in another order). Under no grad only the call on every token runs."""
+    w, h, labels = _case(3)
+    n = int((labels != -100).sum())
+    chunk_tokens = T if coupling == "sequence" else 4
+    results = []
+    for obj in (MeanLogp(n, coupling), MeanLogpMetricsOnce(n, coupling)):
+        wl, hl = w.clone().requires_grad_(), h.clone().requires_grad_()
+        loss, sums, _ = fused_linear_token_objective(wl, hl, labels, obj, chunk_tokens=chunk_tokens, impl="torch")
+        if isinstance(obj, MeanLogpMetricsOnce):
+            sums = {k: v for k, v in sums.items() if k != "logp_sum"}
+            chunks = obj.calls[:-1]
+            assert len(chunks) > 1 and all(not m and g for _, m, g in chunks)
+            assert obj.calls[-1] == (n, True, False) and sum(c for c, _, _ in chunks) == n
+        loss.backward()
+        results.append((loss.detach(), sums, wl.grad, hl.grad))
+    (l0, s0, gw0, gh0), (l1, s1, gw1, gh1) = results
+    assert_close_rel(l1, l0, 1e-12, "loss")
+    assert s1.keys() == s0.keys() and float(s1["tokens"]) == float(s0["tokens"]) == n
+    assert torch.equal(gw1, gw0) and torch.equal(gh1, gh0)
+    obj = MeanLogpMetricsOnce(n, coupling)
+    with torch.no_grad():
+        loss, sums, _ = fused_linear_token_objective(w, h, labels, obj, chunk_tokens=chunk_tokens, impl="torch")
+    assert obj.calls == [(n, True, False)]
+    assert_close_rel(loss, l0, 1e-12, "no-grad loss")
+    assert_close_rel(sums["logp_sum"], -l0 * n, 1e-12, "logp_sum")
