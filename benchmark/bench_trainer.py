@@ -79,7 +79,8 @@ plan the next run. Without GRPO (8 cases) ~7 min. ``--full``
     python -m benchmark.bench_trainer --tiny               # CPU smoke run: tiny models of each family, seq 64
     python -m benchmark.bench_trainer --cases qwen1.5b_dpo_lora_8x1024 --rounds 1 --profile   # + profile_*.txt
 
-``--profile`` (torch.profiler over two timed steps), ``--cprofile`` (host profile) and ``--memory-peak``
+``--profile`` (torch.profiler over two timed steps), ``--cprofile`` (host profile), ``--syncs`` (the
+stacks of one timed step's host-device synchronizations) and ``--memory-peak``
 (allocator history: where the timed steps' peak is) write ``<kind>_<case>_<provider>_r<round>.txt`` next to
 the CSV. Results go to $BENCH_OUT or $OUT when set, else benchmark/results/ (``--tiny``: a temporary folder
 unless one of those is set), named ``--name`` (default ``trainer_matrix``; ``--tiny``: ``trainer_matrix_tiny``).
@@ -187,7 +188,7 @@ def grpo_lengths(case: Case) -> tuple[int, int]:
 
 
 def _make_timer_callback(warmup: int, cuda: bool, profile_path: str = "", cprofile_path: str = "",
-                         memory_peak_path: str = ""):
+                         memory_peak_path: str = "", syncs_path: str = ""):
     from transformers import TrainerCallback
 
     class StepTimer(TrainerCallback):
@@ -231,6 +232,10 @@ def _make_timer_callback(warmup: int, cuda: bool, profile_path: str = "", cprofi
                 acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
                 self.prof = torch.profiler.profile(activities=acts)
                 self.prof.__enter__()
+            # --syncs: every implicit host-device synchronization of the first timed step, by stack
+            if syncs_path and cuda and len(self.ends) == warmup:
+                self.syncs = SyncRecorder()
+                self.syncs.start()
             # --memory-peak: allocator history (Python stacks) over all timed steps
             if memory_peak_path and cuda and len(self.ends) == warmup and not self.mem_recording:
                 from benchmark.memory_peak import start_recording
@@ -239,6 +244,9 @@ def _make_timer_callback(warmup: int, cuda: bool, profile_path: str = "", cprofi
                 self.mem_recording = True
 
         def on_step_end(self, args, state, control, **kwargs):
+            if getattr(self, "syncs", None) is not None:
+                self.syncs.stop(syncs_path)
+                self.syncs = None
             self.ends.append(self._now())
             if self.cprof is not None and state.global_step >= state.max_steps:
                 self.cprof.disable()
@@ -271,6 +279,44 @@ def _make_timer_callback(warmup: int, cuda: bool, profile_path: str = "", cprofi
             return [(b - a) * 1e3 for a, b in zip(ends, issued)]
 
     return StepTimer()
+
+
+class SyncRecorder:
+    """``torch.cuda.set_sync_debug_mode("warn")`` between :meth:`start` and :meth:`stop`; each
+    warning's Python stack (the last 8 frames) counted; :meth:`stop` writes them, most frequent
+    first. A sync in the middle of a step drains the GPU's queue: the GPU then idles while the host
+    issues the next kernels."""
+
+    def __init__(self):
+        self.stacks: dict = {}
+
+    def start(self) -> None:
+        import traceback
+
+        self._old = warnings.showwarning
+
+        def show(message, category, filename, lineno, file=None, line=None):
+            if "synchroniz" not in str(message):
+                return self._old(message, category, filename, lineno, file, line)
+            frames = traceback.format_list(traceback.extract_stack()[:-1][-8:])
+            key = "".join(frames)
+            self.stacks[key] = self.stacks.get(key, 0) + 1
+
+        self._filters = warnings.filters[:]
+        warnings.simplefilter("always")
+        warnings.showwarning = show
+        torch.cuda.set_sync_debug_mode("warn")
+
+    def stop(self, path: str) -> None:
+        torch.cuda.set_sync_debug_mode(0)
+        warnings.showwarning = self._old
+        warnings.filters[:] = self._filters
+        lines = [f"{sum(self.stacks.values())} synchronizations in one step, {len(self.stacks)} stacks"]
+        for key, n in sorted(self.stacks.items(), key=lambda kv: -kv[1]):
+            lines += [f"--- {n}x", key]
+        with open(path, "w") as f:
+            f.write("\n".join(lines))
+        print(lines[0], flush=True)
 
 
 def write_cprofile(prof, path: str, steps: int) -> None:
@@ -525,9 +571,9 @@ def run_one(case: Case, provider: str, bank: WeightBank, *, rnd: int, warmup: in
     t_start = time.perf_counter()
     tag = f"{case.name}_{provider.replace('+', '_')}_r{rnd}"
     out_path = {kind: (os.path.join(results_dir(), f"{kind}_{tag}.txt") if diag.get(kind) else "")
-                for kind in ("profile", "cprofile", "memory_peak")}
+                for kind in ("profile", "cprofile", "memory_peak", "syncs")}
     if not cuda:
-        out_path["memory_peak"] = out_path["profile"] = ""
+        out_path["memory_peak"] = out_path["profile"] = out_path["syncs"] = ""
     model_type = bank.shape(case)["model_type"]
     with (restored_modeling_module(model_type), tempfile.TemporaryDirectory() as out_dir,
           warnings.catch_warnings(record=True) as caught):
@@ -551,7 +597,7 @@ def run_one(case: Case, provider: str, bank: WeightBank, *, rnd: int, warmup: in
                 grpo_inputs = data.grpo_batch(case.batch, prompt, completion, vocab, device=device, seed=2)
             args = make_config(case, provider, steps=steps, out_dir=out_dir, tiny=tiny)
             timer = _make_timer_callback(warmup, cuda, out_path["profile"], out_path["cprofile"],
-                                         out_path["memory_peak"])
+                                         out_path["memory_peak"], out_path["syncs"])
             timer.ref_model = ref_model
             torch.manual_seed(0)  # the LoRA adapters' init: the same for every provider
             trainer = make_trainer(case, provider, model, ref_model, args, dataset, tokenizer, timer,
@@ -799,6 +845,8 @@ def main(argv=None) -> int:
                     help="liger_chunk_tokens of our trainers (default: the engine's tile budget)")
     ap.add_argument("--profile", action="store_true", help="torch.profiler summary of two timed steps per run")
     ap.add_argument("--cprofile", action="store_true", help="cProfile of the timed steps per run")
+    ap.add_argument("--syncs", action="store_true",
+                    help="the Python stacks of every host-device synchronization of one timed step per run")
     ap.add_argument("--merge", nargs="+", default=None, metavar="CSV",
                     help="no runs: join these matrix CSVs (pieces of one matrix) into --name's CSV and PNG")
     ap.add_argument("--memory-peak", action="store_true",
@@ -846,7 +894,8 @@ def main(argv=None) -> int:
         versions += ", liger-kernel not installed"
     print(f"bench_trainer: {versions}; {len(cases)} cases x {len(a.providers)} providers x {rounds} rounds, "
           f"{warmup} warm-up + {timed} timed steps, budget {budget_s:.0f} s", flush=True)
-    diag = dict(profile=a.profile, cprofile=a.cprofile, memory_peak=a.memory_peak, chunk_tokens=a.ours_chunk_tokens)
+    diag = dict(profile=a.profile, cprofile=a.cprofile, memory_peak=a.memory_peak, syncs=a.syncs,
+                chunk_tokens=a.ours_chunk_tokens)
     name = a.name or ("trainer_matrix_tiny" if a.tiny else "trainer_matrix")
     rows = run_matrix(cases, a.providers, rounds=rounds, warmup=warmup, timed=timed, tiny=a.tiny,
                       budget_s=budget_s, diag=diag, name=name)
