@@ -48,10 +48,6 @@ Knobs (what each one trades, and what was measured):
   MiB above the inputs, of 683 tokens (32 MiB) 29.2-31.1 ms / 96 MiB, 1024 tokens (48 MiB) 29.8 /
   112 (chunk size within the run-to-run spread); the tile path 26.9 ms / 565 MiB. Results:
   ``benchmark/results/fused_linear_ce_frozen.csv``.
-* ``frozen_streams``: on CUDA, the frozen-head path's token chunks go round-robin to this many
-  side streams, each with its own buffers inside ``frozen_budget_bytes / frozen_streams`` (so the
-  peak stays where it is): one chunk's GEMMs run while another's memory-bound block kernel and
-  the launch gaps between kernels would have left SMs idle.
 """
 
 from __future__ import annotations
@@ -77,11 +73,10 @@ class EngineConfig:
     frozen_head_online: bool = True
     frozen_budget_bytes: int = 24 * 1024 * 1024
     frozen_block_columns: int = 16384
-    frozen_streams: int = 1
 
     def __post_init__(self):
         for name in ("default_budget_bytes", "chunk_align", "unit_budget_factor", "frozen_budget_bytes",
-                     "frozen_block_columns", "frozen_streams"):
+                     "frozen_block_columns"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")

@@ -18,10 +18,6 @@ holds the label rows of ``W``) and the fp32 accumulator instead of an ``[n, V]``
 weight-gradient GEMM (half the head: 512 MiB at V=128256, H=4096), so the pass's peak stays near
 the hidden gradient it produces.
 
-On CUDA the chunks may run on ``EngineConfig.frozen_streams`` side streams, round-robin, each
-stream with its own buffers and ``1 / frozen_streams`` of the budget: the same kernels on the same
-rows, so the same values, with one chunk's GEMMs overlapping another's block kernel and launch gaps.
-
 Served: ``mode`` "ce" (label smoothing only without softcap: with it, the smoothing term needs a
 second weighted sum) and "logp"; no class weights; every reduction's row scale. Statistics
 (``loss``, ``lse``, ``logp``, ``correct``, ``entropy``) are the logits-tile kernel's, float32 ``[n]``.
@@ -30,7 +26,6 @@ Chunk and block sizes: ``EngineConfig.frozen_budget_bytes`` and ``frozen_block_c
 
 from __future__ import annotations
 
-import contextlib
 from typing import Any, Mapping, Optional
 
 import torch
@@ -65,30 +60,13 @@ def vocab_blocks(V: int) -> list[tuple[int, int]]:
     return chunk_bounds(V, 1, budget_bytes=get_engine_config().frozen_block_columns, itemsize=1)
 
 
-def online_token_chunks(V: int, H: int, itemsize: int, num_tokens: int, streams: int = 1) -> list[tuple[int, int]]:
+def online_token_chunks(V: int, H: int, itemsize: int, num_tokens: int) -> list[tuple[int, int]]:
     """Token chunks of the frozen-head path: per token, a row of the logits block (``itemsize``
     bytes; it holds the label rows of ``W`` once the block loop is done, so at least ``H`` wide)
-    and of the fp32 accumulator, within ``frozen_budget_bytes / streams`` (each stream holds one
-    chunk's buffers); balanced, as the tile path's."""
+    and of the fp32 accumulator, within ``frozen_budget_bytes``; balanced, as the tile path's."""
     cols = vocab_blocks(V)[0][1] if V else 1
     per_token = max(cols, H) * itemsize + H * 4
-    budget = max(get_engine_config().frozen_budget_bytes // max(streams, 1), per_token)
-    return chunk_bounds(num_tokens, per_token, budget_bytes=budget, itemsize=1)
-
-
-_SIDE_STREAMS: dict = {}  # (device index, i) -> torch.cuda.Stream, made once per process
-
-
-def side_streams(device: torch.device, count: int) -> list:
-    """``count`` side streams of the CUDA ``device``, the same ones on every call."""
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    out = []
-    for i in range(count):
-        key = (index, i)
-        if key not in _SIDE_STREAMS:
-            _SIDE_STREAMS[key] = torch.cuda.Stream(device=torch.device("cuda", index))
-        out.append(_SIDE_STREAMS[key])
-    return out
+    return chunk_bounds(num_tokens, per_token, budget_bytes=get_engine_config().frozen_budget_bytes, itemsize=1)
 
 
 def _scale_rows(grad_scale, ts: int, te: int, device, dtype: torch.dtype) -> Tensor:
@@ -156,36 +134,19 @@ def run_online_chunks(weight: Tensor, rows: RowGather, labels_valid: Tensor, bia
     eps = float(opts.get("label_smoothing", 0.0)) if opts["mode"] == "ce" else 0.0
     w_mean = weight.to(torch_stats_dtype(weight.dtype)).mean(0) if eps > 0.0 else None
     need_entropy = bool(opts.get("need_entropy", False))
-    streams = get_engine_config().frozen_streams if weight.device.type == "cuda" else 1
-    chunks = online_token_chunks(V, H, weight.element_size(), labels_valid.shape[0], streams)
+    chunks = online_token_chunks(V, H, weight.element_size(), labels_valid.shape[0])
     if not chunks:
         return
-    streams = min(streams, len(chunks))
     cols = max(v1 - v0 for v0, v1 in blocks)
     rows_max = max(e - s for s, e in chunks)
     stats_dtype = torch_stats_dtype(weight.dtype)  # a float64 run stays float64 end to end
-    main = torch.cuda.current_stream(weight.device) if streams > 1 else None
-    lanes = side_streams(weight.device, streams) if streams > 1 else [None]
-    bufs = []
-    for lane in lanes:  # each stream's buffers from its own pool, used by it alone
-        if lane is not None:
-            lane.wait_stream(main)  # the inputs and the gradient buffer are the main stream's
-        with torch.cuda.stream(lane) if lane is not None else contextlib.nullcontext():
-            bufs.append((torch.empty(rows_max * max(cols, H), dtype=weight.dtype, device=weight.device),
-                         torch.empty(rows_max * H, dtype=stats_dtype, device=weight.device)))
+    buf = torch.empty(rows_max * max(cols, H), dtype=weight.dtype, device=weight.device)
+    acc_buf = torch.empty(rows_max * H, dtype=stats_dtype, device=weight.device)
     with torch.autocast(device_type=weight.device.type, enabled=False):  # the operands are in the compute dtype
-        for i, (ts, te) in enumerate(chunks):
-            lane, (buf, acc_buf) = lanes[i % streams], bufs[i % streams]
-            with torch.cuda.stream(lane) if lane is not None else contextlib.nullcontext():
-                out = grads.hidden.target(ts, te)
-                st = _chunk(weight, rows(ts, te), labels_valid[ts:te], head_blocks, buf, acc_buf, opts,
-                            need_entropy, eps > 0.0, out,
-                            _scale_rows(grad_scale, ts, te, weight.device, stats_dtype), w_mean)
-                grads.hidden.commit(ts, te, out)
+        for ts, te in chunks:
+            out = grads.hidden.target(ts, te)
+            st = _chunk(weight, rows(ts, te), labels_valid[ts:te], head_blocks, buf, acc_buf, opts, need_entropy,
+                        eps > 0.0, out, _scale_rows(grad_scale, ts, te, weight.device, stats_dtype), w_mean)
+            grads.hidden.commit(ts, te, out)
             for k, v in st.items():
-                if lane is not None:  # made on the side stream, read on the main one
-                    v.record_stream(main)
                 parts.setdefault(k, []).append(v)
-    if main is not None:
-        for lane in lanes:
-            main.wait_stream(lane)
