@@ -635,6 +635,9 @@ def run_one(case: Case, provider: str, bank: WeightBank, *, rnd: int, warmup: in
                     from benchmark.memory_peak import stop_recording
 
                     stop_recording()
+            if out_path["syncs"]:
+                res.notes.insert(0, "timed with one step under the CUDA sync debug mode")
+                torch.cuda.set_sync_debug_mode(0)  # never left on after an error in the recorded step
             del trainer, model, ref_model
             free_memory(cuda)
     res.wall_s = time.perf_counter() - t_start

@@ -252,7 +252,7 @@ class TokenDriver:
             if ref is not None:
                 ref = ref.to(self.sdt)
             chunk = TokenChunk(lp, ent, ref, self.index[ts:te], self.seq[ts:te], metrics)
-            loss, metrics = run.objective(chunk)
+            loss, sums = run.objective(chunk)
             if not isinstance(loss, Tensor) or loss.dim() != 0:
                 raise ValueError(f"objective must return a 0-d loss tensor, got "
                                  f"{tuple(loss.shape) if isinstance(loss, Tensor) else type(loss).__name__}")
@@ -267,7 +267,7 @@ class TokenDriver:
         if not metrics:
             return gl, ge
         self.loss = self.loss + loss.detach().to(self.sdt)
-        for k, v in (metrics or {}).items():
+        for k, v in (sums or {}).items():
             v = v.detach()
             self.metric_sums[k] = v if k not in self.metric_sums else self.metric_sums[k] + v
         return gl, ge

@@ -177,3 +177,27 @@ def test_metrics_once_takes_gradients_per_chunk_and_metrics_from_all_tokens(coup
     assert obj.calls == [(n, True, False)]
     assert_close_rel(loss, l0, 1e-12, "no-grad loss")
     assert_close_rel(sums["logp_sum"], -l0 * n, 1e-12, "logp_sum")
+
+
+def test_loss_and_sums_are_counted_by_the_metrics_flag_not_by_the_returned_dict():
+    """The driver adds a call's loss and sums when it asked for them (``chunk.metrics``), whatever
+    the objective returns: a plain callable returning ``{}`` (or None) keeps its loss value, and a
+    ``metrics_once`` objective that returns sums from its gradient-only calls too is counted once
+    (float64, within 1e-12 of ``-sum(logps)``; the token count exact)."""
+    w, h, labels = _case(4)
+    n = int((labels != -100).sum())
+    for empty in ({}, None):
+        loss, sums, stats = fused_linear_token_objective(w, h, labels, lambda c, e=empty: (-c.logps.sum(), e),
+                                                         chunk_tokens=4, impl="torch")
+        assert sums == {}
+        assert_close_rel(loss, -stats.logps.sum(), 1e-12, f"loss with {empty!r} sums")
+
+    class AlwaysSums(TokenObjective):
+        metrics_once = True
+
+        def __call__(self, chunk):
+            return -chunk.logps.sum(), {"tokens": torch.tensor(float(chunk.logps.numel()))}
+
+    loss, sums, stats = fused_linear_token_objective(w, h, labels, AlwaysSums(), chunk_tokens=3, impl="torch")
+    assert float(sums["tokens"]) == n
+    assert_close_rel(loss, -stats.logps.sum(), 1e-12, "metrics_once loss")
