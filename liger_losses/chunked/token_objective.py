@@ -80,7 +80,9 @@ class TokenChunk:
 class TokenObjective(abc.ABC):
     """Base of the per-token objectives: ``__call__(chunk) -> (loss, metric_sums)`` (module
     docstring) and the declared ``coupling`` (class attribute or set per instance; one of
-    :data:`COUPLINGS`), which picks the driver's path."""
+    :data:`COUPLINGS`), which picks the driver's path. ``metrics_once = True`` lets the one-pass
+    driver take only the gradient from the per-chunk calls (``chunk.metrics`` False: the objective
+    may skip its metric ops) and the loss value and metrics from one no-grad call on every token."""
 
     coupling: str = "token"
     # True: in one pass, per-chunk calls get chunk.metrics=False (their loss share is only
