@@ -41,6 +41,7 @@ from liger_losses.kernels.utils import (
     check_tensor,
     device_ctx,
     import_triton,
+    is_compiling,
     next_power_of_2,
     resolve_impl,
     triton_interpret,
@@ -423,9 +424,13 @@ def logits_tile(
     lab = labels.contiguous()
     dev = logits.device
     # the per-row statistics share one allocation (host time: one allocator call, not five), and
-    # the argmax hits are written as bytes straight into a bool tensor (no conversion launch)
+    # the argmax hits are written as bytes straight into a bool tensor (no conversion launch);
+    # under torch.compile into int8, converted after the launch: Inductor cannot lower a bool
+    # tensor's dtype view (InductorError "torch.bool is not supported by torch.iinfo" on the H200)
     loss, lse, logp, lsum, ent = torch.empty((5, n), dtype=torch.float32, device=dev).unbind(0)
-    correct = torch.empty(n, dtype=torch.bool, device=dev)
+    compiling = is_compiling()
+    correct = torch.empty(n, dtype=torch.int8 if compiling else torch.bool, device=dev)
+    hits = correct if compiling else correct.view(torch.int8)
     cw_arg = cw.float().contiguous() if cw is not None else loss
     scale_ptr = grad_scale if per_row else loss
     scale_value = 0.0 if per_row else float(grad_scale)
@@ -435,7 +440,7 @@ def logits_tile(
     with device_ctx(x):  # Triton launches on the current GPU
         _logits_tile_kernel[(n,)](
             x, x.stride(0), g, g.stride(0), lab, scale_ptr, scale_stride, scale_value, cw_arg,
-            loss, lse, logp, ent, correct.view(torch.int8), lsum,
+            loss, lse, logp, ent, hits, lsum,
             V, int(ignore_index), float(logit_scale), 1.0 / float(temperature),
             float(softcap) if softcap is not None else 1.0, eps, z_w,
             MODE_CE=mode_ce, WRITE_GRAD=bool(grad), SCALE_PER_ROW=per_row,
@@ -444,5 +449,5 @@ def logits_tile(
             STAGES1=knobs.pass1_stages, STAGES2=knobs.pass2_stages, REVERSED=knobs.pass2_reversed,
             num_warps=warps, **({} if knobs.maxnreg is None else {"maxnreg": knobs.maxnreg}),
         )
-    return TileStats(loss, lse, logp, ent if need_entropy else None, correct,
+    return TileStats(loss, lse, logp, ent if need_entropy else None, correct.bool() if compiling else correct,
                      lsum if need_logits_sum else None)

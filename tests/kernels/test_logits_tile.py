@@ -146,6 +146,21 @@ def test_no_grad_mode_keeps_tile(impl):
     assert_close_rel(st.logp, ref["logp"], TOL[torch.float32], "logp")
 
 
+def test_argmax_hits_while_torch_compile_traces(monkeypatch):
+    """While torch.compile traces, the Triton path writes the argmax hits into int8 and returns
+    them converted (Inductor cannot lower a bool tensor's dtype view): the same bool tensor and
+    the same statistics as the eager path's view (exact)."""
+    import liger_losses.kernels.logits_tile as lt
+
+    x, labels = _inputs(6, 300)
+    labels[0], labels[2] = x[0].argmax(), x[2].argmax()  # two hits among misses and an ignored row
+    eager = logits_tile(x.clone(), labels, mode="ce", grad=False, impl="triton")
+    monkeypatch.setattr(lt, "is_compiling", lambda: True)
+    traced = logits_tile(x.clone(), labels, mode="ce", grad=False, impl="triton")
+    assert traced.correct.dtype == torch.bool and torch.equal(traced.correct, eager.correct)
+    assert eager.correct.any() and torch.equal(traced.loss, eager.loss)
+
+
 @pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("mode", ["ce", "logp"])
 def test_out_buffer_and_no_logits_sum(impl, mode):

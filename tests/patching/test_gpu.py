@@ -90,3 +90,31 @@ def test_fused_loss_does_not_hold_logits():
     logits_bytes = 4 * 1024 * 32768 * 2
     assert hf_peak > logits_bytes
     assert our_peak < hf_peak / 2, (our_peak, hf_peak)
+
+
+@pytest.mark.xfail(strict=False, reason=(
+    "on the H200 the compiled step failed in Inductor's lowering of logits_tile's bool dtype view "
+    "(InductorError: torch.bool is not supported by torch.iinfo); the tile now writes int8 while "
+    "torch.compile traces (tests/kernels/test_logits_tile.py), not yet run here after that: an XPASS "
+    "means the mark can go"))
+@pytest.mark.parametrize("model_type", ["llama", "qwen3"])
+def test_bf16_patched_model_under_torch_compile(model_type):
+    """A patched bf16 model wrapped in ``torch.compile`` (what ``TrainingArguments(torch_compile=True)``
+    does) trains: its loss and every parameter gradient equal the same patched model's in eager mode
+    within 1e-2 relative (bf16: compiled graphs fuse and reorder the surrounding PyTorch ops; our
+    kernels are traced as their Triton launches, the fused loss's host read is a graph break)."""
+    import torch._dynamo
+
+    torch._dynamo.reset()
+    overrides = dict(SIZES)
+    model = tiny_model(model_type, dtype=torch.bfloat16, device="cuda", **overrides)
+    apply_liger_kernels(model)
+    batch = {k: v.cuda() for k, v in tiny_batch(model.config, batch=2, seq=64, device="cpu").items()}
+    out, grads = loss_and_grads(model, batch)
+    compiled = torch.compile(model)
+    for _ in range(2):  # the second call runs the compiled graphs as they were built
+        c_out, c_grads = loss_and_grads(compiled, batch)
+    assert rel_err(c_out.loss.float(), out.loss.float()) <= BF16, (c_out.loss, out.loss)
+    assert c_grads.keys() == grads.keys()
+    for name, g in grads.items():
+        assert rel_err(c_grads[name].float(), g.float()) <= max(BF16, 1e-2), name
