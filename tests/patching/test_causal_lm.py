@@ -137,3 +137,31 @@ def test_fused_loss_with_head_bias():
     want = F.cross_entropy(logits.reshape(-1, 128), labels[:, 1:].reshape(-1))
     got = causal_lm_fused_loss(model, hidden, labels)
     assert_close_rel(got, want, FP32, "loss with bias")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model_type", ["llama", "qwen3"])
+def test_patched_model_traces_under_torch_compile(model_type, monkeypatch):
+    """A patched model wrapped in ``torch.compile`` (``aot_eager``: Dynamo and AOTAutograd trace it,
+    no code generation, so no compiler is needed on the CPU) gives the eager loss and gradients
+    exactly: the fused loss's Python (its host read a graph break) and the layers' PyTorch paths
+    trace as they run. Without the Triton interpreter (which Dynamo would trace into) the kernels
+    take their PyTorch fallbacks on the CPU; the Triton paths under Inductor are
+    tests/patching/test_gpu.py's."""
+    import torch._dynamo
+
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = tiny_model(model_type, hidden_size=64, intermediate_size=128, vocab_size=128, num_attention_heads=4,
+                       num_key_value_heads=2, head_dim=16, max_position_embeddings=64)
+    apply_liger_kernels(model)
+    batch = tiny_batch(model.config, batch=2, seq=16)
+    out, grads = loss_and_grads(model, batch)
+    c_out, c_grads = loss_and_grads(torch.compile(model, backend="aot_eager"), batch)
+    c_grads = {name.removeprefix("_orig_mod."): g for name, g in c_grads.items()}
+    assert torch.equal(c_out.loss, out.loss)
+    assert c_grads.keys() == grads.keys()
+    for name, g in grads.items():
+        assert torch.equal(c_grads[name], g), name
+    torch._dynamo.reset()
