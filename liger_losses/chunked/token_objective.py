@@ -345,10 +345,14 @@ class TokenDriver:
             del tile
 
     def cat(self, key) -> Optional[Tensor]:
+        """The kept ``key`` statistics of every chunk as one tensor, concatenated once (the
+        metrics-once call and :meth:`stats` both read them)."""
         parts = self.parts[key]
         if not parts or parts[0] is None:
             return None
-        return torch.cat(parts)
+        if len(parts) > 1:
+            parts[:] = [torch.cat(parts)]
+        return parts[0]
 
     def stats(self) -> TokenStats:
         e = torch.zeros(0, dtype=self.sdt, device=self.dev)

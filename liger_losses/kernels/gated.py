@@ -227,21 +227,25 @@ def writes_grads_inplace(inplace_backward: bool, gate, a2, up=None, b2=None) -> 
             and gate.untyped_storage().data_ptr() != up.untyped_storage().data_ptr())
 
 
+def _operands(gate, up):
+    """``(a, b, launch)``: gate and up as the kernels see them -- themselves, launched as one flat
+    row (:func:`launch_flat`), when both are contiguous; else their 2-D views (:func:`launch_rows`)."""
+    if gate.is_contiguous() and up.is_contiguous():
+        return gate, up, launch_flat
+    return rows_view(gate), rows_view(up), launch_rows
+
+
 def gated_forward(ctx, gate, up, inplace_backward, kernel, knobs, **constexprs) -> torch.Tensor:
     """Autograd forward: ``kernel`` over gate and up (one flat row when both are contiguous, else
     their 2-D views, :func:`launch_rows`) into an output made in gate's shape (returned as is, not
     as a view made here, so callers may modify it in place); saves gate and up and whether the
     backward may write into their buffers."""
     out = torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)
-    if gate.is_contiguous() and up.is_contiguous():
-        if out.numel():
-            launch_flat(kernel, (gate, up, out), knobs, **constexprs)
-        ctx.inplace = writes_grads_inplace(inplace_backward, gate, None, up, None)
-    else:
-        a2, b2 = rows_view(gate), rows_view(up)
-        if out.numel():
-            launch_rows(kernel, (a2, b2, out.view(a2.shape)), knobs, **constexprs)
-        ctx.inplace = writes_grads_inplace(inplace_backward, gate, a2, up, b2)
+    a, b, launch = _operands(gate, up)
+    flat = a is gate
+    if out.numel():
+        launch(kernel, (a, b, out if flat else out.view(a.shape)), knobs, **constexprs)
+    ctx.inplace = writes_grads_inplace(inplace_backward, gate, None if flat else a, up, None if flat else b)
     ctx.save_for_backward(gate, up)
     return out
 
@@ -271,22 +275,18 @@ def gated_backward(ctx, grad_out, kernel, knobs, **constexprs) -> tuple[torch.Te
     (the first one overwrote gate and up)."""
     guard_second_backward(ctx)
     gate, up = ctx.saved_tensors
-    if gate.is_contiguous() and up.is_contiguous():
-        dc = grad_out.contiguous()
-        da, db = (gate, up) if ctx.inplace else (torch.empty_like(gate), torch.empty_like(up))
-        if da.numel():
-            launch_flat(kernel, (dc, gate, up, da, db), knobs, **constexprs)
+    a, b, launch = _operands(gate, up)
+    flat = a is gate
+    dc = grad_out.contiguous() if flat else grad_out.contiguous().view(a.shape)
+    if ctx.inplace:
+        da, db = a, b
     else:
-        a2, b2 = rows_view(gate), rows_view(up)
-        dc2 = grad_out.contiguous().view(a2.shape)
-        if ctx.inplace:
-            da2, db2 = a2, b2
-        else:
-            da2 = torch.empty(a2.shape, dtype=gate.dtype, device=gate.device)
-            db2 = torch.empty(b2.shape, dtype=up.dtype, device=up.device)
-        if da2.numel():
-            launch_rows(kernel, (dc2, a2, b2, da2, db2), knobs, **constexprs)
-        da, db = da2.view(gate.shape), db2.view(up.shape)
+        da = torch.empty(a.shape, dtype=gate.dtype, device=gate.device)
+        db = torch.empty(b.shape, dtype=up.dtype, device=up.device)
+    if da.numel():
+        launch(kernel, (dc, a, b, da, db), knobs, **constexprs)
+    if not flat:
+        da, db = da.view(gate.shape), db.view(up.shape)
     if ctx.inplace:
         # Anyone else who saved gate/up now gets a loud version-counter error, not wrong grads.
         torch.autograd.graph.increment_version(gate)

@@ -352,8 +352,7 @@ class RoPEInplaceFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, qc, kc, cos, sin, q_geom, k_geom, head_axis, inplace_backward=False, repeat=False):
         # the carriers seen with q's and k's geometry (offset 0, see carrier_of), without the views
-        q_shape, q_stride = (qc.shape, qc.stride()) if q_geom is None else q_geom[:2]
-        k_shape, k_stride = (kc.shape, kc.stride()) if k_geom is None else k_geom[:2]
+        (q_shape, q_stride), (k_shape, k_stride) = _geometry(qc, q_geom), _geometry(kc, k_geom)
         _launch_geometry(qc, kc, qc, kc, q_shape, k_shape, q_stride, k_stride, q_stride, k_stride,
                          cos, sin, head_axis, False, False, repeat)
         ctx.repeat = repeat
