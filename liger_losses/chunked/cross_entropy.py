@@ -32,7 +32,7 @@ from liger_losses.chunked.output import LossOutput
 from liger_losses.chunked.token_passes import RecomputedTokenFunction, TokenPass, TokenPassResult, run_token_tiles
 from liger_losses.chunked.tokens import grad_like
 from liger_losses.chunked.weights import head_in_dtype
-from liger_losses.kernels.utils import check_choice
+from liger_losses.kernels.utils import check_choice, eager_under_compile
 
 REDUCTIONS = ("mean", "sum", "none")
 
@@ -172,6 +172,7 @@ def run_cross_entropy(weight, hidden, labels, *, head: HeadOptions, options: Cro
     return LossOutput(loss, metrics)
 
 
+@eager_under_compile
 def fused_linear_cross_entropy(
     weight: Tensor,
     hidden: Tensor,

@@ -71,7 +71,7 @@ from liger_losses.kernels.divergence_tile import (
     check_topk,
     divergence_tile,
 )
-from liger_losses.kernels.utils import check_choice, check_same_device, check_tensor
+from liger_losses.kernels.utils import check_choice, check_same_device, check_tensor, eager_under_compile
 
 REDUCTIONS = ("batchmean", "mean", "sum")
 
@@ -355,6 +355,7 @@ def run_distillation(weight, hidden, teacher_hidden, labels, *, head: HeadOption
     return LossOutput(loss, metrics)
 
 
+@eager_under_compile
 def fused_linear_distillation_loss(
     weight: Tensor,
     hidden: Tensor,

@@ -86,7 +86,7 @@ from liger_losses.chunked.options import HeadOptions, check_head_inputs
 from liger_losses.chunked.output import LossOutput
 from liger_losses.chunked.token_objective import run_token_objective
 from liger_losses.kernels.logits_tile import torch_stats_dtype
-from liger_losses.kernels.utils import check_same_device, check_tensor
+from liger_losses.kernels.utils import check_same_device, check_tensor, eager_under_compile
 
 # metric keys -> the names TRL 1.16's GRPOTrainer logs them under
 TRL_METRIC_NAMES = {
@@ -198,6 +198,7 @@ def grpo_head_options(*, temperature: float = 1.0, ignore_index: int = -100, sof
                        chunk_tokens=chunk_tokens, accum_dtype=accum_dtype, impl=impl, need_entropy=True)
 
 
+@eager_under_compile
 def fused_linear_grpo_loss(
     weight: Tensor,
     hidden: Tensor,

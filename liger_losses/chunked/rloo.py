@@ -28,7 +28,7 @@ from liger_losses.chunked.options import HeadOptions, check_head_inputs, check_r
 from liger_losses.chunked.output import LossOutput
 from liger_losses.chunked.token_objective import TokenChunk, TokenObjective, run_token_objective
 from liger_losses.kernels.logits_tile import torch_stats_dtype
-from liger_losses.kernels.utils import check_same_device, check_tensor
+from liger_losses.kernels.utils import check_same_device, check_tensor, eager_under_compile
 
 RLOO_TRL_METRIC_NAMES = {
     "entropy": "entropy",
@@ -120,6 +120,7 @@ def run_rloo(weight: Tensor, hidden: Tensor, labels: Tensor, *, head: HeadOption
     return LossOutput(loss, metrics)
 
 
+@eager_under_compile
 def fused_linear_rloo_loss(
     weight: Tensor,
     hidden: Tensor,

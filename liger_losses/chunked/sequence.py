@@ -31,7 +31,7 @@ from liger_losses.chunked.options import HeadOptions, check_head_inputs, check_l
 from liger_losses.chunked.planning import plan_sequence_passes
 from liger_losses.chunked.sequence_accumulator import SequenceAccumulator, SequenceCall
 from liger_losses.chunked.tokens import grad_like
-from liger_losses.kernels.utils import check_last_dim, check_same_device, check_tensor
+from liger_losses.kernels.utils import check_last_dim, check_same_device, check_tensor, eager_under_compile
 
 __all__ = [
     "Objective",
@@ -207,6 +207,7 @@ def run_sequence_objective(
     return loss, result.metrics, result.stats
 
 
+@eager_under_compile
 def fused_linear_sequence_objective(
     weight: Tensor,
     hidden: Tensor,

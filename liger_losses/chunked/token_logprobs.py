@@ -27,8 +27,10 @@ from liger_losses.chunked.token_passes import (
     TokenPassResult,
     scatter_token_values,
 )
+from liger_losses.kernels.utils import eager_under_compile
 
 
+@eager_under_compile
 def fused_linear_token_logprobs(
     weight: Tensor,
     hidden: Tensor,

@@ -44,6 +44,7 @@ from liger_losses.kernels.utils import (
     check_range,
     check_same_device,
     check_tensor,
+    eager_under_compile,
     finish_label_check,
     needs_input_grads,
     owns_buffer,
@@ -113,6 +114,7 @@ class _CrossEntropyFunction(torch.autograd.Function):
         return buf.view(ctx.shape), None, None, None, None
 
 
+@eager_under_compile
 def cross_entropy(
     logits: Tensor,
     labels: Tensor,

@@ -111,7 +111,7 @@ def _output_class(moe: bool):
 
 def _build_output(base_outputs, loss, *, moe: bool = False, aux_loss=None):
     cls = _output_class(moe)
-    names = {f.name for f in dataclasses.fields(cls)}
+    names = cls.__dataclass_fields__  # not dataclasses.fields(): torch.compile breaks its graph there
     fields = dict(loss=loss, logits=None)
     for cache_name in ("cache", "past_key_values"):
         if cache_name in names:

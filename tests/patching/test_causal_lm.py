@@ -144,14 +144,16 @@ def test_fused_loss_with_head_bias():
 def test_patched_model_traces_under_torch_compile(model_type, monkeypatch):
     """A patched model wrapped in ``torch.compile`` (``aot_eager``: Dynamo and AOTAutograd trace it,
     no code generation, so no compiler is needed on the CPU) gives the eager loss and gradients
-    exactly: the fused loss's Python (its host read a graph break) and the layers' PyTorch paths
-    trace as they run. Without the Triton interpreter (which Dynamo would trace into) the kernels
-    take their PyTorch fallbacks on the CPU; the Triton paths under Inductor are
+    exactly, in two graphs: the backbone's (the layers trace their PyTorch paths while compiling,
+    as on a GPU) and the output's, split by one graph break, the fused loss, which runs eagerly
+    (``kernels.utils.eager_under_compile``). The compiled kernels on a GPU are
     tests/patching/test_gpu.py's."""
     import torch._dynamo
+    from torch._dynamo.utils import counters
 
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     torch._dynamo.reset()
+    counters.clear()
     torch.manual_seed(0)
     model = tiny_model(model_type, hidden_size=64, intermediate_size=128, vocab_size=128, num_attention_heads=4,
                        num_key_value_heads=2, head_dim=16, max_position_embeddings=64)
@@ -160,6 +162,13 @@ def test_patched_model_traces_under_torch_compile(model_type, monkeypatch):
     out, grads = loss_and_grads(model, batch)
     c_out, c_grads = loss_and_grads(torch.compile(model, backend="aot_eager"), batch)
     c_grads = {name.removeprefix("_orig_mod."): g for name, g in c_grads.items()}
+    assert counters["stats"]["unique_graphs"] == 2, dict(counters["stats"])
+    # the disabled loss; in the first trace also the making of its disabled wrapper, when
+    # liger_losses was imported before torch._dynamo (eager_under_compile's docstring)
+    reasons = {reason.splitlines()[0] for reason in counters["graph_break"]}
+    assert "Skip calling `torch.compiler.disable()`d function" in reasons, reasons
+    assert reasons <= {"Skip calling `torch.compiler.disable()`d function",
+                       "Attempted to call function marked as skipped"}, reasons
     assert torch.equal(c_out.loss, out.loss)
     assert c_grads.keys() == grads.keys()
     for name, g in grads.items():

@@ -30,7 +30,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from ...kernels.utils import check_choice
+from ...kernels.utils import check_choice, eager_under_compile
 from ..objective import Objective
 from ..options import HeadOptions, check_real, set_fields
 from ..output import LossOutput
@@ -179,6 +179,7 @@ def run_cpo(weight, hidden, labels, *, head: HeadOptions, options: CPOOptions, b
                                         alpha=o.alpha))
 
 
+@eager_under_compile
 def fused_linear_cpo_loss(
     weight: torch.Tensor,
     hidden: torch.Tensor,
@@ -208,6 +209,7 @@ def fused_linear_cpo_loss(
     return run_cpo(weight, hidden, labels, head=head, options=options, bias=bias)
 
 
+@eager_under_compile
 def fused_linear_simpo_loss(
     weight: torch.Tensor,
     hidden: torch.Tensor,

@@ -32,7 +32,7 @@ from typing import Optional, Sequence
 import torch
 import torch.nn.functional as F
 
-from ...kernels.utils import check_choice
+from ...kernels.utils import check_choice, eager_under_compile
 from ..module import ChunkedLossModule
 from ..objective import Objective
 from ..options import HeadOptions, check_flag, check_real, set_fields
@@ -420,6 +420,7 @@ def run_dpo(weight, hidden, ref_hidden, labels, *, head: HeadOptions, options: D
     return LossOutput(loss, dpo_metrics(stats, beta=options.beta))
 
 
+@eager_under_compile
 def fused_linear_dpo_loss(
     weight: torch.Tensor,
     hidden: torch.Tensor,

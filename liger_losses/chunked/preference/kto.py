@@ -29,7 +29,7 @@ from typing import Optional
 
 import torch
 
-from ...kernels.utils import check_choice, check_tensor
+from ...kernels.utils import check_choice, check_tensor, eager_under_compile
 from ..module import ChunkedLossModule
 from ..objective import Objective
 from ..options import HeadOptions, check_real, set_fields
@@ -254,6 +254,7 @@ def run_kto(weight, hidden, ref_hidden, labels, *, head: HeadOptions, options: K
     return LossOutput(loss, kto_metrics(stats, preference_labels, kl_value, beta=options.beta))
 
 
+@eager_under_compile
 def fused_linear_kto_loss(
     weight: torch.Tensor,
     hidden: torch.Tensor,

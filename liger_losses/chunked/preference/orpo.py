@@ -31,6 +31,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
+from ...kernels.utils import eager_under_compile
 from ..objective import Objective
 from ..options import HeadOptions, check_real, set_fields
 from ..output import LossOutput
@@ -137,6 +138,7 @@ def run_orpo(weight, hidden, labels, *, head: HeadOptions, options: ORPOOptions,
     return LossOutput(loss, orpo_metrics(stats, beta=options.beta))
 
 
+@eager_under_compile
 def fused_linear_orpo_loss(
     weight: torch.Tensor,
     hidden: torch.Tensor,
