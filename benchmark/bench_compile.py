@@ -1,0 +1,124 @@
+"""A patched model under ``torch.compile``: one forward + backward step, eager and compiled.
+
+What a user gets from ``torch.compile(model)`` (or ``TrainingArguments(torch_compile=True)``) on a
+patched model: while Dynamo traces, the layers' ``impl="auto"`` takes the PyTorch path, so Inductor
+generates and fuses them (``kernels.utils.resolve_impl``), and the fused loss runs eagerly behind one
+graph break (``kernels.utils.eager_under_compile``), so the ``[tokens, vocab]`` logits still never
+exist. Compared side by side in one process:
+
+    hf              Hugging Face's model, eager (logits materialized, HF's loss)
+    hf-compiled     the same under ``torch.compile`` (Inductor, default mode)
+    ours            ``apply_liger_kernels(model)``, eager (our Triton layers and fused loss)
+    ours-compiled   the patched model under ``torch.compile``
+    liger           liger-kernel 0.8.5 ``_apply_liger_kernel_to_instance``, eager (skipped if absent)
+    liger-compiled  that under ``torch.compile``
+
+One step = ``model(**batch).loss.backward()`` after ``zero_grad(set_to_none=True)``, bf16 weights,
+random init (``benchmark.trainer_data``), sdpa attention, no gradient checkpointing; time = median of
+``triton.testing.do_bench`` (wall time of the eager call, host work included), memory = peak above
+the model and batch (MiB: activations, gradients, the loss). The first compiled call (tracing and code
+generation) is reported as ``compile_s``. Layers are cut to ``--layers`` (default 4) so that compiling
+fits the device budget; per-layer costs are what the ratios compare.
+
+Usage (GPU): ``python -m benchmark.bench_compile [--cases llama1b,qwen3-1.7b] [--layers 4]
+[--batch 4] [--seq 2048]`` -> ``compile.csv`` / ``compile.png`` in $BENCH_OUT or benchmark/results/.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import time
+
+import torch
+
+from benchmark import trainer_data as data
+from benchmark.common import Row, measure, write_results
+
+PROVIDERS = ("hf", "hf-compiled", "ours", "ours-compiled", "liger", "liger-compiled")
+# case name -> family key of benchmark.trainer_data.SHAPES
+CASES = {"llama1b": "llama3.2-1b", "qwen1.5b": "qwen2.5-1.5b", "gemma3-1b": "gemma3-1b"}
+
+
+def _patched(model, provider: str):
+    if provider.startswith("ours"):
+        from liger_losses.patching import apply_liger_kernels
+
+        apply_liger_kernels(model)
+    elif provider.startswith("liger"):
+        from liger_kernel.transformers import _apply_liger_kernel_to_instance
+
+        _apply_liger_kernel_to_instance(model=model)
+    return model
+
+
+def _batch(vocab: int, batch: int, seq: int) -> dict:
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(3, vocab, (batch, seq), generator=gen).cuda()
+    return dict(input_ids=ids, attention_mask=torch.ones_like(ids), labels=ids.clone())
+
+
+def run_case(name: str, *, layers: int, batch: int, seq: int, providers) -> list[Row]:
+    shape = data.SHAPES[CASES[name]]
+    base = data.build_model(shape, device="cuda", dtype=torch.bfloat16, seed=0, layers=layers)
+    base.train()
+    inputs = _batch(base.config.vocab_size, batch, seq)
+    rows = []
+    for provider in providers:
+        import torch._dynamo
+
+        torch._dynamo.reset()
+        try:
+            model = _patched(copy.deepcopy(base), provider)
+        except ImportError as exc:
+            rows.append(Row("compile", name, "full", provider, float("nan"), float("nan"), error=f"skipped: {exc}"))
+            continue
+        run = torch.compile(model) if provider.endswith("-compiled") else model
+
+        def step():
+            model.zero_grad(set_to_none=True)
+            loss = run(**inputs).loss
+            loss.backward()
+            return loss
+
+        start = time.perf_counter()
+        try:
+            first_loss = float(step())
+            torch.cuda.synchronize()
+            compile_s = time.perf_counter() - start
+        except Exception as exc:  # noqa: BLE001 - a provider failing to compile must not stop the table
+            rows.append(Row("compile", name, "full", provider, float("nan"), float("nan"),
+                            error=f"{type(exc).__name__}: {str(exc)[:160]}"))
+            del model, run
+            continue
+        m = measure(step, warmup=5, rep=30, graph=False)
+        rows.append(Row("compile", name, "full", provider, m.ms, m.peak_mib, error=m.error,
+                        extra=dict(layers=layers, tokens=batch * seq, loss=round(first_loss, 5),
+                                   compile_s=round(compile_s, 1))))
+        print(rows[-1].as_dict(), flush=True)
+        del model, run
+        torch.cuda.empty_cache()
+    eager = {r.provider: r.ms for r in rows}
+    for r in rows:
+        r.extra["vs_hf_compiled"] = round(eager.get("hf-compiled", float("nan")) / r.ms, 3) if r.ms == r.ms else ""
+    return rows
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--cases", default="llama1b,qwen1.5b")
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--batch", type=int, default=4)
+    p.add_argument("--seq", type=int, default=2048)
+    p.add_argument("--providers", default=",".join(PROVIDERS))
+    args = p.parse_args(argv)
+    rows = []
+    for name in args.cases.split(","):
+        rows += run_case(name, layers=args.layers, batch=args.batch, seq=args.seq,
+                         providers=args.providers.split(","))
+    write_results("compile", rows)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
