@@ -31,6 +31,7 @@ import copy
 import time
 
 import torch
+import torch._dynamo
 
 from benchmark import trainer_data as data
 from benchmark.common import Row, measure, write_results
@@ -58,46 +59,42 @@ def _batch(vocab: int, batch: int, seq: int) -> dict:
     return dict(input_ids=ids, attention_mask=torch.ones_like(ids), labels=ids.clone())
 
 
+def run_provider(name: str, provider: str, base, inputs: dict, *, layers: int) -> Row:
+    torch._dynamo.reset()
+    try:
+        model = _patched(copy.deepcopy(base), provider)
+    except ImportError as exc:
+        return Row("compile", name, "full", provider, float("nan"), float("nan"), error=f"skipped: {exc}")
+    run = torch.compile(model) if provider.endswith("-compiled") else model
+
+    def step():
+        model.zero_grad(set_to_none=True)
+        loss = run(**inputs).loss
+        loss.backward()
+        return loss
+
+    start = time.perf_counter()
+    try:
+        first_loss = float(step())
+        torch.cuda.synchronize()
+        compile_s = time.perf_counter() - start
+    except Exception as exc:  # noqa: BLE001 - a provider failing to compile must not stop the table
+        return Row("compile", name, "full", provider, float("nan"), float("nan"),
+                   error=f"{type(exc).__name__}: {str(exc)[:160]}")
+    m = measure(step, warmup=5, rep=30, graph=False)
+    tokens = inputs["input_ids"].numel()
+    row = Row("compile", name, "full", provider, m.ms, m.peak_mib, error=m.error,
+              extra=dict(layers=layers, tokens=tokens, loss=round(first_loss, 5), compile_s=round(compile_s, 1)))
+    print(row.as_dict(), flush=True)
+    return row
+
+
 def run_case(name: str, *, layers: int, batch: int, seq: int, providers) -> list[Row]:
     shape = data.SHAPES[CASES[name]]
     base = data.build_model(shape, device="cuda", dtype=torch.bfloat16, seed=0, layers=layers)
     base.train()
     inputs = _batch(base.config.vocab_size, batch, seq)
-    rows = []
-    for provider in providers:
-        import torch._dynamo
-
-        torch._dynamo.reset()
-        try:
-            model = _patched(copy.deepcopy(base), provider)
-        except ImportError as exc:
-            rows.append(Row("compile", name, "full", provider, float("nan"), float("nan"), error=f"skipped: {exc}"))
-            continue
-        run = torch.compile(model) if provider.endswith("-compiled") else model
-
-        def step():
-            model.zero_grad(set_to_none=True)
-            loss = run(**inputs).loss
-            loss.backward()
-            return loss
-
-        start = time.perf_counter()
-        try:
-            first_loss = float(step())
-            torch.cuda.synchronize()
-            compile_s = time.perf_counter() - start
-        except Exception as exc:  # noqa: BLE001 - a provider failing to compile must not stop the table
-            rows.append(Row("compile", name, "full", provider, float("nan"), float("nan"),
-                            error=f"{type(exc).__name__}: {str(exc)[:160]}"))
-            del model, run
-            continue
-        m = measure(step, warmup=5, rep=30, graph=False)
-        rows.append(Row("compile", name, "full", provider, m.ms, m.peak_mib, error=m.error,
-                        extra=dict(layers=layers, tokens=batch * seq, loss=round(first_loss, 5),
-                                   compile_s=round(compile_s, 1))))
-        print(rows[-1].as_dict(), flush=True)
-        del model, run
-        torch.cuda.empty_cache()
+    rows = [run_provider(name, provider, base, inputs, layers=layers) for provider in providers]
     eager = {r.provider: r.ms for r in rows}
     for r in rows:
         r.extra["vs_hf_compiled"] = round(eager.get("hf-compiled", float("nan")) / r.ms, 3) if r.ms == r.ms else ""
