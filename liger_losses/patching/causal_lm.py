@@ -40,7 +40,6 @@ The loss is float32, as in Hugging Face (which upcasts the logits to float first
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Callable, Optional
 
 import torch

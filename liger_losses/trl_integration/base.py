@@ -50,6 +50,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import inspect
+import sys
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 import torch
@@ -99,9 +100,20 @@ def innermost_module(model: nn.Module, *, max_depth: int = 8) -> nn.Module:
     return model
 
 
+def compiled_module(model: nn.Module) -> Optional[nn.Module]:
+    """``model`` when it is a ``torch.compile`` wrapper (``OptimizedModule``: what accelerate makes of a
+    prepared model under ``torch_compile=True``), else None. ``torch._dynamo`` is not imported for it: a
+    compiled module exists only once it is."""
+    dynamo = sys.modules.get("torch._dynamo")
+    wrapper = getattr(getattr(dynamo, "eval_frame", None), "OptimizedModule", None)
+    return model if wrapper is not None and isinstance(model, wrapper) else None
+
+
 def unwrap_causal_lm(model: nn.Module) -> nn.Module:
-    """The Hugging Face ``...ForCausalLM`` inside ``model``: through DDP/FSDP/DeepSpeed (``.module``)
-    and PEFT (``get_base_model()``) wrappers."""
+    """The Hugging Face ``...ForCausalLM`` inside ``model``: through ``torch.compile``'s (``_orig_mod``),
+    DDP/FSDP/DeepSpeed (``.module``) and PEFT (``get_base_model()``) wrappers."""
+    if compiled_module(model) is not None:
+        model = model._orig_mod
     model = innermost_module(model)
     if is_peft_model(model):
         model = model.get_base_model()
@@ -396,10 +408,25 @@ class LigerTrainerMixin:
 
     # -- running the model
 
+    def _liger_backbone(self, model: nn.Module) -> nn.Module:
+        """``model``'s backbone, to be called. When the trainer compiled ``model`` (``torch_compile=True``:
+        accelerate wraps the prepared model in ``torch.compile``), the backbone is compiled with the same
+        options, once per backbone. TRL's step then runs a compiled model, and ours a compiled backbone
+        with the fused loss eagerly after it. Calling the wrapper's inner module alone would run eagerly."""
+        backbone = backbone_of(unwrap_causal_lm(model))
+        if compiled_module(model) is None:
+            return backbone
+        cache = self.__dict__.setdefault("_liger_compiled_backbones", {})
+        entry = cache.get(id(backbone))
+        if entry is None or entry[0] is not backbone:
+            plugin = getattr(getattr(getattr(self, "accelerator", None), "state", None), "dynamo_plugin", None)
+            options = plugin.to_kwargs() if plugin is not None else {}
+            entry = cache[id(backbone)] = (backbone, torch.compile(backbone, **options))
+        return entry[1]
+
     def _liger_backbone_hidden(self, model: nn.Module, model_kwargs: Dict[str, Any]) -> torch.Tensor:
         """Last hidden states [B, T, H] of ``model``'s backbone (no LM head)."""
-        backbone = backbone_of(unwrap_causal_lm(model))
-        return backbone(**model_kwargs).last_hidden_state
+        return self._liger_backbone(model)(**model_kwargs).last_hidden_state
 
     def _liger_run(self, model: nn.Module, fn: Callable[..., Any], *args, **kwargs) -> Any:
         """``fn(*args, **kwargs)`` run as ``model``'s forward, in the context TRL's ``model(...)`` call has.
@@ -412,6 +439,8 @@ class LigerTrainerMixin:
         head that FSDP2 shards in a group of its own, that group's hooks (``run_with_head_params``: ``fn`` runs as
         the head's forward too, so the head is unsharded while ``fn`` reads it and its gradient is reduced).
         """
+        if compiled_module(model) is not None:  # its hooks are the inner modules'; the backbone is compiled
+            model = model._orig_mod
         autocast = forward_autocast(model, getattr(self, "accelerator", None))
         get_head = getattr(unwrap_causal_lm(model), "get_output_embeddings", None)
         head = get_head() if callable(get_head) else None

@@ -33,9 +33,12 @@ def router_aux_loss(model: nn.Module, router_logits, attention_mask) -> torch.Te
     )
 
 
-def backbone_hidden_and_router_aux(model: nn.Module, model_kwargs: Dict[str, Any]) -> Tuple[torch.Tensor, torch.Tensor]:
-    """``(last hidden states [B, T, H], aux_loss)`` of ``model``'s backbone run with its router logits."""
-    outputs = backbone_of(unwrap_causal_lm(model))(**model_kwargs, output_router_logits=True)
+def backbone_hidden_and_router_aux(model: nn.Module, model_kwargs: Dict[str, Any], *,
+                                   backbone: Optional[nn.Module] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+    """``(last hidden states [B, T, H], aux_loss)`` of ``model``'s backbone run with its router logits
+    (``backbone``: the one to call, e.g. the trainer's compiled one; default ``model``'s own)."""
+    backbone = backbone_of(unwrap_causal_lm(model)) if backbone is None else backbone
+    outputs = backbone(**model_kwargs, output_router_logits=True)
     aux = router_aux_loss(model, outputs.router_logits, model_kwargs.get("attention_mask"))
     return outputs.last_hidden_state, aux
 
@@ -46,7 +49,7 @@ def policy_hidden_and_router_aux(trainer, model: nn.Module, model_kwargs: Dict[s
     served (``enabled``, default TRL's rule ``trainer.aux_loss_enabled``), else the trainer's plain backbone
     forward (no router logits asked for)."""
     if trainer.aux_loss_enabled if enabled is None else enabled:
-        return backbone_hidden_and_router_aux(model, model_kwargs)
+        return backbone_hidden_and_router_aux(model, model_kwargs, backbone=trainer._liger_backbone(model))
     return trainer._liger_backbone_hidden(model, model_kwargs), None
 
 

@@ -128,3 +128,15 @@ def test_build_loss_rejects_unknown_non_default_option():
     assert base.build_loss(Loss, {"beta": ("beta", 0.2), "x": ("x", 0)}, {"x": 0}, "Cfg").beta == 0.2
     with pytest.raises(ValueError, match="Cfg.x"):
         base.build_loss(Loss, {"x": ("x", 1)}, {"x": 0}, "Cfg")
+
+
+def test_compiled_module_is_unwrapped_and_recognised():
+    """``torch.compile(model)`` (an ``OptimizedModule``, not traced until called): ``compiled_module`` names
+    it, ``unwrap_causal_lm`` and ``backbone_of`` see through it to the very model and decoder; a plain
+    model is not a compiled one."""
+    model = build_tiny_model(build_tokenizer(), seed=0)
+    compiled = torch.compile(model, backend="aot_eager")
+    assert base.compiled_module(compiled) is compiled
+    assert base.compiled_module(model) is None
+    assert base.unwrap_causal_lm(compiled) is model
+    assert base.backbone_of(base.unwrap_causal_lm(compiled)) is model.model
