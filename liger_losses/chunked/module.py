@@ -16,6 +16,7 @@ from typing import Any, Callable, ClassVar, Dict
 from torch import nn
 
 from liger_losses.chunked.options import HeadOptions, field_values
+from liger_losses.kernels.utils import eager_under_compile
 
 
 class ChunkedLossModule(nn.Module):
@@ -38,6 +39,7 @@ class ChunkedLossModule(nn.Module):
         """Every option by name: the loss's own, then the shared ones."""
         return {**field_values(self.loss_options), **field_values(self.head)}
 
+    @eager_under_compile  # as the functional losses: run eagerly while torch.compile traces a caller
     def run(self, *tensors, **inputs):
         return type(self).runner(*tensors, head=self.head, options=self.loss_options, **inputs)
 

@@ -109,6 +109,21 @@ def compiled_module(model: nn.Module) -> Optional[nn.Module]:
     return model if wrapper is not None and isinstance(model, wrapper) else None
 
 
+def compiled_like(wrapper: nn.Module, module: nn.Module) -> nn.Module:
+    """``module`` compiled as the ``torch.compile`` wrapper ``wrapper`` compiles its own: under the
+    wrapper's Dynamo context (its backend, mode and options, whoever called ``torch.compile``)."""
+    ctx = getattr(wrapper, "dynamo_ctx", None)
+    if ctx is None:  # pragma: no cover - a torch whose OptimizedModule keeps no context: the defaults
+        return torch.compile(module)
+    return sys.modules["torch._dynamo"].eval_frame.OptimizedModule(module, ctx)
+
+
+def has_forward_hooks(module: nn.Module) -> bool:
+    """Whether ``module`` itself has forward (pre-)hooks (FSDP2's ``fully_shard`` registers its
+    unshard / reshard as such)."""
+    return bool(module._forward_pre_hooks or module._forward_hooks)
+
+
 def unwrap_causal_lm(model: nn.Module) -> nn.Module:
     """The Hugging Face ``...ForCausalLM`` inside ``model``: through ``torch.compile``'s (``_orig_mod``),
     DDP/FSDP/DeepSpeed (``.module``) and PEFT (``get_base_model()``) wrappers."""
@@ -414,14 +429,13 @@ class LigerTrainerMixin:
         options, once per backbone. TRL's step then runs a compiled model, and ours a compiled backbone
         with the fused loss eagerly after it. Calling the wrapper's inner module alone would run eagerly."""
         backbone = backbone_of(unwrap_causal_lm(model))
-        if compiled_module(model) is None:
+        wrapper = compiled_module(model)
+        if wrapper is None:
             return backbone
         cache = self.__dict__.setdefault("_liger_compiled_backbones", {})
         entry = cache.get(id(backbone))
         if entry is None or entry[0] is not backbone:
-            plugin = getattr(getattr(getattr(self, "accelerator", None), "state", None), "dynamo_plugin", None)
-            options = plugin.to_kwargs() if plugin is not None else {}
-            entry = cache[id(backbone)] = (backbone, torch.compile(backbone, **options))
+            entry = cache[id(backbone)] = (backbone, compiled_like(wrapper, backbone))
         return entry[1]
 
     def _liger_backbone_hidden(self, model: nn.Module, model_kwargs: Dict[str, Any]) -> torch.Tensor:
@@ -439,17 +453,23 @@ class LigerTrainerMixin:
         head that FSDP2 shards in a group of its own, that group's hooks (``run_with_head_params``: ``fn`` runs as
         the head's forward too, so the head is unsharded while ``fn`` reads it and its gradient is reduced).
         """
-        if compiled_module(model) is not None:  # its hooks are the inner modules'; the backbone is compiled
-            model = model._orig_mod
-        autocast = forward_autocast(model, getattr(self, "accelerator", None))
-        get_head = getattr(unwrap_causal_lm(model), "get_output_embeddings", None)
+        wrapper = compiled_module(model)
+        inner = model if wrapper is None else wrapper._orig_mod
+        autocast = forward_autocast(inner, getattr(self, "accelerator", None))
+        get_head = getattr(unwrap_causal_lm(inner), "get_output_embeddings", None)
         head = get_head() if callable(get_head) else None
 
         def as_forward():
             with autocast:  # an FSDP2 head of its own group: fn runs as its forward too (run_with_head_params)
                 return run_with_head_params(head, fn, *args, **kwargs)
 
-        return run_in_forward(model, as_forward)
+        if wrapper is not None and has_forward_hooks(wrapper):
+            # accelerate shards a compiled model's wrapper itself with FSDP2 (its hooks outside the compiled
+            # code): fn runs as the wrapper's forward, its hooks around it, nothing traced
+            return run_as_forward(wrapper, as_forward)
+        # a compiled model's other hooks are the inner wrappers' (accelerate compiles DDP / FSDP1 last);
+        # the backbone inside fn is compiled (_liger_backbone)
+        return run_in_forward(inner, as_forward)
 
     def _liger_head(self, model: nn.Module) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
         """(weight, bias) of ``model``'s LM head; DTensor shards are gathered by the loss engine."""

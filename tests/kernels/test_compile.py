@@ -79,3 +79,37 @@ def test_every_public_loss_runs_eagerly_under_compile(fn):
     the wrapper keeps the signature users read."""
     assert getattr(fn, "runs_eagerly_under_compile", False), fn.__name__
     assert "weight" in inspect.signature(fn).parameters or fn.__name__ == "cross_entropy"
+
+
+def _loss_modules():
+    return [getattr(liger_losses, n) for n in liger_losses.__all__ if n.startswith("LigerFusedLinear")]
+
+
+@pytest.mark.parametrize("cls", _loss_modules(), ids=lambda c: c.__name__)
+def test_every_loss_module_runs_eagerly_under_compile(cls):
+    """The loss modules reach their runners through ``ChunkedLossModule.run``, which carries the
+    wrapper too (``LigerCrossEntropyLoss`` calls the wrapped ``cross_entropy``)."""
+    from liger_losses.chunked.module import ChunkedLossModule
+
+    assert issubclass(cls, ChunkedLossModule)
+    assert getattr(cls.run, "runs_eagerly_under_compile", False), cls.__name__
+
+
+def test_a_compiled_caller_of_a_loss_module_is_two_graphs():
+    """A loss module inside a compiled function: the module's chunk loop runs eagerly (one graph
+    before, one after), its value equal to eager's exactly."""
+    from torch._dynamo.utils import counters
+
+    loss_fn = liger_losses.LigerFusedLinearCrossEntropyLoss()
+    weight = torch.randn(32, 8)
+    labels = torch.randint(0, 32, (12,))
+
+    def step(h):
+        return loss_fn(weight, torch.sin(h), labels) * 2
+
+    h = torch.randn(12, 8)
+    want = step(h)
+    counters.clear()
+    got = torch.compile(step, backend="aot_eager")(h)
+    assert torch.equal(got, want)
+    assert counters["stats"]["unique_graphs"] == 2, dict(counters["stats"])

@@ -140,3 +140,40 @@ def test_compiled_module_is_unwrapped_and_recognised():
     assert base.compiled_module(model) is None
     assert base.unwrap_causal_lm(compiled) is model
     assert base.backbone_of(base.unwrap_causal_lm(compiled)) is model.model
+
+
+def test_liger_run_of_a_compiled_model_keeps_the_hooks_and_traces_nothing():
+    """A compiled model (``torch.compile``, ``aot_eager``): with hooks on the inner model (accelerate
+    compiles DDP / FSDP1 wrappers last) they fire around fn; with hooks on the compile wrapper itself
+    (FSDP2 shards the wrapper) those fire. Either way fn runs eagerly (nothing is traced: Dynamo
+    builds no graph) and the swapped forward is restored."""
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+
+    runner = base.LigerTrainerMixin()
+    for hooked in ("inner", "wrapper"):
+        torch._dynamo.reset()
+        counters.clear()
+        model = _Inner()
+        compiled = torch.compile(model, backend="aot_eager")
+        calls = []
+        (model if hooked == "inner" else compiled).register_forward_pre_hook(lambda m, a: calls.append(hooked))
+        forward_before = compiled.__dict__.get("forward")
+        assert runner._liger_run(compiled, lambda a: a * 2, 3) == 6
+        assert calls == [hooked]
+        assert counters["stats"]["unique_graphs"] == 0
+        assert "forward" not in model.__dict__ and compiled.__dict__.get("forward") is forward_before
+
+
+def test_backbone_of_a_compiled_model_is_compiled_alike_once():
+    """``_liger_backbone``: the decoder of a compiled model, compiled under the same Dynamo context
+    (backend and options of whoever compiled the model), made once and reused; a plain model's is
+    the decoder itself."""
+    model = build_tiny_model(build_tokenizer(), seed=0)
+    compiled = torch.compile(model, backend="aot_eager")
+    runner = base.LigerTrainerMixin()
+    backbone = runner._liger_backbone(compiled)
+    assert base.compiled_module(backbone) is backbone and backbone._orig_mod is model.model
+    assert backbone.dynamo_ctx is compiled.dynamo_ctx
+    assert runner._liger_backbone(compiled) is backbone
+    assert runner._liger_backbone(model) is model.model

@@ -2,9 +2,10 @@
 
 transformers' Trainer has accelerate wrap the prepared model in ``torch.compile`` (here
 ``backend="aot_eager"``: traced, no code generated, so it runs on the CPU). Our adapters call the
-backbone, not the wrapper, so they compile the backbone with the same options
+backbone, not the wrapper, so they compile the backbone under the wrapper's Dynamo context
 (``LigerTrainerMixin._liger_backbone``); the fused loss runs eagerly after it. Checked: Dynamo built
-graphs during our steps (before, our steps ran wholly eager), and over two steps the logged losses
+graphs during our steps (before, our steps ran wholly eager), the policy's decoder is what was
+compiled (SFT), and over two steps the logged losses
 of TRL's and our step agree to 1e-4 (fp32 tiny models, the same math summed in another order).
 """
 
@@ -13,6 +14,7 @@ from __future__ import annotations
 import pytest
 
 from liger_losses.trl_integration import DPOTrainer, SFTTrainer
+from liger_losses.trl_integration.base import unwrap_causal_lm
 
 from .utils import build_tiny_model, dpo_config, make_pair, preference_dataset, rel, sft_config, sft_dataset
 
@@ -52,6 +54,9 @@ def test_sft_step_under_torch_compile_matches_trl(tok, tmp_path, patch):
     assert len(loss_t) == len(loss_o) >= 1
     for a, b in zip(loss_o, loss_t):
         assert rel(a, b) <= 1e-4, (loss_o, loss_t)
+    # what ran compiled in ours: the policy's decoder, once, under the trainer's compile context
+    (backbone, compiled), = ours._liger_compiled_backbones.values()
+    assert backbone is unwrap_causal_lm(ours.model).model and compiled._orig_mod is backbone
 
 
 def test_dpo_step_under_torch_compile_matches_trl(tok, tmp_path):
