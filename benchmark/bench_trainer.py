@@ -431,7 +431,10 @@ def free_memory(cuda: bool) -> None:
 # --------------------------------------------------------------------------- trainers
 
 
-def make_config(case: Case, provider: str, *, steps: int, out_dir: str, tiny: bool):
+def make_config(case: Case, provider: str, *, steps: int, out_dir: str, tiny: bool, torch_compile: str = ""):
+    """The TRL config of one run; ``torch_compile`` (a backend name, e.g. "inductor"; "" for none) sets
+    ``torch_compile=True`` for every provider: accelerate compiles the prepared model (ours then compiles
+    its backbone under the same context, ``trl_integration/base.py``)."""
     import trl
 
     kwargs = dict(
@@ -444,6 +447,8 @@ def make_config(case: Case, provider: str, *, steps: int, out_dir: str, tiny: bo
     )
     if tiny:
         kwargs["use_cpu"] = True
+    if torch_compile:
+        kwargs.update(torch_compile=True, torch_compile_backend=torch_compile)
     if case.task == "sft":
         return trl.SFTConfig(max_length=case.seq, **kwargs)
     if case.task == "dpo":
@@ -595,7 +600,8 @@ def run_one(case: Case, provider: str, bank: WeightBank, *, rnd: int, warmup: in
             if case.task == "grpo":
                 prompt, completion = grpo_lengths(case)
                 grpo_inputs = data.grpo_batch(case.batch, prompt, completion, vocab, device=device, seed=2)
-            args = make_config(case, provider, steps=steps, out_dir=out_dir, tiny=tiny)
+            args = make_config(case, provider, steps=steps, out_dir=out_dir, tiny=tiny,
+                               torch_compile=diag.get("torch_compile", ""))
             timer = _make_timer_callback(warmup, cuda, out_path["profile"], out_path["cprofile"],
                                          out_path["memory_peak"], out_path["syncs"])
             timer.ref_model = ref_model
@@ -846,6 +852,9 @@ def main(argv=None) -> int:
     ap.add_argument("--name", default=None, help="results name (default trainer_matrix; --tiny trainer_matrix_tiny)")
     ap.add_argument("--ours-chunk-tokens", type=int, default=None,
                     help="liger_chunk_tokens of our trainers (default: the engine's tile budget)")
+    ap.add_argument("--torch-compile", default="", metavar="BACKEND",
+                    help="every provider with torch_compile=True and this backend (inductor; aot_eager for --tiny); "
+                         "the first step (compilation) is a warm-up step: give --warmup 2 or more")
     ap.add_argument("--profile", action="store_true", help="torch.profiler summary of two timed steps per run")
     ap.add_argument("--cprofile", action="store_true", help="cProfile of the timed steps per run")
     ap.add_argument("--syncs", action="store_true",
@@ -898,7 +907,7 @@ def main(argv=None) -> int:
     print(f"bench_trainer: {versions}; {len(cases)} cases x {len(a.providers)} providers x {rounds} rounds, "
           f"{warmup} warm-up + {timed} timed steps, budget {budget_s:.0f} s", flush=True)
     diag = dict(profile=a.profile, cprofile=a.cprofile, memory_peak=a.memory_peak, syncs=a.syncs,
-                chunk_tokens=a.ours_chunk_tokens)
+                chunk_tokens=a.ours_chunk_tokens, torch_compile=a.torch_compile)
     name = a.name or ("trainer_matrix_tiny" if a.tiny else "trainer_matrix")
     rows = run_matrix(cases, a.providers, rounds=rounds, warmup=warmup, timed=timed, tiny=a.tiny,
                       budget_s=budget_s, diag=diag, name=name)
