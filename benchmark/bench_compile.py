@@ -1,9 +1,10 @@
 """A patched model under ``torch.compile``: one forward + backward step, eager and compiled.
 
 What a user gets from ``torch.compile(model)`` on a patched model (the trainers' ``torch_compile=True``
-compiles the backbone the same way and runs their loss eagerly; not measured here): while Dynamo traces, the layers' ``impl="auto"`` takes the PyTorch path, so Inductor
-generates and fuses them (``kernels.utils.resolve_impl``), and the fused loss runs eagerly behind one
-graph break (``kernels.utils.eager_under_compile``), so the ``[tokens, vocab]`` logits still never
+compiles the backbone the same way and runs their loss eagerly; not measured here): while Dynamo
+traces, the layers' ``impl="auto"`` takes the PyTorch path, so Inductor generates and fuses them
+(``kernels.utils.resolve_impl``), and the fused loss runs eagerly behind one graph break
+(``kernels.utils.eager_under_compile``), so the ``[tokens, vocab]`` logits still never
 exist. Compared side by side in one process:
 
     hf              Hugging Face's model, eager (logits materialized, HF's loss)
