@@ -16,7 +16,16 @@ import pytest
 from liger_losses.trl_integration import DPOTrainer, SFTTrainer
 from liger_losses.trl_integration.base import unwrap_causal_lm
 
-from .utils import build_tiny_model, dpo_config, make_pair, preference_dataset, rel, sft_config, sft_dataset
+from .utils import (
+    build_tiny_model,
+    dpo_config,
+    lora_config,
+    make_pair,
+    preference_dataset,
+    rel,
+    sft_config,
+    sft_dataset,
+)
 
 pytestmark = pytest.mark.slow  # two trainers, each traced
 
@@ -57,6 +66,17 @@ def test_sft_step_under_torch_compile_matches_trl(tok, tmp_path, patch):
     # what ran compiled in ours: the policy's decoder, once, under the trainer's compile context
     (backbone, compiled), = ours._liger_compiled_backbones.values()
     assert backbone is unwrap_causal_lm(ours.model).model and compiled._orig_mod is backbone
+
+
+def test_sft_lora_step_under_torch_compile_matches_trl(tok, tmp_path):
+    """A PEFT LoRA policy (the compile wrapper holds the PeftModel), layers patched: the same bar."""
+    theirs, ours = make_pair(SFTTrainer, [build_tiny_model(tok, seed=0)], _compiled(sft_config), tmp_path,
+                             sft_dataset, liger_kwargs={"liger_patch_model": True}, processing_class=tok,
+                             peft_config=lora_config())
+    loss_t, loss_o = _losses(theirs), _losses(ours)
+    assert len(loss_t) == len(loss_o) >= 1
+    for a, b in zip(loss_o, loss_t):
+        assert rel(a, b) <= 1e-4, (loss_o, loss_t)
 
 
 def test_dpo_step_under_torch_compile_matches_trl(tok, tmp_path):
