@@ -42,7 +42,11 @@ PROVIDERS = ("hf", "hf-compiled", "ours", "ours-compiled", "liger", "liger-compi
 CASES = {"llama1b": "llama3.2-1b", "qwen1.5b": "qwen2.5-1.5b", "gemma3-1b": "gemma3-1b"}
 
 
-def _patched(model, provider: str):
+def prepared(base, provider: str):
+    """``(model, run)``: a copy of ``base`` patched as ``provider`` says, and what to call (the model, or
+    its ``torch.compile`` wrapper for a ``-compiled`` provider). Dynamo's caches are reset first."""
+    torch._dynamo.reset()
+    model = copy.deepcopy(base)
     if provider.startswith("ours"):
         from liger_losses.patching import apply_liger_kernels
 
@@ -51,29 +55,33 @@ def _patched(model, provider: str):
         from liger_kernel.transformers import _apply_liger_kernel_to_instance
 
         _apply_liger_kernel_to_instance(model=model)
-    return model
+    return model, (torch.compile(model) if provider.endswith("-compiled") else model)
 
 
-def _batch(vocab: int, batch: int, seq: int) -> dict:
-    gen = torch.Generator().manual_seed(0)
-    ids = torch.randint(3, vocab, (batch, seq), generator=gen).cuda()
-    return dict(input_ids=ids, attention_mask=torch.ones_like(ids), labels=ids.clone())
-
-
-def run_provider(name: str, provider: str, base, inputs: dict, *, layers: int) -> Row:
-    torch._dynamo.reset()
-    try:
-        model = _patched(copy.deepcopy(base), provider)
-    except ImportError as exc:
-        return Row("compile", name, "full", provider, float("nan"), float("nan"), error=f"skipped: {exc}")
-    run = torch.compile(model) if provider.endswith("-compiled") else model
-
+def train_step(model, run, inputs: dict):
+    """The step to time: fresh gradients, ``run(**inputs).loss.backward()``, the loss returned."""
     def step():
         model.zero_grad(set_to_none=True)
         loss = run(**inputs).loss
         loss.backward()
         return loss
 
+    return step
+
+
+def lm_batch(vocab: int, batch: int, seq: int) -> dict:
+    """A seeded CUDA batch of ``[batch, seq]`` token ids in ``[3, vocab)``, labels = the ids."""
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(3, vocab, (batch, seq), generator=gen).cuda()
+    return dict(input_ids=ids, attention_mask=torch.ones_like(ids), labels=ids.clone())
+
+
+def run_provider(name: str, provider: str, base, inputs: dict, *, layers: int) -> Row:
+    try:
+        model, run = prepared(base, provider)
+    except ImportError as exc:
+        return Row("compile", name, "full", provider, float("nan"), float("nan"), error=f"skipped: {exc}")
+    step = train_step(model, run, inputs)
     start = time.perf_counter()
     try:
         first_loss = float(step())
@@ -94,11 +102,11 @@ def run_case(name: str, *, layers: int, batch: int, seq: int, providers) -> list
     shape = data.SHAPES[CASES[name]]
     base = data.build_model(shape, device="cuda", dtype=torch.bfloat16, seed=0, layers=layers)
     base.train()
-    inputs = _batch(base.config.vocab_size, batch, seq)
+    inputs = lm_batch(base.config.vocab_size, batch, seq)
     rows = [run_provider(name, provider, base, inputs, layers=layers) for provider in providers]
-    eager = {r.provider: r.ms for r in rows}
+    hf_compiled_ms = next((r.ms for r in rows if r.provider == "hf-compiled"), float("nan"))
     for r in rows:
-        r.extra["vs_hf_compiled"] = round(eager.get("hf-compiled", float("nan")) / r.ms, 3) if r.ms == r.ms else ""
+        r.extra["vs_hf_compiled"] = round(hf_compiled_ms / r.ms, 3) if r.ms == r.ms else ""
     return rows
 
 

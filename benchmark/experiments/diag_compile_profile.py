@@ -20,40 +20,23 @@ Usage: ``python -m benchmark.experiments.diag_compile_profile [family]`` (a key 
 
 from __future__ import annotations
 
-import copy
 import sys
 import time
 
 import torch
-import torch._dynamo
 from torch.profiler import ProfilerActivity, profile
 
 from benchmark import trainer_data as data
-from liger_losses.patching import apply_liger_kernels
-
-
-def _stepper(model, run, inputs):
-    def step():
-        model.zero_grad(set_to_none=True)
-        run(**inputs).loss.backward()
-
-    return step
+from benchmark.bench_compile import lm_batch, prepared, train_step
 
 
 def main(family: str = "gemma3-1b") -> None:
     base = data.build_model(data.SHAPES[family], device="cuda", dtype=torch.bfloat16, seed=0, layers=4)
     base.train()
-    gen = torch.Generator().manual_seed(0)
-    ids = torch.randint(3, base.config.vocab_size, (4, 2048), generator=gen).cuda()
-    inputs = dict(input_ids=ids, attention_mask=torch.ones_like(ids), labels=ids.clone())
+    inputs = lm_batch(base.config.vocab_size, 4, 2048)
     for provider in ("ours", "ours-compiled", "hf-compiled"):
-        torch._dynamo.reset()
-        model = copy.deepcopy(base)
-        if provider.startswith("ours"):
-            apply_liger_kernels(model)
-        run = torch.compile(model) if provider.endswith("compiled") else model
-
-        step = _stepper(model, run, inputs)
+        model, run = prepared(base, provider)
+        step = train_step(model, run, inputs)
         for _ in range(4):
             step()
         torch.cuda.synchronize()

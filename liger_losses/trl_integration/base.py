@@ -112,10 +112,7 @@ def compiled_module(model: nn.Module) -> Optional[nn.Module]:
 def compiled_like(wrapper: nn.Module, module: nn.Module) -> nn.Module:
     """``module`` compiled as the ``torch.compile`` wrapper ``wrapper`` compiles its own: under the
     wrapper's Dynamo context (its backend, mode and options, whoever called ``torch.compile``)."""
-    ctx = getattr(wrapper, "dynamo_ctx", None)
-    if ctx is None:  # pragma: no cover - a torch whose OptimizedModule keeps no context: the defaults
-        return torch.compile(module)
-    return sys.modules["torch._dynamo"].eval_frame.OptimizedModule(module, ctx)
+    return sys.modules["torch._dynamo"].eval_frame.OptimizedModule(module, wrapper.dynamo_ctx)
 
 
 def has_forward_hooks(module: nn.Module) -> bool:
@@ -425,18 +422,18 @@ class LigerTrainerMixin:
 
     def _liger_backbone(self, model: nn.Module) -> nn.Module:
         """``model``'s backbone, to be called. When the trainer compiled ``model`` (``torch_compile=True``:
-        accelerate wraps the prepared model in ``torch.compile``), the backbone is compiled with the same
-        options, once per backbone. TRL's step then runs a compiled model, and ours a compiled backbone
-        with the fused loss eagerly after it. Calling the wrapper's inner module alone would run eagerly."""
+        accelerate wraps the prepared model in ``torch.compile``), the backbone is compiled under the same
+        Dynamo context (:func:`compiled_like`), once per backbone. TRL's step then runs a compiled model,
+        and ours a compiled backbone with the fused loss eagerly after it. Calling the wrapper's inner
+        module alone would run eagerly."""
         backbone = backbone_of(unwrap_causal_lm(model))
         wrapper = compiled_module(model)
         if wrapper is None:
             return backbone
-        cache = self.__dict__.setdefault("_liger_compiled_backbones", {})
-        entry = cache.get(id(backbone))
-        if entry is None or entry[0] is not backbone:
-            entry = cache[id(backbone)] = (backbone, compiled_like(wrapper, backbone))
-        return entry[1]
+        cache = self.__dict__.setdefault("_liger_compiled_backbones", {})  # modules hash by identity
+        if backbone not in cache:
+            cache[backbone] = compiled_like(wrapper, backbone)
+        return cache[backbone]
 
     def _liger_backbone_hidden(self, model: nn.Module, model_kwargs: Dict[str, Any]) -> torch.Tensor:
         """Last hidden states [B, T, H] of ``model``'s backbone (no LM head)."""

@@ -1,6 +1,6 @@
 """The MoE router load-balancing loss of a policy forward, as TRL 1.16's fused LM head computes it.
 
-``backbone_hidden_and_router_aux(model, model_kwargs)`` runs ``model``'s backbone with
+``backbone_hidden_and_router_aux(model, backbone, model_kwargs)`` runs ``backbone`` (``model``'s) with
 ``output_router_logits=True`` and returns ``(last_hidden_state [B, T, H], aux_loss)``, where
 ``aux_loss`` (0-d fp32) is ``transformers.models.mixtral.modeling_mixtral.load_balancing_loss_func(
 router_logits, text_config.num_experts, text_config.num_experts_per_tok, attention_mask)`` -- the
@@ -20,7 +20,7 @@ from typing import Any, Dict, Optional, Tuple
 import torch
 from torch import nn
 
-from .base import backbone_of, unwrap_causal_lm
+from .base import unwrap_causal_lm
 
 
 def router_aux_loss(model: nn.Module, router_logits, attention_mask) -> torch.Tensor:
@@ -33,11 +33,10 @@ def router_aux_loss(model: nn.Module, router_logits, attention_mask) -> torch.Te
     )
 
 
-def backbone_hidden_and_router_aux(model: nn.Module, model_kwargs: Dict[str, Any], *,
-                                   backbone: Optional[nn.Module] = None) -> Tuple[torch.Tensor, torch.Tensor]:
-    """``(last hidden states [B, T, H], aux_loss)`` of ``model``'s backbone run with its router logits
-    (``backbone``: the one to call, e.g. the trainer's compiled one; default ``model``'s own)."""
-    backbone = backbone_of(unwrap_causal_lm(model)) if backbone is None else backbone
+def backbone_hidden_and_router_aux(model: nn.Module, backbone: nn.Module,
+                                   model_kwargs: Dict[str, Any]) -> Tuple[torch.Tensor, torch.Tensor]:
+    """``(last hidden states [B, T, H], aux_loss)`` of ``backbone`` -- ``model``'s, as the trainer calls it
+    (``LigerTrainerMixin._liger_backbone``: compiled when the model is) -- run with its router logits."""
     outputs = backbone(**model_kwargs, output_router_logits=True)
     aux = router_aux_loss(model, outputs.router_logits, model_kwargs.get("attention_mask"))
     return outputs.last_hidden_state, aux
@@ -49,7 +48,7 @@ def policy_hidden_and_router_aux(trainer, model: nn.Module, model_kwargs: Dict[s
     served (``enabled``, default TRL's rule ``trainer.aux_loss_enabled``), else the trainer's plain backbone
     forward (no router logits asked for)."""
     if trainer.aux_loss_enabled if enabled is None else enabled:
-        return backbone_hidden_and_router_aux(model, model_kwargs, backbone=trainer._liger_backbone(model))
+        return backbone_hidden_and_router_aux(model, trainer._liger_backbone(model), model_kwargs)
     return trainer._liger_backbone_hidden(model, model_kwargs), None
 
 

@@ -55,16 +55,20 @@ def _losses(trainer):
     return [h["loss"] for h in trainer.state.log_history if "loss" in h]
 
 
+def _assert_same_losses(ours, theirs, tol):
+    assert len(theirs) == len(ours) >= 1
+    for a, b in zip(ours, theirs):
+        assert rel(a, b) <= tol, (ours, theirs)
+
+
 @pytest.mark.parametrize("patch", [False, True], ids=["hf-layers", "patched"])
 def test_sft_step_under_torch_compile_matches_trl(tok, tmp_path, patch):
     theirs, ours = make_pair(SFTTrainer, [build_tiny_model(tok, seed=0)], _compiled(sft_config), tmp_path,
                              sft_dataset, liger_kwargs={"liger_patch_model": patch}, processing_class=tok)
     loss_t, loss_o = _losses(theirs), _losses(ours)
-    assert len(loss_t) == len(loss_o) >= 1
-    for a, b in zip(loss_o, loss_t):
-        assert rel(a, b) <= 1e-4, (loss_o, loss_t)
+    _assert_same_losses(loss_o, loss_t, 1e-4)
     # what ran compiled in ours: the policy's decoder, once, under the trainer's compile context
-    (backbone, compiled), = ours._liger_compiled_backbones.values()
+    (backbone, compiled), = ours._liger_compiled_backbones.items()
     assert backbone is unwrap_causal_lm(ours.model).model and compiled._orig_mod is backbone
 
 
@@ -74,18 +78,14 @@ def test_sft_lora_step_under_torch_compile_matches_trl(tok, tmp_path):
                              sft_dataset, liger_kwargs={"liger_patch_model": True}, processing_class=tok,
                              peft_config=lora_config())
     loss_t, loss_o = _losses(theirs), _losses(ours)
-    assert len(loss_t) == len(loss_o) >= 1
-    for a, b in zip(loss_o, loss_t):
-        assert rel(a, b) <= 1e-4, (loss_o, loss_t)
+    _assert_same_losses(loss_o, loss_t, 1e-4)
 
 
 def test_dpo_step_under_torch_compile_matches_trl(tok, tmp_path):
     theirs, ours = make_pair(DPOTrainer, [build_tiny_model(tok, seed=0), build_tiny_model(tok, seed=0)],
                              _compiled(dpo_config), tmp_path, preference_dataset, processing_class=tok)
     loss_t, loss_o = _losses(theirs), _losses(ours)
-    assert len(loss_t) == len(loss_o) >= 1
-    for a, b in zip(loss_o, loss_t):
-        assert rel(a, b) <= 1e-4, (loss_o, loss_t)
+    _assert_same_losses(loss_o, loss_t, 1e-4)
 
 
 @pytest.mark.gpu
@@ -104,6 +104,4 @@ def test_sft_steps_under_inductor_on_cuda_match_trl(tok, tmp_path):
     theirs, ours = make_pair(SFTTrainer, [build_tiny_model(tok, seed=0)], config, tmp_path, sft_dataset,
                              liger_kwargs={"liger_patch_model": True}, processing_class=tok)
     loss_t, loss_o = _losses(theirs), _losses(ours)
-    assert len(loss_t) == len(loss_o) >= 1
-    for a, b in zip(loss_o, loss_t):
-        assert rel(a, b) <= 3e-2, (loss_o, loss_t)
+    _assert_same_losses(loss_o, loss_t, 3e-2)
