@@ -49,14 +49,103 @@ def label_counts(labels: Tensor, ignore_index: int, num_classes: Optional[int], 
     return valid, in_range, counts, torch.cat(parts)
 
 
+class _AheadScan(NamedTuple):
+    """A scan started by :func:`scan_labels_ahead`, kept on the labels tensor."""
+
+    ignore_index: int
+    num_classes: Optional[int]
+    version: int  # labels._version when the scan was queued: an in-place change since voids it
+    stream: Optional[object]  # the CUDA stream it was queued on (None on the CPU)
+    valid: Tensor
+    in_range: Tensor
+    counts: Optional[Tensor]
+    host: Tensor  # parts of label_counts (row counts included for 2-D labels), in host memory once event passed
+    event: Optional[object]
+
+
+_AHEAD = "_liger_label_scan"
+
+
+def _version(labels: Tensor) -> Optional[int]:
+    try:
+        return labels._version
+    except RuntimeError:  # an inference tensor has no version counter
+        return None
+
+
+def scan_labels_ahead(labels: Tensor, ignore_index: int, num_classes: Optional[int]) -> Tensor:
+    """Queue the scan of :func:`scan_labels` now and keep it on ``labels`` (returned, the same tensor).
+
+    A loss's scan reads its counts on the host, so it waits for everything queued before it: called
+    after the model's forward it waits for the forward. A trainer that knows the labels before the
+    forward calls this first; a later :func:`scan_labels` (or :class:`PendingLabelScan`) of this same
+    tensor, with the same ``ignore_index`` and ``num_classes``, on the same stream and with the
+    tensor unchanged since, then waits only for this scan's copy (an event) and reads that. Per-row
+    counts are taken for 2-D labels. Anything else (another tensor, a view of it, other options, an
+    in-place change) scans as before. A no-op while a CUDA graph is captured."""
+    if not isinstance(labels, Tensor) or labels.dim() not in (1, 2) or labels.is_floating_point():
+        return labels
+    cuda = labels.device.type == "cuda"
+    if cuda and torch.cuda.is_current_stream_capturing():
+        return labels
+    version = _version(labels)
+    if version is None:
+        return labels
+    valid, in_range, counts, parts = label_counts(labels, ignore_index, num_classes, labels.dim() == 2)
+    stream = event = None
+    host = parts
+    if cuda:
+        host = torch.empty(parts.shape, dtype=parts.dtype, pin_memory=True)
+        host.copy_(parts, non_blocking=True)
+        stream = torch.cuda.current_stream(labels.device)
+        event = torch.cuda.Event()
+        event.record(stream)
+    setattr(labels, _AHEAD, _AheadScan(ignore_index, num_classes, version, stream, valid, in_range, counts,
+                                        host, event))
+    return labels
+
+
+def _scanned_ahead(labels: Tensor, ignore_index: int, num_classes: Optional[int],
+                   row_counts: bool, wait: bool = True) -> Optional[_AheadScan]:
+    """The matching scan :func:`scan_labels_ahead` left on ``labels`` (its host copy complete, unless not
+    ``wait``); else None."""
+    ahead = getattr(labels, _AHEAD, None)
+    if ahead is None or ahead.ignore_index != ignore_index or ahead.num_classes != num_classes:
+        return None
+    if ahead.version != _version(labels) or (row_counts and ahead.counts is None):
+        return None
+    if ahead.event is not None:
+        if torch.cuda.current_stream(labels.device) != ahead.stream:
+            return None
+        if wait:
+            ahead.event.synchronize()  # waits for the scan's copy only, not for the work queued after it
+    return ahead
+
+
 def scan_labels(labels: Tensor, ignore_index: int, num_classes: Optional[int],
                 row_counts: bool = False) -> LabelScan:
     """The valid-token mask and counts of ``labels`` with ONE host sync: the range check of the
     labels (when ``num_classes`` is given: every label in ``[0, num_classes)`` or ``ignore_index``,
     else ``ValueError``), the number of valid tokens and, with ``row_counts``, each row's count
-    (``labels [B, T]``) are read back together."""
+    (``labels [B, T]``) are read back together (from a scan queued earlier by
+    :func:`scan_labels_ahead` when there is one)."""
+    ahead = _scanned_ahead(labels, ignore_index, num_classes, row_counts)
+    if ahead is not None:
+        return _ahead_result(labels, ahead, row_counts)
     valid, in_range, counts, parts = label_counts(labels, ignore_index, num_classes, row_counts)
-    host = parts.tolist()  # the one host sync
+    return _label_scan(labels, valid, in_range, counts, parts.tolist(), ignore_index, num_classes)  # the one sync
+
+
+def _ahead_result(labels: Tensor, ahead: _AheadScan, row_counts: bool) -> LabelScan:
+    host = ahead.host.tolist()
+    if ahead.counts is not None and not row_counts:
+        host = host[:len(host) - ahead.counts.numel()]
+    return _label_scan(labels, ahead.valid, ahead.in_range, ahead.counts if row_counts else None, host,
+                       ahead.ignore_index, ahead.num_classes)
+
+
+def _label_scan(labels, valid, in_range, counts, host, ignore_index, num_classes) -> LabelScan:
+    """The :class:`LabelScan` of read-back ``host`` parts; ``ValueError`` on labels out of range."""
     if num_classes is not None:
         if host[1] != host[0]:
             example = int(labels[valid & ~in_range][0])
@@ -79,6 +168,11 @@ class PendingLabelScan:
     once."""
 
     def __init__(self, labels: Tensor, ignore_index: int, num_classes: int):
+        self.labels = labels
+        self.ahead = _scanned_ahead(labels, ignore_index, num_classes, False, wait=False)
+        if self.ahead is not None:  # queued before the forward (scan_labels_ahead): nothing to queue now
+            self.valid, self.in_range = self.ahead.valid, self.ahead.in_range
+            return
         self.valid, self.in_range, _, parts = label_counts(labels, ignore_index, num_classes, False)
         count = parts[:1]
         bad = parts[:1] - parts[1:2]  # valid labels outside [0, num_classes)
@@ -92,6 +186,10 @@ class PendingLabelScan:
         self.device_count = count
 
     def result(self) -> LabelScan:
+        if self.ahead is not None:
+            if self.ahead.event is not None:
+                self.ahead.event.synchronize()  # the scan's copy only
+            return _ahead_result(self.labels, self.ahead, False)
         finish_label_check(self.check)  # the one host sync: waits for the count's copy only
         num_valid = self.host.tolist()[0] if self.synced else self.device_count.tolist()[0]
         return LabelScan(self.valid, int(num_valid), None, None)

@@ -56,7 +56,10 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 import torch
 from torch import nn
 
+from ..chunked.tokens import scan_labels_ahead
 from ..chunked.weights import is_zero3_partitioned, run_as_forward, run_with_head_params, zero3_gathered
+from .metrics import DeferredMetrics
+from .metrics import install as install_resolving_store
 
 IGNORE_INDEX = -100
 
@@ -344,32 +347,38 @@ def completion_labels(input_ids: torch.Tensor, completion_mask: torch.Tensor) ->
     return input_ids.masked_fill(completion_mask == 0, IGNORE_INDEX)[:, 1:]
 
 
-def gather_metric_values(accelerator, values: Sequence[torch.Tensor],
-                         reduction: Union[str, Sequence[str]] = "mean") -> List[float]:
+def gather_metric_tensor(accelerator, values: Sequence[torch.Tensor],
+                         reduction: Union[str, Sequence[str]] = "mean") -> torch.Tensor:
     """Each 0-d tensor of ``values`` reduced over processes -- ``"mean"`` or ``"sum"`` (one for all, or one per
-    value) -- as Python floats, in one ``gather_for_metrics`` and one host read.
+    value) -- as one ``[K]`` tensor on the values' device, from one ``gather_for_metrics``; nothing is read
+    on the host (the adapters queue it: :mod:`.metrics`).
 
     The values are stacked into one ``[1, K]`` row (float64, so counts stay exact and float32 values pass
     unchanged; float32 on MPS, which has no float64), gathered to ``[processes, K]`` and reduced over dim 0.
     On one process each result is its value exactly.
     """
-    if not values:
-        return []
     reductions = [reduction] * len(values) if isinstance(reduction, str) else list(reduction)
     if len(reductions) != len(values) or not set(reductions) <= {"mean", "sum"}:
         raise ValueError(f"reduction must be 'mean' or 'sum', one for all or one per value, got {reduction!r}")
+    if not values:
+        return torch.zeros(0, dtype=torch.float64)
     device = values[0].device
     dtype = torch.float32 if device.type == "mps" else torch.float64
     row = torch.stack([v.detach().reshape(()).to(device=device, dtype=dtype) for v in values]).unsqueeze(0)
     rows = accelerator.gather_for_metrics(row)  # [processes, K]
     if all(r == "sum" for r in reductions):
-        reduced = rows.sum(0)
-    elif all(r == "mean" for r in reductions):
-        reduced = rows.mean(0)
-    else:
-        is_sum = torch.tensor([r == "sum" for r in reductions], device=rows.device)
-        reduced = torch.where(is_sum, rows.sum(0), rows.mean(0))
-    return reduced.tolist()
+        return rows.sum(0)
+    if all(r == "mean" for r in reductions):
+        return rows.mean(0)
+    is_sum = torch.tensor([r == "sum" for r in reductions], device=rows.device)
+    return torch.where(is_sum, rows.sum(0), rows.mean(0))
+
+
+def gather_metric_values(accelerator, values: Sequence[torch.Tensor],
+                         reduction: Union[str, Sequence[str]] = "mean") -> List[float]:
+    """:func:`gather_metric_tensor` read on the host now, as Python floats (for a caller that needs them at
+    once, e.g. TRL's evaluation path that returns the metrics)."""
+    return gather_metric_tensor(accelerator, values, reduction).tolist() if values else []
 
 
 # --------------------------------------------------------------------------- the mixin
@@ -403,6 +412,9 @@ class LigerTrainerMixin:
         ``trl_kwargs`` are the keywords given to TRL's trainer (an ``optimizers=`` there forbids new parameters)."""
         if not self.use_liger:
             return
+        # metrics are queued on the device and read when the store is read (.metrics): no host sync in the step
+        for attr in ("_metrics", "_stored_metrics"):
+            install_resolving_store(self, attr, self._liger_pending)
         user_optimizer = trl_kwargs.get("optimizers", (None, None))[0] is not None
         policy = unwrap_causal_lm(self.model)
         peft_root = innermost_module(self.model)
@@ -468,6 +480,14 @@ class LigerTrainerMixin:
         # the backbone inside fn is compiled (_liger_backbone)
         return run_in_forward(inner, as_forward)
 
+    def _liger_scan_ahead(self, model: nn.Module, labels: torch.Tensor) -> torch.Tensor:
+        """Queue the loss's label scan now, before the forward (:func:`~liger_losses.chunked.tokens.scan_labels_ahead`):
+        the loss's one host read then waits for this scan alone, not for the backbone's forward. Returns
+        ``labels``; the loss must get this same tensor (``.to`` its own device is a no-op)."""
+        weight = self._liger_head(model)[0]
+        vocab = getattr(weight, "ds_shape", weight.shape)[0]  # a ZeRO-3 partition keeps its full shape there
+        return scan_labels_ahead(labels, IGNORE_INDEX, int(vocab))
+
     def _liger_head(self, model: nn.Module) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
         """(weight, bias) of ``model``'s LM head; DTensor shards are gathered by the loss engine."""
         return lm_head_params(unwrap_causal_lm(model))
@@ -484,21 +504,41 @@ class LigerTrainerMixin:
 
     # -- metrics
 
+    @property
+    def _liger_pending(self) -> DeferredMetrics:
+        """This trainer's queue of metric values not read on the host yet (:mod:`.metrics`)."""
+        pending = self.__dict__.get("_liger_pending_metrics")
+        if pending is None:
+            pending = self.__dict__["_liger_pending_metrics"] = DeferredMetrics()
+        return pending
+
+    def _liger_defer(self, values, then: Callable[[List[float]], None]) -> None:
+        """Queue ``values`` (a ``[K]`` tensor, 0-d tensors, or None) for ``then(floats)``, called when the
+        metric store is next read (:class:`~liger_losses.trl_integration.metrics.DeferredMetrics`)."""
+        self._liger_pending.add(values, then)
+
     def _liger_gather(self, mode: str, values: Sequence[torch.Tensor], reduction: Union[str, Sequence[str]] = "mean",
-                      *, inputs: Optional[Mapping[str, Any]] = None) -> List[float]:
-        """:func:`gather_metric_values` of ``values``; with ``inputs``, TRL's ``num_tokens`` too, in the same gather:
-        in training this process's token count (:meth:`_liger_local_tokens`) is summed over processes and added to
-        the running total, and ``num_tokens`` is set to the total in either mode."""
+                      *, inputs: Optional[Mapping[str, Any]] = None,
+                      then: Optional[Callable[[List[float]], None]] = None) -> None:
+        """:func:`gather_metric_tensor` of ``values``, queued for ``then(floats)`` (one float per value); with
+        ``inputs``, TRL's ``num_tokens`` too, in the same gather: in training this process's token count
+        (:meth:`_liger_local_tokens`) is summed over processes and added to the running total, and
+        ``num_tokens`` is set to the total in either mode (when the queue is read, before ``then``)."""
         count = inputs is not None and mode == "train"
         if count:
             values = [*values, self._liger_local_tokens(inputs)]
             reduction = ([reduction] * (len(values) - 1) if isinstance(reduction, str) else list(reduction)) + ["sum"]
-        out = gather_metric_values(self.accelerator, values, reduction)
-        if count:
-            self._total_train_tokens += int(out.pop()) // self._tp_size
-        if inputs is not None:
-            self._metrics[mode]["num_tokens"] = [self._total_train_tokens]
-        return out
+        reduced = gather_metric_tensor(self.accelerator, values, reduction) if values else None
+
+        def resolved(out: List[float]) -> None:
+            if count:
+                self._total_train_tokens += int(out.pop()) // self._tp_size
+            if inputs is not None:
+                self._metrics[mode]["num_tokens"] = [self._total_train_tokens]
+            if then is not None:
+                then(out)
+
+        self._liger_defer(reduced, resolved)
 
     @staticmethod
     def _liger_local_tokens(inputs: Mapping[str, Any]) -> torch.Tensor:
@@ -530,11 +570,15 @@ class LigerTrainerMixin:
             else:
                 values.append(metrics[key])
                 reductions.append("mean")
-        out = iter(self._liger_gather(mode, values, reductions, inputs=inputs) if values else [])
-        for key in keys:
-            if key in counts:
-                total, count = next(out), next(out)
-                value = total / count if count > 0 else 0.0
-            else:
-                value = next(out)
-            self._metrics[mode][names[key]].append(value)
+
+        def append(floats: List[float]) -> None:
+            out = iter(floats)
+            for key in keys:
+                if key in counts:
+                    total, count = next(out), next(out)
+                    value = total / count if count > 0 else 0.0
+                else:
+                    value = next(out)
+                self._metrics[mode][names[key]].append(value)
+
+        self._liger_gather(mode, values, reductions, inputs=inputs, then=append)

@@ -26,7 +26,7 @@ does not log it). Also :func:`mean_logit_all_positions` / :func:`mean_logits_of_
 
 from __future__ import annotations
 
-from typing import Any, Dict, List, Mapping, Optional, Sequence
+from typing import Any, List, Mapping, Optional, Sequence
 
 import torch
 from trl.experimental.cpo import CPOConfig
@@ -36,12 +36,13 @@ from ..chunked.preference.cpo import TRL_METRIC_NAMES, LigerFusedLinearCPOLoss
 from .base import (
     LigerTrainerMixin,
     build_config_loss,
-    gather_metric_values,
+    gather_metric_tensor,
     gathered_params,
     head_logit_options,
     reject,
     unwrap_causal_lm,
 )
+from .metrics import QueuedMetrics
 from .router_aux import policy_hidden_and_router_aux
 
 # CPOConfig field -> keyword of LigerFusedLinearCPOLoss
@@ -113,14 +114,26 @@ def mean_logits_of_groups(groups: Sequence[torch.Tensor], weight: torch.Tensor, 
         return out
 
 
-def gathered_metric_means(accelerator, metrics: Mapping[str, torch.Tensor], names: Mapping[str, str],
-                          prefix: str = "") -> Dict[str, float]:
-    """``{prefix + names[key]: mean over processes of metrics[key]}`` as Python floats (keys absent from
-    ``metrics`` are skipped), in one gather (:func:`~liger_losses.trl_integration.base.gather_metric_values`);
-    TRL's CPO/ORPO ``gather_for_metrics(x).mean().item()``."""
+def gathered_metric_means(trainer, metrics: Mapping[str, torch.Tensor], names: Mapping[str, str],
+                          prefix: str = "") -> QueuedMetrics:
+    """``{prefix + names[key]: mean over processes of metrics[key]}`` (keys absent from ``metrics`` are skipped),
+    from one gather (:func:`~liger_losses.trl_integration.base.gather_metric_tensor`) queued on the trainer and
+    read when a value is (TRL's CPO/ORPO ``gather_for_metrics(x).mean().item()``); ``store_metrics`` of such a
+    dict stores it when it is read (:meth:`DeferredStoreMixin.store_metrics`)."""
     keys = [key for key in names if key in metrics]
-    values = gather_metric_values(accelerator, [metrics[key] for key in keys], "mean")
-    return {prefix + names[key]: value for key, value in zip(keys, values)}
+    values = gather_metric_tensor(trainer.accelerator, [metrics[key] for key in keys], "mean") if keys else None
+    return QueuedMetrics([prefix + names[key] for key in keys], values, trainer._liger_pending)
+
+
+class DeferredStoreMixin:
+    """``store_metrics`` of a :class:`QueuedMetrics` dict waits for its values (no host read in the step);
+    any other dict is stored at once, as TRL's does."""
+
+    def store_metrics(self, metrics, train_eval="train") -> None:
+        if isinstance(metrics, QueuedMetrics):
+            metrics.when_resolved(lambda values: super(DeferredStoreMixin, self).store_metrics(values, train_eval))
+            return
+        super().store_metrics(metrics, train_eval)
 
 
 def build_cpo_loss(args, *, chunk_tokens: Optional[int] = None, softcap=None, logit_scale: float = 1.0):
@@ -135,7 +148,7 @@ def check_paired_model(trainer) -> None:
         reject("is_encoder_decoder", True, "encoder-decoder models are not supported (decoder-only causal LMs)")
 
 
-class CPOTrainer(LigerTrainerMixin, _TRLCPOTrainer):
+class CPOTrainer(LigerTrainerMixin, DeferredStoreMixin, _TRLCPOTrainer):
     """``trl.experimental.cpo.CPOTrainer`` with ``use_liger`` (see the module docstring)."""
 
     def __init__(
@@ -175,7 +188,7 @@ class CPOTrainer(LigerTrainerMixin, _TRLCPOTrainer):
         num_pairs = batch["chosen_labels"].shape[0]
         model_kwargs = {"input_ids": cat["concatenated_input_ids"],
                         "attention_mask": cat["concatenated_attention_mask"], "use_cache": False}
-        labels = cat["concatenated_labels"][:, 1:]
+        labels = self._liger_scan_ahead(model, cat["concatenated_labels"][:, 1:])
 
         def head_loss():
             hidden, aux = policy_hidden_and_router_aux(self, model, model_kwargs)
@@ -191,4 +204,4 @@ class CPOTrainer(LigerTrainerMixin, _TRLCPOTrainer):
             loss = loss + self.aux_loss_coef * aux
         metrics = dict(metrics, chosen_logits_mean=logits_chosen, rejected_logits_mean=logits_rejected)
         prefix = "eval_" if train_eval == "eval" else ""
-        return loss, gathered_metric_means(self.accelerator, metrics, TRL_METRIC_NAMES, prefix)
+        return loss, gathered_metric_means(self, metrics, TRL_METRIC_NAMES, prefix)

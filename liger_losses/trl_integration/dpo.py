@@ -94,7 +94,7 @@ class DPOTrainer(LigerReferenceTrainerMixin, trl.DPOTrainer):
         mode = "train" if self.model.training else "eval"
         model_kwargs = {k: v for k, v in inputs.items() if k not in _NON_MODEL_KEYS}
         model_kwargs["use_cache"] = False
-        labels = completion_labels(inputs["input_ids"], inputs["completion_mask"])
+        labels = self._liger_scan_ahead(model, completion_labels(inputs["input_ids"], inputs["completion_mask"]))
 
         # reference: precomputed columns, the policy with its adapter off (PEFT), or the reference model
         ref_chosen = ref_rejected = ref_hidden = ref_weight = ref_bias = None

@@ -40,7 +40,7 @@ from ..chunked.grpo_objective import TOKEN_COUNT_LOSS_TYPES, GRPOOptions
 from .base import (
     IGNORE_INDEX,
     LigerTrainerMixin,
-    gather_metric_values,
+    gather_metric_tensor,
     gathered_params,
     head_logit_options,
     reject,
@@ -56,9 +56,11 @@ _MIN_MAX = {"clip_ratio_low_min": "min", "clip_ratio_high_max": "max"}
 def log_rl_metrics(trainer, mode: str, metrics, names, counts) -> None:
     """Append ``metrics`` (0-d tensors) under their TRL ``names``, reduced over processes as TRL does:
     a mean weighted by ``counts[key]`` (the local token or sequence count it averages; unweighted when
-    absent), or the min / max over processes for ``*_min`` / ``*_max``. Two gathers, one host read each."""
+    absent), or the min / max over processes, NaN ignored, for ``*_min`` / ``*_max`` (NaN when all are).
+    Two gathers, queued on the trainer and read when its metrics are (``trainer._liger_defer``)."""
     keys = [k for k in names if k in metrics]
     means = [k for k in keys if k not in _MIN_MAX]
+    extremes = [k for k in keys if k in _MIN_MAX]
     if not keys:
         return
     device = metrics[keys[0]].device
@@ -66,21 +68,25 @@ def log_rl_metrics(trainer, mode: str, metrics, names, counts) -> None:
     one = torch.ones((), device=device)
     weights = [torch.as_tensor(counts.get(k, one), device=device).to(dtype) for k in means]
     weighted = [metrics[k].detach().to(dtype) * w for k, w in zip(means, weights)]
-    sums = gather_metric_values(trainer.accelerator, weighted + weights, "sum")
-    for i, k in enumerate(means):
-        trainer._metrics[mode][names[k]].append(sums[i] / max(sums[len(means) + i], 1.0))
-    extremes = [k for k in keys if k in _MIN_MAX]
+    parts = [gather_metric_tensor(trainer.accelerator, weighted + weights, "sum")] if means else []
     if extremes:
-        row = torch.stack([metrics[k].detach().to(dtype).reshape(()) for k in extremes]).unsqueeze(0)
-        rows = trainer.accelerator.gather_for_metrics(row)  # [processes, K]
-        for i, k in enumerate(extremes):
-            col = rows[:, i]
-            valid = col[~torch.isnan(col)]
-            if valid.numel() == 0:
-                value = float("nan")
-            else:
-                value = float(valid.min() if _MIN_MAX[k] == "min" else valid.max())
+        row = torch.stack([metrics[k].detach().to(device=device, dtype=dtype).reshape(()) for k in extremes])
+        rows = trainer.accelerator.gather_for_metrics(row.unsqueeze(0))  # [processes, K]
+        nan = torch.isnan(rows)
+        lows = torch.where(nan, torch.inf, rows).amin(0)
+        highs = torch.where(nan, -torch.inf, rows).amax(0)
+        is_min = torch.tensor([_MIN_MAX[k] == "min" for k in extremes], device=rows.device)
+        picked = torch.where(is_min, lows, highs)
+        parts.append(torch.where(nan.all(0), torch.nan, picked))
+
+    def append(values):
+        sums, picked = values[:2 * len(means)], values[2 * len(means):]
+        for i, k in enumerate(means):
+            trainer._metrics[mode][names[k]].append(sums[i] / max(sums[len(means) + i], 1.0))
+        for k, value in zip(extremes, picked):
             trainer._metrics[mode][names[k]].append(value)
+
+    trainer._liger_defer(torch.cat(parts) if len(parts) > 1 else parts[0], append)
 
 
 def grpo_options(trainer) -> GRPOOptions:
@@ -146,7 +152,7 @@ class GRPOTrainer(LigerTrainerMixin, trl.GRPOTrainer):
         mask = completion_mask if "tool_mask" not in inputs else completion_mask * inputs["tool_mask"]
         model_kwargs = {"input_ids": torch.cat([prompt_ids, completion_ids], dim=1),
                         "attention_mask": torch.cat([prompt_mask, completion_mask], dim=1), "use_cache": False}
-        labels = completion_ids.masked_fill(mask == 0, IGNORE_INDEX)
+        labels = self._liger_scan_ahead(model, completion_ids.masked_fill(mask == 0, IGNORE_INDEX))
         start = prompt_ids.size(1) - 1  # the position predicting the first completion token
         items, divisor, entropy_coef = self._liger_normalizers(mode, inputs)
         options = dataclasses.replace(grpo_options(self), entropy_coef=entropy_coef)
@@ -189,5 +195,6 @@ class GRPOTrainer(LigerTrainerMixin, trl.GRPOTrainer):
             counts["vespo_phi_seq_mean"] = n_seqs
         log_rl_metrics(self, mode, metrics, TRL_METRIC_NAMES, counts)
         if self._entropy_bonus_enabled and mode == "train" and self.accelerator.sync_gradients:
-            self._metrics[mode]["entropy_coef"].append(self.entropy_coef)
+            coef = self.entropy_coef  # appended after this step's other metrics, as TRL does
+            self._liger_defer(None, lambda _: self._metrics[mode]["entropy_coef"].append(coef))
         return loss

@@ -107,7 +107,7 @@ class KTOTrainer(LigerReferenceTrainerMixin, trl.KTOTrainer):
         desirable = torch.as_tensor(batch["label"], dtype=torch.bool, device=device)
         model_kwargs = {k: v for k, v in batch.items() if k not in _NON_MODEL_KEYS}
         model_kwargs["use_cache"] = False
-        labels = completion_labels(batch["input_ids"], batch["completion_mask"])
+        labels = self._liger_scan_ahead(model, completion_labels(batch["input_ids"], batch["completion_mask"]))
         if self.calculate_KL:
             kl_kwargs, kl_labels = self._liger_kl_inputs(model_kwargs, batch)
 
@@ -140,7 +140,6 @@ class KTOTrainer(LigerReferenceTrainerMixin, trl.KTOTrainer):
 
     def _liger_log_kto(self, mode, metrics, kl, desirable, batch) -> None:
         """Log what TRL logs, reduced as TRL does: sums and counts summed over processes (one gather), then divided."""
-        log = self._metrics[mode]
         mask = batch["completion_mask"][:, 1:].to(desirable.device)
         tok_des = (mask * desirable.unsqueeze(1)).sum().float()
         tok_all = mask.sum().float()
@@ -151,25 +150,29 @@ class KTOTrainer(LigerReferenceTrainerMixin, trl.KTOTrainer):
         def local_sum(key, count):  # local mean * local count (0 when absent)
             return metrics[key].float() * count if key in metrics else torch.zeros((), device=count.device)
 
+        def append(sums):
+            (kl, all_tokens, entropy, all_tok_des, all_tok_und, logits_c, logits_r, all_des, all_und,
+             rewards_c, logps_c, rewards_r, logps_r) = sums
+            log = self._metrics[mode]
+            log["kl"].append(kl)
+            log["entropy"].append(entropy / all_tokens if all_tokens > 0 else 0.0)
+            if all_tok_des > 0:
+                log["logits/chosen"].append(logits_c / all_tok_des)
+            if all_tok_und > 0:
+                log["logits/rejected"].append(logits_r / all_tok_und)
+            if all_des > 0:
+                log["rewards/chosen"].append(rewards_c / all_des)
+                log["logps/chosen"].append(logps_c / all_des)
+            if all_und > 0:
+                log["rewards/rejected"].append(rewards_r / all_und)
+                log["logps/rejected"].append(logps_r / all_und)
+            if all_des > 0 and all_und > 0:
+                log["rewards/margins"].append(log["rewards/chosen"][-1] - log["rewards/rejected"][-1])
+
         # kl is already the mean over processes (equal on all): its "mean" leaves it as it is
-        (kl, all_tokens, entropy, all_tok_des, all_tok_und, logits_c, logits_r, all_des, all_und,
-         rewards_c, logps_c, rewards_r, logps_r) = self._liger_gather(mode, [
+        self._liger_gather(mode, [
             kl, tok_all, local_sum("entropy", tok_all), tok_des, tok_und,
             local_sum("chosen_logits_mean", tok_des), local_sum("rejected_logits_mean", tok_und), n_des, n_und,
             local_sum("chosen_rewards", n_des), local_sum("chosen_logps", n_des),
             local_sum("rejected_rewards", n_und), local_sum("rejected_logps", n_und),
-        ], ["mean"] + ["sum"] * 12, inputs=batch)
-        log["kl"].append(kl)
-        log["entropy"].append(entropy / all_tokens if all_tokens > 0 else 0.0)
-        if all_tok_des > 0:
-            log["logits/chosen"].append(logits_c / all_tok_des)
-        if all_tok_und > 0:
-            log["logits/rejected"].append(logits_r / all_tok_und)
-        if all_des > 0:
-            log["rewards/chosen"].append(rewards_c / all_des)
-            log["logps/chosen"].append(logps_c / all_des)
-        if all_und > 0:
-            log["rewards/rejected"].append(rewards_r / all_und)
-            log["logps/rejected"].append(logps_r / all_und)
-        if all_des > 0 and all_und > 0:
-            log["rewards/margins"].append(log["rewards/chosen"][-1] - log["rewards/rejected"][-1])
+        ], ["mean"] + ["sum"] * 12, inputs=batch, then=append)

@@ -49,7 +49,7 @@ from .base import (
     head_logit_options,
     unwrap_causal_lm,
 )
-from .cpo import check_paired_model, gathered_metric_means, mean_logits_of_groups
+from .cpo import DeferredStoreMixin, check_paired_model, gathered_metric_means, mean_logits_of_groups
 from .router_aux import policy_hidden_and_router_aux
 
 
@@ -103,7 +103,7 @@ def orpo_trl_metrics(stats, *, beta: float, num_pairs: int) -> dict:
     return {k: v.detach() for k, v in metrics.items()}
 
 
-class ORPOTrainer(LigerTrainerMixin, _TRLORPOTrainer):
+class ORPOTrainer(LigerTrainerMixin, DeferredStoreMixin, _TRLORPOTrainer):
     """``trl.experimental.orpo.ORPOTrainer`` with ``use_liger`` (see the module docstring)."""
 
     def __init__(
@@ -177,4 +177,4 @@ class ORPOTrainer(LigerTrainerMixin, _TRLORPOTrainer):
         if aux is not None:  # TRL 1.16's ORPO: loss + aux_loss_coef * aux_loss, not logged
             loss = loss + self.aux_loss_coef * aux
         prefix = "eval_" if train_eval == "eval" else ""
-        return loss.to(self.args.device), gathered_metric_means(self.accelerator, metrics, TRL_METRIC_NAMES, prefix)
+        return loss.to(self.args.device), gathered_metric_means(self, metrics, TRL_METRIC_NAMES, prefix)

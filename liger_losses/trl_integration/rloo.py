@@ -65,7 +65,7 @@ class RLOOTrainer(LigerTrainerMixin, trl.RLOOTrainer):
         completion_ids, completion_mask = inputs["completion_ids"], inputs["completion_mask"]
         model_kwargs = {"input_ids": torch.cat([prompt_ids, completion_ids], dim=1),
                         "attention_mask": torch.cat([prompt_mask, completion_mask], dim=1), "use_cache": False}
-        labels = completion_ids.masked_fill(completion_mask == 0, IGNORE_INDEX)
+        labels = self._liger_scan_ahead(model, completion_ids.masked_fill(completion_mask == 0, IGNORE_INDEX))
         start = prompt_ids.size(1) - 1  # the position predicting the first completion token
         logit_opts = head_logit_options(unwrap_causal_lm(model).config)
 

@@ -53,5 +53,7 @@ def policy_hidden_and_router_aux(trainer, model: nn.Module, model_kwargs: Dict[s
 
 
 def log_router_aux_loss(trainer, mode: str, aux_loss: torch.Tensor) -> None:
-    """Log ``aux_loss`` as TRL's trainers do: ``aux_loss``, the mean over processes."""
-    trainer._metrics[mode]["aux_loss"].append(trainer.accelerator.gather_for_metrics(aux_loss.detach()).mean().item())
+    """Log ``aux_loss`` as TRL's trainers do: ``aux_loss``, the mean over processes (queued on the trainer,
+    read when its metrics are)."""
+    mean = trainer.accelerator.gather_for_metrics(aux_loss.detach()).mean()
+    trainer._liger_defer(mean, lambda values: trainer._metrics[mode]["aux_loss"].append(values[0]))

@@ -109,7 +109,7 @@ class SFTTrainer(LigerTrainerMixin, trl.SFTTrainer):
         model_kwargs = {k: v for k, v in inputs.items() if k not in ("labels", "shift_labels")}
         model_kwargs["use_cache"] = False
         shift_labels = inputs.get("shift_labels")
-        labels = inputs["labels"][:, 1:] if shift_labels is None else shift_labels
+        labels = self._liger_scan_ahead(model, inputs["labels"][:, 1:] if shift_labels is None else shift_labels)
         smoothing = float(self.args.label_smoothing_factor or 0.0)
 
         def head_loss():
@@ -133,12 +133,14 @@ class SFTTrainer(LigerTrainerMixin, trl.SFTTrainer):
             steps = self.current_gradient_accumulation_steps if num_items_in_batch is not None else 1
             loss = loss + self.router_aux_loss_coef * aux_loss / steps
 
-        num_valid, entropy_sum, num_correct = self._liger_gather(
-            mode, [num_valid, entropy_sum, num_correct], "sum", inputs=inputs)
-        self._metrics[mode]["entropy"].append(_f32_ratio(entropy_sum, num_valid) if num_valid > 0 else 0.0)
-        self._metrics[mode]["mean_token_accuracy"].append(
-            _f32_ratio(num_correct, num_valid) if num_valid > 0 else 0.0
-        )
+        def append(sums):
+            num_valid, entropy_sum, num_correct = sums
+            self._metrics[mode]["entropy"].append(_f32_ratio(entropy_sum, num_valid) if num_valid > 0 else 0.0)
+            self._metrics[mode]["mean_token_accuracy"].append(
+                _f32_ratio(num_correct, num_valid) if num_valid > 0 else 0.0
+            )
+
+        self._liger_gather(mode, [num_valid, entropy_sum, num_correct], "sum", inputs=inputs, then=append)
 
         if aux_loss is not None:
             log_router_aux_loss(self, mode, aux_loss)

@@ -86,6 +86,28 @@ def test_one_host_sync_per_step(name):
     assert count_host_syncs(run) == 1
 
 
+@pytest.mark.parametrize("name", ["cross_entropy", "dpo", "simpo", "token_logprobs"])
+def test_no_host_sync_with_labels_scanned_ahead(name):
+    """With the labels' scan queued before the loss (``tokens.scan_labels_ahead``, what the trainers do
+    before the backbone's forward), the loss waits on that scan's event only: no synchronization the
+    debug mode reports, so the forward's kernels queued before it keep running."""
+    from liger_losses.chunked.tokens import scan_labels_ahead
+
+    torch.manual_seed(0)
+    w = (torch.randn(V, H, device="cuda") * 0.1).requires_grad_()
+    h = torch.randn(B, T, H, device="cuda").requires_grad_()
+    ref_h = torch.randn(B, T, H, device="cuda")
+
+    def run():
+        labels = torch.randint(0, V, (B, T), device="cuda")
+        labels[:, :8] = -100
+        scan_labels_ahead(labels, -100, V)
+        torch.autograd.grad(LOSSES[name](w, h, ref_h, labels, None), (w, h))
+
+    run()  # warm-up: compilation and caches
+    assert count_host_syncs(run) == 0
+
+
 def test_speculative_first_chunk_on_the_gpu():
     """Cross-entropy with its first chunk issued before the host sync (24-token chunks, 8 of 32
     tokens per row ignored): no sync reported (the wait is on a CUDA event after a non-blocking copy

@@ -201,11 +201,13 @@ def test_reward_curve_tracks_trl(tok, tmp_path):
 
 def test_metrics_reduced_over_processes_as_trl():
     """log_rl_metrics on two (simulated) processes: a mean weighted by each process's count (TRL
-    reduces sums and counts), the min / max over processes; exact."""
+    reduces sums and counts), the min / max over processes (NaN ignored, NaN when all are); exact, and
+    queued until the store is read."""
     from collections import defaultdict
     from types import SimpleNamespace
 
     from liger_losses.trl_integration.grpo import log_rl_metrics
+    from liger_losses.trl_integration.metrics import DeferredMetrics, ResolvingStore
 
     # the other process's rows, in the order log_rl_metrics gathers them: [entropy * count, count],
     # then [low_min]; this process: entropy 1.0 over 3 tokens, low_min 0.5; the other: 2.0 over 1, 0.25
@@ -214,10 +216,21 @@ def test_metrics_reduced_over_processes_as_trl():
     def gather_for_metrics(row):
         return torch.cat([row, other_rows.pop(0).to(row.dtype)])
 
+    pending = DeferredMetrics()
     trainer = SimpleNamespace(accelerator=SimpleNamespace(gather_for_metrics=gather_for_metrics),
-                              _metrics={"train": defaultdict(list)})
-    names = {"entropy": "entropy", "clip_ratio_low_min": "clip_ratio/low_min"}
+                              _metrics=ResolvingStore({"train": defaultdict(list)}, pending),
+                              _liger_defer=pending.add)
+    names = {"entropy": "entropy", "clip_ratio_low_min": "clip_ratio/low_min",
+             "clip_ratio_high_max": "clip_ratio/high_max"}
     metrics = {"entropy": torch.tensor(1.0), "clip_ratio_low_min": torch.tensor(0.5)}
     log_rl_metrics(trainer, "train", metrics, names, {"entropy": torch.tensor(3.0)})
+    assert len(pending) == 1  # queued, not read on the host in the step
     assert trainer._metrics["train"]["entropy"] == [(1.0 * 3 + 2.0) / 4]
     assert trainer._metrics["train"]["clip_ratio/low_min"] == [0.25]
+
+    # NaN (a process without such tokens) is ignored; NaN on every process gives NaN, as TRL's nanmin / nanmax
+    other_rows = [torch.tensor([[float("nan"), float("nan")]])]
+    log_rl_metrics(trainer, "train", {"clip_ratio_low_min": torch.tensor(0.5),
+                                      "clip_ratio_high_max": torch.tensor(float("nan"))}, names, {})
+    assert trainer._metrics["train"]["clip_ratio/low_min"] == [0.25, 0.5]
+    assert math.isnan(trainer._metrics["train"]["clip_ratio/high_max"][0])
