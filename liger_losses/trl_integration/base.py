@@ -42,7 +42,10 @@ This module gives those pieces, each usable on its own:
   mapped to a loss keyword, the adapter's options added, what the loss cannot serve rejected.
 
 Shapes: hidden ``[B, T, H]`` in the model's compute dtype; weight ``[V, H]``; labels ``[B, T]`` int64
-with ``-100`` on ignored positions. Metrics are Python floats appended to ``trainer._metrics[mode]``.
+with ``-100`` on ignored positions. Metrics are Python floats appended to ``trainer._metrics[mode]``, queued
+on the device during the step and read in one transfer when the store is read (:mod:`.metrics`); the labels'
+scan is queued before the backbone (:meth:`~LigerTrainerMixin._liger_scan_ahead`), so no host read in the step
+waits for the model's forward or the loss.
 """
 
 from __future__ import annotations
