@@ -10,7 +10,8 @@ memory above the inputs; the parent reports, per case and tree, the median over 
 
 Cases (bf16, H=4096, V=128256 as the loss tables of README.md): ``ce_8192`` (cross-entropy, 8192 tokens),
 ``dpo_4x1024`` (4 pairs x 1024 tokens, 25% prompt, with a reference), ``simpo_4x1024``, ``orpo_4x1024``,
-``jsd_8192`` (distillation from a teacher of the same width), ``dpo_1x16384``.
+``jsd_8192`` (distillation from a teacher of the same width), ``dpo_1x16384``; ``ce_8192_frozen``: cross-entropy with
+a frozen head (the hidden gradient only, as under LoRA: the frozen-head path).
 
     python -m benchmark.bench_trees --tree old=/path/to/old/checkout --tree new=. [--rounds 3] [--quick]
 
@@ -28,7 +29,7 @@ import subprocess
 import sys
 
 DEVICE = os.environ.get("BENCH_TREES_DEVICE", "cuda")  # "cpu" only to smoke-test the script's plumbing
-CASES = ("ce_8192", "dpo_4x1024", "simpo_4x1024", "orpo_4x1024", "jsd_8192", "dpo_1x16384")
+CASES = ("ce_8192", "dpo_4x1024", "simpo_4x1024", "orpo_4x1024", "jsd_8192", "dpo_1x16384", "ce_8192_frozen")
 H, V = 4096, 128256
 
 
@@ -37,8 +38,9 @@ def _inputs(case):
 
     g = torch.Generator(device=DEVICE).manual_seed(0)
     dev, dt = torch.device(DEVICE), torch.bfloat16
-    rows, seq = {"ce_8192": (1, 8192), "jsd_8192": (1, 8192), "dpo_1x16384": (2, 16384)}.get(case, (8, 1024))
-    weight = (torch.randn(V, H, device=dev, generator=g) * H**-0.5).to(dt).requires_grad_()
+    rows, seq = {"ce_8192": (1, 8192), "ce_8192_frozen": (1, 8192), "jsd_8192": (1, 8192),
+                 "dpo_1x16384": (2, 16384)}.get(case, (8, 1024))
+    weight = (torch.randn(V, H, device=dev, generator=g) * H**-0.5).to(dt).requires_grad_(not case.endswith("frozen"))
     hidden = torch.randn(rows, seq, H, device=dev, generator=g).to(dt).requires_grad_()
     labels = torch.randint(0, V, (rows, seq), device=dev, generator=g)
     if case.startswith(("dpo", "simpo", "orpo")):
@@ -51,7 +53,7 @@ def _loss_fn(case, weight, hidden, labels, other):
     import liger_losses as ll
     from liger_losses.chunked.preference import fused_linear_dpo_loss, fused_linear_orpo_loss, fused_linear_simpo_loss
 
-    if case == "ce_8192":
+    if case in ("ce_8192", "ce_8192_frozen"):
         return lambda: ll.fused_linear_cross_entropy(weight, hidden, labels)
     if case.startswith("dpo"):
         return lambda: fused_linear_dpo_loss(weight, hidden, other, labels, beta=0.1).loss
@@ -93,8 +95,10 @@ def time_case(case, *, warmup, rep):
     weight, hidden, labels, other = _inputs(case)
     loss = _loss_fn(case, weight, hidden, labels, other)
 
+    inputs = [t for t in (hidden, weight) if t.requires_grad]
+
     def step():
-        return torch.autograd.grad(loss(), [hidden, weight])
+        return torch.autograd.grad(loss(), inputs)
 
     step()
     torch.cuda.synchronize()

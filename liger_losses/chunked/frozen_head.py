@@ -12,15 +12,16 @@ label smoothing, ``z_w`` the z-loss weight). The sum is computed as attention is
 ``n`` tokens and block of ``Vb`` vocabulary columns, the logits block ``[n, Vb]`` (one GEMM),
 :func:`~liger_losses.kernels.online_block.online_block` (exponentials against a running
 reference, the row statistics, a rescale of the rows whose reference moved) and
-``acc [n, H] (fp32) += block @ W[block]`` (one GEMM). The FLOPs are the tile path's (logits and
-hidden-gradient GEMMs, ``4 N H V``); the transient memory is one ``[n, Vb]`` block (which then
-holds the label rows of ``W``) and the fp32 accumulator instead of an ``[n, V]`` tile sized for the
-weight-gradient GEMM (half the head: 512 MiB at V=128256, H=4096), so the pass's peak stays near
-the hidden gradient it produces.
+``acc [n, H] (fp32) += block @ W[block]`` (one GEMM); then one launch per chunk
+(:func:`~liger_losses.kernels.online_finish.online_finish`) gives the chunk's statistics and writes
+its gradient rows. The FLOPs are the tile path's (logits and hidden-gradient GEMMs, ``4 N H V``);
+the transient memory is one ``[n, Vb]`` block and the fp32 accumulator instead of an ``[n, V]``
+tile sized for the weight-gradient GEMM (half the head: 512 MiB at V=128256, H=4096), so the
+pass's peak stays near the hidden gradient it produces.
 
 Served: ``mode`` "ce" (label smoothing only without softcap: with it, the smoothing term needs a
 second weighted sum) and "logp"; no class weights; every reduction's row scale. Statistics
-(``loss``, ``lse``, ``logp``, ``correct``, ``entropy``) are the logits-tile kernel's, float32 ``[n]``.
+(``loss``, ``lse``, ``logp``, ``correct``, ``entropy``) are the logits-tile kernel's, float32 ``[N]``.
 Chunk and block sizes: ``EngineConfig.frozen_budget_bytes`` and ``frozen_block_columns``.
 """
 
@@ -37,6 +38,7 @@ from liger_losses.chunked.planning import chunk_bounds
 from liger_losses.chunked.tokens import RowGather
 from liger_losses.kernels.logits_tile import torch_stats_dtype
 from liger_losses.kernels.online_block import OnlineState, online_block
+from liger_losses.kernels.online_finish import online_finish
 
 
 def online_eligible(*, chunk_tokens: Optional[int], mode: str, grad: bool, needs_hidden: bool,
@@ -62,34 +64,18 @@ def vocab_blocks(V: int) -> list[tuple[int, int]]:
 
 def online_token_chunks(V: int, H: int, itemsize: int, num_tokens: int) -> list[tuple[int, int]]:
     """Token chunks of the frozen-head path: per token, a row of the logits block (``itemsize``
-    bytes; it holds the label rows of ``W`` once the block loop is done, so at least ``H`` wide)
-    and of the fp32 accumulator, within ``frozen_budget_bytes``; balanced, as the tile path's."""
+    bytes a column) and of the fp32 accumulator, within ``frozen_budget_bytes``; balanced, as the
+    tile path's."""
     cols = vocab_blocks(V)[0][1] if V else 1
-    per_token = max(cols, H) * itemsize + H * 4
+    per_token = cols * itemsize + H * 4
     return chunk_bounds(num_tokens, per_token, budget_bytes=get_engine_config().frozen_budget_bytes, itemsize=1)
 
 
-def _scale_rows(grad_scale, ts: int, te: int, device, dtype: torch.dtype) -> Tensor:
-    """The upstream scale of rows ``[ts, te)`` in the statistics' ``dtype``."""
-    if isinstance(grad_scale, Tensor):
-        s = grad_scale.to(dtype).reshape(-1)
-        return s[ts:te] if s.numel() > 1 else s.expand(te - ts)
-    return torch.full((te - ts,), float(grad_scale), dtype=dtype, device=device)
-
-
-def _chunk(weight: Tensor, h: Tensor, labels: Tensor, head_blocks, buf: Tensor, acc_buf: Tensor, opts: dict,
-           need_entropy: bool, need_zsum: bool, out: Tensor, scale: Tensor, w_mean: Optional[Tensor]) -> dict:
-    """One token chunk: its statistics, and its hidden gradient written to ``out [n, H]``. Host work
-    per block is three launches (logits GEMM into the reused buffer ``buf``, the block kernel, the
-    GEMM accumulating into ``acc_buf``'s rows): the block loop runs 8-16 times per chunk."""
+def _block_loop(h: Tensor, labels: Tensor, head_blocks, buf: Tensor, acc: Tensor, state: OnlineState,
+                transform: dict, need_entropy: bool, need_zsum: bool, impl: str) -> None:
+    """The vocabulary blocks of one token chunk ``h [n, H]``: per block three launches (the logits
+    GEMM into the reused buffer ``buf``, the block kernel, the GEMM accumulating into ``acc [n, H]``)."""
     n = h.shape[0]
-    state = OnlineState.empty(n, h.device, acc_buf.dtype)
-    acc = acc_buf[: n * weight.shape[1]].view(n, weight.shape[1])
-    transform = dict(logit_scale=opts.get("logit_scale", 1.0), temperature=opts.get("temperature", 1.0),
-                     softcap=opts.get("softcap"))
-    impl = opts.get("impl", "auto")
-    if h.dtype != weight.dtype:
-        h = h.to(weight.dtype)
     for b, (v0, w_block, b_block) in enumerate(head_blocks):
         tile = buf[: n * w_block.shape[0]].view(n, w_block.shape[0])
         if b_block is None:
@@ -99,54 +85,54 @@ def _chunk(weight: Tensor, h: Tensor, labels: Tensor, head_blocks, buf: Tensor, 
         online_block(tile, labels, v0, state, acc, first=b == 0, need_zexp=need_entropy, need_zsum=need_zsum,
                      impl=impl, **transform)
         mm_into(acc, tile, w_block, accumulate=b > 0)
-    lse = state.ref + torch.log(state.sumexp)
-    logp = state.z_y - lse
-    if opts["mode"] == "ce":
-        eps, z_w = float(opts.get("label_smoothing", 0.0)), float(opts.get("z_loss_weight", 0.0))
-        loss = (1.0 - eps) * (-logp) + z_w * lse * lse
-        if eps > 0.0:
-            loss = loss + eps * (lse - state.zsum / weight.shape[0])
-        coef_p, coef_y = scale * (1.0 + 2.0 * z_w * lse) / state.sumexp, scale * (1.0 - eps) * state.d_y
-    else:
-        eps, loss = 0.0, logp
-        coef_p, coef_y = -scale / state.sumexp, -scale * state.d_y
-    acc.mul_(coef_p.unsqueeze(1))
-    w_y = torch.index_select(weight, 0, labels, out=buf[: n * weight.shape[1]].view(n, -1))  # the block is spent
-    acc.addcmul_(w_y, coef_y.unsqueeze(1), value=-1.0)
-    if eps > 0.0:  # without softcap d is the constant logit_scale / T
-        d = float(transform["logit_scale"]) / float(transform["temperature"])
-        acc.sub_(w_mean.unsqueeze(0) * (scale * eps * d).unsqueeze(1))
-    out.copy_(acc)
-    stats = dict(loss=loss, lse=lse, logp=logp, correct=state.z_y >= state.zmax)
-    if need_entropy:
-        stats["entropy"] = lse - state.zexp / state.sumexp
-    return stats
 
 
 def run_online_chunks(weight: Tensor, rows: RowGather, labels_valid: Tensor, bias: Optional[Tensor],
                       grads: HeadGrads, parts: dict, grad_scale, tile_opts: Mapping[str, Any]) -> None:
     """The frozen-head pass over the ``N`` valid tokens of ``rows`` (labels ``labels_valid [N]``):
-    the statistics appended to ``parts`` per chunk, the hidden gradient into ``grads``."""
+    the statistics (``[N]`` each) into ``parts``, the hidden gradient into ``grads``. Per chunk, the
+    block loop then :func:`~liger_losses.kernels.online_finish.online_finish`, which writes the
+    chunk's statistics into the pass's ``[N]`` outputs and its gradient rows at their tokens'
+    positions."""
     V, H = weight.shape
     opts = dict(tile_opts)
-    blocks = vocab_blocks(V)
-    head_blocks = [(v0, weight[v0:v1], None if bias is None else bias[v0:v1].to(weight.dtype)) for v0, v1 in blocks]
-    eps = float(opts.get("label_smoothing", 0.0)) if opts["mode"] == "ce" else 0.0
-    w_mean = weight.to(torch_stats_dtype(weight.dtype)).mean(0) if eps > 0.0 else None
-    need_entropy = bool(opts.get("need_entropy", False))
-    chunks = online_token_chunks(V, H, weight.element_size(), labels_valid.shape[0])
+    N = labels_valid.shape[0]
+    chunks = online_token_chunks(V, H, weight.element_size(), N)
     if not chunks:
         return
+    blocks = vocab_blocks(V)
+    head_blocks = [(v0, weight[v0:v1], None if bias is None else bias[v0:v1].to(weight.dtype)) for v0, v1 in blocks]
+    mode = opts["mode"]
+    eps = float(opts.get("label_smoothing", 0.0)) if mode == "ce" else 0.0
+    stats_dtype = torch_stats_dtype(weight.dtype)  # a float64 run stays float64 end to end
+    w_mean = weight.to(stats_dtype).mean(0) if eps > 0.0 else None
+    need_entropy = bool(opts.get("need_entropy", False))
+    transform = dict(logit_scale=opts.get("logit_scale", 1.0), temperature=opts.get("temperature", 1.0),
+                     softcap=opts.get("softcap"))
+    dz_dx = float(transform["logit_scale"]) / float(transform["temperature"])  # dz/dx without softcap
+    impl = opts.get("impl", "auto")
+    dev = weight.device
     cols = max(v1 - v0 for v0, v1 in blocks)
     rows_max = max(e - s for s, e in chunks)
-    stats_dtype = torch_stats_dtype(weight.dtype)  # a float64 run stays float64 end to end
-    buf = torch.empty(rows_max * max(cols, H), dtype=weight.dtype, device=weight.device)
-    acc_buf = torch.empty(rows_max * H, dtype=stats_dtype, device=weight.device)
-    with torch.autocast(device_type=weight.device.type, enabled=False):  # the operands are in the compute dtype
+    buf = torch.empty(rows_max * cols, dtype=weight.dtype, device=dev)
+    acc_buf = torch.empty(rows_max * H, dtype=stats_dtype, device=dev)
+    state_buf = OnlineState.uninitialized(rows_max, dev, stats_dtype)
+    names = ("loss", "lse", "logp", "entropy") if need_entropy else ("loss", "lse", "logp")
+    stats = {k: torch.empty(N, dtype=stats_dtype, device=dev) for k in names}
+    stats["correct"] = torch.empty(N, dtype=torch.bool, device=dev)
+    per_row = isinstance(grad_scale, Tensor) and grad_scale.numel() > 1
+    with torch.autocast(device_type=dev.type, enabled=False):  # the operands are in the compute dtype
         for ts, te in chunks:
-            out = grads.hidden.target(ts, te)
-            st = _chunk(weight, rows(ts, te), labels_valid[ts:te], head_blocks, buf, acc_buf, opts, need_entropy,
-                        eps > 0.0, out, _scale_rows(grad_scale, ts, te, weight.device, stats_dtype), w_mean)
-            grads.hidden.commit(ts, te, out)
-            for k, v in st.items():
-                parts.setdefault(k, []).append(v)
+            n, h = te - ts, rows(ts, te)
+            if h.dtype != weight.dtype:
+                h = h.to(weight.dtype)
+            labels = labels_valid[ts:te]
+            state, acc = state_buf.rows(n), acc_buf[: n * H].view(n, H)
+            _block_loop(h, labels, head_blocks, buf, acc, state, transform, need_entropy, eps > 0.0, impl)
+            out, out_rows = grads.hidden.rows_target(ts, te)
+            online_finish(state, acc, weight, labels, mode=mode, scale=grad_scale[ts:te] if per_row else grad_scale,
+                          out=out, out_rows=out_rows, stats={k: v[ts:te] for k, v in stats.items()},
+                          label_smoothing=eps, z_loss_weight=float(opts.get("z_loss_weight", 0.0)), dz_dx=dz_dx,
+                          w_mean=w_mean, impl=impl)
+    for k, v in stats.items():
+        parts.setdefault(k, []).append(v)

@@ -254,6 +254,13 @@ class RowScatter:
             return self.full[ts:te]
         return torch.empty(te - ts, self.H, dtype=self.full.dtype, device=self.full.device)
 
+    def rows_target(self, ts: int, te: int) -> tuple[Tensor, Optional[Tensor]]:
+        """Where a kernel writes rows ``[ts, te)`` itself: ``(full[ts:te], None)``, or ``(full,
+        positions [te - ts])`` when tokens were dropped (the rows scattered by the writer)."""
+        if self.identity:
+            return self.full[ts:te], None
+        return self.full, self.index[ts:te]
+
     def commit(self, ts: int, te: int, buf: Tensor) -> None:
         """Rows ``[ts, te)`` from ``buf``, the :meth:`target` of those rows."""
         if not self.identity:

@@ -19,13 +19,18 @@ vocabulary) and a running per-row :class:`OnlineState`, :func:`online_block`:
   where the reference moved (``first=True``: no ``acc`` yet, nothing rescaled; a row whose reference
   stayed is not touched, so usually no ``acc`` byte moves).
 
-Triton: one program per row (two passes over its block, the second mostly from L2); ``impl="torch"``
-(or no Triton on the device): the same in PyTorch.
+``first=True`` starts the state: its old values are never read, so it may be uninitialized
+(:meth:`OnlineState.uninitialized`).
+
+Triton: one program per row (two passes over its block, the second mostly from L2: a single pass
+against the running reference would have to redo a row whose maximum passes it, and the first
+pass has overwritten that row's logits by then); ``impl="torch"`` (or no Triton on the device): the
+same in PyTorch.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Optional
 
 import torch
@@ -75,6 +80,15 @@ class OnlineState:
         buf[4].fill_(float("-inf"))
         return cls(*buf.unbind(0))
 
+    @classmethod
+    def uninitialized(cls, n: int, device, dtype: torch.dtype = torch.float32) -> "OnlineState":
+        """A state of ``n`` rows to be started by a ``first=True`` block (no memory pass)."""
+        return cls(*torch.empty((7, n), dtype=dtype, device=device).unbind(0))
+
+    def rows(self, n: int) -> "OnlineState":
+        """The first ``n`` rows (views)."""
+        return OnlineState(*(getattr(self, f.name)[:n] for f in fields(self)))
+
 
 triton, tl = import_triton()
 
@@ -96,17 +110,27 @@ if triton is not None:
             z, t = _transform(x, logit_scale, inv_temp, softcap, HAS_SOFTCAP)
             bmax = tl.maximum(bmax, tl.where(cols < Vb, z, float("-inf")))
         block_max = tl.max(bmax, axis=0)
-        ref_old = tl.load(ref_ptr + row)
-        ref = tl.where(block_max > ref_old + tau, block_max, ref_old)
-        tl.store(zm_ptr + row, tl.maximum(tl.load(zm_ptr + row), block_max))
         # the label's z and dz/dx, when it falls in this block
         local = tl.load(lab_ptr + row).to(tl.int64) - v0
         here = (local >= 0) & (local < Vb)
         x_y = tl.load(x_row + tl.where(here, local, 0), mask=here, other=0.0).to(tl.float32)
         z_y, t_y = _transform(x_y, logit_scale, inv_temp, softcap, HAS_SOFTCAP)
         d_y = logit_scale * inv_temp * (1.0 - t_y * t_y)
-        tl.store(zy_ptr + row, tl.where(here, z_y, tl.load(zy_ptr + row)))
-        tl.store(dy_ptr + row, tl.where(here, d_y, tl.load(dy_ptr + row)))
+        if FIRST:  # the state starts here: its old values are never read (it may be uninitialized)
+            ref_old = block_max
+            ref = block_max
+            zm_old = block_max
+            zy_old = 0.0
+            dy_old = 0.0
+        else:
+            ref_old = tl.load(ref_ptr + row)
+            ref = tl.where(block_max > ref_old + tau, block_max, ref_old)
+            zm_old = tl.load(zm_ptr + row)
+            zy_old = tl.load(zy_ptr + row)
+            dy_old = tl.load(dy_ptr + row)
+        tl.store(zm_ptr + row, tl.maximum(zm_old, block_max))
+        tl.store(zy_ptr + row, tl.where(here, z_y, zy_old))
+        tl.store(dy_ptr + row, tl.where(here, d_y, dy_old))
         se = tl.zeros((BLOCK,), tl.float32)
         ze = tl.zeros((BLOCK,), tl.float32)
         zs = tl.zeros((BLOCK,), tl.float32)
@@ -123,17 +147,18 @@ if triton is not None:
                 zs += tl.where(mask, z, 0.0)
             g = e * (logit_scale * inv_temp) * (1.0 - t * t)
             tl.store(x_row + cols, g.to(x_ptr.dtype.element_ty), mask=mask)
+        tl.store(ref_ptr + row, ref)
         if FIRST:
-            alpha = 0.0
+            tl.store(se_ptr + row, tl.sum(se, axis=0))
+            tl.store(ze_ptr + row, tl.sum(ze, axis=0))
+            tl.store(zs_ptr + row, tl.sum(zs, axis=0))
         else:
             alpha = tl.exp(ref_old - ref)
-        tl.store(ref_ptr + row, ref)
-        tl.store(se_ptr + row, tl.load(se_ptr + row) * alpha + tl.sum(se, axis=0))
-        if NEED_ZEXP:
-            tl.store(ze_ptr + row, tl.load(ze_ptr + row) * alpha + tl.sum(ze, axis=0))
-        if NEED_ZSUM:
-            tl.store(zs_ptr + row, tl.load(zs_ptr + row) + tl.sum(zs, axis=0))
-        if not FIRST:
+            tl.store(se_ptr + row, tl.load(se_ptr + row) * alpha + tl.sum(se, axis=0))
+            if NEED_ZEXP:
+                tl.store(ze_ptr + row, tl.load(ze_ptr + row) * alpha + tl.sum(ze, axis=0))
+            if NEED_ZSUM:
+                tl.store(zs_ptr + row, tl.load(zs_ptr + row) + tl.sum(zs, axis=0))
             if ref != ref_old:  # the accumulated row follows its reference
                 a_row = acc_ptr + row * stride_acc
                 offs_h = tl.arange(0, BLOCK_H)
@@ -149,6 +174,11 @@ def _online_block_torch(x, labels, v0, state, acc, first, logit_scale, inv_temp,
     n, Vb = x.shape
     z, t = transform_logits_torch(x, logit_scale, 1.0 / inv_temp, softcap)
     block_max = z.max(1).values
+    if first:  # the state's old values are never read (the Triton kernel's contract)
+        for field in (state.sumexp, state.zexp, state.zsum, state.z_y, state.d_y):
+            field.zero_()
+        state.ref.fill_(float("-inf"))
+        state.zmax.fill_(float("-inf"))
     ref_old = state.ref.clone()
     ref = torch.where(block_max > ref_old + TAU, block_max, ref_old)
     state.zmax.copy_(torch.maximum(state.zmax, block_max))
