@@ -17,16 +17,18 @@ Status: open (sizes the defaults in ``chunked/config.py``).
 
 from __future__ import annotations
 
+import time
+
 import torch
 
 MIB = 2**20
 CONFIGS = [  # (frozen_budget_bytes MiB, frozen_block_columns, online_block knobs)
-    (24, 16384, {}),
-    (32, 16384, {}),
+    (24, 16384, {"num_warps": 4}),
+    (24, 16384, {"num_warps": 8}),
+    (24, 16384, {"num_warps": 16}),
     (32, 16384, {"num_warps": 8}),
-    (48, 16384, {}),
-    (24, 8192, {}),
-    (32, 8192, {}),
+    (32, 16384, {"num_warps": 16}),
+    (24, 8192, {"num_warps": 8}),
 ]
 
 
@@ -122,6 +124,16 @@ def main():
             n = online_token_chunks(V, H, 2, N)[0][1]
         print(f"budget {budget} MiB, block {cols} cols, {n}-token chunks, {knobs}: {ms:.2f} ms, peak {peak:.0f} MiB",
               flush=True)
+
+    for label, cfg in (("default", {}), ("no early first chunk", {"speculative_first_chunk": False})):
+        with engine_config(**cfg):
+            ms, peak = measure()
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            step()  # the host returns once every launch is issued (its one wait: the labels' scan)
+            issued = (time.perf_counter() - t0) * 1000
+            torch.cuda.synchronize()
+        print(f"{label}: {ms:.2f} ms, peak {peak:.0f} MiB, host {issued:.2f} ms to issue one call", flush=True)
 
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         for _ in range(3):

@@ -62,77 +62,107 @@ def vocab_blocks(V: int) -> list[tuple[int, int]]:
     return chunk_bounds(V, 1, budget_bytes=get_engine_config().frozen_block_columns, itemsize=1)
 
 
+def _per_token_bytes(V: int, H: int, itemsize: int) -> int:
+    """Transient bytes per token of a chunk: a row of the logits block and of the fp32 accumulator."""
+    cols = vocab_blocks(V)[0][1] if V else 1
+    return cols * itemsize + H * 4
+
+
 def online_token_chunks(V: int, H: int, itemsize: int, num_tokens: int) -> list[tuple[int, int]]:
     """Token chunks of the frozen-head path: per token, a row of the logits block (``itemsize``
     bytes a column) and of the fp32 accumulator, within ``frozen_budget_bytes``; balanced, as the
     tile path's."""
-    cols = vocab_blocks(V)[0][1] if V else 1
-    per_token = cols * itemsize + H * 4
-    return chunk_bounds(num_tokens, per_token, budget_bytes=get_engine_config().frozen_budget_bytes, itemsize=1)
+    return chunk_bounds(num_tokens, _per_token_bytes(V, H, itemsize),
+                        budget_bytes=get_engine_config().frozen_budget_bytes, itemsize=1)
 
 
-def _block_loop(h: Tensor, labels: Tensor, head_blocks, buf: Tensor, acc: Tensor, state: OnlineState,
-                transform: dict, need_entropy: bool, need_zsum: bool, impl: str) -> None:
-    """The vocabulary blocks of one token chunk ``h [n, H]``: per block three launches (the logits
-    GEMM into the reused buffer ``buf``, the block kernel, the GEMM accumulating into ``acc [n, H]``)."""
-    n = h.shape[0]
-    for b, (v0, w_block, b_block) in enumerate(head_blocks):
-        tile = buf[: n * w_block.shape[0]].view(n, w_block.shape[0])
-        if b_block is None:
-            torch.mm(h, w_block.t(), out=tile)
-        else:
-            torch.addmm(b_block, h, w_block.t(), out=tile)
-        online_block(tile, labels, v0, state, acc, first=b == 0, need_zexp=need_entropy, need_zsum=need_zsum,
-                     impl=impl, **transform)
-        mm_into(acc, tile, w_block, accumulate=b > 0)
+def online_chunk_capacity(V: int, H: int, itemsize: int) -> int:
+    """The most tokens one chunk of :func:`online_token_chunks` holds, whatever the token count."""
+    return max(1, get_engine_config().frozen_budget_bytes // _per_token_bytes(V, H, itemsize))
+
+
+class OnlinePass:
+    """One frozen-head pass: the head's vocabulary blocks, the options of every chunk and the
+    buffers the chunks reuse (a logits block, the fp32 accumulator and the running state, for
+    chunks of at most ``rows`` tokens). ``weight [V, H]`` in the compute dtype, ``bias [V]`` or None,
+    ``tile_opts`` the logits-tile keywords of the pass (``mode`` "ce" | "logp", the logit transform,
+    ``label_smoothing``, ``z_loss_weight``, ``need_entropy``, ``impl``)."""
+
+    def __init__(self, weight: Tensor, bias: Optional[Tensor], tile_opts: Mapping[str, Any], rows: int):
+        opts = dict(tile_opts)
+        V, H = weight.shape
+        self.weight, self.H, self.mode = weight, H, opts["mode"]
+        self.eps = float(opts.get("label_smoothing", 0.0)) if self.mode == "ce" else 0.0
+        self.z_loss_weight = float(opts.get("z_loss_weight", 0.0))
+        self.stats_dtype = torch_stats_dtype(weight.dtype)  # a float64 run stays float64 end to end
+        self.w_mean = weight.to(self.stats_dtype).mean(0) if self.eps > 0.0 else None
+        self.need_entropy = bool(opts.get("need_entropy", False))
+        self.transform = dict(logit_scale=opts.get("logit_scale", 1.0), temperature=opts.get("temperature", 1.0),
+                              softcap=opts.get("softcap"))
+        self.dz_dx = float(self.transform["logit_scale"]) / float(self.transform["temperature"])  # without softcap
+        self.impl = opts.get("impl", "auto")
+        blocks = vocab_blocks(V)
+        self.head_blocks = [(v0, weight[v0:v1], None if bias is None else bias[v0:v1].to(weight.dtype))
+                            for v0, v1 in blocks]
+        cols, dev = max(v1 - v0 for v0, v1 in blocks), weight.device
+        self.buf = torch.empty(rows * cols, dtype=weight.dtype, device=dev)
+        self.acc_buf = torch.empty(rows * H, dtype=self.stats_dtype, device=dev)
+        self.state_buf = OnlineState.uninitialized(rows, dev, self.stats_dtype)
+
+    def stats_buffers(self, n: int) -> dict:
+        """The statistics' outputs of ``n`` tokens: float32 (float64) ``loss``/``lse``/``logp``
+        (/``entropy``), bool ``correct``."""
+        names = ("loss", "lse", "logp", "entropy") if self.need_entropy else ("loss", "lse", "logp")
+        stats = {k: torch.empty(n, dtype=self.stats_dtype, device=self.weight.device) for k in names}
+        stats["correct"] = torch.empty(n, dtype=torch.bool, device=self.weight.device)
+        return stats
+
+    def chunk(self, h: Tensor, labels: Tensor, scale, out: Tensor, out_rows: Optional[Tensor], stats: dict) -> None:
+        """One chunk of ``n`` tokens ``h [n, H]`` with ``labels [n]`` (in ``[0, V)``) and upstream
+        ``scale`` (a float or a tensor of one entry or ``n``): per vocabulary block three launches (the
+        logits GEMM into the reused block buffer, the block kernel, the GEMM accumulating into the
+        fp32 rows), then :func:`~liger_losses.kernels.online_finish.online_finish` writing ``stats``
+        (``[n]`` outputs) and the gradient rows into ``out`` (at ``out_rows``, when given)."""
+        n, H = h.shape[0], self.H
+        w = self.weight
+        state, acc = self.state_buf.rows(n), self.acc_buf[: n * H].view(n, H)
+        with torch.autocast(device_type=w.device.type, enabled=False):  # the operands are in the compute dtype
+            if h.dtype != w.dtype:
+                h = h.to(w.dtype)
+            for b, (v0, w_block, b_block) in enumerate(self.head_blocks):
+                tile = self.buf[: n * w_block.shape[0]].view(n, w_block.shape[0])
+                if b_block is None:
+                    torch.mm(h, w_block.t(), out=tile)
+                else:
+                    torch.addmm(b_block, h, w_block.t(), out=tile)
+                online_block(tile, labels, v0, state, acc, first=b == 0, need_zexp=self.need_entropy,
+                             need_zsum=self.eps > 0.0, impl=self.impl, **self.transform)
+                mm_into(acc, tile, w_block, accumulate=b > 0)
+            online_finish(state, acc, w, labels, mode=self.mode, scale=scale, out=out, out_rows=out_rows,
+                          stats=stats, label_smoothing=self.eps, z_loss_weight=self.z_loss_weight,
+                          dz_dx=self.dz_dx, w_mean=self.w_mean, impl=self.impl)
 
 
 def run_online_chunks(weight: Tensor, rows: RowGather, labels_valid: Tensor, bias: Optional[Tensor],
-                      grads: HeadGrads, parts: dict, grad_scale, tile_opts: Mapping[str, Any]) -> None:
-    """The frozen-head pass over the ``N`` valid tokens of ``rows`` (labels ``labels_valid [N]``):
-    the statistics (``[N]`` each) into ``parts``, the hidden gradient into ``grads``. Per chunk, the
-    block loop then :func:`~liger_losses.kernels.online_finish.online_finish`, which writes the
-    chunk's statistics into the pass's ``[N]`` outputs and its gradient rows at their tokens'
-    positions."""
+                      grads: HeadGrads, parts: dict, grad_scale, tile_opts: Mapping[str, Any], *, done: int = 0,
+                      online: Optional[OnlinePass] = None) -> None:
+    """The frozen-head pass over the valid tokens ``[done, N)`` of ``rows`` (labels ``labels_valid
+    [N]``; the first ``done`` were run before, as :func:`~.token_passes.run_token_tiles`' first
+    chunk is): their statistics (``[N - done]`` each) into ``parts``, their hidden gradient rows into
+    ``grads`` at their tokens' positions. ``online``: the pass whose buffers to reuse (its chunks
+    hold at least :func:`online_chunk_capacity` tokens, or all of them)."""
     V, H = weight.shape
-    opts = dict(tile_opts)
     N = labels_valid.shape[0]
-    chunks = online_token_chunks(V, H, weight.element_size(), N)
+    chunks = [(done + a, done + b) for a, b in online_token_chunks(V, H, weight.element_size(), N - done)]
     if not chunks:
         return
-    blocks = vocab_blocks(V)
-    head_blocks = [(v0, weight[v0:v1], None if bias is None else bias[v0:v1].to(weight.dtype)) for v0, v1 in blocks]
-    mode = opts["mode"]
-    eps = float(opts.get("label_smoothing", 0.0)) if mode == "ce" else 0.0
-    stats_dtype = torch_stats_dtype(weight.dtype)  # a float64 run stays float64 end to end
-    w_mean = weight.to(stats_dtype).mean(0) if eps > 0.0 else None
-    need_entropy = bool(opts.get("need_entropy", False))
-    transform = dict(logit_scale=opts.get("logit_scale", 1.0), temperature=opts.get("temperature", 1.0),
-                     softcap=opts.get("softcap"))
-    dz_dx = float(transform["logit_scale"]) / float(transform["temperature"])  # dz/dx without softcap
-    impl = opts.get("impl", "auto")
-    dev = weight.device
-    cols = max(v1 - v0 for v0, v1 in blocks)
-    rows_max = max(e - s for s, e in chunks)
-    buf = torch.empty(rows_max * cols, dtype=weight.dtype, device=dev)
-    acc_buf = torch.empty(rows_max * H, dtype=stats_dtype, device=dev)
-    state_buf = OnlineState.uninitialized(rows_max, dev, stats_dtype)
-    names = ("loss", "lse", "logp", "entropy") if need_entropy else ("loss", "lse", "logp")
-    stats = {k: torch.empty(N, dtype=stats_dtype, device=dev) for k in names}
-    stats["correct"] = torch.empty(N, dtype=torch.bool, device=dev)
+    if online is None:
+        online = OnlinePass(weight, bias, tile_opts, max(e - s for s, e in chunks))
+    stats = online.stats_buffers(N - done)
     per_row = isinstance(grad_scale, Tensor) and grad_scale.numel() > 1
-    with torch.autocast(device_type=dev.type, enabled=False):  # the operands are in the compute dtype
-        for ts, te in chunks:
-            n, h = te - ts, rows(ts, te)
-            if h.dtype != weight.dtype:
-                h = h.to(weight.dtype)
-            labels = labels_valid[ts:te]
-            state, acc = state_buf.rows(n), acc_buf[: n * H].view(n, H)
-            _block_loop(h, labels, head_blocks, buf, acc, state, transform, need_entropy, eps > 0.0, impl)
-            out, out_rows = grads.hidden.rows_target(ts, te)
-            online_finish(state, acc, weight, labels, mode=mode, scale=grad_scale[ts:te] if per_row else grad_scale,
-                          out=out, out_rows=out_rows, stats={k: v[ts:te] for k, v in stats.items()},
-                          label_smoothing=eps, z_loss_weight=float(opts.get("z_loss_weight", 0.0)), dz_dx=dz_dx,
-                          w_mean=w_mean, impl=impl)
+    for ts, te in chunks:
+        out, out_rows = grads.hidden.rows_target(ts, te)
+        online.chunk(rows(ts, te), labels_valid[ts:te], grad_scale[ts:te] if per_row else grad_scale, out, out_rows,
+                     {k: v[ts - done:te - done] for k, v in stats.items()})
     for k, v in stats.items():
         parts.setdefault(k, []).append(v)

@@ -26,7 +26,13 @@ from torch import Tensor
 
 from liger_losses.chunked.autograd import check_no_double_backward_of_loss
 from liger_losses.chunked.config import get_engine_config
-from liger_losses.chunked.frozen_head import online_eligible, run_online_chunks
+from liger_losses.chunked.frozen_head import (
+    OnlinePass,
+    online_chunk_capacity,
+    online_eligible,
+    online_token_chunks,
+    run_online_chunks,
+)
 from liger_losses.chunked.gemm import HeadGrads, itemsize, project
 from liger_losses.chunked.planning import token_chunks
 from liger_losses.chunked.tokens import (
@@ -128,13 +134,16 @@ def run_token_tiles(
     flat_labels = labels.reshape(-1)
     total = flat_labels.shape[0]
     size = itemsize(weight.dtype)
-    bounds = token_chunks(V, H, size, total, chunk_tokens)
+    online = online_eligible(chunk_tokens=chunk_tokens, mode=mode, grad=grad, needs_hidden=needs_hidden,
+                             needs_weight=needs_weight, needs_bias=needs_bias, kernel_opts=kernel_opts)
+    if online:
+        bounds = online_token_chunks(V, H, size, total)
+    else:
+        bounds = token_chunks(V, H, size, total, chunk_tokens)
     first = bounds[0][1] if bounds else 0
     per_row = isinstance(grad_scale, Tensor)
     pending = pos = None
-    online = online_eligible(chunk_tokens=chunk_tokens, mode=mode, grad=grad, needs_hidden=needs_hidden,
-                             needs_weight=needs_weight, needs_bias=needs_bias, kernel_opts=kernel_opts)
-    if (get_engine_config().speculative_first_chunk and not online and first > 0 and total >= 2 * first
+    if (get_engine_config().speculative_first_chunk and first > 0 and total >= 2 * first
             and not (per_row and grad_scale.shape[0] < first)):
         pending = PendingLabelScan(labels, ignore_index, V)
         try:  # the first `first` valid positions, padded with -1
@@ -156,11 +165,19 @@ def run_token_tiles(
                                torch.full_like(at, ignore_index))
     first_rows = hidden.reshape(-1, H).index_select(0, at).masked_fill_(~keep.unsqueeze(1), 0)
     grads, tile_opts = _pass_setup(weight, None, labels.device, **opts)
-    tile = project(first_rows, weight, bias)
-    first_stats = logits_tile(tile, first_labels, grad_scale=grad_scale[:first] if per_row else grad_scale,
-                              need_logits_sum=False, **tile_opts)
-    first_grad = grads.add_detached(tile, first_rows, weight) if grad else None
-    del tile, first_rows
+    first_scale = grad_scale[:first] if per_row else grad_scale
+    if online:  # the frozen-head path's first chunk: an ignored row's label (0) only indexes W
+        op = OnlinePass(weight, bias, tile_opts, min(total, online_chunk_capacity(V, H, size)))
+        first_stats = op.stats_buffers(first)
+        first_grad = torch.empty(first, H, dtype=weight.dtype, device=weight.device)
+        op.chunk(first_rows, torch.where(keep, first_labels, 0), first_scale, first_grad, None, first_stats)
+    else:
+        tile = project(first_rows, weight, bias)
+        first_stats = logits_tile(tile, first_labels, grad_scale=first_scale, need_logits_sum=False,
+                                  **tile_opts)._asdict()
+        first_grad = grads.add_detached(tile, first_rows, weight) if grad else None
+        del tile
+    del first_rows
     scan = pending.result()  # the one host sync (raises on labels out of range)
     labels_valid, index = valid_index(labels, ignore_index, scan=scan)
     rows = hidden_rows_at(hidden, index)
@@ -168,9 +185,12 @@ def run_token_tiles(
     done = min(first, scan.num_valid)
     grads.commit_detached(first_grad, 0, done)
     del first_grad  # not held through the later chunks (the peak is one tile above the gradients)
-    parts: dict[str, list] = {k: [v[:done]] for k, v in first_stats._asdict().items() if v is not None}
-    rest = [(done + a, done + b) for a, b in token_chunks(V, H, size, scan.num_valid - done, chunk_tokens)]
-    _run_chunks(weight, rows, labels_valid, bias, rest, grads, parts, grad_scale, tile_opts)
+    parts: dict[str, list] = {k: [v[:done]] for k, v in first_stats.items() if v is not None}
+    if online:
+        run_online_chunks(weight, rows, labels_valid, bias, grads, parts, grad_scale, tile_opts, done=done, online=op)
+    else:
+        rest = [(done + a, done + b) for a, b in token_chunks(V, H, size, scan.num_valid - done, chunk_tokens)]
+        _run_chunks(weight, rows, labels_valid, bias, rest, grads, parts, grad_scale, tile_opts)
     return (_stats_of(parts, need_entropy, labels.device), *grads.finish(), labels_valid, index)
 
 

@@ -277,3 +277,87 @@ def test_gpu_triton_matches_torch(name):
         results.append((logps.detach(), gh))
     assert rel_err(results[0][0], results[1][0]) <= 2e-6
     assert rel_err(results[0][1], results[1][1]) <= 2e-6
+
+
+# --------------------------------------------------------------------------- first chunk before the sync
+
+
+def _speculated(monkeypatch):
+    """A list that grows by one each time a call takes the speculative path (token_passes.PendingLabelScan)."""
+    import liger_losses.chunked.token_passes as token_passes
+
+    calls = []
+
+    class Counted(token_passes.PendingLabelScan):
+        def __init__(self, *args, **kwargs):
+            calls.append(1)
+            super().__init__(*args, **kwargs)
+
+    monkeypatch.setattr(token_passes, "PendingLabelScan", Counted)
+    return calls
+
+
+def _labels_with(valid_count, ignore_index=-100, seed=3):
+    """[4, 16] labels with ``valid_count`` non-ignored tokens at random positions (none equal to
+    ``ignore_index``)."""
+    g = torch.Generator().manual_seed(seed)
+    labels = torch.full((64,), ignore_index, dtype=torch.long)
+    pos = torch.randperm(64, generator=g)[:valid_count]
+    vals = torch.randint(0, V, (valid_count,), generator=g)
+    labels[pos] = torch.where(vals == ignore_index, (vals + 1) % V, vals)
+    return labels.view(4, 16)
+
+
+@pytest.mark.parametrize("impl", ["torch", "triton"])
+@pytest.mark.parametrize("ignore_index", [-100, 0, V + 3])
+@pytest.mark.parametrize("valid_count", [64, 40, 32, 7, 0],
+                         ids=["none-ignored", "chunk1-full", "exactly-chunk1", "chunk1-padded", "all-ignored"])
+def test_first_chunk_before_the_sync_equals_plain_path(valid_count, ignore_index, impl, monkeypatch):
+    """The frozen-head pass with its first chunk (32 tokens here) issued before the labels' host
+    sync, padded with ignored rows when fewer are valid (their hidden states NaN, as fully masked
+    padding can be), against the plain path: loss, hidden gradient and metrics within 1e-6 (fp32:
+    the chunks differ; Triton through the interpreter), every ignored row's gradient zero, and the
+    loss within 1e-5 of float64."""
+    if impl == "triton":
+        pytest.importorskip("triton")
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
+    calls = _speculated(monkeypatch)
+    w, _, b, _ = _inputs(seed=7, dtype=torch.float32)
+    labels = _labels_with(valid_count, ignore_index)
+    h = torch.randn(4, 16, H)
+    h.view(-1, H)[labels.view(-1) == ignore_index] = float("nan")
+    h.requires_grad_()
+    kw = dict(bias=b, ignore_index=ignore_index, label_smoothing=0.1, z_loss_weight=1e-3, return_entropy=True,
+              return_token_accuracy=True, impl=impl)
+    results = []
+    for speculate in (True, False):
+        with engine_config(speculative_first_chunk=speculate, **SMALL):
+            out = fused_linear_cross_entropy(w, h, labels, **kw)
+            (gh,) = torch.autograd.grad(out.loss, h)
+        results.append((out.loss.detach(), gh, *(out.metrics[k] for k in sorted(out.metrics))))
+    assert len(calls) == 1, "the speculative path was not taken once"
+    for got, want in zip(*results):
+        assert torch.isfinite(got).all()
+        if valid_count:
+            assert rel_err(got, want) <= 1e-6
+        else:
+            assert torch.equal(got, want)
+    assert (results[0][1].view(-1, H)[labels.view(-1) == ignore_index] == 0).all()
+    if valid_count:
+        ref = _reference(w, h.detach().nan_to_num().view(-1, H), b,
+                         torch.where(labels == ignore_index, -100, labels).view(-1),
+                         label_smoothing=0.1, z_loss_weight=1e-3)
+        assert rel_err(results[0][0], ref[0]) <= 1e-5
+
+
+@pytest.mark.parametrize("where", ["first", "later"])
+def test_first_chunk_before_the_sync_rejects_labels_out_of_range(where):
+    """A label >= V in or after the early first chunk: ValueError naming the labels (the chunk was
+    issued with that row as ignored: no out-of-range read of the head)."""
+    w, _, _, _ = _inputs(dtype=torch.float32)
+    h = torch.randn(4, 16, H, requires_grad=True)
+    labels = _labels_with(60)
+    pos = (labels.view(-1) != -100).nonzero().squeeze(1)
+    labels.view(-1)[pos[1] if where == "first" else pos[-1]] = V + 3
+    with engine_config(**SMALL), pytest.raises(ValueError, match="labels must be in"):
+        fused_linear_cross_entropy(w, h, labels)
