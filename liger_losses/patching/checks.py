@@ -5,7 +5,8 @@ anything is patched (so a failed check leaves the model and the modeling module 
 ``*ForCausalLM`` class, its ``forward`` taking ``labels`` and ``logits_to_keep`` (and
 ``output_router_logits`` for MoE families), the RMSNorm class built as ``(hidden_size, eps)``, the
 MLP class (when the MLP is swapped), ``apply_rotary_pos_emb(q, k, cos, sin, ...)`` (when RoPE is
-patched) and ``load_balancing_loss_func`` (MoE families).
+patched; read through a hub-kernel wrapper, ``rope.underlying_function``) and
+``load_balancing_loss_func`` (MoE families).
 ``check_instance(spec, target, norm_cls, mlp_cls, *, mlp, cross_entropy)`` checks a model instance:
 every RMSNorm module holds a 1-D ``weight`` and an ``eps``/``variance_epsilon``, every MLP module the
 linear projections our MLP re-binds (``nn.Linear`` or a PEFT layer around one), and the causal LM
@@ -23,6 +24,7 @@ from typing import Callable, List, Optional, Sequence
 from torch import nn
 
 from liger_losses.patching.causal_lm import LIGER_MARK
+from liger_losses.patching.rope import underlying_function
 from liger_losses.patching.specs import FamilySpec
 
 
@@ -94,7 +96,7 @@ def check_module(spec: FamilySpec, modeling, *, rope: bool, mlp: bool, cross_ent
             problems.append(f"{spec.mlp} is not a class")
     if rope and spec.rope:
         fn = originals("apply_rotary_pos_emb") if hasattr(modeling, "apply_rotary_pos_emb") else None
-        params = _parameters(fn) if callable(fn) else None
+        params = _parameters(underlying_function(fn)) if callable(fn) else None
         if not callable(fn):
             problems.append(f"{modeling.__name__}.apply_rotary_pos_emb is missing")
         elif params is not None and list(params)[:4] != ["q", "k", "cos", "sin"]:

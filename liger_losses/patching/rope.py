@@ -37,6 +37,8 @@ import inspect
 from dataclasses import dataclass
 from typing import Callable
 
+from torch import nn
+
 from liger_losses.kernels.rope import apply_rotary_pos_emb
 from liger_losses.kernels.tuning import Knobs, knob, register
 
@@ -113,6 +115,23 @@ for _fn in (
     _fn._liger = True
 
 
+def underlying_function(fn: Callable) -> Callable:
+    """The plain function behind ``fn`` when ``fn`` wraps one, else ``fn``: ``functools.wraps``
+    wrappers, and the hub-kernel wrapper of the ``kernels`` package. With that package installed
+    (transformers >= 5.2x requires it), transformers' ``@use_kernel_forward_from_hub`` turns
+    ``apply_rotary_pos_emb`` into an ``nn.Module`` instance whose ``forward(*args, **kwargs)`` calls
+    the function it closes over (``func``); the attention still calls the module-level name, which
+    is what the patch replaces. Used to read the original's signature and family, never to call it."""
+    fn = inspect.unwrap(fn) if callable(fn) else fn
+    forward = getattr(type(fn), "forward", None)
+    code = getattr(forward, "__code__", None)
+    if isinstance(fn, nn.Module) and code is not None and "func" in code.co_freevars and forward.__closure__:
+        inner = forward.__closure__[code.co_freevars.index("func")].cell_contents
+        if callable(inner) and not isinstance(inner, nn.Module):
+            return inspect.unwrap(inner)
+    return fn
+
+
 def _family(original: Callable) -> str:
     """'llama' for transformers.models.llama.modeling_llama.apply_rotary_pos_emb, else ''."""
     module = getattr(original, "__module__", "") or ""
@@ -123,7 +142,9 @@ def _family(original: Callable) -> str:
 
 
 def make_rotary_replacement(original: Callable) -> Callable:
-    """The replacement whose signature matches ``original``'s."""
+    """The replacement whose signature matches ``original``'s (seen through a wrapper:
+    :func:`underlying_function`)."""
+    original = underlying_function(original)
     try:
         params = inspect.signature(original).parameters
     except (TypeError, ValueError):  # pragma: no cover - builtins/odd wrappers

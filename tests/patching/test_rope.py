@@ -125,3 +125,58 @@ def test_family_tables_repeat_their_first_half(model_type, rope_type):
             assert cos.shape[-1] % 2 == 0
             assert torch.equal(cos[..., :half], cos[..., half:]), f"{cls.__name__} cos halves differ"
             assert torch.equal(sin[..., :half], sin[..., half:]), f"{cls.__name__} sin halves differ"
+
+
+def _hub_wrapped(fn):
+    """What transformers' ``@use_kernel_forward_from_hub`` makes of a function when the ``kernels``
+    package is installed: an ``nn.Module`` instance whose ``forward(*args, **kwargs)`` calls the
+    function it closes over (``func``), as ``kernels``' ``_create_func_module`` builds it."""
+
+    def build(func):
+        class Func(torch.nn.Module):
+            def forward(self, *args, **kwargs):
+                return func(*args, **kwargs)
+
+        return Func()
+
+    return build(fn)
+
+
+def test_replacement_sees_through_a_hub_kernel_wrapper():
+    """A hub-wrapped original (signature ``(*args, **kwargs)``, module ``kernels``'): the
+    replacement follows the wrapped function's signature and family (llama: in place), and the
+    family check accepts it; a wrapper around another signature is still refused."""
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb as hf_llama
+
+    import liger_losses.patching.rope as prope
+    from liger_losses.patching.checks import _parameters
+
+    plain = prope.underlying_function(hf_llama)  # the plain function, whether or not kernels wrapped it
+    assert list(_parameters(plain))[:4] == ["q", "k", "cos", "sin"]
+    wrapped = _hub_wrapped(plain)
+    assert list(inspect.signature(wrapped).parameters) == ["args", "kwargs"]
+    assert prope.underlying_function(wrapped) is plain
+    assert make_rotary_replacement(wrapped) is make_rotary_replacement(plain) is prope.liger_rotary_pos_emb_inplace
+    assert make_rotary_replacement(_hub_wrapped(_hf_old)) is liger_rotary_pos_emb_with_position_ids
+    assert prope.underlying_function(_hf_new) is _hf_new
+
+
+def test_family_check_accepts_hub_wrapped_rope_and_refuses_other_signatures():
+    """The module check reads a hub-wrapped ``apply_rotary_pos_emb`` through its wrapper: llama's
+    passes, a wrapped function of another signature raises naming it."""
+    from transformers.models.llama import modeling_llama as ml
+
+    import liger_losses.patching.rope as prope
+    from liger_losses.patching import FamilyMismatchError
+    from liger_losses.patching.checks import check_module
+    from liger_losses.patching.core import patch_family
+    from tests.patching.test_checks import FLAGS, _fake_llama_module, _spec
+
+    bad = "tests_fake_modeling_hub_wrapped_bad"
+    _fake_llama_module(bad, apply_rotary_pos_emb=_hub_wrapped(lambda x, freqs: x))
+    with pytest.raises(FamilyMismatchError, match=r"apply_rotary_pos_emb is not \(q, k, cos, sin"):
+        patch_family(_spec(bad), None, **FLAGS)
+    good = _fake_llama_module("tests_fake_modeling_hub_wrapped_good",
+                              apply_rotary_pos_emb=_hub_wrapped(prope.underlying_function(ml.apply_rotary_pos_emb)))
+    check_module(_spec("tests_fake_modeling_hub_wrapped_good"), good, rope=True, mlp=True, cross_entropy=True,
+                 originals=lambda attr: getattr(good, attr))
