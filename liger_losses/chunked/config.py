@@ -31,8 +31,8 @@ Knobs (what each one trades, and what was measured):
   instead of reading it on the host (one sync per backward; False restores that). H200 profile of
   cross-entropy at 8192 tokens: GPU idle per step 1.74 -> 1.42 ms. The scale is applied in fp32,
   so a non-unit upstream gradient can differ by one bf16 ulp from ``x.mul_(s)``.
-* ``speculative_first_chunk``: per-token losses (cross-entropy, token log-probs) issue their
-  first chunk before the one host sync. The label scan's count goes to pinned host memory through
+* ``speculative_first_chunk``: per-token losses (cross-entropy, token log-probs; on the tile path
+  and on the frozen-head path alike) issue their first chunk before the one host sync. The label scan's count goes to pinned host memory through
   a non-blocking copy; the first chunk's rows are taken from ``nonzero_static`` of a known size
   (ignored rows padded out: label ``ignore_index``, zero loss and gradient), its GEMMs and tile
   are enqueued, and only then does the host wait -- for the copy, not for the chunk. The GPU runs
