@@ -32,10 +32,11 @@ Knobs (what each one trades, and what was measured):
   cross-entropy at 8192 tokens: GPU idle per step 1.74 -> 1.42 ms. The scale is applied in fp32,
   so a non-unit upstream gradient can differ by one bf16 ulp from ``x.mul_(s)``.
 * ``speculative_first_chunk``: per-token losses (cross-entropy, token log-probs; on the tile path
-  and on the frozen-head path alike) issue their first chunk before the one host sync. The label scan's count goes to pinned host memory through
-  a non-blocking copy; the first chunk's rows are taken from ``nonzero_static`` of a known size
-  (ignored rows padded out: label ``ignore_index``, zero loss and gradient), its GEMMs and tile
-  are enqueued, and only then does the host wait -- for the copy, not for the chunk. The GPU runs
+  and on the frozen-head path alike) issue their first chunk before the one host sync. The label
+  scan's count goes to pinned host memory through a non-blocking copy; the first chunk's rows are
+  taken from ``nonzero_static`` of a known size (ignored rows padded out: label ``ignore_index``,
+  zero loss and gradient; on the frozen-head path their results are dropped), its GEMMs and
+  kernels are enqueued, and only then does the host wait -- for the copy, not for the chunk. The GPU runs
   the chunk while the host plans the rest. Only when the rows fill at least two chunks; the cost
   is the ignored rows among the first chunk's (all valid unless more than half are ignored).
 * ``frozen_head_online`` / ``frozen_budget_bytes`` / ``frozen_block_columns``: a per-token pass
