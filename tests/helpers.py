@@ -52,3 +52,19 @@ def count_host_syncs(fn) -> int:
     # "called a synchronizing CUDA operation" per sync; the first use of the debug mode in a process
     # also warns that it "is a prototype feature", which is no sync
     return sum("called a synchronizing" in str(c.message) for c in caught)
+
+
+def count_speculative_passes(monkeypatch) -> list:
+    """A list that grows by one each time a call takes the early-first-chunk path of the per-token
+    passes (``EngineConfig.speculative_first_chunk``: one ``token_passes.PendingLabelScan`` per call)."""
+    import liger_losses.chunked.token_passes as token_passes
+
+    calls = []
+
+    class Counted(token_passes.PendingLabelScan):
+        def __init__(self, *args, **kwargs):
+            calls.append(1)
+            super().__init__(*args, **kwargs)
+
+    monkeypatch.setattr(token_passes, "PendingLabelScan", Counted)
+    return calls

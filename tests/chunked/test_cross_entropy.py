@@ -13,7 +13,7 @@ from liger_losses.chunked.cross_entropy import (
     fused_linear_cross_entropy,
 )
 from liger_losses.chunked.output import LossOutput
-from tests.helpers import TOL, assert_close_rel, lm_head_inputs, rel_err
+from tests.helpers import TOL, assert_close_rel, count_speculative_passes, lm_head_inputs, rel_err
 
 FP32 = TOL[torch.float32]
 B, T, H, V = 3, 5, 16, 60
@@ -315,21 +315,6 @@ def test_speculative_first_chunk_rejects_labels_out_of_range():
         fused_linear_cross_entropy(w, h, labels, chunk_tokens=16)
 
 
-def _speculated(monkeypatch):
-    """A list that grows by one each time a call takes the speculative path (token_passes.PendingLabelScan)."""
-    import liger_losses.chunked.token_passes as token_passes
-
-    calls = []
-
-    class Counted(token_passes.PendingLabelScan):
-        def __init__(self, *args, **kwargs):
-            calls.append(1)
-            super().__init__(*args, **kwargs)
-
-    monkeypatch.setattr(token_passes, "PendingLabelScan", Counted)
-    return calls
-
-
 def _both_paths(monkeypatch, fn):
     """``[fn() with speculative_first_chunk on, fn() with it off]``."""
     from liger_losses.chunked.config import engine_config
@@ -345,7 +330,7 @@ def test_speculative_first_chunk_never_reads_ignored_rows(monkeypatch):
     """Hidden states at ignored positions are never used, as on the plain path: NaN there (fully
     masked padding rows can be NaN) leaves the loss and every gradient finite and within 1e-6 of the
     plain path when the first chunk is padded (3 valid tokens of 64, 16-token chunks)."""
-    calls = _speculated(monkeypatch)
+    calls = count_speculative_passes(monkeypatch)
     w, _, b, _ = _inputs(seed=4)
     labels = _labels_with(3)
     labels.view(-1)[0] = -100  # the padded rows of the first chunk point at flat row 0
@@ -369,7 +354,7 @@ def test_speculative_first_chunk_never_reads_ignored_rows(monkeypatch):
 def test_speculative_first_chunk_other_ignore_index(ignore_index, valid_count, monkeypatch):
     """An ignore_index other than -100 (inside [0, V) too: the padded rows get it as their label)
     gives the plain path's loss and gradients within 1e-6, and the loss within 1e-5 of float64."""
-    calls = _speculated(monkeypatch)
+    calls = count_speculative_passes(monkeypatch)
     w, _, _, _ = _inputs(seed=5)
     h = torch.randn(4, 16, H).requires_grad_()
     labels = _labels_with(valid_count, seed=valid_count)
@@ -394,7 +379,7 @@ def test_speculative_first_chunk_other_ignore_index(ignore_index, valid_count, m
 def test_speculative_first_chunk_rejects_out_of_range_with_ignore_index_0(where, bad, monkeypatch):
     """ignore_index=0 and a label out of [0, V) in or after the first chunk: ValueError naming the
     labels (the first chunk was already issued with that row as ignored: no out-of-range read)."""
-    calls = _speculated(monkeypatch)
+    calls = count_speculative_passes(monkeypatch)
     w, _, _, _ = _inputs()
     h = torch.randn(4, 16, H)
     labels = _labels_with(40)
@@ -418,7 +403,7 @@ def test_speculative_first_chunk_variants(case, valid_count, monkeypatch):
 
     from liger_losses.chunked.config import engine_config
 
-    calls = _speculated(monkeypatch)
+    calls = count_speculative_passes(monkeypatch)
     budget = contextlib.nullcontext()
     w, _, _, _ = _inputs(seed=6)
     kw = dict(chunk_tokens=16)

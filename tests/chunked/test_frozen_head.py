@@ -18,7 +18,7 @@ from liger_losses.chunked.cross_entropy import fused_linear_cross_entropy
 from liger_losses.chunked.frozen_head import online_eligible, online_token_chunks, vocab_blocks
 from liger_losses.chunked.token_logprobs import fused_linear_token_logprobs
 from liger_losses.kernels.online_block import TAU, OnlineState, online_block
-from tests.helpers import rel_err
+from tests.helpers import count_speculative_passes, rel_err
 
 V, H, N = 700, 48, 150
 SMALL = dict(frozen_budget_bytes=64 * 1024, frozen_block_columns=256)  # several chunks and blocks
@@ -282,21 +282,6 @@ def test_gpu_triton_matches_torch(name):
 # --------------------------------------------------------------------------- first chunk before the sync
 
 
-def _speculated(monkeypatch):
-    """A list that grows by one each time a call takes the speculative path (token_passes.PendingLabelScan)."""
-    import liger_losses.chunked.token_passes as token_passes
-
-    calls = []
-
-    class Counted(token_passes.PendingLabelScan):
-        def __init__(self, *args, **kwargs):
-            calls.append(1)
-            super().__init__(*args, **kwargs)
-
-    monkeypatch.setattr(token_passes, "PendingLabelScan", Counted)
-    return calls
-
-
 def _labels_with(valid_count, ignore_index=-100, seed=3):
     """[4, 16] labels with ``valid_count`` non-ignored tokens at random positions (none equal to
     ``ignore_index``)."""
@@ -321,7 +306,7 @@ def test_first_chunk_before_the_sync_equals_plain_path(valid_count, ignore_index
     if impl == "triton":
         pytest.importorskip("triton")
         monkeypatch.setenv("TRITON_INTERPRET", "1")
-    calls = _speculated(monkeypatch)
+    calls = count_speculative_passes(monkeypatch)
     w, _, b, _ = _inputs(seed=7, dtype=torch.float32)
     labels = _labels_with(valid_count, ignore_index)
     h = torch.randn(4, 16, H)
