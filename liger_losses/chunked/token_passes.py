@@ -70,12 +70,14 @@ def run_tiles(
 
     ``weight [V, H]`` (full, already in the compute dtype), ``hidden_rows`` (``tokens.token_rows``:
     ``N`` tokens of an ``[M, H]`` tensor), ``labels_valid [N]``. Per chunk: ``project``, the
-    logits-tile kernel in ``mode`` ("ce" | "logp") with ``kernel_opts`` and ``grad_scale`` (float or
-    ``[N]`` tensor, sliced per chunk), and when ``grad`` the gradient GEMMs. Returns ``(stats,
+    logits-tile kernel in ``mode`` ("ce" | "logp") with ``kernel_opts`` and ``grad_scale`` (a float, a
+    one-entry tensor, or a 1-D tensor of at least ``N`` entries sliced per chunk: :func:`per_row_scale`),
+    and when ``grad`` the gradient GEMMs. Returns ``(stats,
     grad_hidden [M, H] | None (zeros at ignored rows), grad_weight [V, H] (accum_dtype or weight
     dtype) | None, grad_bias [V] fp32 | None)`` where ``stats`` maps
     loss/lse/logp/correct(/entropy) to ``[N]`` tensors.
     """
+    per_row_scale(grad_scale, labels_valid.shape[0])
     grads, tile_opts = _pass_setup(
         weight, hidden_rows, labels_valid.device, mode=mode, grad=grad, need_entropy=need_entropy,
         kernel_opts=kernel_opts, accum_dtype=accum_dtype, needs_hidden=needs_hidden,
@@ -90,6 +92,18 @@ def run_tiles(
         bounds = token_chunks(V, H, itemsize(weight.dtype), labels_valid.shape[0], chunk_tokens)
         _run_chunks(weight, hidden_rows, labels_valid, bias, bounds, grads, parts, grad_scale, tile_opts)
     return (_stats_of(parts, need_entropy, labels_valid.device), *grads.finish())
+
+
+def per_row_scale(grad_scale, count: int) -> bool:
+    """Whether ``grad_scale`` gives each row its own scale (a tensor of more than one entry, sliced
+    per chunk), checked to hold at least ``count`` entries; a float or a one-entry tensor (0-d or
+    ``[1]``) scales every row."""
+    if not isinstance(grad_scale, Tensor) or grad_scale.numel() == 1:
+        return False
+    if grad_scale.dim() != 1 or grad_scale.shape[0] < count:
+        raise ValueError(f"grad_scale must be a float, a 1-element tensor or a 1-D tensor of at least {count} "
+                         f"entries, got shape {tuple(grad_scale.shape)}")
+    return True
 
 
 def _pass_setup(weight: Tensor, rows: Optional[RowGather], device, *, mode: str, grad: bool,
@@ -141,10 +155,9 @@ def run_token_tiles(
     else:
         bounds = token_chunks(V, H, size, total, chunk_tokens)
     first = bounds[0][1] if bounds else 0
-    per_row = isinstance(grad_scale, Tensor)
+    per_row = per_row_scale(grad_scale, total)
     pending = pos = None
-    if (get_engine_config().speculative_first_chunk and first > 0 and total >= 2 * first
-            and not (per_row and grad_scale.shape[0] < first)):
+    if get_engine_config().speculative_first_chunk and first > 0 and total >= 2 * first:
         pending = PendingLabelScan(labels, ignore_index, V)
         try:  # the first `first` valid positions, padded with -1
             pos = torch.nonzero_static(pending.valid.reshape(-1), size=first, fill_value=-1).squeeze(1)
@@ -197,7 +210,7 @@ def run_token_tiles(
 def _run_chunks(weight, rows, labels_valid, bias, bounds, grads, parts, grad_scale, tile_opts) -> None:
     """The chunk loop of :func:`run_tiles`: tokens ``[ts, te)`` of ``rows`` for each bound, their
     statistics appended to ``parts`` and their gradients added to ``grads``."""
-    per_row = isinstance(grad_scale, Tensor)
+    per_row = isinstance(grad_scale, Tensor) and grad_scale.numel() > 1
     for ts, te in bounds:
         h = rows(ts, te)
         tile = project(h, weight, bias)

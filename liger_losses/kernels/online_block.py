@@ -24,8 +24,8 @@ vocabulary) and a running per-row :class:`OnlineState`, :func:`online_block`:
 
 Triton: one program per row (two passes over its block, the second mostly from L2: a single pass
 against the running reference would have to redo a row whose maximum passes it, and the first
-pass has overwritten that row's logits by then); ``impl="torch"`` (or no Triton on the device): the
-same in PyTorch.
+pass has overwritten that row's logits by then); ``impl="torch"`` (or no Triton on the device, or a
+float64 state): the same in PyTorch.
 """
 
 from __future__ import annotations
@@ -220,7 +220,7 @@ def online_block(x: Tensor, labels: Tensor, v0: int, state: OnlineState, acc: Op
     inv_temp = 1.0 / float(temperature)
     if n == 0:
         return
-    if resolve_impl(impl, x) == "torch":
+    if resolve_impl(impl, x) == "torch" or state.ref.dtype != torch.float32:  # the kernel's registers are fp32
         _online_block_torch(x, labels, int(v0), state, acc, first, float(logit_scale), inv_temp,
                             None if softcap is None else float(softcap), need_zexp, need_zsum)
         return

@@ -100,8 +100,7 @@ if triton is not None:
 def _scale_column(scale, n: int, dtype: torch.dtype, device) -> Tensor:
     """The upstream scale of the ``n`` rows as a ``[n]`` (or broadcast ``[1]``) column in ``dtype``."""
     if isinstance(scale, Tensor):
-        s = scale.to(dtype).reshape(-1)
-        return s[:n] if s.numel() > 1 else s
+        return scale.to(dtype).reshape(-1)
     return torch.tensor([float(scale)], dtype=dtype, device=device)
 
 
@@ -140,8 +139,8 @@ def online_finish(state: OnlineState, acc: Tensor, weight: Tensor, labels: Tenso
     """The statistics and hidden gradient of a chunk's ``n`` rows (see the module docstring).
 
     ``state`` (``[n]`` rows, after the last block), ``acc [n, H]`` (float32; float64 in a float64
-    run; unit column stride), ``weight [V, H]``, ``labels [n]`` (in ``[0, V)``), ``scale`` (a float or
-    a tensor of one entry or of at least ``n``: the rows' upstream scales), ``out`` (``[n, H]``, or
+    run; unit column stride), ``weight [V, H]``, ``labels [n]`` (in ``[0, V)``), ``scale`` (a float, a
+    one-entry tensor or an ``[n]`` tensor: the rows' upstream scales), ``out`` (``[n, H]``, or
     ``[M, H]`` with ``out_rows [n]`` int64 positions), ``stats``: the outputs ``loss``, ``lse``,
     ``logp`` (``[n]`` in the state's dtype), ``correct`` (bool ``[n]``) and, when present,
     ``entropy``. ``label_smoothing`` (``mode`` "ce" only) needs ``w_mean [H]`` (the weight's row
@@ -160,6 +159,9 @@ def online_finish(state: OnlineState, acc: Tensor, weight: Tensor, labels: Tenso
         raise ValueError(f"out_rows must be [n] with n={n}; got {tuple(out_rows.shape)}")
     if eps > 0.0 and w_mean is None:
         raise ValueError("label_smoothing > 0 needs w_mean, the weight's row mean [H]")
+    per_row = isinstance(scale, Tensor)
+    if per_row and tuple(scale.shape) != (n,) and not (scale.numel() == 1 and scale.dim() <= 1):
+        raise ValueError(f"scale must be a float, a 1-element or a [{n}] tensor, got {tuple(scale.shape)}")
     if n == 0:
         return
     need_entropy = "entropy" in stats
@@ -169,8 +171,7 @@ def online_finish(state: OnlineState, acc: Tensor, weight: Tensor, labels: Tenso
         _online_finish_torch(state, acc, weight, labels, scale, out, out_rows, stats, mode, eps,
                              float(z_loss_weight), float(dz_dx), w_mean, need_entropy)
         return
-    per_row = isinstance(scale, Tensor)
-    scale_t = scale.reshape(-1) if per_row else state.ref
+    scale_t = scale.float().reshape(-1).contiguous() if per_row else state.ref  # unit stride (or one entry)
     hits = stats["correct"].view(torch.int8)
     ent = stats.get("entropy", stats["lse"])
     wmean = w_mean if w_mean is not None else state.ref

@@ -346,3 +346,44 @@ def test_first_chunk_before_the_sync_rejects_labels_out_of_range(where):
     labels.view(-1)[pos[1] if where == "first" else pos[-1]] = V + 3
     with engine_config(**SMALL), pytest.raises(ValueError, match="labels must be in"):
         fused_linear_cross_entropy(w, h, labels)
+
+
+def test_float64_state_takes_the_pytorch_block_path():
+    """A float64 state (a float64 run) never reaches the block kernel, whose registers are fp32:
+    ``impl="triton"`` gives the PyTorch path's values exactly."""
+    n, vb = 4, 30
+    labels = torch.tensor([0, 29, 5, 7])
+    results = []
+    for impl in ("triton", "torch"):
+        state = OnlineState.empty(n, "cpu", torch.float64)
+        acc = torch.randn(n, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+        for k in range(2):
+            x = torch.randn(n, vb, dtype=torch.float64, generator=torch.Generator().manual_seed(k)) * (1 + 20 * k)
+            online_block(x, labels, k * vb, state, acc, first=k == 0, impl=impl)
+        results.append((vars(state), acc))
+    for key in results[0][0]:
+        assert torch.equal(results[0][0][key], results[1][0][key]), key
+    assert torch.equal(results[0][1], results[1][1])
+
+
+def test_per_row_scale_is_checked_and_a_one_entry_tensor_scales_every_row():
+    """The pass's ``grad_scale``: a 0-d or ``[1]`` tensor scales every row as the float does (the
+    early first chunk included); a 1-D tensor shorter than the tokens raises ValueError naming it
+    (a chunk's slice of it would be short, or of one entry and broadcast)."""
+    from liger_losses.chunked.token_passes import run_tiles, run_token_tiles
+    from liger_losses.chunked.tokens import hidden_rows_at
+
+    w, h, b, y = _inputs(seed=8)
+    kw = dict(ignore_index=-100, mode="ce", grad=True, needs_weight=False)
+    with engine_config(**SMALL):
+        want = run_token_tiles(w, h.detach(), y, None, grad_scale=0.25, **kw)
+        for scale in (torch.tensor(0.25, dtype=torch.float64), torch.tensor([0.25], dtype=torch.float64)):
+            got = run_token_tiles(w, h.detach(), y, None, grad_scale=scale, **kw)
+            assert torch.equal(got[1], want[1]) and torch.equal(got[0]["loss"], want[0]["loss"])
+        with pytest.raises(ValueError, match="grad_scale must be"):
+            run_token_tiles(w, h.detach(), y, None, grad_scale=torch.ones(N - 1, dtype=torch.float64), **kw)
+        valid = y != -100
+        rows = hidden_rows_at(h.detach(), valid.nonzero().squeeze(1))
+        with pytest.raises(ValueError, match="grad_scale must be"):
+            run_tiles(w, rows, y[valid], None, mode="ce", grad=True, needs_weight=False,
+                      grad_scale=torch.ones(int(valid.sum()) - 1, dtype=torch.float64))

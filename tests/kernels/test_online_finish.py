@@ -152,3 +152,33 @@ def test_bad_arguments_raise():
         online_finish(state, acc, w, labels, mode="ce", out=out, out_rows=torch.arange(3), **kw)
     with pytest.raises(ValueError, match="w_mean"):
         online_finish(state, acc, w, labels, mode="ce", out=out, out_rows=None, label_smoothing=0.1, **kw)
+
+
+@pytest.mark.parametrize("layout", ["strided", "expanded", "zero-dim"])
+def test_scale_of_any_layout(layout):
+    """A per-row scale that is a strided view, an expanded one-entry tensor or a 0-d tensor gives
+    what its contiguous copy gives (Triton through the interpreter and PyTorch, 1e-6): the kernel
+    reads a unit-stride copy."""
+    if not triton_runs_on(torch.device("cpu")):
+        pytest.skip("Triton cannot run here")
+    base = torch.rand(2 * N_ROWS) + 0.5
+    scale = {"strided": base[::2], "expanded": base[:1].expand(N_ROWS), "zero-dim": base[0]}[layout]
+    state, acc, w, labels, _ = _problem(torch.float32, seed=2)
+    outs = []
+    for impl, s in (("triton", scale), ("torch", scale), ("torch", scale.contiguous())):
+        stats, out = _stats(N_ROWS, torch.float32), torch.empty(N_ROWS, H)
+        online_finish(state, acc, w, labels, mode="ce", scale=s, out=out, out_rows=None, stats=stats, impl=impl)
+        outs.append(out)
+    assert rel_err(outs[0], outs[2]) <= 1e-6
+    assert torch.equal(outs[1], outs[2])
+
+
+def test_scale_of_the_wrong_length_raises():
+    """A per-row scale of another length than the rows: ValueError naming ``scale`` (the kernel
+    would read past it)."""
+    state, acc, w, labels, _ = _problem(torch.float32)
+    for bad in (torch.ones(N_ROWS - 2), torch.ones(N_ROWS + 1), torch.ones(N_ROWS, 1)):
+        for impl in ("torch", "triton"):
+            with pytest.raises(ValueError, match="scale must be"):
+                online_finish(state, acc, w, labels, mode="ce", scale=bad, out=torch.empty(N_ROWS, H),
+                              out_rows=None, stats=_stats(N_ROWS, torch.float32), impl=impl)
