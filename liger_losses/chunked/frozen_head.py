@@ -35,7 +35,7 @@ from torch import Tensor
 from liger_losses.chunked.config import get_engine_config
 from liger_losses.chunked.gemm import HeadGrads, mm_into
 from liger_losses.chunked.planning import chunk_bounds
-from liger_losses.chunked.tokens import RowGather
+from liger_losses.chunked.tokens import RowGather, per_row_scale
 from liger_losses.kernels.logits_tile import torch_stats_dtype
 from liger_losses.kernels.online_block import OnlineState, online_block
 from liger_losses.kernels.online_finish import online_finish
@@ -159,7 +159,7 @@ def run_online_chunks(weight: Tensor, rows: RowGather, labels_valid: Tensor, bia
     if online is None:
         online = OnlinePass(weight, bias, tile_opts, max(e - s for s, e in chunks))
     stats = online.stats_buffers(N - done)
-    per_row = isinstance(grad_scale, Tensor) and grad_scale.numel() > 1
+    per_row = per_row_scale(grad_scale, N)
     for ts, te in chunks:
         out, out_rows = grads.hidden.rows_target(ts, te)
         online.chunk(rows(ts, te), labels_valid[ts:te], grad_scale[ts:te] if per_row else grad_scale, out, out_rows,

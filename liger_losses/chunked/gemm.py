@@ -159,13 +159,18 @@ class HeadGrads:
             self.hidden = RowScatter(rows.flat.shape[0], self.H, self.dtype, self.device, rows.index,
                                      rows.identity)
 
+    def detached_rows(self, n: int) -> Optional[Tensor]:
+        """A buffer for the hidden gradient rows of ``n`` tokens whose positions are not known yet
+        (``[n, H]``, or None when not wanted), for :meth:`commit_detached`."""
+        if not self.wants_hidden:
+            return None
+        return torch.empty(n, self.H, dtype=self.dtype, device=self.device)
+
     def add_detached(self, grad_logits: Tensor, hidden: Tensor, weight: Tensor) -> Optional[Tensor]:
         """As :meth:`add` for tokens whose positions are not known yet: the weight and bias
-        gradients are accumulated, the hidden gradient rows are returned (``[n, H]``, or None when
-        not wanted) for :meth:`commit_detached` once :meth:`attach` has been called."""
-        buf = None
-        if self.wants_hidden:
-            buf = torch.empty(grad_logits.shape[0], self.H, dtype=self.dtype, device=self.device)
+        gradients are accumulated, the hidden gradient rows are returned (:meth:`detached_rows`)
+        for :meth:`commit_detached` once :meth:`attach` has been called."""
+        buf = self.detached_rows(grad_logits.shape[0])
         backprop_tile(grad_logits, hidden, weight, grad_hidden=buf, grad_weight=self.weight,
                       grad_bias=self.bias, accumulate=self.started)
         self.started = True

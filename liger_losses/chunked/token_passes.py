@@ -40,6 +40,7 @@ from liger_losses.chunked.tokens import (
     RowGather,
     grad_like,
     hidden_rows_at,
+    per_row_scale,
     scatter_rows,
     valid_index,
 )
@@ -71,13 +72,12 @@ def run_tiles(
     ``weight [V, H]`` (full, already in the compute dtype), ``hidden_rows`` (``tokens.token_rows``:
     ``N`` tokens of an ``[M, H]`` tensor), ``labels_valid [N]``. Per chunk: ``project``, the
     logits-tile kernel in ``mode`` ("ce" | "logp") with ``kernel_opts`` and ``grad_scale`` (a float, a
-    one-entry tensor, or a 1-D tensor of at least ``N`` entries sliced per chunk: :func:`per_row_scale`),
+    one-entry tensor, or a 1-D tensor of at least ``N`` entries sliced per chunk: :func:`~.tokens.per_row_scale`),
     and when ``grad`` the gradient GEMMs. Returns ``(stats,
     grad_hidden [M, H] | None (zeros at ignored rows), grad_weight [V, H] (accum_dtype or weight
     dtype) | None, grad_bias [V] fp32 | None)`` where ``stats`` maps
     loss/lse/logp/correct(/entropy) to ``[N]`` tensors.
     """
-    per_row_scale(grad_scale, labels_valid.shape[0])
     grads, tile_opts = _pass_setup(
         weight, hidden_rows, labels_valid.device, mode=mode, grad=grad, need_entropy=need_entropy,
         kernel_opts=kernel_opts, accum_dtype=accum_dtype, needs_hidden=needs_hidden,
@@ -92,18 +92,6 @@ def run_tiles(
         bounds = token_chunks(V, H, itemsize(weight.dtype), labels_valid.shape[0], chunk_tokens)
         _run_chunks(weight, hidden_rows, labels_valid, bias, bounds, grads, parts, grad_scale, tile_opts)
     return (_stats_of(parts, need_entropy, labels_valid.device), *grads.finish())
-
-
-def per_row_scale(grad_scale, count: int) -> bool:
-    """Whether ``grad_scale`` gives each row its own scale (a tensor of more than one entry, sliced
-    per chunk), checked to hold at least ``count`` entries; a float or a one-entry tensor (0-d or
-    ``[1]``) scales every row."""
-    if not isinstance(grad_scale, Tensor) or grad_scale.numel() == 1:
-        return False
-    if grad_scale.dim() != 1 or grad_scale.shape[0] < count:
-        raise ValueError(f"grad_scale must be a float, a 1-element tensor or a 1-D tensor of at least {count} "
-                         f"entries, got shape {tuple(grad_scale.shape)}")
-    return True
 
 
 def _pass_setup(weight: Tensor, rows: Optional[RowGather], device, *, mode: str, grad: bool,
@@ -182,7 +170,7 @@ def run_token_tiles(
     if online:  # the frozen-head path's first chunk: an ignored row's label (0) only indexes W
         op = OnlinePass(weight, bias, tile_opts, min(total, online_chunk_capacity(V, H, size)))
         first_stats = op.stats_buffers(first)
-        first_grad = torch.empty(first, H, dtype=weight.dtype, device=weight.device)
+        first_grad = grads.detached_rows(first)  # the path always wants the hidden gradient
         op.chunk(first_rows, torch.where(keep, first_labels, 0), first_scale, first_grad, None, first_stats)
     else:
         tile = project(first_rows, weight, bias)
@@ -210,7 +198,7 @@ def run_token_tiles(
 def _run_chunks(weight, rows, labels_valid, bias, bounds, grads, parts, grad_scale, tile_opts) -> None:
     """The chunk loop of :func:`run_tiles`: tokens ``[ts, te)`` of ``rows`` for each bound, their
     statistics appended to ``parts`` and their gradients added to ``grads``."""
-    per_row = isinstance(grad_scale, Tensor) and grad_scale.numel() > 1
+    per_row = per_row_scale(grad_scale, bounds[-1][1] if bounds else 0)
     for ts, te in bounds:
         h = rows(ts, te)
         tile = project(h, weight, bias)

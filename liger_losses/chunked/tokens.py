@@ -6,7 +6,8 @@ sync, the number of valid tokens (and per-sequence counts) together with the lab
 ``kernels.utils.start_label_check`` / ``finish_label_check``) so a caller can enqueue work before
 it waits. :func:`valid_index` turns a scan into the valid positions (``nonzero_static`` of the
 known count: no second sync); :class:`RowGather` gathers chunks of those rows of ``hidden [M, H]``
-on demand (never an ``[N, H]`` copy) and :class:`RowScatter` writes their gradient back in place.
+on demand (never an ``[N, H]`` copy) and :class:`RowScatter` writes their gradient back in place;
+:func:`per_row_scale` checks an upstream scale given per valid token.
 
 Shapes: ``labels [...]`` integer, ``hidden [..., H]``; indices are long positions in the
 flattened ``[...]`` layout.
@@ -330,3 +331,15 @@ def scatter_rows(rows: Tensor, index: Tensor, shape, *, dtype: Optional[torch.dt
         out.index_copy_(0, index, rows)
     out = out.view(tuple(shape))
     return out if out.dtype == dtype else out.to(dtype)
+
+
+def per_row_scale(grad_scale, count: int) -> bool:
+    """Whether ``grad_scale`` gives each row its own scale (a tensor of more than one entry, sliced
+    per chunk), checked to hold at least ``count`` entries; a float or a one-entry tensor (0-d or
+    ``[1]``) scales every row."""
+    if not isinstance(grad_scale, Tensor) or grad_scale.numel() == 1:
+        return False
+    if grad_scale.dim() != 1 or grad_scale.shape[0] < count:
+        raise ValueError(f"grad_scale must be a float, a 1-element tensor or a 1-D tensor of at least {count} "
+                         f"entries, got shape {tuple(grad_scale.shape)}")
+    return True

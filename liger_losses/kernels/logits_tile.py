@@ -44,6 +44,7 @@ from liger_losses.kernels.utils import (
     is_compiling,
     next_power_of_2,
     resolve_impl,
+    row_scales,
     triton_interpret,
 )
 
@@ -385,12 +386,7 @@ def logits_tile(
     scale_stride = 1
     if per_row:
         check_tensor("grad_scale", grad_scale, floating=True)
-        one_scale = grad_scale.numel() == 1 and grad_scale.dim() <= 1  # every row's, on the device
-        if tuple(grad_scale.shape) != (n,) and not one_scale:
-            raise ValueError(f"grad_scale must be a float, a 1-element or a [{n}] tensor, "
-                             f"got {tuple(grad_scale.shape)}")
-        grad_scale = grad_scale.float().reshape(-1).contiguous()
-        scale_stride = 0 if one_scale else 1  # stride 0: the kernel reads element 0 for every row
+        grad_scale, scale_stride = row_scales("grad_scale", grad_scale, n)
     check_same_device(logits=logits, labels=labels, class_weight=class_weight,
                       grad_scale=grad_scale if per_row else None)
     if out is not None:

@@ -37,7 +37,14 @@ from torch import Tensor
 
 from liger_losses.kernels.launch import fast_kernel
 from liger_losses.kernels.online_block import OnlineState
-from liger_losses.kernels.utils import device_ctx, import_triton, next_power_of_2, resolve_impl, triton_interpret
+from liger_losses.kernels.utils import (
+    device_ctx,
+    import_triton,
+    next_power_of_2,
+    resolve_impl,
+    row_scales,
+    triton_interpret,
+)
 
 MODES = ("ce", "logp")
 
@@ -97,17 +104,10 @@ if triton is not None:
     _online_finish_kernel = fast_kernel(_online_finish_kernel)
 
 
-def _scale_column(scale, n: int, dtype: torch.dtype, device) -> Tensor:
-    """The upstream scale of the ``n`` rows as a ``[n]`` (or broadcast ``[1]``) column in ``dtype``."""
-    if isinstance(scale, Tensor):
-        return scale.to(dtype).reshape(-1)
-    return torch.tensor([float(scale)], dtype=dtype, device=device)
-
-
 def _online_finish_torch(state, acc, weight, labels, scale, out, out_rows, stats, mode, eps, z_w, dz_dx,
                          w_mean, need_entropy):
-    n = acc.shape[0]
-    s = _scale_column(scale, n, state.ref.dtype, acc.device)
+    s = scale if isinstance(scale, Tensor) else torch.tensor(float(scale), device=acc.device)
+    s = s.to(state.ref.dtype).reshape(-1)  # [n] or [1], in the state's dtype (float64 runs stay float64)
     lse = state.ref + torch.log(state.sumexp)
     logp = state.z_y - lse
     if mode == "ce":
@@ -160,8 +160,7 @@ def online_finish(state: OnlineState, acc: Tensor, weight: Tensor, labels: Tenso
     if eps > 0.0 and w_mean is None:
         raise ValueError("label_smoothing > 0 needs w_mean, the weight's row mean [H]")
     per_row = isinstance(scale, Tensor)
-    if per_row and tuple(scale.shape) != (n,) and not (scale.numel() == 1 and scale.dim() <= 1):
-        raise ValueError(f"scale must be a float, a 1-element or a [{n}] tensor, got {tuple(scale.shape)}")
+    scale_t, scale_stride = row_scales("scale", scale, n) if per_row else (state.ref, 0)
     if n == 0:
         return
     need_entropy = "entropy" in stats
@@ -171,14 +170,13 @@ def online_finish(state: OnlineState, acc: Tensor, weight: Tensor, labels: Tenso
         _online_finish_torch(state, acc, weight, labels, scale, out, out_rows, stats, mode, eps,
                              float(z_loss_weight), float(dz_dx), w_mean, need_entropy)
         return
-    scale_t = scale.float().reshape(-1).contiguous() if per_row else state.ref  # unit stride (or one entry)
     hits = stats["correct"].view(torch.int8)
     ent = stats.get("entropy", stats["lse"])
     wmean = w_mean if w_mean is not None else state.ref
     with device_ctx(acc):
         _online_finish_kernel[(n,)](
             state.ref, state.sumexp, state.zexp, state.zsum, state.zmax, state.z_y, state.d_y, acc, acc.stride(0),
-            weight, weight.stride(0), labels, wmean, scale_t, 1 if per_row and scale_t.numel() > 1 else 0,
+            weight, weight.stride(0), labels, wmean, scale_t, scale_stride,
             0.0 if per_row else float(scale), out, out.stride(0), out_rows if out_rows is not None else labels,
             stats["loss"], stats["lse"], stats["logp"], hits, ent, H, 1.0 / weight.shape[0], eps,
             float(z_loss_weight), float(dz_dx),

@@ -291,6 +291,17 @@ def check_tensor(
     return value
 
 
+def row_scales(name: str, scale: torch.Tensor, n: int) -> tuple[torch.Tensor, int]:
+    """A kernel's per-row upstream scale ``scale`` (a 1-element tensor: every row's, left on the
+    device; or ``[n]``) as ``(float32 unit-stride tensor, row stride)``, the stride 0 for one entry
+    (the kernel then reads element 0 for every row). Any other shape raises ``ValueError`` naming
+    ``name``."""
+    one = scale.numel() == 1 and scale.dim() <= 1
+    if tuple(scale.shape) != (n,) and not one:
+        raise ValueError(f"{name} must be a float, a 1-element or a [{n}] tensor, got {tuple(scale.shape)}")
+    return scale.float().reshape(-1).contiguous(), 0 if one else 1
+
+
 def check_same_device(**tensors: Optional[torch.Tensor]) -> None:
     """Raise ``ValueError`` naming the arguments when the given tensors sit on different devices."""
     present = {k: v for k, v in tensors.items() if v is not None}
