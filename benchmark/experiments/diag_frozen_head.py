@@ -25,9 +25,9 @@ MIB = 2**20
 CONFIGS = [  # (frozen_budget_bytes MiB, frozen_block_columns, online_block knobs)
     (24, 16384, {"num_warps": 4}),
     (24, 16384, {"num_warps": 8}),
-    (24, 16384, {"num_warps": 16}),
+    (24, 16384, {"num_warps": 8, "block_cap": 4096}),
+    (32, 16384, {"num_warps": 4}),
     (32, 16384, {"num_warps": 8}),
-    (32, 16384, {"num_warps": 16}),
     (24, 8192, {"num_warps": 8}),
 ]
 

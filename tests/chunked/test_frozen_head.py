@@ -135,6 +135,48 @@ def test_block_kernel_interpreter_matches_torch(monkeypatch):
     assert rel_err(a1, a2) <= 1e-5
 
 
+@pytest.mark.parametrize("first", [True, False], ids=["first_block", "later_block"])
+def test_block_kernel_reference_moving_within_a_row(first, monkeypatch):
+    """The Triton kernel's single pass over a row in 32-column steps, where a later step's maximum
+    passes the running reference by more than TAU (the steps already written are rescaled), against
+    the PyTorch path, whose reference is the block's maximum: every reference-free quantity (the
+    written block, ``sumexp`` and ``zexp`` and the accumulator times ``exp(ref)``, the other fields
+    as they are) within 1e-5 (float32 exponentials, and a second rounding of rescaled entries)."""
+    pytest.importorskip("triton")
+    from liger_losses.kernels.tuning import tuning
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    n, vb, hh = 6, 150, 24
+    labels = torch.tensor([0, 40, 149, 100, 5, 300])
+    g = torch.Generator().manual_seed(4)
+    x0 = torch.randn(n, vb, generator=g) * 2
+    x0[0, 40:] += 2 * TAU  # step 2 jumps: steps 0-1 rescaled
+    x0[1, 100:110] += 5 * TAU  # step 4 jumps, after a smaller jump at step 2
+    x0[1, 70:80] += 2 * TAU
+    x0[2, 140:] += 1.5 * TAU  # the last (partial) step jumps
+    x0[3, :10] += 3 * TAU  # the first step is the maximum: nothing moves
+    prior = torch.randn(n, 32, generator=torch.Generator().manual_seed(5))  # one step: the same reference in both
+    acc0 = torch.randn(n, hh, generator=torch.Generator().manual_seed(6))
+    results = []
+    for impl in ("triton", "torch"):
+        state, acc, x = OnlineState.empty(n, "cpu"), acc0.clone(), x0.clone()
+        with tuning(online_block={"block_cap": 32}):
+            if not first:
+                online_block(prior.clone(), labels, -32, state, None, first=True, need_zexp=True, impl=impl)
+            online_block(x, labels, 0, state, acc, first=first, need_zexp=True, need_zsum=True, impl=impl)
+        results.append((state, x, acc))
+    (s1, x1, a1), (s2, x2, a2) = results
+    shift = torch.exp(s1.ref - s2.ref)  # triton's values times shift are torch's
+    assert rel_err(x1 * shift[:, None], x2) <= 1e-5
+    assert rel_err(s1.sumexp * shift, s2.sumexp) <= 1e-5
+    assert rel_err(s1.zexp * shift, s2.zexp) <= 1e-5
+    if not first:
+        assert rel_err(a1 * shift[:, None], a2) <= 1e-5
+    for key in ("zsum", "zmax", "z_y", "d_y"):
+        assert torch.allclose(getattr(s1, key), getattr(s2, key), rtol=1e-6, atol=1e-5), key
+    assert bool(((x0.max(1).values - s1.ref) <= TAU).all())  # the bound the reference keeps
+
+
 @pytest.mark.parametrize("impl", ["triton", "torch"])
 def test_first_block_never_reads_the_state(impl, monkeypatch):
     """A ``first=True`` block starts the state: on a NaN-filled (uninitialized) state every field
