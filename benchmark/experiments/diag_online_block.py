@@ -1,0 +1,111 @@
+"""Experiment (GPU): the frozen head's block kernel (``kernels/online_block.py``) alone and in its loop.
+
+Question: the block kernel is the frozen-head path's largest cost after its GEMMs (about 2 ms of
+~29 at 8192 x 4096 x 128256 on an H100). Does one pass over a row's block against the running
+reference (moving it, and rescaling the steps already written, where a step passes it by ``TAU``)
+beat two passes (the block's maximum first), and at which warps per row and column step?
+
+Run it once per checkout to compare kernels (``PYTHONPATH=<tree>``). Prints, per launch
+configuration (``num_warps``, ``block_cap``), on a ``[rows, 16032]`` bf16 block of logits
+(std 1.3, as the benchmark's ``0.02 * randn`` head on ``randn`` hidden states):
+
+- ``cold``: ``do_bench`` median of one launch (the L2 flushed before each);
+- ``warm``: 50 launches back to back over the same block (it stays in L2), per launch;
+- ``loop``: one chunk's block loop (logits GEMM, block kernel, accumulating GEMM; 8 blocks of
+  16384 columns of V=128256) eager, ms;
+
+and with ``--e2e`` the fused-linear cross-entropy with a frozen head (8192 tokens), alternating
+the configurations over ``--rounds`` rounds, median (min..max) ms.
+
+    python -m benchmark.experiments.diag_online_block [--rows 512] [--e2e] [--rounds 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+
+import torch
+
+H, V, COLS = 4096, 128256, 16032
+CONFIGS = [{"num_warps": w, "block_cap": c} for w in (4, 8, 16) for c in (2048, 4096)]
+
+
+def _warm_us(fn, calls=50):
+    fn()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda.synchronize()
+    start.record()
+    for _ in range(calls):
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / calls * 1000
+
+
+def main():
+    import triton.testing
+
+    from benchmark.experiments.diag_frozen_head import _block_loop_probe
+    from liger_losses.kernels.online_block import OnlineState, online_block
+    from liger_losses.kernels.tuning import tuning
+
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--rows", type=int, default=512)
+    ap.add_argument("--e2e", action="store_true")
+    ap.add_argument("--rounds", type=int, default=3)
+    args = ap.parse_args()
+    n = args.rows
+    torch.manual_seed(0)
+    x = (torch.randn(n, COLS, device="cuda") * 1.3).bfloat16()
+    labels = torch.randint(0, COLS, (n,), device="cuda")
+    acc = torch.zeros(n, H, device="cuda")
+    w = (torch.randn(V, H, device="cuda") * 0.02).bfloat16()
+    h = torch.randn(n, H, device="cuda").bfloat16()
+    y = torch.randint(0, V, (n,), device="cuda")
+    for knobs in CONFIGS:
+        with tuning(online_block=knobs):
+            state = OnlineState.empty(n, "cuda")
+            online_block(x, labels, 0, state, acc, first=True)
+
+            def launch():
+                online_block(x, labels, 0, state, acc, first=False)
+
+            cold = triton.testing.do_bench(launch, warmup=20, rep=200) * 1000
+            warm = _warm_us(launch)
+            loop, _, nb = _block_loop_probe(w, h, y, n, 16384)
+        print(f"{knobs}: cold {cold:.1f} us, warm {warm:.1f} us per launch; loop of {nb} blocks {loop:.3f} ms",
+              flush=True)
+    if args.e2e:
+        _end_to_end(args.rounds)
+
+
+def _end_to_end(rounds):
+    import triton.testing
+
+    from liger_losses.chunked.config import engine_config
+    from liger_losses.chunked.cross_entropy import fused_linear_cross_entropy
+    from liger_losses.kernels.tuning import tuning
+
+    N = 8192
+    w = (torch.randn(V, H, device="cuda") * 0.02).bfloat16()
+    h = torch.randn(N, H, device="cuda").bfloat16().requires_grad_()
+    y = torch.randint(0, V, (N,), device="cuda")
+
+    def step():
+        (g,) = torch.autograd.grad(fused_linear_cross_entropy(w, h, y), h)
+        return g
+
+    cases = {f"{w_} warps, early first chunk {early}": ({"num_warps": w_}, early)
+             for w_ in (4, 8) for early in (True, False)}
+    times = {k: [] for k in cases}
+    for _ in range(rounds):
+        for label, (knobs, early) in cases.items():
+            with tuning(online_block=knobs), engine_config(speculative_first_chunk=early):
+                times[label].append(triton.testing.do_bench(step, warmup=10, rep=200))
+    for label, ts in times.items():
+        print(f"frozen CE 8192 tokens, {label}: {statistics.median(ts):.2f} ms ({min(ts):.2f}..{max(ts):.2f})")
+
+
+if __name__ == "__main__":
+    main()
