@@ -10,12 +10,13 @@ configuration (``num_warps``, ``block_cap``), on a ``[rows, 16032]`` bf16 block 
 (std 1.3, as the benchmark's ``0.02 * randn`` head on ``randn`` hidden states):
 
 - ``cold``: ``do_bench`` median of one launch (the L2 flushed before each);
-- ``warm``: 50 launches back to back over the same block (it stays in L2), per launch;
+- ``warm``: 20 launches over the same block (it stays in L2) replayed from a CUDA graph, per launch
+  (eager, back to back, they measure the host's wrapper instead: 35-50 us a launch on an H100 host);
 - ``loop``: one chunk's block loop (logits GEMM, block kernel, accumulating GEMM; 8 blocks of
   16384 columns of V=128256) eager, ms;
 
 and with ``--e2e`` the fused-linear cross-entropy with a frozen head (8192 tokens), alternating
-the configurations over ``--rounds`` rounds, median (min..max) ms.
+five launch configurations (and the early first chunk on and off) over ``--rounds`` rounds, median (min..max) ms.
 
     python -m benchmark.experiments.diag_online_block [--rows 512] [--e2e] [--rounds 3]
 """
@@ -28,19 +29,20 @@ import statistics
 import torch
 
 H, V, COLS = 4096, 128256, 16032
-CONFIGS = [{"num_warps": w, "block_cap": c} for w in (4, 8, 16) for c in (2048, 4096)]
+CONFIGS = [{"num_warps": w, "block_cap": c} for w in (4, 8, 16, 32) for c in (2048, 4096, 8192, 16384)
+           if w * 32 * 4 <= c]  # at least 4 columns a thread
 
 
-def _warm_us(fn, calls=50):
-    fn()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    torch.cuda.synchronize()
-    start.record()
-    for _ in range(calls):
-        fn()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / calls * 1000
+def _warm_us(fn, calls=20):
+    import triton.testing
+
+    from benchmark.common import graphed
+
+    def many():
+        for _ in range(calls):
+            fn()
+
+    return triton.testing.do_bench(graphed(many), warmup=5, rep=100) / calls * 1000
 
 
 def main():
@@ -96,8 +98,10 @@ def _end_to_end(rounds):
         (g,) = torch.autograd.grad(fused_linear_cross_entropy(w, h, y), h)
         return g
 
-    cases = {f"{w_} warps, early first chunk {early}": ({"num_warps": w_}, early)
-             for w_ in (4, 8) for early in (True, False)}
+    cases = {f"{k}, early first chunk {early}": (k, early) for k, early in (
+        (dict(num_warps=4, block_cap=2048), True), (dict(num_warps=4, block_cap=2048), False),
+        (dict(num_warps=8, block_cap=2048), True), (dict(num_warps=8, block_cap=8192), True),
+        (dict(num_warps=16, block_cap=16384), True))}
     times = {k: [] for k in cases}
     for _ in range(rounds):
         for label, (knobs, early) in cases.items():
