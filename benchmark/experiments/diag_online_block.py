@@ -1,9 +1,10 @@
 """Experiment (GPU): the frozen head's block kernel (``kernels/online_block.py``) alone and in its loop.
 
 Question: the block kernel is the frozen-head path's largest cost after its GEMMs (about 2 ms of
-~29 at 8192 x 4096 x 128256 on an H100). Does one pass over a row's block against the running
-reference (moving it, and rescaling the steps already written, where a step passes it by ``TAU``)
-beat two passes (the block's maximum first), and at which warps per row and column step?
+~29 at 8192 x 4096 x 128256 on an H100), one program per row reading its block twice (the
+maximum, then the exponentials) and writing it once. Which warps per row and column step
+(``online_block`` knobs) run it fastest, alone and in the chunk's loop, and does a kernel of
+another checkout (a one-pass variant) beat it?
 
 Run it once per checkout to compare kernels (``PYTHONPATH=<tree>``). Prints, per launch
 configuration (``num_warps``, ``block_cap``), on a ``[rows, 16032]`` bf16 block of logits

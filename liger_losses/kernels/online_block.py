@@ -7,10 +7,9 @@ vocabulary) and a running per-row :class:`OnlineState`, :func:`online_block`:
 
 * transforms ``z`` as :mod:`~liger_losses.kernels.logits_tile` does (``logit_scale``, ``softcap``,
   ``temperature``) and ``dz/dx = logit_scale / T * (1 - tanh^2)``;
-* updates the state (float32 ``[n]`` each): ``ref``, the exponent's reference: raised only where the
-  logits pass it by more than ``TAU`` (so ``exp(z - ref) <= e^TAU``, and most blocks move no
-  reference; the PyTorch path raises it to the block's maximum, the kernel to the maximum of the
-  column step that passed it); ``sumexp = sum exp(z - ref)``; ``zexp = sum exp(z - ref) z`` (the
+* updates the state (float32 ``[n]`` each): ``ref``, the exponent's reference: raised to the block's
+  maximum only when that exceeds it by more than ``TAU`` (so ``exp(z - ref) <= e^TAU``, and most
+  blocks move no reference); ``sumexp = sum exp(z - ref)``; ``zexp = sum exp(z - ref) z`` (the
   entropy's); ``zsum = sum z`` (label smoothing's); ``zmax = max z`` (argmax hits); ``z_y``/``d_y``,
   the label's ``z`` and ``dz/dx`` once its block is seen (labels outside the block are left alone;
   ``ignore_index`` or out-of-range labels are never seen);
@@ -23,12 +22,10 @@ vocabulary) and a running per-row :class:`OnlineState`, :func:`online_block`:
 ``first=True`` starts the state: its old values are never read, so it may be uninitialized
 (:meth:`OnlineState.uninitialized`).
 
-Triton: one program per row, one pass over its block in steps of ``block_cap`` columns: each step's
-exponentials are taken against the running reference; a step whose maximum passes that by more
-than ``TAU`` moves it, and the steps the row has written are read back and rescaled (rare: a
-row's maximum jumping by ``TAU`` within a block; their entries are then rounded twice). A first
-pass for the block's maximum would read the block twice. ``impl="torch"`` (or no Triton on the
-device, or a float64 state): the same in PyTorch.
+Triton: one program per row (two passes over its block, the second mostly from L2: a single pass
+against the running reference would have to redo a row whose maximum passes it, and the first
+pass has overwritten that row's logits by then); ``impl="torch"`` (or no Triton on the device, or a
+float64 state): the same in PyTorch.
 """
 
 from __future__ import annotations
@@ -106,26 +103,35 @@ if triton is not None:
         row = tl.program_id(0).to(tl.int64)
         x_row = x_ptr + row * stride_x
         offs = tl.arange(0, BLOCK)
-        # the label's z and dz/dx, when it falls in this block: read before the loop overwrites the row
-        # (the barrier orders every warp's read before any store)
+        bmax = tl.full((BLOCK,), float("-inf"), tl.float32)
+        for start in range(0, Vb, BLOCK):
+            cols = start + offs
+            x = tl.load(x_row + cols, mask=cols < Vb, other=0.0).to(tl.float32)
+            z, t = _transform(x, logit_scale, inv_temp, softcap, HAS_SOFTCAP)
+            bmax = tl.maximum(bmax, tl.where(cols < Vb, z, float("-inf")))
+        block_max = tl.max(bmax, axis=0)
+        # the label's z and dz/dx, when it falls in this block
         local = tl.load(lab_ptr + row).to(tl.int64) - v0
         here = (local >= 0) & (local < Vb)
         x_y = tl.load(x_row + tl.where(here, local, 0), mask=here, other=0.0).to(tl.float32)
         z_y, t_y = _transform(x_y, logit_scale, inv_temp, softcap, HAS_SOFTCAP)
         d_y = logit_scale * inv_temp * (1.0 - t_y * t_y)
-        tl.debug_barrier()
-        bmax = tl.full((BLOCK,), float("-inf"), tl.float32)
+        tl.debug_barrier()  # every warp has read the label's logit before any overwrites the row below
         if FIRST:  # the state starts here: its old values are never read (it may be uninitialized)
-            ref_old = tl.max(bmax, axis=0)
-            zm_old = ref_old
+            ref_old = block_max
+            ref = block_max
+            zm_old = block_max
             zy_old = 0.0
             dy_old = 0.0
         else:
             ref_old = tl.load(ref_ptr + row)
+            ref = tl.where(block_max > ref_old + tau, block_max, ref_old)
             zm_old = tl.load(zm_ptr + row)
             zy_old = tl.load(zy_ptr + row)
             dy_old = tl.load(dy_ptr + row)
-        ref = ref_old
+        tl.store(zm_ptr + row, tl.maximum(zm_old, block_max))
+        tl.store(zy_ptr + row, tl.where(here, z_y, zy_old))
+        tl.store(dy_ptr + row, tl.where(here, d_y, dy_old))
         se = tl.zeros((BLOCK,), tl.float32)
         ze = tl.zeros((BLOCK,), tl.float32)
         zs = tl.zeros((BLOCK,), tl.float32)
@@ -134,20 +140,6 @@ if triton is not None:
             mask = cols < Vb
             x = tl.load(x_row + cols, mask=mask, other=0.0).to(tl.float32)
             z, t = _transform(x, logit_scale, inv_temp, softcap, HAS_SOFTCAP)
-            z_in = tl.where(mask, z, float("-inf"))
-            bmax = tl.maximum(bmax, z_in)
-            step_max = tl.max(z_in, axis=0)
-            if step_max > ref + tau:  # the reference moves to this step's maximum; what the row has so far follows
-                alpha = tl.exp(ref - step_max)
-                se = se * alpha
-                if NEED_ZEXP:
-                    ze = ze * alpha
-                tl.debug_barrier()  # the row's earlier steps, stored by every warp, are read back
-                for done in range(0, start, BLOCK):
-                    prev = done + offs  # whole steps: start <= Vb - 1
-                    g_prev = tl.load(x_row + prev).to(tl.float32) * alpha
-                    tl.store(x_row + prev, g_prev.to(x_ptr.dtype.element_ty))
-                ref = step_max
             e = tl.where(mask, tl.exp(z - ref), 0.0)
             se += e
             if NEED_ZEXP:
@@ -156,9 +148,6 @@ if triton is not None:
                 zs += tl.where(mask, z, 0.0)
             g = e * (logit_scale * inv_temp) * (1.0 - t * t)
             tl.store(x_row + cols, g.to(x_ptr.dtype.element_ty), mask=mask)
-        tl.store(zm_ptr + row, tl.maximum(zm_old, tl.max(bmax, axis=0)))
-        tl.store(zy_ptr + row, tl.where(here, z_y, zy_old))
-        tl.store(dy_ptr + row, tl.where(here, d_y, dy_old))
         tl.store(ref_ptr + row, ref)
         if FIRST:
             tl.store(se_ptr + row, tl.sum(se, axis=0))

@@ -137,11 +137,11 @@ def test_block_kernel_interpreter_matches_torch(monkeypatch):
 
 @pytest.mark.parametrize("first", [True, False], ids=["first_block", "later_block"])
 def test_block_kernel_reference_moving_within_a_row(first, monkeypatch):
-    """The Triton kernel's single pass over a row in 32-column steps, where a later step's maximum
-    passes the running reference by more than TAU (the steps already written are rescaled), against
-    the PyTorch path, whose reference is the block's maximum: every reference-free quantity (the
-    written block, ``sumexp`` and ``zexp`` and the accumulator times ``exp(ref)``, the other fields
-    as they are) within 1e-5 (float32 exponentials, and a second rounding of rescaled entries)."""
+    """The Triton kernel over rows of several 32-column steps, a later step's logits passing the
+    row's reference by more than TAU, against the PyTorch path: every reference-free quantity (the
+    written block, ``sumexp`` and ``zexp`` and the accumulator times ``exp(ref)``; the other fields
+    as they are) within 1e-5 (float32 exponentials of two libraries), and the reference within TAU
+    of the row's maximum."""
     pytest.importorskip("triton")
     from liger_losses.kernels.tuning import tuning
 
