@@ -42,13 +42,12 @@ Knobs (what each one trades, and what was measured):
 * ``frozen_head_online`` / ``frozen_budget_bytes`` / ``frozen_block_columns``: a per-token pass
   that wants only the hidden gradient (frozen head weight and bias) runs the online-softmax path
   (:mod:`liger_losses.chunked.frozen_head`): token chunks whose logits block of
-  ``frozen_block_columns`` columns (which then holds the label rows of ``W``) and fp32
-  accumulator fit ``frozen_budget_bytes`` (512 tokens at H=4096, bf16), instead of a tile sized for
-  a weight-gradient GEMM that does not run. H200, 8192 x 4096 x 128256
-  (``benchmark/experiments/diag_frozen_head.py``): 16384-column blocks of 512 tokens 30.0 ms / 88
-  MiB above the inputs, of 683 tokens (32 MiB) 29.2-31.1 ms / 96 MiB, 1024 tokens (48 MiB) 29.8 /
-  112 (chunk size within the run-to-run spread); the tile path 26.9 ms / 565 MiB. Results:
-  ``benchmark/results/fused_linear_ce_frozen.csv``.
+  ``frozen_block_columns`` columns and fp32 accumulator fit ``frozen_budget_bytes`` (512 tokens at
+  H=4096, bf16), instead of a tile sized for a weight-gradient GEMM that does not run. 8192 x 4096 x
+  128256: H200 27.5 ms / 92 MiB above the inputs against the tile path's 25.8 / 565
+  (``benchmark/results/fused_linear_ce_frozen.csv``); H100 (``benchmark/experiments/
+  diag_frozen_head.py``) 512-token chunks 29.1-29.5 ms / 92 MiB, 683 tokens (32 MiB) 28.5-29.0 /
+  101 MiB (past 1.5x the hidden gradient), 8192-column blocks of 768 tokens 29.8 / 94.
 """
 
 from __future__ import annotations
