@@ -1,0 +1,129 @@
+"""Experiment (GPU): can a Triton GEMM of our own match cuBLAS at the frozen head's chunk shapes?
+
+Question: the frozen-head path's remaining cost over the tile path is its ~450 dependent launches
+(GEMM, block kernel, GEMM per 16032-column block of each 512-token chunk) and the block kernel's
+reads (``benchmark/NOTES.md``, open item 7). Putting the block statistics and exponentials in the
+logits GEMM's epilogue removes a launch and two reads per block, but only pays if our GEMM runs as
+fast as cuBLAS's there. This times, bf16 operands and fp32 accumulation:
+
+- ``logits``: ``[512, 4096] x [16032, 4096]^T -> [512, 16032]`` bf16 (the head block row-major);
+- ``grad``: ``[512, 16032] x [16032, 4096] -> [512, 4096]`` fp32;
+
+``torch.mm`` (cuBLAS) against a plain Triton kernel (grouped tile order, pointer loads, software
+pipelined by ``num_stages``; no TMA, no warp specialization) per tile configuration: ``do_bench``
+median us and TFLOP/s. ``--check`` compares the kernel with ``torch.mm`` on small fp32 shapes (also
+on the CPU under ``TRITON_INTERPRET=1``).
+
+    python -m benchmark.experiments.diag_triton_gemm [--check]
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+from liger_losses.kernels.utils import import_triton
+
+triton, tl = import_triton()
+
+CONFIGS = [  # (BM, BN, BK, num_warps, num_stages)
+    (128, 256, 64, 8, 3),
+    (128, 256, 64, 8, 4),
+    (128, 128, 64, 4, 4),
+    (128, 128, 64, 8, 5),
+    (64, 256, 64, 4, 4),
+    (256, 128, 64, 8, 3),
+]
+
+
+@triton.jit
+def _matmul_kernel(a_ptr, b_ptr, c_ptr, M, N, K, s_am, s_ak, s_bk, s_bn, s_cm, s_cn,
+                   BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP: tl.constexpr):
+    pid = tl.program_id(0)
+    tiles_m, tiles_n = tl.cdiv(M, BM), tl.cdiv(N, BN)
+    per_group = GROUP * tiles_n
+    first_m = (pid // per_group) * GROUP
+    rows = tl.minimum(tiles_m - first_m, GROUP)
+    pm = first_m + (pid % per_group) % rows
+    pn = (pid % per_group) // rows
+    offs_m = pm * BM + tl.arange(0, BM)
+    offs_n = pn * BN + tl.arange(0, BN)
+    offs_k = tl.arange(0, BK)
+    a = a_ptr + offs_m[:, None] * s_am + offs_k[None, :] * s_ak
+    b = b_ptr + offs_k[:, None] * s_bk + offs_n[None, :] * s_bn
+    acc = tl.zeros((BM, BN), tl.float32)
+    for k in range(0, K, BK):
+        a_tile = tl.load(a, mask=(offs_m[:, None] < M) & (k + offs_k[None, :] < K), other=0.0)
+        b_tile = tl.load(b, mask=(k + offs_k[:, None] < K) & (offs_n[None, :] < N), other=0.0)
+        acc = tl.dot(a_tile, b_tile, acc)
+        a += BK * s_ak
+        b += BK * s_bk
+    c = c_ptr + offs_m[:, None] * s_cm + offs_n[None, :] * s_cn
+    tl.store(c, acc.to(c_ptr.dtype.element_ty), mask=(offs_m[:, None] < M) & (offs_n[None, :] < N))
+
+
+def matmul(a, b, out, config):
+    """``out = a @ b`` (``a [M, K]``, ``b [K, N]``, any strides) with one tile configuration."""
+    BM, BN, BK, warps, stages = config
+    M, K = a.shape
+    N = b.shape[1]
+    grid = (triton.cdiv(M, BM) * triton.cdiv(N, BN),)
+    _matmul_kernel[grid](a, b, out, M, N, K, a.stride(0), a.stride(1), b.stride(0), b.stride(1),
+                         out.stride(0), out.stride(1), BM=BM, BN=BN, BK=BK, GROUP=8, num_warps=warps,
+                         num_stages=stages)
+    return out
+
+
+def _check(device):
+    g = torch.Generator().manual_seed(0)
+    for M, N, K in ((70, 90, 130), (128, 256, 64)):
+        a = torch.randn(M, K, generator=g).to(device)
+        w = torch.randn(N, K, generator=g).to(device)
+        for config in ((32, 32, 32, 4, 2), (64, 32, 16, 4, 2)):
+            out = matmul(a, w.t(), torch.empty(M, N, device=device), config)
+            err = float((out - a @ w.t()).norm() / (a @ w.t()).norm())
+            print(f"check {M}x{N}x{K} {config}: rel err {err:.2e}")
+            assert err < 1e-5
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--check", action="store_true")
+    args = ap.parse_args()
+    if args.check or not torch.cuda.is_available():
+        _check("cuda" if torch.cuda.is_available() else "cpu")
+        if not torch.cuda.is_available():
+            return
+    import triton.testing
+
+    from liger_losses.chunked.gemm import mm_into
+
+    n, H, cols = 512, 4096, 16032
+    h = torch.randn(n, H, device="cuda").bfloat16()
+    w = (torch.randn(cols, H, device="cuda") * 0.02).bfloat16()
+    p = torch.rand(n, cols, device="cuda").bfloat16()
+    logits = torch.empty(n, cols, device="cuda", dtype=torch.bfloat16)
+    acc = torch.empty(n, H, device="cuda")
+    flops = 2 * n * H * cols
+    cases = {
+        "logits": (lambda: torch.mm(h, w.t(), out=logits), lambda c: matmul(h, w.t(), logits, c)),
+        "grad": (lambda: mm_into(acc, p, w, accumulate=False) or acc, lambda c: matmul(p, w, acc, c)),
+    }
+    for name, (cublas, ours) in cases.items():
+        ms = triton.testing.do_bench(cublas, warmup=25, rep=200)
+        print(f"{name}: cuBLAS {ms * 1000:.1f} us, {flops / ms / 1e9:.0f} TFLOP/s", flush=True)
+        want = cublas().float().clone()
+        for config in CONFIGS:
+            try:
+                got = ours(config).float()
+                err = float((got - want).norm() / want.norm())
+                ms = triton.testing.do_bench(lambda: ours(config), warmup=25, rep=200)
+                print(f"{name}: triton {config} {ms * 1000:.1f} us, {flops / ms / 1e9:.0f} TFLOP/s, "
+                      f"rel err {err:.1e}", flush=True)
+            except Exception as exc:  # a configuration that does not fit the SM's shared memory
+                print(f"{name}: triton {config} failed: {type(exc).__name__}: {str(exc)[:120]}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
