@@ -12,7 +12,9 @@ fast as cuBLAS's there. This times, bf16 operands and fp32 accumulation:
 ``torch.mm`` (cuBLAS) against a plain Triton kernel (grouped tile order, pointer loads, software
 pipelined by ``num_stages``; no TMA, no warp specialization) per tile configuration: ``do_bench``
 median us and TFLOP/s. ``--check`` compares the kernel with ``torch.mm`` on small fp32 shapes (also
-on the CPU under ``TRITON_INTERPRET=1``).
+on the CPU under ``TRITON_INTERPRET=1``, where it passes).
+
+Status: open, not yet run on a GPU (the next step of the frozen head's open item).
 
     python -m benchmark.experiments.diag_triton_gemm [--check]
 """
