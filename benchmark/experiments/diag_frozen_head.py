@@ -88,16 +88,12 @@ def _idle_report(step, label="default", top=8):
         print(f"  {g:8.1f} us  after {before!r}  before {after!r}")
 
 
-def main():
-    import triton.testing
-
-    from liger_losses.chunked.config import engine_config
+def frozen_case(N, H, V):
+    """The benchmark's frozen-head case on CUDA: ``w [V, H]`` (``0.02 * randn``), ``h [N, H]``
+    (``randn``, requiring grad) bf16, labels ``y [N]``, and ``step()``: the loss and its hidden
+    gradient."""
     from liger_losses.chunked.cross_entropy import fused_linear_cross_entropy
-    from liger_losses.chunked.frozen_head import online_token_chunks
-    from liger_losses.kernels.tuning import tuning
 
-    torch.manual_seed(0)
-    N, H, V = 8192, 4096, 128256
     w = (torch.randn(V, H, device="cuda") * 0.02).bfloat16()
     h = torch.randn(N, H, device="cuda").bfloat16().requires_grad_()
     y = torch.randint(0, V, (N,), device="cuda")
@@ -105,6 +101,20 @@ def main():
     def step():
         (g,) = torch.autograd.grad(fused_linear_cross_entropy(w, h, y), h)
         return g
+
+    return w, h, y, step
+
+
+def main():
+    import triton.testing
+
+    from liger_losses.chunked.config import engine_config
+    from liger_losses.chunked.frozen_head import online_token_chunks
+    from liger_losses.kernels.tuning import tuning
+
+    torch.manual_seed(0)
+    N, H, V = 8192, 4096, 128256
+    w, h, y, step = frozen_case(N, H, V)
 
     def measure():
         step()

@@ -94,18 +94,11 @@ def main():
 def _end_to_end(rounds):
     import triton.testing
 
+    from benchmark.experiments.diag_frozen_head import frozen_case
     from liger_losses.chunked.config import engine_config
-    from liger_losses.chunked.cross_entropy import fused_linear_cross_entropy
     from liger_losses.kernels.tuning import tuning
 
-    N = 8192
-    w = (torch.randn(V, H, device="cuda") * 0.02).bfloat16()
-    h = torch.randn(N, H, device="cuda").bfloat16().requires_grad_()
-    y = torch.randint(0, V, (N,), device="cuda")
-
-    def step():
-        (g,) = torch.autograd.grad(fused_linear_cross_entropy(w, h, y), h)
-        return g
+    step = frozen_case(8192, H, V)[3]
 
     cases = {f"{k}, early first chunk {early}": (k, early) for k, early in (
         (dict(num_warps=4, block_cap=2048), True), (dict(num_warps=4, block_cap=2048), False),
