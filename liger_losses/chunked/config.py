@@ -46,8 +46,9 @@ Knobs (what each one trades, and what was measured):
   H=4096, bf16), instead of a tile sized for a weight-gradient GEMM that does not run. 8192 x 4096 x
   128256: H200 27.5 ms / 92 MiB above the inputs against the tile path's 25.8 / 565
   (``benchmark/results/fused_linear_ce_frozen.csv``); H100 (``benchmark/experiments/
-  diag_frozen_head.py``) 512-token chunks 29.1-29.5 ms / 92 MiB, 683 tokens (32 MiB) 28.5-29.0 /
-  101 MiB (past 1.5x the hidden gradient), 8192-column blocks of 768 tokens 29.8 / 94.
+  diag_frozen_head.py``, run with a one-pass variant of the block kernel that measured as fast)
+  512-token chunks 29.1-29.5 ms / 92 MiB, 683 tokens (32 MiB) 28.5-29.0 / 101 MiB (past 1.5x the
+  hidden gradient), 8192-column blocks of 768 tokens 29.8 / 94.
 """
 
 from __future__ import annotations
