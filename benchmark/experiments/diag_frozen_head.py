@@ -32,7 +32,7 @@ CONFIGS = [  # (frozen_budget_bytes MiB, frozen_block_columns, online_block knob
 ]
 
 
-def _block_loop_probe(w, h, y, n, cols):
+def block_loop_probe(w, h, y, n, cols):
     """ms of one chunk's block loop (``n`` rows, ``cols``-column blocks): eager vs a CUDA graph."""
     import triton.testing
 
@@ -159,7 +159,7 @@ def main():
 
     n_default = online_token_chunks(V, H, 2, N)[0][1]
     for n in (n_default, 128):
-        eager, replay, nb = _block_loop_probe(w, h, y, n, 16384)
+        eager, replay, nb = block_loop_probe(w, h, y, n, 16384)
         print(f"block loop, {n} rows x {nb} blocks of 16384: eager {eager:.3f} ms, CUDA graph {replay:.3f} ms "
               f"({(eager - replay) / nb * 1000:.1f} us host per block beyond the GPU's)", flush=True)
 

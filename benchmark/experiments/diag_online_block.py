@@ -57,7 +57,7 @@ def _warm_us(fn, calls=20):
 def main():
     import triton.testing
 
-    from benchmark.experiments.diag_frozen_head import _block_loop_probe
+    from benchmark.experiments.diag_frozen_head import block_loop_probe
     from liger_losses.kernels.online_block import OnlineState, online_block
     from liger_losses.kernels.tuning import tuning
 
@@ -84,7 +84,7 @@ def main():
 
             cold = triton.testing.do_bench(launch, warmup=20, rep=200) * 1000
             warm = _warm_us(launch)
-            loop, _, nb = _block_loop_probe(w, h, y, n, 16384)
+            loop, _, nb = block_loop_probe(w, h, y, n, 16384)
         print(f"{knobs}: cold {cold:.1f} us, warm {warm:.1f} us per launch; loop of {nb} blocks {loop:.3f} ms",
               flush=True)
     if args.e2e:

@@ -156,22 +156,23 @@ def run_token_tiles(
         labels_valid, index = valid_index(labels, ignore_index, num_classes=V, scan=scan)
         return (*run_tiles(weight, hidden_rows_at(hidden, index), labels_valid, bias, grad_scale=grad_scale,
                            chunk_tokens=chunk_tokens, **opts), labels_valid, index)
-    # the first chunk: padding and labels out of range count as ignored here (label ignore_index),
-    # so the kernel never reads past the vocabulary; rows not known valid are zeroed, as the plain
-    # path never reads ignored rows, whose hidden states may be non-finite (fully masked padding),
-    # and 0 * NaN in the weight-gradient GEMM is NaN
+    # the first chunk: padding and labels out of range count as ignored here (label ignore_index;
+    # on the frozen-head path label 0, which only indexes W, their results dropped), so no kernel
+    # reads past the vocabulary; rows not known valid are zeroed, as the plain path never reads
+    # ignored rows, whose hidden states may be non-finite (fully masked padding), and 0 * NaN in the
+    # weight-gradient GEMM is NaN
     at = pos.clamp_min(0)
     keep = (pos >= 0) & pending.in_range.reshape(-1).index_select(0, at)
     first_labels = torch.where(keep, flat_labels.index_select(0, at).long(),
-                               torch.full_like(at, ignore_index))
+                               torch.full_like(at, 0 if online else ignore_index))
     first_rows = hidden.reshape(-1, H).index_select(0, at).masked_fill_(~keep.unsqueeze(1), 0)
     grads, tile_opts = _pass_setup(weight, None, labels.device, **opts)
     first_scale = grad_scale[:first] if per_row else grad_scale
-    if online:  # the frozen-head path's first chunk: an ignored row's label (0) only indexes W
+    if online:
         op = OnlinePass(weight, bias, tile_opts, min(total, online_chunk_capacity(V, H, size)))
         first_stats = op.stats_buffers(first)
         first_grad = grads.detached_rows(first)  # the path always wants the hidden gradient
-        op.chunk(first_rows, torch.where(keep, first_labels, 0), first_scale, first_grad, None, first_stats)
+        op.chunk(first_rows, first_labels, first_scale, first_grad, None, first_stats)
     else:
         tile = project(first_rows, weight, bias)
         first_stats = logits_tile(tile, first_labels, grad_scale=first_scale, need_logits_sum=False,

@@ -22,10 +22,11 @@ vocabulary) and a running per-row :class:`OnlineState`, :func:`online_block`:
 ``first=True`` starts the state: its old values are never read, so it may be uninitialized
 (:meth:`OnlineState.uninitialized`).
 
-Triton: one program per row (two passes over its block, the second mostly from L2: a single pass
-against the running reference would have to redo a row whose maximum passes it, and the first
-pass has overwritten that row's logits by then); ``impl="torch"`` (or no Triton on the device, or a
-float64 state): the same in PyTorch.
+Triton: one program per row, two passes over its block (the maximum, then the exponentials; the
+second mostly from L2). A single pass against the running reference, rescaling the steps a row
+has written when its maximum passes it, measured no faster (``benchmark/experiments/
+diag_online_block.py``). ``impl="torch"`` (or no Triton on the device, or a float64 state): the
+same in PyTorch.
 """
 
 from __future__ import annotations
