@@ -65,6 +65,58 @@ def _matmul_kernel(a_ptr, b_ptr, c_ptr, M, N, K, s_am, s_ak, s_bk, s_bn, s_cm, s
     tl.store(c, acc.to(c_ptr.dtype.element_ty), mask=(offs_m[:, None] < M) & (offs_n[None, :] < N))
 
 
+@triton.jit
+def _logits_tma_kernel(a_desc, b_desc, c_desc, ref_ptr, part_ptr, M, N, K, NUM_SMS: tl.constexpr,
+                       BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, EPILOGUE: tl.constexpr):
+    """Persistent ``c [M, N] = a [M, K] @ b [N, K]^T`` over TMA descriptors; the ``M`` tiles of one
+    column of tiles run side by side (the head block's rows read once). ``EPILOGUE``: ``c`` gets
+    ``exp(z - ref[row])`` and ``part [tiles_n, 2, M]`` the tile's row sums of it and row maxima of z
+    (what the block kernel would otherwise read back)."""
+    pid = tl.program_id(0)
+    tiles_m, tiles_n = tl.cdiv(M, BM), tl.cdiv(N, BN)
+    for tile in range(pid, tiles_m * tiles_n, NUM_SMS):
+        pm = tile % tiles_m
+        pn = tile // tiles_m
+        off_m, off_n = pm * BM, pn * BN
+        acc = tl.zeros((BM, BN), tl.float32)
+        for k in range(0, K, BK):
+            a = a_desc.load([off_m, k])
+            b = b_desc.load([off_n, k])
+            acc = tl.dot(a, b.T, acc)
+        if EPILOGUE:
+            rows = off_m + tl.arange(0, BM)
+            cols = off_n + tl.arange(0, BN)
+            ref = tl.load(ref_ptr + rows, mask=rows < M, other=0.0)
+            inside = cols[None, :] < N
+            e = tl.where(inside, tl.exp(acc - ref[:, None]), 0.0)
+            tl.store(part_ptr + (pn * 2) * M + rows, tl.sum(e, axis=1), mask=rows < M)
+            tl.store(part_ptr + (pn * 2 + 1) * M + rows, tl.max(tl.where(inside, acc, float("-inf")), axis=1),
+                     mask=rows < M)
+            c_desc.store([off_m, off_n], e.to(c_desc.dtype))
+        else:
+            c_desc.store([off_m, off_n], acc.to(c_desc.dtype))
+
+
+def logits_tma(h, w, out, config, ref=None, part=None):
+    """``out = h @ w.T`` (``h [M, K]``, ``w [N, K]``, both row-major) by the persistent TMA kernel;
+    with ``ref [M]`` and ``part [tiles_n, 2, M]`` (fp32) the epilogue's exponentials and partials."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    BM, BN, BK, warps, stages = config
+    M, K = h.shape
+    N = w.shape[0]
+    sms = torch.cuda.get_device_properties(h.device).multi_processor_count if h.is_cuda else 4
+    grid = (min(sms, triton.cdiv(M, BM) * triton.cdiv(N, BN)),)
+    a_desc = TensorDescriptor.from_tensor(h, [BM, BK])
+    b_desc = TensorDescriptor.from_tensor(w, [BN, BK])
+    c_desc = TensorDescriptor.from_tensor(out, [BM, BN])
+    epi = ref is not None
+    _logits_tma_kernel[grid](a_desc, b_desc, c_desc, ref if epi else out, part if epi else out, M, N, K,
+                             NUM_SMS=grid[0], BM=BM, BN=BN, BK=BK, EPILOGUE=epi, num_warps=warps,
+                             num_stages=stages)
+    return out
+
+
 def matmul(a, b, out, config):
     """``out = a @ b`` (``a [M, K]``, ``b [K, N]``, any strides) with one tile configuration."""
     BM, BN, BK, warps, stages = config
@@ -87,6 +139,82 @@ def _check(device):
             err = float((out - a @ w.t()).norm() / (a @ w.t()).norm())
             print(f"check {M}x{N}x{K} {config}: rel err {err:.2e}")
             assert err < 1e-5
+    for M, N, K in ((70, 92, 132), (128, 256, 64)):  # TMA: row strides of 16-byte multiples
+        a = torch.randn(M, K, generator=g).to(device)
+        w = torch.randn(N, K, generator=g).to(device)
+        for config in ((32, 32, 32, 4, 2), (64, 64, 16, 4, 2)):
+            out = logits_tma(a, w, torch.empty(M, N, device=device), config)
+            err = float((out - a @ w.t()).norm() / (a @ w.t()).norm())
+            print(f"check tma {M}x{N}x{K} {config}: rel err {err:.2e}")
+            assert err < 1e-5
+            ref = (a @ w.t()).amax(1)
+            part = torch.empty(triton.cdiv(N, config[1]), 2, M, device=device)
+            out = logits_tma(a, w, torch.empty(M, N, device=device), config, ref, part)
+            want = torch.exp(a @ w.t() - ref[:, None])
+            err = float((out - want).norm() / want.norm())
+            err_sum = float((part[:, 0].sum(0) - want.sum(1)).abs().max() / want.sum(1).abs().max())
+            err_max = float((part[:, 1].amax(0) - ref).abs().max())
+            print(f"check tma epilogue {M}x{N}x{K} {config}: rel err {err:.2e} sums {err_sum:.2e} max {err_max:.2e}")
+            assert err < 1e-5 and err_sum < 1e-5 and err_max < 1e-3
+
+
+TMA_CONFIGS = [  # (BM, BN, BK, num_warps, num_stages)
+    (128, 256, 64, 8, 3),
+    (128, 256, 64, 8, 4),
+    (128, 128, 64, 4, 4),
+    (128, 128, 64, 8, 4),
+    (128, 128, 128, 8, 3),
+    (64, 256, 64, 4, 4),
+]
+
+
+def _chains(h, w, logits, acc, flops):
+    """One vocabulary block of the frozen path as it runs (cuBLAS logits, the block kernel, the
+    accumulating GEMM) against the TMA kernel with its epilogue in place of the first two."""
+    import triton.testing
+
+    from liger_losses.chunked.gemm import mm_into
+    from liger_losses.kernels.online_block import OnlineState, online_block
+
+    n, cols = logits.shape
+    labels = torch.randint(0, cols, (n,), device="cuda")
+    state = OnlineState.empty(n, "cuda")
+    torch.mm(h, w.t(), out=logits)
+    online_block(logits, labels, 0, state, None, first=True)
+    ref = state.ref.clone()
+
+    def ms(fn):
+        return triton.testing.do_bench(fn, warmup=25, rep=200)
+
+    def cublas_block():
+        torch.mm(h, w.t(), out=logits)
+        online_block(logits, labels, 0, state, acc, first=False)
+
+    def cublas_chain():
+        cublas_block()
+        mm_into(acc, logits, w, accumulate=True)
+
+    t_mm = ms(lambda: torch.mm(h, w.t(), out=logits))
+    t_blk = ms(cublas_block)
+    t_chain = ms(cublas_chain)
+    print(f"chain: cuBLAS logits {t_mm * 1e3:.1f} us ({flops / t_mm / 1e9:.0f} TFLOP/s); + block kernel "
+          f"{t_blk * 1e3:.1f} us; + accumulating GEMM {t_chain * 1e3:.1f} us", flush=True)
+    for config in TMA_CONFIGS:
+        try:
+            part = torch.empty(triton.cdiv(cols, config[1]), 2, n, device="cuda")
+            t_plain = ms(lambda: logits_tma(h, w, logits, config))
+            t_epi = ms(lambda: logits_tma(h, w, logits, config, ref, part))
+
+            def fused_chain():
+                logits_tma(h, w, logits, config, ref, part)
+                mm_into(acc, logits, w, accumulate=True)
+
+            t_fchain = ms(fused_chain)
+            print(f"chain: tma {config} plain {t_plain * 1e3:.1f} us ({flops / t_plain / 1e9:.0f} TFLOP/s), "
+                  f"epilogue {t_epi * 1e3:.1f} us (vs cuBLAS + block {t_blk * 1e3:.1f}); "
+                  f"+ accumulating GEMM {t_fchain * 1e3:.1f} us (vs {t_chain * 1e3:.1f})", flush=True)
+        except Exception as exc:
+            print(f"chain: tma {config} failed: {type(exc).__name__}: {str(exc)[:160]}", flush=True)
 
 
 def main():
@@ -112,6 +240,7 @@ def main():
         "logits": (lambda: torch.mm(h, w.t(), out=logits), lambda c: matmul(h, w.t(), logits, c)),
         "grad": (lambda: mm_into(acc, p, w, accumulate=False) or acc, lambda c: matmul(p, w, acc, c)),
     }
+    _chains(h, w, logits, acc, flops)
     for name, (cublas, ours) in cases.items():
         ms = triton.testing.do_bench(cublas, warmup=25, rep=200)
         print(f"{name}: cuBLAS {ms * 1000:.1f} us, {flops / ms / 1e9:.0f} TFLOP/s", flush=True)
