@@ -67,14 +67,15 @@ def _matmul_kernel(a_ptr, b_ptr, c_ptr, M, N, K, s_am, s_ak, s_bk, s_bn, s_cm, s
 
 @triton.jit
 def _logits_tma_kernel(a_desc, b_desc, c_desc, ref_ptr, part_ptr, M, N, K, NUM_SMS: tl.constexpr,
-                       BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, EPILOGUE: tl.constexpr):
+                       BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, EPILOGUE: tl.constexpr,
+                       FLAT: tl.constexpr, WS: tl.constexpr, SPLIT: tl.constexpr):
     """Persistent ``c [M, N] = a [M, K] @ b [N, K]^T`` over TMA descriptors; the ``M`` tiles of one
     column of tiles run side by side (the head block's rows read once). ``EPILOGUE``: ``c`` gets
     ``exp(z - ref[row])`` and ``part [tiles_n, 2, M]`` the tile's row sums of it and row maxima of z
     (what the block kernel would otherwise read back)."""
     pid = tl.program_id(0)
     tiles_m, tiles_n = tl.cdiv(M, BM), tl.cdiv(N, BN)
-    for tile in range(pid, tiles_m * tiles_n, NUM_SMS):
+    for tile in tl.range(pid, tiles_m * tiles_n, NUM_SMS, flatten=FLAT, warp_specialize=WS):
         pm = tile % tiles_m
         pn = tile // tiles_m
         off_m, off_n = pm * BM, pn * BN
@@ -92,9 +93,15 @@ def _logits_tma_kernel(a_desc, b_desc, c_desc, ref_ptr, part_ptr, M, N, K, NUM_S
             tl.store(part_ptr + (pn * 2) * M + rows, tl.sum(e, axis=1), mask=rows < M)
             tl.store(part_ptr + (pn * 2 + 1) * M + rows, tl.max(tl.where(inside, acc, float("-inf")), axis=1),
                      mask=rows < M)
-            c_desc.store([off_m, off_n], e.to(c_desc.dtype))
+            out = e
         else:
-            c_desc.store([off_m, off_n], acc.to(c_desc.dtype))
+            out = acc
+        if SPLIT:  # the store in two halves: half the epilogue's shared memory, a pipeline stage more
+            lo, hi = tl.split(tl.permute(tl.reshape(out, (BM, 2, BN // 2)), (0, 2, 1)))
+            c_desc.store([off_m, off_n], lo.to(c_desc.dtype))
+            c_desc.store([off_m, off_n + BN // 2], hi.to(c_desc.dtype))
+        else:
+            c_desc.store([off_m, off_n], out.to(c_desc.dtype))
 
 
 def logits_tma(h, w, out, config, ref=None, part=None):
@@ -102,17 +109,19 @@ def logits_tma(h, w, out, config, ref=None, part=None):
     with ``ref [M]`` and ``part [tiles_n, 2, M]`` (fp32) the epilogue's exponentials and partials."""
     from triton.tools.tensor_descriptor import TensorDescriptor
 
-    BM, BN, BK, warps, stages = config
+    BM, BN, BK, warps, stages, *rest = config
+    flat, ws, split = (list(rest) + [False] * 3)[:3]
     M, K = h.shape
     N = w.shape[0]
     sms = torch.cuda.get_device_properties(h.device).multi_processor_count if h.is_cuda else 4
     grid = (min(sms, triton.cdiv(M, BM) * triton.cdiv(N, BN)),)
     a_desc = TensorDescriptor.from_tensor(h, [BM, BK])
     b_desc = TensorDescriptor.from_tensor(w, [BN, BK])
-    c_desc = TensorDescriptor.from_tensor(out, [BM, BN])
+    c_desc = TensorDescriptor.from_tensor(out, [BM, BN // 2 if split else BN])
     epi = ref is not None
     _logits_tma_kernel[grid](a_desc, b_desc, c_desc, ref if epi else out, part if epi else out, M, N, K,
-                             NUM_SMS=grid[0], BM=BM, BN=BN, BK=BK, EPILOGUE=epi, num_warps=warps,
+                             NUM_SMS=grid[0], BM=BM, BN=BN, BK=BK, EPILOGUE=epi, FLAT=flat, WS=ws,
+                             SPLIT=split, num_warps=warps,
                              num_stages=stages)
     return out
 
@@ -138,15 +147,15 @@ def _check(device):
             out = matmul(a, w.t(), torch.empty(M, N, device=device), config)
             err = float((out - a @ w.t()).norm() / (a @ w.t()).norm())
             print(f"check {M}x{N}x{K} {config}: rel err {err:.2e}")
-            assert err < 1e-5
+            assert err < (1e-5 if device == "cpu" else 2e-3)  # tf32 on a GPU
     for M, N, K in ((70, 92, 132), (128, 256, 64)):  # TMA: row strides of 16-byte multiples
         a = torch.randn(M, K, generator=g).to(device)
         w = torch.randn(N, K, generator=g).to(device)
-        for config in ((32, 32, 32, 4, 2), (64, 64, 16, 4, 2)):
+        for config in ((32, 32, 32, 4, 2), (64, 64, 16, 4, 2, True, False, True)):
             out = logits_tma(a, w, torch.empty(M, N, device=device), config)
             err = float((out - a @ w.t()).norm() / (a @ w.t()).norm())
             print(f"check tma {M}x{N}x{K} {config}: rel err {err:.2e}")
-            assert err < 1e-5
+            assert err < (1e-5 if device == "cpu" else 2e-3)
             ref = (a @ w.t()).amax(1)
             part = torch.empty(triton.cdiv(N, config[1]), 2, M, device=device)
             out = logits_tma(a, w, torch.empty(M, N, device=device), config, ref, part)
@@ -155,16 +164,22 @@ def _check(device):
             err_sum = float((part[:, 0].sum(0) - want.sum(1)).abs().max() / want.sum(1).abs().max())
             err_max = float((part[:, 1].amax(0) - ref).abs().max())
             print(f"check tma epilogue {M}x{N}x{K} {config}: rel err {err:.2e} sums {err_sum:.2e} max {err_max:.2e}")
-            assert err < 1e-5 and err_sum < 1e-5 and err_max < 1e-3
+            tol = 1e-5 if device == "cpu" else 6e-2  # tf32 logits of size ~10 on a GPU
+            assert err < tol and err_sum < tol and err_max < (1e-3 if device == "cpu" else 0.2)
 
 
-TMA_CONFIGS = [  # (BM, BN, BK, num_warps, num_stages)
+TMA_CONFIGS = [  # (BM, BN, BK, num_warps, num_stages, flatten, warp_specialize, split store)
     (128, 256, 64, 8, 3),
-    (128, 256, 64, 8, 4),
-    (128, 128, 64, 4, 4),
-    (128, 128, 64, 8, 4),
-    (128, 128, 128, 8, 3),
-    (64, 256, 64, 4, 4),
+    (128, 256, 64, 8, 4, False, False, True),
+    (128, 256, 64, 8, 3, True, False, False),
+    (128, 256, 64, 8, 4, True, False, True),
+    (128, 256, 64, 8, 3, False, True, False),
+    (128, 256, 64, 8, 4, False, True, True),
+    (128, 256, 64, 8, 4, True, True, True),
+    (256, 128, 64, 8, 3, False, False, False),
+    (256, 128, 64, 8, 4, False, False, True),
+    (256, 128, 64, 8, 4, True, True, True),
+    (128, 256, 128, 8, 2, False, False, True),
 ]
 
 
