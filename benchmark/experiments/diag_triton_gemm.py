@@ -14,7 +14,17 @@ pipelined by ``num_stages``; no TMA, no warp specialization) per tile configurat
 median us and TFLOP/s. ``--check`` compares the kernel with ``torch.mm`` on small fp32 shapes (also
 on the CPU under ``TRITON_INTERPRET=1``, where it passes).
 
-Status: open, not yet run on a GPU (the next step of the frozen head's open item).
+``_chains`` times one block as the frozen path runs it (cuBLAS logits, the block kernel, the
+accumulating GEMM) against a persistent TMA kernel (``logits_tma``; flattened tile loop, warp
+specialization and a store in two halves as options) with the block's exponentials and per-tile
+sums and maxima in its epilogue.
+
+Result (H100, torch 2.11, triton 3.6): cuBLAS logits 97.0 us (694 TFLOP/s), + block kernel 112.7,
++ accumulating GEMM 210.2. TMA (128, 256, 64, 8 warps, 4 stages, flattened, split store): 98.0 us
+(686 TFLOP/s), with the epilogue 102.2, the block 200.6 us; warp specialization and 256x128 tiles
+no better, BK=128 worse (476). Pointer loads: logits 493-530 TFLOP/s, grad 277-593 against
+cuBLAS's 670. In the frozen path's loop the TMA kernel loses what it saves
+(``diag_fused_logits``).
 
     python -m benchmark.experiments.diag_triton_gemm [--check]
 """
