@@ -1,10 +1,11 @@
-"""Numerics over a training run: loss, entropy and grad-norm curves of our trainers' default path against
-fp32 weight-gradient accumulation and against TRL's own trainer, on a learnable SFT and DPO task (issue 18
-item 3).
+"""Numerics over a training run: loss, entropy and grad-norm curves of our trainers' default path (fp32
+weight-gradient accumulation) against bf16 accumulation and against TRL's own trainer, on a learnable SFT and
+DPO task (issue 18 item 3).
 
-Question: does accumulating the LM head's weight gradient in the weight's dtype (bf16) across token chunks --
-our default -- bias a run (the reported symptom: entropy drifting lower) compared with accumulating it in
-fp32, and does either differ from TRL's trainer by more than run-to-run noise?
+Question: does accumulating the LM head's weight gradient in the weight's dtype (bf16) across token chunks
+bias a run (the reported symptom: entropy drifting lower) compared with accumulating it in fp32 (our default
+since that answer: ``EngineConfig.half_weight_accum_dtype``), and does either differ from TRL's trainer by
+more than run-to-run noise?
 
 Task (``benchmark.trainer_data``): a hidden bigram rule over ``k = 1024`` active ids of a 128256-token
 vocabulary (``next = rule[current]`` with probability 0.9, else a random active id). SFT: sequences walking
@@ -22,11 +23,10 @@ step (the engine's own default would put this small step in one or two chunks an
 
 Paths (``path`` column):
   ``ours``             ``liger_losses.trl_integration.<SFT|DPO>Trainer(use_liger=True)`` as shipped
-                       (weight gradient accumulated in the weight dtype, bf16).
-  ``ours-fp32-accum``  the same trainer with ``accum_dtype=torch.float32`` for the head's weight gradient:
-                       DPO rebuilds ``trainer.liger_loss`` from its own options plus ``accum_dtype``; SFT (whose
-                       loss is a call of ``fused_linear_sequence_objective``, not a module) is a subclass
-                       whose ``_liger_nll`` passes ``accum_dtype`` (nothing in ``liger_losses`` is changed).
+                       (weight gradient accumulated in fp32 over the chunks, cast to bf16 once).
+  ``ours-bf16-accum``  the same trainer under ``engine_config(half_weight_accum_dtype=None)``: the weight
+                       gradient accumulated in the weight's dtype, bf16, rounded after every chunk (the
+                       default before this benchmark's answer).
   ``trl``              ``trl.SFTTrainer`` / ``trl.DPOTrainer`` as shipped.
   ``ours-seed1``       ``ours`` with another data order (``data_seed=1``): the run-to-run noise to judge the
                        other differences against (``--no-noise-run`` drops it).
@@ -65,8 +65,11 @@ import torch
 
 from benchmark import trainer_data as data
 from benchmark.common import print_table, results_dir
+from liger_losses.chunked.config import engine_config
 
-PATHS = ("ours", "ours-fp32-accum", "trl", "ours-seed1")
+PATHS = ("ours", "ours-bf16-accum", "trl", "ours-seed1")
+# the engine knobs of our paths (every other path runs under the defaults)
+ENGINE = {"ours-bf16-accum": dict(half_weight_accum_dtype=None)}
 # ``--paths`` also takes ``<path>-seed1`` for any path (that path with data_seed=1): a second sample of
 # each path, to tell a path's difference from run-to-run noise on both sides
 SEED1 = "-seed1"
@@ -95,33 +98,6 @@ def _curve_callback():
                                                                  if isinstance(v, (int, float))}})
 
     return Curves()
-
-
-def fp32_accum_sft_trainer():
-    """Our SFTTrainer whose head loss accumulates the weight gradient in fp32 (same objective and options)."""
-    from liger_losses.chunked.sequence import fused_linear_sequence_objective
-    from liger_losses.trl_integration import SFTTrainer
-    from liger_losses.trl_integration.base import IGNORE_INDEX
-    from liger_losses.trl_integration.sft import _TokenMeanNLL
-
-    class FP32AccumSFTTrainer(SFTTrainer):
-        def _liger_nll(self, weight, bias, hidden, labels, num_items_in_batch):
-            loss, _, stats = fused_linear_sequence_objective(
-                weight, hidden, labels, _TokenMeanNLL(num_items_in_batch), group_size=1, separable=True,
-                bias=bias, ignore_index=IGNORE_INDEX, need_entropy=True, chunk_tokens=self.liger_chunk_tokens,
-                accum_dtype=torch.float32, **self._liger_logit_opts,
-            )
-            return loss, stats.num_tokens.sum(), stats.correct.sum(), stats.entropy_sum.sum()
-
-    return FP32AccumSFTTrainer
-
-
-def with_fp32_accum(trainer):
-    """Rebuild a preference trainer's loss module with ``accum_dtype=torch.float32`` (its other options kept)."""
-    import dataclasses
-
-    trainer.liger_loss.head = dataclasses.replace(trainer.liger_loss.head, accum_dtype=torch.float32)
-    return trainer
 
 
 def batch_size(task: str, tiny: bool) -> int:
@@ -172,18 +148,15 @@ def run_path(task: str, path: str, dataset, *, steps: int, chunk_tokens, tiny: b
         if task == "sft":
             if path == "trl":
                 trainer = trl.SFTTrainer(model, **common)
-            elif path == "ours-fp32-accum":
-                trainer = fp32_accum_sft_trainer()(model, **common, **liger)
             else:
                 trainer = SFTTrainer(model, **common, **liger)
         elif path == "trl":
             trainer = trl.DPOTrainer(model, ref_model, **common)
         else:
             trainer = DPOTrainer(model, ref_model, **common, **liger)
-            if path == "ours-fp32-accum":
-                with_fp32_accum(trainer)
         trainer.remove_callback(PrinterCallback)  # the per-step log lines; the curves are the CSV
-        trainer.train()
+        with engine_config(**ENGINE.get(path, {})):
+            trainer.train()
     del trainer, model, ref_model
     if not tiny:
         torch.cuda.empty_cache()

@@ -9,6 +9,9 @@ three *providers*:
                  only swaps the policy's layer kernels). An error (e.g. liger-kernel missing) is the row's ``error``.
   ``ours``       ``liger_losses.trl_integration.<Task>Trainer(use_liger=True)``: chunked loss from the
                  backbone's hidden states + our layer kernels.
+  ``ours-bf16-accum`` (only when named in ``--providers``) ``ours`` with the head's weight gradient
+                 accumulated in the weight's dtype, the default before fp32 accumulation
+                 (``engine_config(half_weight_accum_dtype=None)``): what that default costs in time and memory.
 
 Cases (``--list`` prints them; ``--cases`` picks some by name or glob over the full list; the name says family, task,
 full/LoRA, sequences x tokens, and ``-L<n>`` where the depth is cut, ``-fp32w`` for fp32 weights). Default matrix:
@@ -108,8 +111,11 @@ import torch
 
 from benchmark import trainer_data as data
 from benchmark.common import MIB, Row, print_table, results_dir, write_results
+from liger_losses.chunked.config import engine_config
 
 PROVIDERS = ("trl", "trl+liger", "ours")
+# our trainers under other engine knobs, run when named in --providers (not in the default matrix)
+OURS_VARIANTS = {"ours": {}, "ours-bf16-accum": dict(half_weight_accum_dtype=None)}
 TASKS = ("sft", "dpo", "orpo", "grpo")
 PAIRED = ("dpo", "orpo")
 GRPO_GENERATIONS = 4  # completions per prompt in the GRPO case (TRL's num_generations)
@@ -492,7 +498,7 @@ def make_trainer(case: Case, provider: str, model, ref_model, args, dataset, tok
     common = dict(args=args, train_dataset=dataset, processing_class=tokenizer, callbacks=[callback])
     if peft_config is not None:
         common["peft_config"] = peft_config
-    ours = provider == "ours"
+    ours = provider in OURS_VARIANTS
     liger = dict(use_liger=True, liger_chunk_tokens=chunk_tokens) if ours else {}
     if case.task == "sft":
         import trl
@@ -612,7 +618,8 @@ def run_one(case: Case, provider: str, bank: WeightBank, *, rnd: int, warmup: in
             from liger_losses.kernels.launch import launch_stats
 
             launch_stats(reset=True)
-            out = trainer.train()
+            with engine_config(**OURS_VARIANTS.get(provider, {})):
+                out = trainer.train()
             # Triton launches of our kernels over the whole run: compiled-launcher hits vs JITFunction.run
             stats = launch_stats(reset=True)
             res.launches = (stats["fast"], stats["slow"])
@@ -840,7 +847,7 @@ def main(argv=None) -> int:
     ap.add_argument("--full", action="store_true", help="every case (15), 2 warm-up + 5 timed steps")
     ap.add_argument("--cases", nargs="+", default=None, help="case names or globs (from the full list)")
     ap.add_argument("--list", action="store_true", help="print the cases and exit")
-    ap.add_argument("--providers", nargs="+", choices=PROVIDERS, default=list(PROVIDERS))
+    ap.add_argument("--providers", nargs="+", choices=PROVIDERS + tuple(OURS_VARIANTS)[1:], default=list(PROVIDERS))
     ap.add_argument("--rounds", type=int, default=None, help="rounds (default 3; --tiny 2)")
     ap.add_argument("--warmup", type=int, default=None, help="warm-up steps per run (default 1; --full 2)")
     ap.add_argument("--steps", type=int, default=None, help="timed steps per run (default 3; --full 5; --tiny 1)")

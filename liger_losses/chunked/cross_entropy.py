@@ -25,7 +25,7 @@ import torch
 from torch import Tensor
 
 from liger_losses.chunked.autograd import needs_head_grads, save_forward_grads, scaled_grads
-from liger_losses.chunked.gemm import compute_dtype
+from liger_losses.chunked.gemm import compute_dtype, weight_accum
 from liger_losses.chunked.module import ChunkedLossModule
 from liger_losses.chunked.options import HeadOptions, check_flag, check_head_inputs, check_real, set_fields
 from liger_losses.chunked.output import LossOutput
@@ -99,7 +99,7 @@ class _FusedLinearCEFunction(torch.autograd.Function):
         stats, gh, gw, gb, l_valid, _ = run_token_tiles(
             w_c, hidden, labels, bias, ignore_index=spec.ignore_index, mode="ce", grad=grad,
             grad_scale=scale, kernel_opts=spec.kernel_opts, need_entropy=spec.need_entropy,
-            chunk_tokens=spec.chunk_tokens, accum_dtype=spec.accum_dtype or w_full.dtype,
+            chunk_tokens=spec.chunk_tokens, accum=weight_accum(spec.accum_dtype, w_full.dtype),
             needs_hidden=needs_h, needs_weight=needs_w, needs_bias=needs_b,
         )
         total = stats["loss"].sum()

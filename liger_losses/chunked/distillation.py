@@ -51,7 +51,7 @@ from torch import Tensor
 
 from liger_losses.chunked.autograd import needs_head_grads, save_forward_grads, scaled_grads
 from liger_losses.chunked.config import get_engine_config
-from liger_losses.chunked.gemm import HeadGrads, compute_dtype, itemsize, project
+from liger_losses.chunked.gemm import HeadGrads, compute_dtype, itemsize, project, weight_accum
 from liger_losses.chunked.module import ChunkedLossModule
 from liger_losses.chunked.options import (
     HeadOptions,
@@ -267,7 +267,7 @@ def _run(weight, hidden, bias, labels, teacher: Teacher, head: HeadOptions, opts
     s_item = itemsize(cdt)
     width = Vs + (th.columns * th.item + s_item - 1) // s_item
     H = w_c.shape[1]
-    grads = HeadGrads(h_rows, Vs, H, dtype=cdt, weight_dtype=head.accum_dtype or w_full.dtype, device=dev,
+    grads = HeadGrads(h_rows, Vs, H, dtype=cdt, accum=weight_accum(head.accum_dtype, w_full.dtype), device=dev,
                       hidden=grad and needs_h, weight=grad and needs_w, bias=grad and needs_b)
     sums = torch.zeros(5, dtype=torch.float32, device=dev)  # loss, divergence, ce, entropy, correct
     kopts = dict(divergence=opts.divergence, beta=opts.beta, temperature=head.temperature,

@@ -27,8 +27,9 @@ Computes losses of ``logits = hidden @ weight.T (+ bias)`` without ever holding 
 Per chunk: the tile is formed by :func:`project` (``[n, V]`` in the compute dtype), a logits-tile
 kernel (``liger_losses.kernels.logits_tile``) writes row statistics and ``d loss / d logits`` into
 the tile in place, and :func:`backprop_tile` turns that gradient into ``grad_hidden`` (``G @ W``)
-and ``grad_weight`` (``G^T @ hidden``, accumulated across chunks in the weight dtype or
-``accum_dtype``). Row statistics are float32. One host sync per loss (the labels' scan).
+and ``grad_weight`` (``G^T @ hidden``, accumulated across chunks in fp32 for a bf16 / fp16 head,
+or in ``accum_dtype``: :func:`~.gemm.weight_accum`). Row statistics are float32. One host sync per
+loss (the labels' scan).
 
 Shapes and dtypes: ``weight [V, H]``, ``hidden [..., H]``, ``labels [...]`` integer, ``bias [V]``.
 The compute dtype of the tiles and GEMMs is the autocast dtype when autocast is on for the

@@ -8,18 +8,23 @@
 * :class:`HeadGrads` -- those three gradients of one head, filled chunk by chunk (the hidden
   gradient at the compacted tokens' positions, :class:`~liger_losses.chunked.tokens.RowScatter`).
 
-The weight gradient is accumulated in the weight's dtype or a wider ``accum_dtype`` (fp32
-accumulator for bf16 operands through ``out_dtype`` where torch has it); the bias gradient in fp32
-(fp64 for fp64 tiles: a float64 run has no float32 step).
+The weight gradient is accumulated in the dtype :func:`weight_accum` gives: a loss's explicit
+``accum_dtype``, else the weight's dtype when one chunk writes it and, for a bf16 / fp16 weight that
+more than one chunk adds to, ``EngineConfig.half_weight_accum_dtype`` (fp32: no rounding of the running
+sum to bf16 per chunk; the accumulator is written by the GEMM itself through ``out_dtype`` where torch
+has it). The bias gradient is accumulated in fp32 (fp64 for fp64 tiles: a float64 run has no float32
+step).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
 from torch import Tensor
 
+from liger_losses.chunked.config import get_engine_config
 from liger_losses.chunked.tokens import RowGather, RowScatter
 from liger_losses.kernels.logits_tile import torch_stats_dtype
 from liger_losses.kernels.scale import scale_unless_one_
@@ -129,32 +134,66 @@ def backprop_tile(
                 grad_bias.copy_(colsum)
 
 
+@dataclass(frozen=True)
+class WeightAccum:
+    """The dtype of a head's weight-gradient buffer: ``single`` when one chunk writes the whole
+    gradient, ``multi`` when more than one chunk adds to it (:func:`weight_accum`)."""
+
+    single: torch.dtype
+    multi: torch.dtype
+
+    def dtype(self, more_chunks: bool) -> torch.dtype:
+        return self.multi if more_chunks else self.single
+
+
+def weight_accum(accum_dtype: Optional[torch.dtype], weight_dtype: torch.dtype) -> WeightAccum:
+    """A loss's ``accum_dtype`` option for a head weight of ``weight_dtype``: an explicit dtype is
+    used as given; None is the weight's dtype, widened to ``EngineConfig.half_weight_accum_dtype``
+    for a bf16 / fp16 weight whose gradient more than one chunk adds to (one chunk rounds its
+    product once either way)."""
+    if accum_dtype is not None:
+        return WeightAccum(accum_dtype, accum_dtype)
+    wide = get_engine_config().half_weight_accum_dtype
+    if wide is not None and weight_dtype in (torch.bfloat16, torch.float16):
+        return WeightAccum(weight_dtype, wide)
+    return WeightAccum(weight_dtype, weight_dtype)
+
+
 class HeadGrads:
     """The gradients of a head's inputs, filled chunk by chunk by :meth:`add`: ``hidden`` (a
-    :class:`RowScatter` over ``rows``' tokens), ``weight`` ``[V, H]`` (``weight_dtype``) and ``bias``
-    ``[V]`` fp32 (fp64 when ``dtype`` is), each None when not wanted. The first :meth:`add`
+    :class:`RowScatter` over ``rows``' tokens), ``weight`` ``[V, H]`` (allocated by the first add, in
+    ``accum.dtype(more_chunks)``: whether that add leaves tokens of ``rows`` for later ones) and
+    ``bias`` ``[V]`` fp32 (fp64 when ``dtype`` is), each None when not wanted. The first :meth:`add`
     overwrites the weight and bias gradients, later ones accumulate (``started``); :meth:`finish`
     returns ``(grad_hidden [M, H], grad_weight, grad_bias)`` (Nones kept), the weight gradient
-    zeroed when no chunk was added."""
+    zeroed (``accum.single``) when no chunk was added."""
 
-    def __init__(self, rows: Optional[RowGather], V: int, H: int, *, dtype, weight_dtype, device,
+    def __init__(self, rows: Optional[RowGather], V: int, H: int, *, dtype, accum: WeightAccum, device,
                  hidden: bool, weight: bool, bias: bool):
-        self.dtype, self.device, self.H, self.wants_hidden = dtype, device, H, hidden
+        self.dtype, self.device, self.V, self.H = dtype, device, V, H
+        self.wants_hidden, self.wants_weight, self.accum = hidden, weight, accum
         self.hidden = None
+        self.num_tokens: Optional[int] = None
         if rows is not None:
             self.attach(rows)
-        self.weight = torch.empty(V, H, dtype=weight_dtype, device=device) if weight else None
+        self.weight: Optional[Tensor] = None
         self.bias = torch.zeros(V, dtype=torch_stats_dtype(dtype), device=device) if bias else None
         self.started = False
 
     @property
     def any(self) -> bool:
         """Whether any gradient is wanted."""
-        return self.wants_hidden or self.weight is not None or self.bias is not None
+        return self.wants_hidden or self.wants_weight or self.bias is not None
+
+    def _weight_buffer(self, more_chunks: bool) -> Optional[Tensor]:
+        if self.wants_weight and self.weight is None:
+            self.weight = torch.empty(self.V, self.H, dtype=self.accum.dtype(more_chunks), device=self.device)
+        return self.weight
 
     def attach(self, rows: RowGather) -> None:
-        """The tokens whose hidden gradient is wanted (given late when they are known only after
+        """The tokens whose gradients are wanted (given late when they are known only after
         :meth:`add_detached`)."""
+        self.num_tokens = rows.index.numel()
         if self.wants_hidden:
             self.hidden = RowScatter(rows.flat.shape[0], self.H, self.dtype, self.device, rows.index,
                                      rows.identity)
@@ -171,7 +210,8 @@ class HeadGrads:
         gradients are accumulated, the hidden gradient rows are returned (:meth:`detached_rows`)
         for :meth:`commit_detached` once :meth:`attach` has been called."""
         buf = self.detached_rows(grad_logits.shape[0])
-        backprop_tile(grad_logits, hidden, weight, grad_hidden=buf, grad_weight=self.weight,
+        # a detached chunk runs ahead of the label scan only when the rows fill two chunks or more
+        backprop_tile(grad_logits, hidden, weight, grad_hidden=buf, grad_weight=self._weight_buffer(True),
                       grad_bias=self.bias, accumulate=self.started)
         self.started = True
         return buf
@@ -185,7 +225,8 @@ class HeadGrads:
             row_scale: Optional[Tensor] = None) -> None:
         """:func:`backprop_tile` of the chunk of tokens ``[ts, te)`` into these gradients."""
         buf = self.hidden.target(ts, te) if self.hidden is not None else None
-        backprop_tile(grad_logits, hidden, weight, grad_hidden=buf, grad_weight=self.weight,
+        more = self.num_tokens is None or te - ts < self.num_tokens
+        backprop_tile(grad_logits, hidden, weight, grad_hidden=buf, grad_weight=self._weight_buffer(more),
                       grad_bias=self.bias, accumulate=self.started, row_scale=row_scale)
         if self.hidden is not None:
             self.hidden.commit(ts, te, buf)
@@ -205,6 +246,6 @@ class HeadGrads:
                 self.bias.mul_(factor)
 
     def finish(self):
-        if self.weight is not None and not self.started:
-            self.weight.zero_()
+        if self.wants_weight and self.weight is None:
+            self.weight = torch.zeros(self.V, self.H, dtype=self.accum.single, device=self.device)
         return (self.hidden.full if self.hidden is not None else None), self.weight, self.bias

@@ -15,7 +15,9 @@ Accepted values:
   (``ValueError``): ``inf * tanh(x / inf)`` is ``inf * 0`` = NaN in floating point; pass ``None``
   for no cap;
 * ``chunk_tokens``: ``None`` (sized from the memory budget) or an int ``>= 1``;
-* ``accum_dtype``: ``None`` (the weight's dtype) or one of :data:`ACCUM_DTYPES`;
+* ``accum_dtype``: the head's weight-gradient accumulator, one of :data:`ACCUM_DTYPES`; ``None``: the
+  weight's dtype, or fp32 for a bf16 / fp16 weight whose gradient more than one chunk adds to
+  (``EngineConfig.half_weight_accum_dtype``; pass ``torch.bfloat16`` to keep 2 bytes per weight);
 * ``impl``: ``"auto"``, ``"triton"`` or ``"torch"``;
 * ``need_entropy``: a bool.
 

@@ -25,7 +25,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from liger_losses.chunked.gemm import HeadGrads, itemsize, project
+from liger_losses.chunked.gemm import HeadGrads, itemsize, project, weight_accum
 from liger_losses.chunked.objective import Objective, SequenceStats
 from liger_losses.chunked.options import HeadOptions
 from liger_losses.chunked.planning import unit_order
@@ -100,7 +100,7 @@ class SequenceAccumulator:
             self.acc[REF_LOGPS] = call.ref_logps.float().index_select(0, self.order_t)
         self.has_ref = call.ref_logps is not None or call.ref_hidden is not None
         self.grads = HeadGrads(self.rows, V, H, dtype=call.compute_dtype,
-                               weight_dtype=head.accum_dtype or w_full.dtype, device=dev,
+                               accum=weight_accum(head.accum_dtype, w_full.dtype), device=dev,
                                hidden=needs_hidden, weight=needs_weight, bias=needs_bias)
         self.loss = torch.zeros((), dtype=torch.float32, device=dev)
         self.metric_parts: dict[str, list] = {}
@@ -142,8 +142,9 @@ class SequenceAccumulator:
         rows = [v, st.logits_sum / self.vocab, st.correct.float()]  # rows LOGPS, LOGITS_SUM, CORRECT
         if self.need_entropy:
             rows.append(st.entropy)  # ENTROPY_SUM
-        # summed straight into the accumulator's columns (a view): one kernel per chunk
-        acc[:len(rows), p0:p1].index_add_(1, seg, torch.stack(rows))
+        # summed straight into the accumulator's columns (a view): one kernel per chunk (the
+        # statistics are float32 also for a float64 head, whose tile statistics are float64)
+        acc[:len(rows), p0:p1].index_add_(1, seg, torch.stack(rows).to(acc.dtype))
         return tile, seg
 
     def gradient_tile(self, ts: int, te: int) -> Tensor:

@@ -49,7 +49,7 @@ from torch import Tensor
 
 from liger_losses.chunked.autograd import needs_head_grads, save_forward_grads, scaled_grads
 from liger_losses.chunked.config import get_engine_config
-from liger_losses.chunked.gemm import HeadGrads, compute_dtype, itemsize, project
+from liger_losses.chunked.gemm import HeadGrads, compute_dtype, itemsize, project, weight_accum
 from liger_losses.chunked.options import HeadOptions, check_head_inputs
 from liger_losses.chunked.planning import group_chunk_bounds, tile_budget, token_chunks
 from liger_losses.chunked.tokens import grad_like, hidden_rows_at, scan_labels, valid_index
@@ -200,7 +200,7 @@ class TokenDriver:
             self.ref_w = self.w if run.ref_weight is None else head_in_dtype(run.ref_weight, self.cdt)[1]
             self.ref_b = run.ref_bias if (run.ref_bias is not None or run.ref_weight is not None) else bias
         self.need_grad = needs_h or needs_w or needs_b
-        self.grads = HeadGrads(self.rows, V, H, dtype=self.cdt, weight_dtype=run.head.accum_dtype or w_full.dtype,
+        self.grads = HeadGrads(self.rows, V, H, dtype=self.cdt, accum=weight_accum(run.head.accum_dtype, w_full.dtype),
                                device=self.dev, hidden=needs_h, weight=needs_w, bias=needs_b)
         self.H, self.itemsize = H, itemsize(self.cdt)
         self.budget = tile_budget(V, H, self.itemsize)

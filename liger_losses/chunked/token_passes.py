@@ -33,7 +33,7 @@ from liger_losses.chunked.frozen_head import (
     online_token_chunks,
     run_online_chunks,
 )
-from liger_losses.chunked.gemm import HeadGrads, itemsize, project
+from liger_losses.chunked.gemm import HeadGrads, WeightAccum, itemsize, project, weight_accum
 from liger_losses.chunked.planning import token_chunks
 from liger_losses.chunked.tokens import (
     PendingLabelScan,
@@ -62,7 +62,7 @@ def run_tiles(
     need_entropy: bool = False,
     kernel_opts: Optional[Mapping[str, Any]] = None,
     chunk_tokens: Optional[int] = None,
-    accum_dtype: Optional[torch.dtype] = None,
+    accum: Optional[WeightAccum] = None,
     needs_hidden: bool = True,
     needs_weight: bool = True,
     needs_bias: bool = False,
@@ -74,13 +74,13 @@ def run_tiles(
     logits-tile kernel in ``mode`` ("ce" | "logp") with ``kernel_opts`` and ``grad_scale`` (a float, a
     one-entry tensor, or a 1-D tensor of at least ``N`` entries sliced per chunk: :func:`~.tokens.per_row_scale`),
     and when ``grad`` the gradient GEMMs. Returns ``(stats,
-    grad_hidden [M, H] | None (zeros at ignored rows), grad_weight [V, H] (accum_dtype or weight
-    dtype) | None, grad_bias [V] fp32 | None)`` where ``stats`` maps
+    grad_hidden [M, H] | None (zeros at ignored rows), grad_weight [V, H] (``accum``, by default
+    :func:`~.gemm.weight_accum` of the weight's dtype) | None, grad_bias [V] fp32 | None)`` where ``stats`` maps
     loss/lse/logp/correct(/entropy) to ``[N]`` tensors.
     """
     grads, tile_opts = _pass_setup(
         weight, hidden_rows, labels_valid.device, mode=mode, grad=grad, need_entropy=need_entropy,
-        kernel_opts=kernel_opts, accum_dtype=accum_dtype, needs_hidden=needs_hidden,
+        kernel_opts=kernel_opts, accum=accum, needs_hidden=needs_hidden,
         needs_weight=needs_weight, needs_bias=needs_bias,
     )
     parts: dict[str, list] = {}
@@ -96,12 +96,13 @@ def run_tiles(
 
 def _pass_setup(weight: Tensor, rows: Optional[RowGather], device, *, mode: str, grad: bool,
                 need_entropy: bool, kernel_opts: Optional[Mapping[str, Any]],
-                accum_dtype: Optional[torch.dtype], needs_hidden: bool, needs_weight: bool,
+                accum: Optional[WeightAccum], needs_hidden: bool, needs_weight: bool,
                 needs_bias: bool):
     """``(grads, tile_opts)`` of one pass: the :class:`HeadGrads` to fill and the logits-tile
     keywords of every chunk."""
     V, H = weight.shape
-    grads = HeadGrads(rows, V, H, dtype=weight.dtype, weight_dtype=accum_dtype or weight.dtype, device=device,
+    accum = accum if accum is not None else weight_accum(None, weight.dtype)
+    grads = HeadGrads(rows, V, H, dtype=weight.dtype, accum=accum, device=device,
                       hidden=grad and needs_hidden, weight=grad and needs_weight, bias=grad and needs_bias)
     return grads, dict(mode=mode, grad=grad, need_entropy=need_entropy, **dict(kernel_opts or {}))
 
@@ -119,7 +120,7 @@ def run_token_tiles(
     need_entropy: bool = False,
     kernel_opts: Optional[Mapping[str, Any]] = None,
     chunk_tokens: Optional[int] = None,
-    accum_dtype: Optional[torch.dtype] = None,
+    accum: Optional[WeightAccum] = None,
     needs_hidden: bool = True,
     needs_weight: bool = True,
     needs_bias: bool = False,
@@ -131,7 +132,7 @@ def run_token_tiles(
     grad_weight, grad_bias, labels_valid, index)``, the first four as :func:`run_tiles`'."""
     V, H = weight.shape
     opts = dict(mode=mode, grad=grad, need_entropy=need_entropy, kernel_opts=kernel_opts,
-                accum_dtype=accum_dtype, needs_hidden=needs_hidden, needs_weight=needs_weight,
+                accum=accum, needs_hidden=needs_hidden, needs_weight=needs_weight,
                 needs_bias=needs_bias)
     flat_labels = labels.reshape(-1)
     total = flat_labels.shape[0]
@@ -289,7 +290,7 @@ class RecomputedTokenFunction(torch.autograd.Function):
         _, gh, gw, gb = run_tiles(
             w_c, rows, l_valid, bias, mode=spec.mode, grad=True, grad_scale=scale.contiguous(),
             kernel_opts=spec.kernel_opts, chunk_tokens=spec.chunk_tokens,
-            accum_dtype=spec.accum_dtype or w_full.dtype,
+            accum=weight_accum(spec.accum_dtype, w_full.dtype),
             needs_hidden=needs_h, needs_weight=needs_w, needs_bias=needs_b,
         )
         if gh is not None:

@@ -106,6 +106,22 @@ def test_pairs_one_pass_and_two_phase(impl, separable, chunk_tokens):
     assert out[2].num_tokens.tolist() == (labels != -100).sum(1).float().tolist()
 
 
+@pytest.mark.parametrize("separable,chunk_tokens", [(True, None), (True, 7), (False, 5)])
+def test_float64_head(separable, chunk_tokens):
+    """A float64 head runs (its tile statistics, float64, are summed into the driver's float32
+    per-sequence statistics): loss and gradients match the float64 reference within the fp32 bar,
+    the gradients in float64."""
+    w, h, b, labels, ref_h, _ = _inputs(5)
+    w, h, b = (x.detach().double().requires_grad_() for x in (w, h, b))
+    ref = _reference(w, h, b, labels, 2, "hidden", ref_h, None)
+    out = fused_linear_sequence_objective(
+        w, h, labels, dpo_objective, group_size=2, separable=separable, bias=b, ref_hidden=ref_h.double(),
+        chunk_tokens=chunk_tokens,
+    )
+    _check(out, ref, w, h, b)
+    assert w.grad.dtype == h.grad.dtype == torch.float64
+
+
 @pytest.mark.parametrize("group_size", [1, 2])
 def test_objective_that_edits_its_stats_changes_nothing_else(group_size):
     """An objective that overwrites its inputs in place (num_tokens, logits_sum, correct, ref_logps)
