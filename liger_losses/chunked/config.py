@@ -47,6 +47,13 @@ Knobs (what each one trades, and what was measured):
   data orders, 2.5x the seed-to-seed difference, with the loss equal. float32 costs 4 bytes per head
   weight instead of 2 while the loss runs and 6 when the gradient is cast back at its backward;
   None restores accumulation in the weight's dtype. An explicit ``accum_dtype`` overrides it.
+* ``wide_accum_budget_fraction``: the tile budget, as a fraction of the head's ``[V, H]`` weight,
+  of a pass whose weight gradient accumulates in a wider dtype than the weight's (instead of
+  ``weight_budget_fraction``). The accumulator and its cast at the end hold three times the
+  weight's bytes (fp32 + bf16), so a tile of the weight's size adds nothing to the pass's peak
+  while it halves the chunks: each chunk's weight-gradient GEMM reads and writes the fp32
+  accumulator (8 bytes a weight against 4), and with the token count as its inner dimension at
+  H/2 it turns memory-bound.
 * ``frozen_head_online`` / ``frozen_budget_bytes`` / ``frozen_block_columns``: a per-token pass
   that wants only the hidden gradient (frozen head weight and bias) runs the online-softmax path
   (:mod:`liger_losses.chunked.frozen_head`): token chunks whose logits block of
@@ -77,6 +84,7 @@ class EngineConfig:
 
     default_budget_bytes: int = 256 * 1024 * 1024
     weight_budget_fraction: float = 0.5
+    wide_accum_budget_fraction: float = 1.0
     chunk_align: int = 128
     unit_budget_factor: int = 4
     device_scale: bool = True
@@ -92,9 +100,10 @@ class EngineConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
-        check_number("weight_budget_fraction", self.weight_budget_fraction)
-        if not 0.0 <= self.weight_budget_fraction <= 1.0:
-            raise ValueError(f"weight_budget_fraction must be in [0, 1], got {self.weight_budget_fraction!r}")
+        for name in ("weight_budget_fraction", "wide_accum_budget_fraction"):
+            check_number(name, getattr(self, name))
+            if not 0.0 <= getattr(self, name) <= 1.0:
+                raise ValueError(f"{name} must be in [0, 1], got {getattr(self, name)!r}")
         if self.half_weight_accum_dtype not in (None, torch.float32, torch.float64):
             raise ValueError("half_weight_accum_dtype must be None, torch.float32 or torch.float64, got "
                              f"{self.half_weight_accum_dtype!r}")

@@ -145,6 +145,12 @@ class WeightAccum:
     def dtype(self, more_chunks: bool) -> torch.dtype:
         return self.multi if more_chunks else self.single
 
+    @property
+    def widens(self) -> bool:
+        """Whether several chunks accumulate in a wider dtype than one chunk writes (the tile
+        budget then grows: :func:`~.planning.tile_budget`)."""
+        return torch.finfo(self.multi).bits > torch.finfo(self.single).bits
+
 
 def weight_accum(accum_dtype: Optional[torch.dtype], weight_dtype: torch.dtype) -> WeightAccum:
     """A loss's ``accum_dtype`` option for a head weight of ``weight_dtype``: an explicit dtype is

@@ -28,11 +28,14 @@ from liger_losses.chunked.config import get_engine_config
 Bounds = tuple[tuple[int, int], ...]
 
 
-def tile_budget(vocab: int, hidden_size: int, itemsize: int) -> int:
+def tile_budget(vocab: int, hidden_size: int, itemsize: int, *, wide_accum: bool = False) -> int:
     """The default tile budget in bytes for a ``[vocab, hidden_size]`` head of ``itemsize``-byte
-    elements: the larger of ``default_budget_bytes`` and ``weight_budget_fraction`` of the head."""
+    elements: the larger of ``default_budget_bytes`` and ``weight_budget_fraction`` of the head
+    (``wide_accum_budget_fraction`` when ``wide_accum``: the weight gradient accumulates in a wider
+    dtype than the weight's, :attr:`~.gemm.WeightAccum.widens`)."""
     cfg = get_engine_config()
-    return max(cfg.default_budget_bytes, int(cfg.weight_budget_fraction * vocab * hidden_size * itemsize))
+    fraction = cfg.wide_accum_budget_fraction if wide_accum else cfg.weight_budget_fraction
+    return max(cfg.default_budget_bytes, int(fraction * vocab * hidden_size * itemsize))
 
 
 def _max_chunk(vocab: int, chunk_tokens, budget_bytes, itemsize) -> tuple[int, bool]:
@@ -71,11 +74,12 @@ def chunk_bounds(
 
 
 def token_chunks(vocab: int, hidden_size: int, itemsize: int, num_tokens: int,
-                 chunk_tokens: Optional[int]) -> list[tuple[int, int]]:
+                 chunk_tokens: Optional[int], *, wide_accum: bool = False) -> list[tuple[int, int]]:
     """:func:`chunk_bounds` of ``num_tokens`` rows for a ``[vocab, hidden_size]`` head of
     ``itemsize``-byte elements, with the head's default :func:`tile_budget`."""
     return chunk_bounds(num_tokens, vocab, chunk_tokens=chunk_tokens,
-                        budget_bytes=tile_budget(vocab, hidden_size, itemsize), itemsize=itemsize)
+                        budget_bytes=tile_budget(vocab, hidden_size, itemsize, wide_accum=wide_accum),
+                        itemsize=itemsize)
 
 
 def group_chunk_bounds(
@@ -154,12 +158,14 @@ def plan_sequence_passes(
     itemsize: int,
     chunk_tokens: Optional[int] = None,
     pair_gradient_ratio: Optional[Callable[[int, int], Optional[float]]] = None,
+    wide_accum: bool = False,
 ) -> SequencePlan:
     """The :class:`SequencePlan` for sequences of ``position_counts`` valid tokens (unit order,
     :func:`unit_order`) through a ``[vocab, hidden_size]`` head of ``itemsize``-byte elements.
 
     One pass when the objective is ``separable`` and whole units fit a chunk: of ``chunk_tokens``
-    when given, else of the default :func:`tile_budget` or -- for a unit larger than that --
+    when given, else of the default :func:`tile_budget` (``wide_accum``: of a weight gradient
+    accumulated wider than the weight) or -- for a unit larger than that --
     ``unit_budget_factor`` default budgets (one pass costs 6NHV, recomputing every tile 8NHV).
     Otherwise two phases, where the longest sequence is exempt from the recompute (8NHV - 2N*HV);
     for pairs, the longest pair as a whole when ``pair_gradient_ratio(chosen_tokens,
@@ -169,7 +175,7 @@ def plan_sequence_passes(
     """
     counts = [int(c) for c in position_counts]
     B, g = len(counts), group_size
-    budget = tile_budget(vocab, hidden_size, itemsize)
+    budget = tile_budget(vocab, hidden_size, itemsize, wide_accum=wide_accum)
     if separable:
         groups = [sum(counts[u * g:(u + 1) * g]) for u in range(B // g)]
         plan = group_chunk_bounds(groups, vocab, chunk_tokens=chunk_tokens, budget_bytes=budget,

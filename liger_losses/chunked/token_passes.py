@@ -83,13 +83,14 @@ def run_tiles(
         kernel_opts=kernel_opts, accum=accum, needs_hidden=needs_hidden,
         needs_weight=needs_weight, needs_bias=needs_bias,
     )
+    wide = grad and needs_weight and grads.accum.widens
     parts: dict[str, list] = {}
     V, H = weight.shape
     if online_eligible(chunk_tokens=chunk_tokens, mode=mode, grad=grad, needs_hidden=needs_hidden,
                        needs_weight=needs_weight, needs_bias=needs_bias, kernel_opts=kernel_opts):
         run_online_chunks(weight, hidden_rows, labels_valid, bias, grads, parts, grad_scale, tile_opts)
     else:
-        bounds = token_chunks(V, H, itemsize(weight.dtype), labels_valid.shape[0], chunk_tokens)
+        bounds = token_chunks(V, H, itemsize(weight.dtype), labels_valid.shape[0], chunk_tokens, wide_accum=wide)
         _run_chunks(weight, hidden_rows, labels_valid, bias, bounds, grads, parts, grad_scale, tile_opts)
     return (_stats_of(parts, need_entropy, labels_valid.device), *grads.finish())
 
@@ -131,6 +132,8 @@ def run_token_tiles(
     per token of ``labels`` (sliced in the valid tokens' order). Returns ``(stats, grad_hidden,
     grad_weight, grad_bias, labels_valid, index)``, the first four as :func:`run_tiles`'."""
     V, H = weight.shape
+    accum = accum if accum is not None else weight_accum(None, weight.dtype)
+    wide = grad and needs_weight and accum.widens
     opts = dict(mode=mode, grad=grad, need_entropy=need_entropy, kernel_opts=kernel_opts,
                 accum=accum, needs_hidden=needs_hidden, needs_weight=needs_weight,
                 needs_bias=needs_bias)
@@ -142,7 +145,7 @@ def run_token_tiles(
     if online:
         bounds = online_token_chunks(V, H, size, total)
     else:
-        bounds = token_chunks(V, H, size, total, chunk_tokens)
+        bounds = token_chunks(V, H, size, total, chunk_tokens, wide_accum=wide)
     first = bounds[0][1] if bounds else 0
     per_row = per_row_scale(grad_scale, total)
     pending = pos = None
@@ -192,7 +195,8 @@ def run_token_tiles(
     if online:
         run_online_chunks(weight, rows, labels_valid, bias, grads, parts, grad_scale, tile_opts, done=done, online=op)
     else:
-        rest = [(done + a, done + b) for a, b in token_chunks(V, H, size, scan.num_valid - done, chunk_tokens)]
+        rest = [(done + a, done + b) for a, b in token_chunks(V, H, size, scan.num_valid - done, chunk_tokens,
+                                                                    wide_accum=wide)]
         _run_chunks(weight, rows, labels_valid, bias, rest, grads, parts, grad_scale, tile_opts)
     return (_stats_of(parts, need_entropy, labels.device), *grads.finish(), labels_valid, index)
 

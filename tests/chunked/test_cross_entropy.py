@@ -227,19 +227,24 @@ def test_gpu_bf16_accuracy_vs_plain():
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("accum", ["bf16", "fp32"])
 @pytest.mark.parametrize("speculative", [True, False], ids=["first-chunk-early", "plain"])
-def test_gpu_peak_is_gradients_plus_one_tile(speculative):
-    """GPU, bf16, 4 chunks of 512 tokens (V=32000, H=1024): the peak allocated above the inputs
-    during forward + backward is the two gradients plus one [512, V] logits tile, within 2 MiB
-    (issue #3's memory bar sits 1.5x the gradients; a buffer kept alive across chunks -- the first
-    chunk's rows and hidden-gradient rows once did -- shows up here)."""
+def test_gpu_peak_is_gradients_plus_one_tile(speculative, accum):
+    """GPU, bf16, 4 chunks of 512 tokens (V=32000, H=1024), within 2 MiB of the expected peak above
+    the inputs during forward + backward (a buffer kept alive across chunks -- the first chunk's
+    rows and hidden-gradient rows once did -- shows up here). Weight gradient accumulated in bf16
+    (``half_weight_accum_dtype=None``): the two gradients plus one [512, V] logits tile (issue #3's
+    bar sits at 1.5x the gradients). In fp32 (the default over several chunks): the fp32
+    accumulator and its bf16 cast at the backward (the tile is gone by then) plus the hidden
+    gradient."""
     from liger_losses.chunked.config import engine_config
 
-    with engine_config(speculative_first_chunk=speculative):
-        _gpu_peak_check()
+    wide = torch.float32 if accum == "fp32" else None
+    with engine_config(speculative_first_chunk=speculative, half_weight_accum_dtype=wide):
+        _gpu_peak_check(wide is not None)
 
 
-def _gpu_peak_check():
+def _gpu_peak_check(fp32_accum: bool):
     dev, N, Hs, Vs, chunk = "cuda", 2048, 1024, 32000, 512
     w = (torch.randn(Vs, Hs, device=dev) * 0.02).bfloat16().requires_grad_()
     h = torch.randn(N, Hs, device=dev).bfloat16().requires_grad_()
@@ -252,7 +257,10 @@ def _gpu_peak_check():
     grads = torch.autograd.grad(fused_linear_cross_entropy(w, h, labels, chunk_tokens=chunk), (w, h))
     torch.cuda.synchronize()
     peak = torch.cuda.max_memory_allocated() - base
-    expected = (Vs * Hs + N * Hs + chunk * Vs) * 2
+    if fp32_accum:
+        expected = Vs * Hs * (4 + 2) + N * Hs * 2
+    else:
+        expected = (Vs * Hs + N * Hs + chunk * Vs) * 2
     assert peak <= expected + 2 * 2**20, (peak / 2**20, expected / 2**20)
     del grads
 

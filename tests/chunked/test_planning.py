@@ -5,7 +5,7 @@ through ``engine_config``. Plans are integer bounds: compared exactly."""
 import pytest
 
 from liger_losses.chunked.config import EngineConfig, engine_config, get_engine_config
-from liger_losses.chunked.planning import plan_sequence_passes, tile_budget, unit_order
+from liger_losses.chunked.planning import plan_sequence_passes, tile_budget, token_chunks, unit_order
 
 V, H, ITEM = 100, 8, 4
 
@@ -96,5 +96,26 @@ def test_engine_config_is_scoped_and_validated():
         EngineConfig(default_budget_bytes=0)
     with pytest.raises(ValueError, match="weight_budget_fraction"):
         EngineConfig(weight_budget_fraction=2.0)
+    with pytest.raises(ValueError, match="wide_accum_budget_fraction"):
+        EngineConfig(wide_accum_budget_fraction=-0.5)
     with pytest.raises(TypeError, match="device_scale"):
         EngineConfig(device_scale=1)
+
+
+def test_a_wide_weight_accumulator_takes_the_weights_size_as_tile_budget():
+    """A pass whose weight gradient accumulates wider than the weight (fp32 for bf16) plans tiles of
+    ``wide_accum_budget_fraction`` (1.0) of the head instead of ``weight_budget_fraction`` (0.5): at
+    H=4096, V=128256 in bf16, 4096 tokens a chunk instead of 2048 (the accumulator and its cast
+    already hold three times the weight's bytes); the sequence planner follows the same rule."""
+    V, H = 128256, 4096
+    assert tile_budget(V, H, 2) == V * H
+    assert tile_budget(V, H, 2, wide_accum=True) == 2 * V * H
+    assert token_chunks(V, H, 2, 16384, None) == [(i, i + 2048) for i in range(0, 16384, 2048)]
+    assert token_chunks(V, H, 2, 16384, None, wide_accum=True) == [(i, i + 4096) for i in range(0, 16384, 4096)]
+    counts = [1024] * 16
+    narrow = plan_sequence_passes(counts, group_size=2, separable=True, vocab=V, hidden_size=H, itemsize=2)
+    wide = plan_sequence_passes(counts, group_size=2, separable=True, vocab=V, hidden_size=H, itemsize=2,
+                                wide_accum=True)
+    assert len(narrow.unit_chunks) == 8 and len(wide.unit_chunks) == 4
+    with engine_config(wide_accum_budget_fraction=0.5):
+        assert tile_budget(V, H, 2, wide_accum=True) == V * H
