@@ -15,7 +15,9 @@ Knobs (what each one trades, and what was measured):
   is the chunk's token count: at 1024 tokens it ran at 1.18x its FLOP floor on the H200 (logits
   GEMM 1.03x). Half the weight gives H/2 tokens per chunk (2048 at H=4096): cross-entropy
   8192 x 4096 x 128256 41.8 -> 40.3 ms, DPO 1 pair x 16384 172.3 -> 163.5 ms (H200, bf16), while
-  the peak above the inputs stays below 1.5x the gradients (weight + half of it + hidden).
+  the peak above the inputs stays below 1.5x the gradients (weight + half of it + hidden) when the
+  weight gradient accumulates in the weight's dtype (see ``half_weight_accum_dtype`` and
+  ``wide_accum_budget_fraction`` for the fp32 accumulator).
 * ``chunk_align``: chunk sizes found from the budget are rounded to a multiple of this (GEMM
   efficiency).
 * ``unit_budget_factor``: one-pass preference losses need a whole unit (pair) in one tile; a unit
