@@ -87,10 +87,8 @@ def main(argv=None) -> int:
         providers = {s: step(loss_fn, w, h, y, acc) for s, acc in SETTINGS.items()}
         providers["gemms"] = gemm_step(w, h)
         errors = {}
-        with torch.no_grad():
-            w64 = w.detach().double().requires_grad_()
-        with torch.enable_grad():
-            ref = torch.autograd.grad(loss_fn(w64, h.detach().double(), y), w64)[0]
+        w64 = w.detach().double().requires_grad_()
+        ref = torch.autograd.grad(loss_fn(w64, h.detach().double(), y), w64)[0]
         for s, acc in SETTINGS.items():
             gw = providers[s]()[0]
             errors[s] = float((gw.double() - ref).norm() / ref.norm())

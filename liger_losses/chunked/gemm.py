@@ -191,6 +191,12 @@ class HeadGrads:
         """Whether any gradient is wanted."""
         return self.wants_hidden or self.wants_weight or self.bias is not None
 
+    @property
+    def wide_accum(self) -> bool:
+        """Whether a weight gradient is wanted and several chunks would accumulate it wider than
+        the weight (the planners then take :func:`~.planning.tile_budget`'s wide budget)."""
+        return self.wants_weight and self.accum.widens
+
     def _weight_buffer(self, more_chunks: bool) -> Optional[Tensor]:
         if self.wants_weight and self.weight is None:
             self.weight = torch.empty(self.V, self.H, dtype=self.accum.dtype(more_chunks), device=self.device)

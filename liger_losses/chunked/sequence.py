@@ -79,7 +79,7 @@ def drive_sequence_objective(weight, hidden, bias, call: SequenceCall, result: S
         acc.position_counts, group_size=g, separable=call.objective.separable, vocab=acc.vocab,
         hidden_size=acc.hidden_size, itemsize=acc.itemsize, chunk_tokens=call.head.chunk_tokens,
         pair_gradient_ratio=call.objective.pair_gradient_ratio,
-        wide_accum=needs_weight and acc.grads.accum.widens,
+        wide_accum=acc.grads.wide_accum,
     )
     if plan.mode == "one_pass":
         # every chunk holds whole units; gradients computed while the tile exists

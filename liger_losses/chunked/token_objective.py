@@ -203,8 +203,7 @@ class TokenDriver:
         self.grads = HeadGrads(self.rows, V, H, dtype=self.cdt, accum=weight_accum(run.head.accum_dtype, w_full.dtype),
                                device=self.dev, hidden=needs_h, weight=needs_w, bias=needs_b)
         self.H, self.itemsize = H, itemsize(self.cdt)
-        self.wide_accum = needs_w and self.grads.accum.widens
-        self.budget = tile_budget(V, H, self.itemsize, wide_accum=self.wide_accum)
+        self.budget = tile_budget(V, H, self.itemsize, wide_accum=self.grads.wide_accum)
         self.metric_sums: dict = {}
         self.parts: dict = {"logps": [], "entropy": [], "ref_logps": []}
 
@@ -229,7 +228,8 @@ class TokenDriver:
 
     def token_bounds(self) -> list[tuple[int, int]]:
         """Chunks of the valid tokens from the tile budget (sequences may be split)."""
-        return token_chunks(self.V, self.H, self.itemsize, self.N, self.run.chunk_tokens, wide_accum=self.wide_accum)
+        return token_chunks(self.V, self.H, self.itemsize, self.N, self.run.chunk_tokens,
+                            wide_accum=self.grads.wide_accum)
 
     # ------------------------------------------------------------------ pieces
     def ref_logps(self, ts: int, te: int) -> Optional[Tensor]:

@@ -83,14 +83,14 @@ def run_tiles(
         kernel_opts=kernel_opts, accum=accum, needs_hidden=needs_hidden,
         needs_weight=needs_weight, needs_bias=needs_bias,
     )
-    wide = grad and needs_weight and grads.accum.widens
     parts: dict[str, list] = {}
     V, H = weight.shape
     if online_eligible(chunk_tokens=chunk_tokens, mode=mode, grad=grad, needs_hidden=needs_hidden,
                        needs_weight=needs_weight, needs_bias=needs_bias, kernel_opts=kernel_opts):
         run_online_chunks(weight, hidden_rows, labels_valid, bias, grads, parts, grad_scale, tile_opts)
     else:
-        bounds = token_chunks(V, H, itemsize(weight.dtype), labels_valid.shape[0], chunk_tokens, wide_accum=wide)
+        bounds = token_chunks(V, H, itemsize(weight.dtype), labels_valid.shape[0], chunk_tokens,
+                              wide_accum=grads.wide_accum)
         _run_chunks(weight, hidden_rows, labels_valid, bias, bounds, grads, parts, grad_scale, tile_opts)
     return (_stats_of(parts, need_entropy, labels_valid.device), *grads.finish())
 
