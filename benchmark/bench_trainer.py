@@ -93,11 +93,15 @@ Through gpu.sh: ``BENCH_TIMEOUT=600 bash benchmark/gpu.sh bench:trainer``.
 from __future__ import annotations
 
 import argparse
+import bisect
 import contextlib
 import csv
 import fnmatch
 import gc
+import gzip
+import json
 import os
+import shutil
 import statistics
 import sys
 import tempfile
@@ -353,9 +357,58 @@ def write_profile(prof, path: str, wall_s: float) -> None:
     ]
     timed = sorted((e for e in events if getattr(e, attr) > 0), key=lambda e: -getattr(e, attr))
     lines += [f"{getattr(e, attr):12.1f} {e.count:7d} {e.self_cpu_time_total:12.1f}  {e.key}" for e in timed]
+    trace = path[:-4] + ".json"
+    try:  # the GPU's idle gaps and what the host ran meanwhile: where a GPU-bound step still waits
+        prof.export_chrome_trace(trace)
+        lines[1:1] = idle_gaps(trace)
+        with open(trace, "rb") as f_in, gzip.open(trace + ".gz", "wb") as f_out:
+            shutil.copyfileobj(f_in, f_out)
+    except Exception:  # noqa: BLE001 - the summary above stands without it
+        lines.insert(1, "idle-gap analysis failed:\n" + traceback.format_exc())
+    finally:
+        if os.path.exists(trace):
+            os.remove(trace)
     with open(path, "w") as f:
         f.write("\n".join(lines))
     print(lines[0], flush=True)
+    print("\n".join(lines[1:4]), flush=True)
+
+
+def idle_gaps(trace_path: str, *, min_us: float = 20.0, top: int = 25) -> list[str]:
+    """From a Chrome trace of profiled steps: the GPU's idle time between kernels (gaps of at least
+    ``min_us`` summed, and the ``top`` longest), each with the kernels around it and the outermost
+    host ops that ran during it (what the GPU waited for: a sync, Python work, an allocation)."""
+    with open(trace_path) as f:
+        events = json.load(f)["traceEvents"]
+    kernels = sorted((e for e in events if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")
+                      and "dur" in e), key=lambda e: e["ts"])
+    gaps = []
+    end = kernels[0]["ts"] + kernels[0]["dur"] if kernels else 0.0
+    prev = kernels[0] if kernels else None
+    for k in kernels[1:]:
+        if k["ts"] - end >= min_us:
+            gaps.append((k["ts"] - end, end, prev, k))
+        if k["ts"] + k["dur"] > end:
+            end, prev = k["ts"] + k["dur"], k
+    total = sum(g[0] for g in gaps)
+    span = (kernels[-1]["ts"] + kernels[-1]["dur"] - kernels[0]["ts"]) if kernels else 0.0
+    out = [f"GPU idle in gaps >= {min_us:.0f} us: {total / 1e3:.1f} ms in {len(gaps)} gaps over a "
+           f"{span / 1e3:.1f} ms span of kernels; the {top} longest (ms, kernel before -> after | the "
+           "host ops holding the gap's start, innermost first | the longest host ops started in it):"]
+    host = sorted((e for e in events if e.get("cat") in ("cpu_op", "cuda_runtime", "user_annotation")
+                   and "dur" in e), key=lambda e: e["ts"])
+    starts = [o["ts"] for o in host]
+    longest = max((o["dur"] for o in host), default=0.0)
+    for dur, t0, before, after in sorted(gaps, key=lambda g: -g[0])[:top]:
+        t1 = t0 + dur
+        lo = bisect.bisect_left(starts, t0 - longest)
+        near = host[lo:bisect.bisect_right(starts, t1)]
+        holding = sorted((o for o in near if o["ts"] <= t0 < o["ts"] + o["dur"]), key=lambda o: o["dur"])
+        started = sorted((o for o in near if t0 < o["ts"] <= t1), key=lambda o: -o["dur"])
+        hold = " < ".join(dict.fromkeys(o["name"][:36] for o in holding[:4]))
+        run = "; ".join(dict.fromkeys(o["name"][:36] for o in started[:4]))
+        out.append(f"  {dur / 1e3:7.3f}  {before['name'][:32]} -> {after['name'][:32]} | {hold} | {run}")
+    return out
 
 
 def write_memory_peak(path: str, model, ref_model, optimizer) -> None:
