@@ -1,8 +1,8 @@
 """The chunked engine's tuning knobs: one frozen :class:`EngineConfig`, read where each knob acts.
 
 The defaults are what the losses ship with; a benchmark or a test that wants another value uses
-the context manager ``with engine_config(speculative_first_chunk=False): ...`` (the previous
-configuration comes back on exit, also on an exception). Nothing else changes these values: no
+the context manager ``with engine_config(speculative_first_chunk=False): ...`` (its changes are
+taken back on exit, also on an exception). Nothing else changes these values: no
 module global is patched. The configuration is process-wide, as the kernels' tuning slots are
 (:mod:`liger_losses.kernels.tuning`), not a context variable: autograd runs a CUDA backward on its
 own device thread, and ``device_scale`` is read there, so it must see what the forward's thread set.
@@ -72,6 +72,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import threading
 from dataclasses import dataclass
 from typing import Iterator, Optional
 
@@ -114,7 +115,10 @@ class EngineConfig:
                 raise TypeError(f"{name} must be a bool, got {getattr(self, name)!r}")
 
 
-_CURRENT = [EngineConfig()]  # one slot, swapped whole: readers see the old or the new value
+_BASE = EngineConfig()
+_OVERRIDES: list = []  # (token, changes) of the open engine_config blocks, in the order they opened
+_LOCK = threading.Lock()
+_CURRENT = [_BASE]  # one slot, swapped whole: readers see the old or the new value
 
 
 def get_engine_config() -> EngineConfig:
@@ -122,15 +126,31 @@ def get_engine_config() -> EngineConfig:
     return _CURRENT[0]
 
 
+def _recompute() -> None:
+    cfg = _BASE
+    for _, changes in _OVERRIDES:
+        cfg = dataclasses.replace(cfg, **changes)
+    _CURRENT[0] = cfg
+
+
 @contextlib.contextmanager
 def engine_config(**changes) -> Iterator[EngineConfig]:
     """``with engine_config(knob=value, ...) as cfg:`` runs the block with those knobs changed
-    (unknown names raise ``TypeError``, bad values ``ValueError``) and restores the previous
-    configuration on exit."""
-    previous = _CURRENT[0]
-    new = dataclasses.replace(previous, **changes)
-    _CURRENT[0] = new
+    (unknown names raise ``TypeError``, bad values ``ValueError``) and takes them back on exit.
+
+    The configuration in force is the defaults with the changes of every open block applied in the
+    order the blocks opened; a block's exit removes its own changes only, so blocks that two threads
+    open and close interleaved leave the defaults behind once all have closed (restoring the
+    configuration seen at entry would leave the first-closed block's changes in force)."""
+    token = object()
+    with _LOCK:
+        dataclasses.replace(_CURRENT[0], **changes)  # validates before anything changes
+        _OVERRIDES.append((token, dict(changes)))
+        _recompute()
+        new = _CURRENT[0]
     try:
         yield new
     finally:
-        _CURRENT[0] = previous
+        with _LOCK:
+            _OVERRIDES[:] = [entry for entry in _OVERRIDES if entry[0] is not token]
+            _recompute()

@@ -57,6 +57,7 @@ def project(hidden: Tensor, weight: Tensor, bias: Optional[Tensor] = None) -> Te
 
 
 _OUT_DTYPE_MM: dict = {}  # (device type, operand dtype, out dtype) -> whether out_dtype= works
+_FALLBACK_BLOCKS = 8
 
 
 def mm_into(out: Tensor, a: Tensor, b: Tensor, accumulate: bool) -> None:
@@ -76,13 +77,19 @@ def mm_into(out: Tensor, a: Tensor, b: Tensor, accumulate: bool) -> None:
                 torch.mm(a, b, out_dtype=out.dtype, out=out)
             _OUT_DTYPE_MM[key] = True
             return
+        except torch.OutOfMemoryError:
+            raise  # a RuntimeError, but says nothing about out_dtype: not remembered as unsupported
         except (RuntimeError, TypeError, NotImplementedError):
             _OUT_DTYPE_MM[key] = False
-    prod = torch.mm(a, b)
-    if accumulate:
-        out.add_(prod)
-    else:
-        out.copy_(prod)
+    # no out_dtype (torch < 2.8): the product in a's dtype, in row blocks of at most an eighth of
+    # ``out`` so that its temporary adds 1/8 of a's bytes a weight, not all of them, to the peak
+    step = max(1, -(-out.shape[0] // _FALLBACK_BLOCKS))
+    for r0 in range(0, out.shape[0], step):
+        prod = torch.mm(a[r0:r0 + step], b)
+        if accumulate:
+            out[r0:r0 + step].add_(prod)
+        else:
+            out[r0:r0 + step].copy_(prod)
 
 
 def backprop_tile(
@@ -137,19 +144,22 @@ def backprop_tile(
 @dataclass(frozen=True)
 class WeightAccum:
     """The dtype of a head's weight-gradient buffer: ``single`` when one chunk writes the whole
-    gradient, ``multi`` when more than one chunk adds to it (:func:`weight_accum`)."""
+    gradient, ``multi`` when more than one chunk adds to it (:func:`weight_accum`); ``weight`` is
+    the head weight's dtype, the gradient's dtype in the end."""
 
     single: torch.dtype
     multi: torch.dtype
+    weight: torch.dtype
 
     def dtype(self, more_chunks: bool) -> torch.dtype:
         return self.multi if more_chunks else self.single
 
     @property
     def widens(self) -> bool:
-        """Whether several chunks accumulate in a wider dtype than one chunk writes (the tile
-        budget then grows: :func:`~.planning.tile_budget`)."""
-        return torch.finfo(self.multi).bits > torch.finfo(self.single).bits
+        """Whether several chunks accumulate in a wider dtype than the weight's, so that the buffer
+        and its cast to the weight's dtype hold more bytes a weight than a tile of the head's size
+        adds (the tile budget then grows: :func:`~.planning.tile_budget`)."""
+        return torch.finfo(self.multi).bits > torch.finfo(self.weight).bits
 
 
 def weight_accum(accum_dtype: Optional[torch.dtype], weight_dtype: torch.dtype) -> WeightAccum:
@@ -158,11 +168,11 @@ def weight_accum(accum_dtype: Optional[torch.dtype], weight_dtype: torch.dtype) 
     for a bf16 / fp16 weight whose gradient more than one chunk adds to (one chunk rounds its
     product once either way)."""
     if accum_dtype is not None:
-        return WeightAccum(accum_dtype, accum_dtype)
+        return WeightAccum(accum_dtype, accum_dtype, weight_dtype)
     wide = get_engine_config().half_weight_accum_dtype
     if wide is not None and weight_dtype in (torch.bfloat16, torch.float16):
-        return WeightAccum(weight_dtype, wide)
-    return WeightAccum(weight_dtype, weight_dtype)
+        return WeightAccum(weight_dtype, wide, weight_dtype)
+    return WeightAccum(weight_dtype, weight_dtype, weight_dtype)
 
 
 class HeadGrads:

@@ -270,13 +270,15 @@ class RecomputedTokenFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, weight, hidden, bias, labels, spec: TokenPass, result: TokenPassResult):
         with torch.no_grad():
-            _, w_c = head_in_dtype(weight, spec.compute_dtype)
+            w_full, w_c = head_in_dtype(weight, spec.compute_dtype)
             stats, _, _, _, l_valid, index = run_token_tiles(
                 w_c, hidden, labels, bias, ignore_index=spec.ignore_index, mode=spec.mode, grad=False,
                 kernel_opts=spec.kernel_opts, chunk_tokens=spec.chunk_tokens, need_entropy=spec.need_entropy,
             )
         ctx.save_for_backward(weight, hidden, bias, l_valid, index)
         ctx.spec = spec
+        # the accumulator the forward's engine config gives, not the one in force at backward
+        ctx.accum = weight_accum(spec.accum_dtype, w_full.dtype)
         result.stats, result.index = stats, index
         return scatter_token_values(stats[spec.output], index, labels)
 
@@ -287,14 +289,14 @@ class RecomputedTokenFunction(torch.autograd.Function):
         spec = ctx.spec
         needs_w, needs_h, needs_b = ctx.needs_input_grad[:3]
         needs_b = needs_b and bias is not None
-        w_full, w_c = head_in_dtype(weight, spec.compute_dtype)
+        _, w_c = head_in_dtype(weight, spec.compute_dtype)
         rows = hidden_rows_at(hidden, index)
         scale = grad_out.reshape(-1).float()
         scale = scale.index_select(0, index) if scale.shape[0] != index.shape[0] else scale
         _, gh, gw, gb = run_tiles(
             w_c, rows, l_valid, bias, mode=spec.mode, grad=True, grad_scale=scale.contiguous(),
             kernel_opts=spec.kernel_opts, chunk_tokens=spec.chunk_tokens,
-            accum=weight_accum(spec.accum_dtype, w_full.dtype),
+            accum=ctx.accum,
             needs_hidden=needs_h, needs_weight=needs_w, needs_bias=needs_b,
         )
         if gh is not None:

@@ -79,6 +79,27 @@ def test_empty_batch_plans_no_chunk():
     assert p.exempt_position is None and p.exempt_chunks == () and p.recompute_chunks == ()
 
 
+def test_engine_config_blocks_closed_out_of_order_leave_the_defaults():
+    """Two blocks opened and closed interleaved (as two threads may: the configuration is
+    process-wide so that autograd's device threads see it) each take back their own changes: while
+    only the second is open its knob alone is in force, and once both closed the defaults are."""
+    default = get_engine_config()
+    first = engine_config(half_weight_accum_dtype=None)
+    second = engine_config(speculative_first_chunk=False)
+    first.__enter__()
+    second.__enter__()
+    assert get_engine_config() == EngineConfig(half_weight_accum_dtype=None, speculative_first_chunk=False)
+    first.__exit__(None, None, None)
+    assert get_engine_config() == EngineConfig(speculative_first_chunk=False)
+    second.__exit__(None, None, None)
+    assert get_engine_config() == default
+    with engine_config(default_budget_bytes=7):  # nested blocks: the inner one's knob wins inside
+        with engine_config(default_budget_bytes=9, chunk_align=1) as inner:
+            assert get_engine_config() is inner and inner.default_budget_bytes == 9
+        assert get_engine_config() == EngineConfig(default_budget_bytes=7)
+    assert get_engine_config() == default
+
+
 def test_engine_config_is_scoped_and_validated():
     """engine_config changes the knobs inside the block only (restored after an exception too);
     unknown knobs raise TypeError, bad values ValueError/TypeError naming the knob."""

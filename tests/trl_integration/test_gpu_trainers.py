@@ -1,4 +1,4 @@
-"""GPU runs of the seven TRL trainer subclasses (DPO, SFT, CPO + SimPO, ORPO, KTO, Distillation, GKD).
+"""GPU runs of the TRL trainer subclasses (DPO, SFT, CPO + SimPO, ORPO, KTO, Distillation, GKD, GRPO, RLOO).
 
 Each trainer (parametrized, ids below) gets two tests on CUDA:
 
@@ -35,14 +35,19 @@ from . import test_cpo as cpo_tests
 from . import test_distillation as distillation_tests
 from . import test_dpo as dpo_tests
 from . import test_gkd as gkd_tests
+from . import test_grpo as grpo_tests
 from . import test_kto as kto_tests
 from . import test_orpo as orpo_tests
+from . import test_rloo as rloo_tests
 from . import test_sft as sft_tests
 from .utils import (
+    assert_grads_match,
+    assert_metrics_match,
     build_tokenizer,
     check_batch_loss_metrics,
     check_compute_loss,
     record_backbone_autocast,
+    rel,
     sft_dataset,
     train_logs,
 )
@@ -103,6 +108,8 @@ CASES = {
     "kto": (_kw_pair(kto_tests), {}),
     "distillation": (_kw_pair(distillation_tests), {}),
     "gkd": (_kw_pair(gkd_tests), {}),
+    "grpo": (_kw_pair(grpo_tests), dict(loss_type="dapo")),
+    "rloo": (_kw_pair(rloo_tests), dict(epsilon_high=0.28)),
 }
 
 
@@ -141,7 +148,29 @@ def _step0_check(name, theirs, ours):
         m_t, _ = check_compute_loss(theirs, ours, TOL, batch)
         assert "entropy" in m_t
         return m_t
+    if name in ("grpo", "rloo"):
+        return _rl_step0_check(theirs, ours, "old_per_token_logps" if name == "grpo" else "old_logps")
     m_t, _ = check_compute_loss(theirs, ours, TOL)
+    return m_t
+
+
+def _rl_step0_check(theirs, ours, old_key):
+    """GRPO / RLOO: one batch generated and scored by TRL's trainer, its old log-probs moved by N(0, 0.3) (noise
+    drawn on the CPU, then moved: the same numbers on every device) so that clipping acts; then both trainers'
+    ``compute_loss`` as in the CPU parity tests."""
+    torch.manual_seed(0)
+    theirs.model.train()
+    batch = theirs._prepare_inputs(next(iter(theirs.get_train_dataloader())))
+    assert batch["completion_mask"].sum() > 0
+    old = batch[old_key]
+    noise = torch.randn(old.shape, generator=torch.Generator().manual_seed(0))
+    batch[old_key] = old + 0.3 * noise.to(old.device)
+    loss_t, m_t = grpo_tests._step0(theirs, batch)
+    loss_o, m_o = grpo_tests._step0(ours, batch)
+    assert rel(loss_o, loss_t) <= TOL, (float(loss_o), float(loss_t))
+    assert_metrics_match(m_o, m_t, TOL)
+    assert_grads_match(loss_t, loss_o, theirs, ours, TOL)
+    assert m_t["clip_ratio/region_mean"] > 0  # a real test of the clipping
     return m_t
 
 
