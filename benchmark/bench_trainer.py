@@ -64,6 +64,9 @@ over the timed steps (absolute: weights, reference, optimizer state, activations
 ``step_peak_mib = peak_mib - resident_mib`` (the step's peak above its inputs). ``speed_vs_trl`` /
 ``speed_vs_trl_liger``: tokens/s over that provider's on the same case; ``step_peak_vs_trl`` likewise.
 ``wall_s``: seconds all of the row's runs took (build, trainer setup, steps), to plan GPU time.
+``sm_clock_mhz``, ``power_w``, ``temp_c``: ``nvidia-smi``'s SM clock, power draw and temperature sampled
+every 100 ms over the timed steps, the mean over rounds (:class:`GpuSampler`; empty without ``nvidia-smi``):
+at the GPU's power cap a step that idles less runs the same kernels at a lower clock.
 
 GPU time (one H200, estimated, not measured as a whole): from ``trainer_b8.csv`` / ``trainer_seq8192_b2.csv``
 the 1B full step is ~24 us/token for TRL (392 ms at 16k SFT tokens, 918 ms at 32k DPO tokens), ~0.75x that
@@ -82,7 +85,8 @@ plan the next run. Without GRPO (8 cases) ~7 min. ``--full``
     python -m benchmark.bench_trainer --tiny               # CPU smoke run: tiny models of each family, seq 64
     python -m benchmark.bench_trainer --cases qwen1.5b_dpo_lora_8x1024 --rounds 1 --profile   # + profile_*.txt
 
-``--profile`` (torch.profiler over two timed steps), ``--cprofile`` (host profile), ``--syncs`` (the
+``--profile`` (torch.profiler over two timed steps; its summary starts with the GPU's idle gaps and the
+host ops holding each, from a Chrome trace kept beside it gzipped), ``--cprofile`` (host profile), ``--syncs`` (the
 stacks of one timed step's host-device synchronizations) and ``--memory-peak``
 (allocator history: where the timed steps' peak is) write ``<kind>_<case>_<provider>_r<round>.txt`` next to
 the CSV. Results go to $BENCH_OUT or $OUT when set, else benchmark/results/ (``--tiny``: a temporary folder
@@ -103,6 +107,7 @@ import json
 import os
 import shutil
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -212,6 +217,8 @@ def _make_timer_callback(warmup: int, cuda: bool, profile_path: str = "", cprofi
             self.resident_mib = float("nan")  # least memory allocated at the start of a timed step
             self.ref_model = None  # --memory-peak: labels the reference model's parameters
             self.mem_recording = False
+            self.gpu = GpuSampler() if cuda else None  # SM clock / power over the timed steps
+            self.gpu_means: dict = {}
 
         def _now(self) -> float:
             self.issued.append(time.perf_counter())
@@ -246,6 +253,8 @@ def _make_timer_callback(warmup: int, cuda: bool, profile_path: str = "", cprofi
             if syncs_path and cuda and len(self.ends) == warmup:
                 self.syncs = SyncRecorder()
                 self.syncs.start()
+            if self.gpu is not None and len(self.ends) == warmup and not self.gpu.running:
+                self.gpu.start()
             # --memory-peak: allocator history (Python stacks) over all timed steps
             if memory_peak_path and cuda and len(self.ends) == warmup and not self.mem_recording:
                 from benchmark.memory_peak import start_recording
@@ -272,6 +281,8 @@ def _make_timer_callback(warmup: int, cuda: bool, profile_path: str = "", cprofi
             if self.mem_recording and state.global_step >= state.max_steps:
                 write_memory_peak(memory_peak_path, kwargs.get("model"), self.ref_model, kwargs.get("optimizer"))
                 self.mem_recording = False
+            if self.gpu is not None and self.gpu.running and state.global_step >= state.max_steps:
+                self.gpu_means = self.gpu.stop()
             if self.prof is not None and len(self.ends) == warmup + 2:
                 self.prof.__exit__(None, None, None)
                 write_profile(self.prof, profile_path, self.ends[-1] - self.ends[-3])
@@ -289,6 +300,73 @@ def _make_timer_callback(warmup: int, cuda: bool, profile_path: str = "", cprofi
             return [(b - a) * 1e3 for a, b in zip(ends, issued)]
 
     return StepTimer()
+
+
+class GpuSampler:
+    """``nvidia-smi`` sampling of the SM clock (MHz), the power draw (W) and the temperature (C) of this
+    process's GPU every 100 ms between :meth:`start` and :meth:`stop` (the timed steps), returned as means.
+    The machine's GPUs run at their power cap under a dense step, where the same cuBLAS kernel at the same
+    shape runs a few percent slower when the GPU idles less: these columns say whether two providers' runs
+    were clocked alike. No ``nvidia-smi`` (or an error): nothing sampled, the columns stay empty."""
+
+    QUERY = "clocks.sm,power.draw,temperature.gpu"
+    KEYS = ("sm_clock_mhz", "power_w", "temp_c")
+
+    def __init__(self):
+        self.proc = None
+        self.out = None
+
+    @property
+    def running(self) -> bool:
+        return self.proc is not None
+
+    def start(self) -> None:
+        exe = shutil.which("nvidia-smi")
+        if exe is None:
+            return
+        try:
+            gpu = f"GPU-{torch.cuda.get_device_properties(torch.cuda.current_device()).uuid}"
+        except Exception:  # noqa: BLE001 - older torch: the first visible GPU's index
+            gpu = os.environ.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0] or "0"
+        self.out = tempfile.TemporaryFile(mode="w+")
+        try:
+            self.proc = subprocess.Popen([exe, f"--query-gpu={self.QUERY}", "--format=csv,noheader,nounits",
+                                          "-lms", "100", "-i", gpu], stdout=self.out, stderr=subprocess.DEVNULL)
+        except OSError:
+            self.proc = None
+
+    def stop(self) -> dict:
+        if self.proc is None:
+            return {}
+        self.proc.terminate()
+        try:
+            self.proc.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+        self.proc = None
+        self.out.seek(0)
+        text = self.out.read()
+        self.out.close()
+        return parse_gpu_samples(text)
+
+
+def parse_gpu_samples(text: str) -> dict:
+    """Means of ``nvidia-smi --query-gpu=clocks.sm,power.draw,temperature.gpu --format=csv,noheader,nounits``
+    lines (``{"sm_clock_mhz", "power_w", "temp_c", "samples"}``); lines that do not parse (``[N/A]``, a
+    truncated last line) are skipped; no valid line gives ``{}``."""
+    rows = []
+    for line in text.splitlines():
+        parts = [p.strip() for p in line.split(",")]
+        if len(parts) != len(GpuSampler.KEYS):
+            continue
+        try:
+            rows.append([float(p) for p in parts])
+        except ValueError:
+            continue
+    if not rows:
+        return {}
+    means = {k: round(statistics.mean(r[i] for r in rows), 1) for i, k in enumerate(GpuSampler.KEYS)}
+    return {**means, "samples": len(rows)}
 
 
 class SyncRecorder:
@@ -594,6 +672,7 @@ class RunResult:
     resident_mib: float = float("nan")
     train_loss: float = float("nan")
     launches: tuple = (0, 0)
+    gpu: dict = field(default_factory=dict)  # GpuSampler's means over the timed steps
     wall_s: float = 0.0
     notes: list = field(default_factory=list)
     error: str = ""
@@ -631,7 +710,7 @@ def run_one(case: Case, provider: str, bank: WeightBank, *, rnd: int, warmup: in
     device = "cpu" if tiny else "cuda"
     steps = warmup + timed
     res = RunResult()
-    model = ref_model = trainer = None
+    model = ref_model = trainer = timer = None
     t_start = time.perf_counter()
     tag = f"{case.name}_{provider.replace('+', '_')}_r{rnd}"
     out_path = {kind: (os.path.join(results_dir(), f"{kind}_{tag}.txt") if diag.get(kind) else "")
@@ -686,6 +765,7 @@ def run_one(case: Case, provider: str, bank: WeightBank, *, rnd: int, warmup: in
                                    f"(step ends: {len(timer.ends)})")
             res.peak_mib, res.peak_warmup_mib = timer.peak_timed_mib, timer.peak_warmup_mib
             res.resident_mib = timer.resident_mib
+            res.gpu = dict(timer.gpu_means)
         except Exception as exc:  # noqa: BLE001 - a provider failing must not stop the matrix
             res.error = f"{type(exc).__name__}: {str(exc)[:300]}".replace("\n", " ")
             res.step_ms = []
@@ -704,6 +784,8 @@ def run_one(case: Case, provider: str, bank: WeightBank, *, rnd: int, warmup: in
             if out_path["syncs"]:
                 res.notes.insert(0, "timed with one step under the CUDA sync debug mode")
                 torch.cuda.set_sync_debug_mode(0)  # never left on after an error in the recorded step
+            if timer is not None and timer.gpu is not None and timer.gpu.running:
+                timer.gpu.stop()  # a run that failed mid-way leaves no sampler behind
             del trainer, model, ref_model
             free_memory(cuda)
     res.wall_s = time.perf_counter() - t_start
@@ -750,10 +832,17 @@ def case_row(case: Case, provider: str, runs: list, *, rounds: int, skip_reason:
         step_ms_all=" | ".join(" ".join(f"{t:.1f}" for t in r.step_ms) for r in ok),
         issue_ms_all=" | ".join(" ".join(f"{t:.1f}" for t in r.issue_ms) for r in ok),
         launches_fast=sum(r.launches[0] for r in runs), launches_slow=sum(r.launches[1] for r in runs),
+        **{k: _mean_of(r.gpu.get(k) for r in ok) for k in GpuSampler.KEYS},
         wall_s=round(sum(r.wall_s for r in runs), 1), note=" | ".join(notes)[:400],
     )
     return Row(bench="trainer_matrix", case=case.name, mode="step", provider=provider, ms=ms,
                peak_mib=max((r.peak_mib for r in ok), default=nan), extra=extra, error=error or None)
+
+
+def _mean_of(values) -> object:
+    """The mean of the numbers among ``values`` rounded to 0.1, or "" when there is none."""
+    numbers = [v for v in values if isinstance(v, (int, float)) and v == v]
+    return round(statistics.mean(numbers), 1) if numbers else ""
 
 
 def _ratio(a, b):
@@ -978,7 +1067,8 @@ def main(argv=None) -> int:
         print(f"(matrix plot skipped: {exc})")
     print()
     keys = ["case", "provider", "tokens_per_s", "tokens_per_s_min", "tokens_per_s_max", "rounds", "peak_mib",
-            "step_peak_mib", "speed_vs_trl", "speed_vs_trl_liger", "step_peak_vs_trl", "train_loss", "wall_s", "error"]
+            "step_peak_mib", "speed_vs_trl", "speed_vs_trl_liger", "step_peak_vs_trl", "train_loss", "sm_clock_mhz",
+            "power_w", "wall_s", "error"]
     print_table([{**r.extra, "case": r.case, "provider": r.provider, "peak_mib": round(r.peak_mib, 1),
                   "error": (r.error or "")[:60]} for r in rows], keys=keys)
     ours = [r.extra["speed_vs_trl"] for r in rows if r.provider == "ours" and r.extra["speed_vs_trl"] != ""]

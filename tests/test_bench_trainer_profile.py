@@ -1,5 +1,6 @@
-"""``bench_trainer --profile``'s idle-gap analysis: from a Chrome trace, the GPU's gaps between
-kernels and the host ops that held them (exact: integer microsecond timestamps, no tolerance)."""
+"""``bench_trainer``'s GPU diagnostics read on the CPU: ``--profile``'s idle-gap analysis (from a Chrome
+trace, the GPU's gaps between kernels and the host ops that held them) and the SM clock / power sampler's
+parser (exact: integer timestamps and samples chosen to have exact means)."""
 
 import json
 
@@ -7,7 +8,7 @@ import pytest
 
 pytest.importorskip("trl")  # bench_trainer imports the trainers' modules
 
-from benchmark.bench_trainer import idle_gaps  # noqa: E402
+from benchmark.bench_trainer import idle_gaps, parse_gpu_samples  # noqa: E402
 
 
 def test_idle_gaps_name_the_host_ops_holding_each_gap(tmp_path):
@@ -31,3 +32,11 @@ def test_idle_gaps_name_the_host_ops_holding_each_gap(tmp_path):
                                 "<", "step", "|", "aten::add"]
     assert lines[2].split()[:4] == ["0.020", "add", "->", "adam"]
     assert len(lines) == 3
+
+
+def test_gpu_samples_parse_to_means_skipping_bad_lines():
+    """``nvidia-smi --query-gpu=clocks.sm,power.draw,temperature.gpu --format=csv,noheader,nounits``
+    lines: the means of the lines that parse; ``[N/A]`` and a truncated last line are skipped."""
+    text = "1980, 690.50, 61\n1755, 699.50, 63\n[N/A], 650.0, 60\n1800, 70"
+    assert parse_gpu_samples(text) == dict(sm_clock_mhz=1867.5, power_w=695.0, temp_c=62.0, samples=2)
+    assert parse_gpu_samples("") == {}
