@@ -229,6 +229,10 @@ def _make_timer_callback(warmup: int, cuda: bool, profile_path: str = "", cprofi
         def on_train_begin(self, args, state, control, **kwargs):
             if cuda:
                 torch.cuda.reset_peak_memory_stats()
+            if self.gpu is not None and not self.gpu.running:
+                self.gpu.start()
+                if warmup == 0:
+                    self.gpu.mark()
             self.prof = None
             self.cprof = None
 
@@ -253,8 +257,6 @@ def _make_timer_callback(warmup: int, cuda: bool, profile_path: str = "", cprofi
             if syncs_path and cuda and len(self.ends) == warmup:
                 self.syncs = SyncRecorder()
                 self.syncs.start()
-            if self.gpu is not None and len(self.ends) == warmup and not self.gpu.running:
-                self.gpu.start()
             # --memory-peak: allocator history (Python stacks) over all timed steps
             if memory_peak_path and cuda and len(self.ends) == warmup and not self.mem_recording:
                 from benchmark.memory_peak import start_recording
@@ -275,6 +277,8 @@ def _make_timer_callback(warmup: int, cuda: bool, profile_path: str = "", cprofi
                 return
             if len(self.ends) == warmup:
                 self.peak_warmup_mib = torch.cuda.max_memory_allocated() / MIB
+                if self.gpu is not None:
+                    self.gpu.mark()
                 torch.cuda.reset_peak_memory_stats()
             elif len(self.ends) > warmup:
                 self.peak_timed_mib = torch.cuda.max_memory_allocated() / MIB
@@ -304,7 +308,8 @@ def _make_timer_callback(warmup: int, cuda: bool, profile_path: str = "", cprofi
 
 class GpuSampler:
     """``nvidia-smi`` sampling of the SM clock (MHz), the power draw (W) and the temperature (C) of this
-    process's GPU every 100 ms between :meth:`start` and :meth:`stop` (the timed steps), returned as means.
+    process's GPU every 100 ms, started before the first step (its process start in no timed step), the
+    samples from :meth:`mark` (the end of the warm-up) to :meth:`stop` (the last step) returned as means.
     The machine's GPUs run at their power cap under a dense step, where the same cuBLAS kernel at the same
     shape runs a few percent slower when the GPU idles less: these columns say whether two providers' runs
     were clocked alike. No ``nvidia-smi`` (or an error): nothing sampled, the columns stay empty."""
@@ -315,6 +320,7 @@ class GpuSampler:
     def __init__(self):
         self.proc = None
         self.out = None
+        self.offset = 0
 
     @property
     def running(self) -> bool:
@@ -328,12 +334,19 @@ class GpuSampler:
             gpu = f"GPU-{torch.cuda.get_device_properties(torch.cuda.current_device()).uuid}"
         except Exception:  # noqa: BLE001 - older torch: the first visible GPU's index
             gpu = os.environ.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0] or "0"
+        line_buffered = [shutil.which("stdbuf"), "-oL"] if shutil.which("stdbuf") else []  # whole lines on file
         self.out = tempfile.TemporaryFile(mode="w+")
         try:
-            self.proc = subprocess.Popen([exe, f"--query-gpu={self.QUERY}", "--format=csv,noheader,nounits",
-                                          "-lms", "100", "-i", gpu], stdout=self.out, stderr=subprocess.DEVNULL)
+            cmd = [exe, f"--query-gpu={self.QUERY}", "--format=csv,noheader,nounits", "-lms", "100", "-i", gpu]
+            self.proc = subprocess.Popen(line_buffered + cmd, stdout=self.out, stderr=subprocess.DEVNULL)
         except OSError:
             self.proc = None
+            self.out.close()
+
+    def mark(self) -> None:
+        """Samples before this call (the warm-up) are left out of :meth:`stop`'s means."""
+        if self.proc is not None:
+            self.offset = os.fstat(self.out.fileno()).st_size
 
     def stop(self) -> dict:
         if self.proc is None:
@@ -343,8 +356,9 @@ class GpuSampler:
             self.proc.wait(timeout=5)
         except subprocess.TimeoutExpired:
             self.proc.kill()
+            self.proc.wait()
         self.proc = None
-        self.out.seek(0)
+        self.out.seek(self.offset)
         text = self.out.read()
         self.out.close()
         return parse_gpu_samples(text)
@@ -473,7 +487,7 @@ def idle_gaps(trace_path: str, *, min_us: float = 20.0, top: int = 25) -> list[s
     out = [f"GPU idle in gaps >= {min_us:.0f} us: {total / 1e3:.1f} ms in {len(gaps)} gaps over a "
            f"{span / 1e3:.1f} ms span of kernels; the {top} longest (ms, kernel before -> after | the "
            "host ops holding the gap's start, innermost first | the longest host ops started in it):"]
-    host = sorted((e for e in events if e.get("cat") in ("cpu_op", "cuda_runtime", "user_annotation")
+    host = sorted((e for e in events if e.get("cat") in ("cpu_op", "cuda_runtime", "cuda_driver", "user_annotation")
                    and "dur" in e), key=lambda e: e["ts"])
     starts = [o["ts"] for o in host]
     longest = max((o["dur"] for o in host), default=0.0)

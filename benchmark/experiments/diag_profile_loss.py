@@ -30,6 +30,7 @@ or allocate.
 from __future__ import annotations
 
 import argparse
+import contextlib
 
 import torch
 
@@ -119,10 +120,11 @@ def main() -> None:
     if not torch.cuda.is_available():
         print("diag_profile_loss: needs a CUDA GPU")
         return
+    scope = contextlib.ExitStack()  # holds --host-scale's engine_config for the whole script
     if args.host_scale:
         from liger_losses.chunked.config import engine_config
 
-        engine_config(device_scale=False).__enter__()  # for the whole script: left on exit
+        scope.enter_context(engine_config(device_scale=False))
     shape = SMALL if args.shape == "small" else BIG
     weight, hidden, ref_hidden, labels = make_batch(args.pairs, args.seq, **shape, ref=args.loss == "dpo")
     if args.loss in ("ce", "distill"):

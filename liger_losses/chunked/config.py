@@ -72,7 +72,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import threading
 from dataclasses import dataclass
 from typing import Iterator, Optional
 
@@ -117,7 +116,6 @@ class EngineConfig:
 
 _BASE = EngineConfig()
 _OVERRIDES: list = []  # (token, changes) of the open engine_config blocks, in the order they opened
-_LOCK = threading.Lock()
 _CURRENT = [_BASE]  # one slot, swapped whole: readers see the old or the new value
 
 
@@ -127,10 +125,17 @@ def get_engine_config() -> EngineConfig:
 
 
 def _recompute() -> None:
-    cfg = _BASE
-    for _, changes in _OVERRIDES:
-        cfg = dataclasses.replace(cfg, **changes)
-    _CURRENT[0] = cfg
+    """``_CURRENT`` from ``_OVERRIDES``, without a lock: write, then start again if the list changed
+    meanwhile (another thread, or a block closed by the garbage collector inside this very call,
+    where a lock held here would deadlock); the last writer always saw the list as it stands."""
+    while True:
+        snapshot = tuple(_OVERRIDES)
+        cfg = _BASE
+        for _, changes in snapshot:
+            cfg = dataclasses.replace(cfg, **changes)
+        _CURRENT[0] = cfg
+        if tuple(_OVERRIDES) == snapshot:
+            return
 
 
 @contextlib.contextmanager
@@ -142,15 +147,13 @@ def engine_config(**changes) -> Iterator[EngineConfig]:
     order the blocks opened; a block's exit removes its own changes only, so blocks that two threads
     open and close interleaved leave the defaults behind once all have closed (restoring the
     configuration seen at entry would leave the first-closed block's changes in force)."""
-    token = object()
-    with _LOCK:
-        dataclasses.replace(_CURRENT[0], **changes)  # validates before anything changes
-        _OVERRIDES.append((token, dict(changes)))
-        _recompute()
-        new = _CURRENT[0]
+    dataclasses.replace(_CURRENT[0], **changes)  # validates before anything changes
+    entry = (object(), dict(changes))
+    _OVERRIDES.append(entry)  # one list operation each: atomic under the GIL, locked in free-threaded builds
+    _recompute()
+    new = _CURRENT[0]
     try:
         yield new
     finally:
-        with _LOCK:
-            _OVERRIDES[:] = [entry for entry in _OVERRIDES if entry[0] is not token]
-            _recompute()
+        _OVERRIDES.remove(entry)
+        _recompute()

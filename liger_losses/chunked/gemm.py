@@ -79,7 +79,9 @@ def mm_into(out: Tensor, a: Tensor, b: Tensor, accumulate: bool) -> None:
             return
         except torch.OutOfMemoryError:
             raise  # a RuntimeError, but says nothing about out_dtype: not remembered as unsupported
-        except (RuntimeError, TypeError, NotImplementedError):
+        except (RuntimeError, TypeError, NotImplementedError) as exc:
+            if "ALLOC_FAILED" in str(exc):  # cuBLAS out of workspace memory: the same
+                raise
             _OUT_DTYPE_MM[key] = False
     # no out_dtype (torch < 2.8): the product in a's dtype, in row blocks of at most an eighth of
     # ``out`` so that its temporary adds 1/8 of a's bytes a weight, not all of them, to the peak

@@ -277,7 +277,8 @@ class RecomputedTokenFunction(torch.autograd.Function):
             )
         ctx.save_for_backward(weight, hidden, bias, l_valid, index)
         ctx.spec = spec
-        # the accumulator the forward's engine config gives, not the one in force at backward
+        # the accumulator dtype the forward's engine config gives, not the one in force at backward (the
+        # chunk plan is still made at backward, under the config in force then)
         ctx.accum = weight_accum(spec.accum_dtype, w_full.dtype)
         result.stats, result.index = stats, index
         return scatter_token_values(stats[spec.output], index, labels)

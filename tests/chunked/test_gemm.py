@@ -136,7 +136,7 @@ def test_fp32_accumulation_error_does_not_grow_with_chunks():
     assert err_bf16 >= 2.5 * err_default, (err_bf16, err_default)
 
 
-def test_explicit_fp32_plans_the_default_tiles():
+def test_explicit_fp32_plans_the_default_tiles(monkeypatch):
     """An explicit ``accum_dtype=torch.float32`` on a bf16 head holds the same fp32 buffer as the
     default, so it plans the same wide tiles: the same chunks (counted as weight-gradient GEMMs),
     and over several chunks the same gradient bitwise."""
@@ -161,13 +161,10 @@ def test_explicit_fp32_plans_the_default_tiles():
             fused_linear_cross_entropy(wl, h, labels, accum_dtype=accum_dtype, impl="torch").backward()
         return wl.grad, list(calls)
 
-    gemm.mm_into = counting
-    try:
-        default, default_calls = grad(None)
-        explicit, explicit_calls = grad(FP32)
-        _, bf16_calls = grad(BF16)
-    finally:
-        gemm.mm_into = real
+    monkeypatch.setattr(gemm, "mm_into", counting)
+    default, default_calls = grad(None)
+    explicit, explicit_calls = grad(FP32)
+    _, bf16_calls = grad(BF16)
     assert default_calls == explicit_calls == [FP32] * (N // 8)
     assert bf16_calls == [BF16] * (N // 4)  # half-weight tiles without the wide accumulator
     assert torch.equal(default, explicit)

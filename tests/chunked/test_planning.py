@@ -100,6 +100,46 @@ def test_engine_config_blocks_closed_out_of_order_leave_the_defaults():
     assert get_engine_config() == default
 
 
+@pytest.mark.timeout(60)
+def test_engine_config_block_closed_by_the_garbage_collector_inside_another(monkeypatch):
+    """A block abandoned in a reference cycle is closed by the garbage collector, which may run inside
+    another block's own update of the configuration (here forced at its first ``dataclasses.replace``):
+    no deadlock, and the abandoned block's change is gone once collected."""
+    import dataclasses
+    import gc
+
+    from liger_losses.chunked import config
+
+    class Holder:
+        pass
+
+    def abandon():
+        holder = Holder()
+        holder.me = holder
+        holder.block = engine_config(chunk_align=64)
+        holder.block.__enter__()
+
+    real = dataclasses.replace
+
+    def replace_after_collecting(*args, **kwargs):
+        gc.collect()
+        return real(*args, **kwargs)
+
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        abandon()
+        assert get_engine_config().chunk_align == 64
+        monkeypatch.setattr(config.dataclasses, "replace", replace_after_collecting)
+        with engine_config(default_budget_bytes=5):
+            cfg = get_engine_config()
+            assert cfg.default_budget_bytes == 5 and cfg.chunk_align == EngineConfig().chunk_align
+    finally:
+        if was_enabled:
+            gc.enable()
+    assert get_engine_config() == EngineConfig()
+
+
 def test_engine_config_is_scoped_and_validated():
     """engine_config changes the knobs inside the block only (restored after an exception too);
     unknown knobs raise TypeError, bad values ValueError/TypeError naming the knob."""
