@@ -29,7 +29,12 @@ from typing import Optional
 import torch
 import trl
 
-from ..chunked.preference.dpo import TRL_METRIC_NAMES, LigerFusedLinearDPOLoss, ld_mask_weights
+from ..chunked.preference.dpo import (
+    LENGTH_NORMALISED_MARGIN_TYPES,
+    TRL_METRIC_NAMES,
+    LigerFusedLinearDPOLoss,
+    ld_mask_weights,
+)
 from .base import IGNORE_INDEX, build_config_loss, completion_labels
 from .reference import LigerReferenceTrainerMixin
 
@@ -103,9 +108,14 @@ class DPOTrainer(LigerReferenceTrainerMixin, trl.DPOTrainer):
         else:
             ref_hidden, ref_weight, ref_bias, _ = self._liger_reference_hidden(model, model_kwargs)
 
+        # TRL's ipo / sigmoid_norm divide by the completion mask's count before the label shift (one more than
+        # the labels where a completion token sits at position 0: an empty prompt without BOS, keep_end truncation)
+        lengths = None
+        if set(self.liger_loss.loss_options.loss_types) & LENGTH_NORMALISED_MARGIN_TYPES:
+            lengths = inputs["completion_mask"].sum(dim=1).float()
         loss, metrics = self._liger_policy_loss(
             model, model_kwargs, labels, ref_hidden, ref_weight, ref_bias,
-            ref_chosen_logps=ref_chosen, ref_rejected_logps=ref_rejected,
+            ref_chosen_logps=ref_chosen, ref_rejected_logps=ref_rejected, sequence_lengths=lengths,
         )
         # token-weighted means, reduced over processes as TRL does: by their token counts
         chosen, rejected = (labels != IGNORE_INDEX).sum(dim=1).chunk(2, dim=0)

@@ -23,7 +23,10 @@ and the entropy from its own tiles too.
 Options TRL supports that use_liger=True cannot serve raise ``ValueError`` at construction, naming the
 option: ``loss_type="dft"``, ``compute_loss_func``, vision-language models, PEFT prompt learning,
 DeepSpeed sequence parallelism. MoE models: the router load-balancing loss of the same backbone
-forward is added as TRL adds it (``router_aux.py``) and logged as ``aux_loss``.
+forward is added as TRL adds it (``router_aux.py``) and logged as ``aux_loss``. One deliberate
+difference: with ``label_smoothing_factor > 0`` TRL 1.16's SFT step leaves the aux loss out of the
+loss it back-propagates (its label-smoothing branch never weights it, though it still logs it); ours
+adds it there too, so the router is trained as ``router_aux_loss_coef`` asks whatever the smoothing.
 """
 
 from __future__ import annotations

@@ -57,6 +57,20 @@ def test_step0_parity_with_ref_model(tok, tmp_path, cfg):
     assert abs(m_t["rewards/margins"]) > 0  # a real test: policy != reference
 
 
+@pytest.mark.parametrize("loss_type", ["ipo", "sigmoid_norm"])
+@pytest.mark.parametrize("chunk", [None, 2], ids=["one-pass", "chunked"])
+def test_length_normalised_types_divide_by_trls_completion_count(tok, tmp_path, loss_type, chunk):
+    """``keep_end`` truncation to 3 tokens leaves completion tokens at position 0, which have no
+    log-prob: TRL's ipo / sigmoid_norm still count them in the length they divide by (the completion
+    mask before the label shift), and ours must too. Loss, metrics and gradients equal TRL's (rel <=
+    1e-4); 2-token tiles also take the engine's chunked paths with those lengths."""
+    theirs, ours = _pair(tok, tmp_path, liger_kwargs={"liger_chunk_tokens": chunk}, loss_type=[loss_type],
+                         truncation_mode="keep_end", max_length=3)
+    batch = next(iter(theirs.get_train_dataloader()))
+    assert bool(batch["completion_mask"][:, 0].any())  # the case under test: a completion token at position 0
+    check_compute_loss(theirs, ours, TOL)
+
+
 def test_step0_parity_precomputed_ref_logps(tok, tmp_path):
     """precompute_ref_log_probs=True: our precomputed columns equal TRL's (rel <= 1e-4) and the
     step-0 loss/metrics/grads computed from them match too."""

@@ -87,6 +87,27 @@ def test_sft_step0_parity_with_router_aux_loss(tok, tmp_path, num_items_in_batch
     assert ours.model.model.layers[0].mlp.gate.weight.grad is not None
 
 
+def test_sft_label_smoothing_keeps_the_router_aux_loss(tok, tmp_path):
+    """The one deliberate difference from TRL 1.16 (``trl_integration/sft.py``): with label smoothing
+    TRL's SFT step drops the router aux loss from the loss (its smoothing branch never weights it) but
+    logs it; ours adds ``coef * aux`` as without smoothing. So ours = TRL's loss + coef * logged aux
+    (rel <= 1e-4), and the logged metrics equal TRL's."""
+    theirs, ours = make_pair(SFTTrainer, [tiny_moe(tok, seed=0)],
+                             lambda d: sft_config(d, label_smoothing_factor=0.1), tmp_path,
+                             lambda: sft_dataset(), processing_class=tok)
+    batch = first_batch(theirs)
+    losses, metrics = [], []
+    for trainer in (theirs, ours):
+        trainer._metrics["train"].clear()
+        trainer.model.train()
+        losses.append(trainer.compute_loss(trainer.model, dict(batch)))
+        metrics.append({k: v[-1] for k, v in trainer._metrics["train"].items()})
+    assert_metrics_match(metrics[1], metrics[0], TOL)
+    _aux_matters(metrics[0], losses[0])
+    expected = float(losses[0]) + AUX_COEF * metrics[0]["aux_loss"]
+    assert rel(losses[1].detach(), torch.tensor(expected)) <= TOL, (float(losses[1]), expected)
+
+
 def test_dpo_step0_parity_with_router_aux_loss(tok, tmp_path):
     """DPO with a reference model: loss (DPO + coef * the policy's aux loss), every metric TRL logs
     (aux_loss included) and every gradient equal TRL's."""

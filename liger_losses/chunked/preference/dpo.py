@@ -315,8 +315,9 @@ class DPOObjective(Objective):
     """``objective(stats) -> (losses [U], {})`` for the chunked engine (pairs, ``group_size=2``)
     of the :class:`DPOOptions` ``options``."""
 
-    def __init__(self, options: DPOOptions):
+    def __init__(self, options: DPOOptions, sequence_lengths: Optional[torch.Tensor] = None):
         self.options = options
+        self.sequence_lengths = sequence_lengths  # [2P] float: the length-normalised types' divisors
 
     @property
     def separable(self) -> bool:
@@ -337,6 +338,8 @@ class DPOObjective(Objective):
             if name in MARGIN_LOSS_TYPES:
                 ratios.add(-1.0)
             elif name in LENGTH_NORMALISED_MARGIN_TYPES:
+                if self.sequence_lengths is not None:  # divisors other than these counts: not known here
+                    return None
                 ratios.add(mean_margin_gradient_ratio(chosen_tokens, rejected_tokens))
             else:
                 return None
@@ -348,7 +351,8 @@ class DPOObjective(Objective):
         o = self.options
         chosen, rejected = split_pairs(stats.logps)
         ref_chosen, ref_rejected = split_pairs(stats.ref_logps)
-        c_len, r_len = split_pairs(stats.num_tokens)
+        lengths = stats.num_tokens if self.sequence_lengths is None else self.sequence_lengths[stats.index]
+        c_len, r_len = split_pairs(lengths)
         nll = chosen_nll_per_unit(chosen, stats.batch_num_tokens) if "sft" in o.loss_types else None
         losses = dpo_pair_losses(
             chosen, rejected, ref_chosen, ref_rejected,
@@ -404,16 +408,19 @@ def _reference_logps(options: DPOOptions, ref_hidden, ref_chosen_logps, ref_reje
 
 
 def run_dpo(weight, hidden, ref_hidden, labels, *, head: HeadOptions, options: DPOOptions, bias=None,
-            ref_weight=None, ref_bias=None, ref_chosen_logps=None, ref_rejected_logps=None) -> LossOutput:
+            ref_weight=None, ref_bias=None, ref_chosen_logps=None, ref_rejected_logps=None,
+            sequence_lengths=None) -> LossOutput:
     """:func:`fused_linear_dpo_loss` with its options already validated."""
     check_sequence_inputs(weight, hidden, labels, head, group_size=2, bias=bias, ref_hidden=ref_hidden,
                           ref_weight=ref_weight, ref_bias=ref_bias)
     ref_logps = _reference_logps(options, ref_hidden, ref_chosen_logps, ref_rejected_logps, hidden)
+    if sequence_lengths is not None:  # values are not read on the host (no sync): clamped to >= 1 where used
+        sequence_lengths = check_sequence_values("sequence_lengths", sequence_lengths, hidden.shape[0], hidden.device)
     token_weights = None
     if options.ld_alpha is not None:
         token_weights = ld_token_weights(labels, options.ld_alpha, head.ignore_index)
     loss, _, stats = run_sequence_objective(
-        weight, hidden, labels, DPOObjective(options), head, group_size=2, bias=bias,
+        weight, hidden, labels, DPOObjective(options, sequence_lengths), head, group_size=2, bias=bias,
         ref_hidden=None if ref_logps is not None else ref_hidden, ref_weight=ref_weight, ref_bias=ref_bias,
         ref_logps=ref_logps, token_weights=token_weights,
     )
@@ -432,6 +439,7 @@ def fused_linear_dpo_loss(
     ref_bias: Optional[torch.Tensor] = None,
     ref_chosen_logps: Optional[torch.Tensor] = None,
     ref_rejected_logps: Optional[torch.Tensor] = None,
+    sequence_lengths: Optional[torch.Tensor] = None,
     beta: float = 0.1,
     loss_type: str | Sequence[str] = "sigmoid",
     loss_weights: Optional[Sequence[float]] = None,
@@ -453,7 +461,12 @@ def fused_linear_dpo_loss(
 ) -> LossOutput:
     """DPO-family loss of TRL 1.16 from hidden states; see the module docstring for shapes.
 
-    Options: :class:`DPOOptions` and :class:`~liger_losses.chunked.options.HeadOptions`. Returns
+    Options: :class:`DPOOptions` and :class:`~liger_losses.chunked.options.HeadOptions`.
+    ``sequence_lengths [2P]`` (float, ``[chosen; rejected]``): what the length-normalised types
+    (``"ipo"``, ``"sigmoid_norm"``) divide each sequence's log-prob by (clamped to at least 1); default
+    its valid label count.
+    TRL divides by the completion mask's count before the label shift, one more where a completion
+    token sits at position 0 (no prompt token before it): its trainer passes that count. Returns
     ``LossOutput(loss 0-d float32 differentiable w.r.t. hidden/weight/bias, metrics)``.
     """
     options = DPOOptions(
@@ -465,7 +478,8 @@ def fused_linear_dpo_loss(
     head = HeadOptions(ignore_index=ignore_index, softcap=softcap, logit_scale=logit_scale, chunk_tokens=chunk_tokens,
                        accum_dtype=accum_dtype, impl=impl, need_entropy=need_entropy)
     return run_dpo(weight, hidden, ref_hidden, labels, head=head, options=options, bias=bias, ref_weight=ref_weight,
-                   ref_bias=ref_bias, ref_chosen_logps=ref_chosen_logps, ref_rejected_logps=ref_rejected_logps)
+                   ref_bias=ref_bias, ref_chosen_logps=ref_chosen_logps, ref_rejected_logps=ref_rejected_logps,
+                   sequence_lengths=sequence_lengths)
 
 
 class LigerFusedLinearDPOLoss(ChunkedLossModule):
@@ -524,6 +538,8 @@ class LigerFusedLinearDPOLoss(ChunkedLossModule):
         ref_bias: Optional[torch.Tensor] = None,
         ref_chosen_logps: Optional[torch.Tensor] = None,
         ref_rejected_logps: Optional[torch.Tensor] = None,
+        sequence_lengths: Optional[torch.Tensor] = None,
     ) -> LossOutput:
         return self.run(weight, hidden, ref_hidden, labels, bias=bias, ref_weight=ref_weight, ref_bias=ref_bias,
-                        ref_chosen_logps=ref_chosen_logps, ref_rejected_logps=ref_rejected_logps)
+                        ref_chosen_logps=ref_chosen_logps, ref_rejected_logps=ref_rejected_logps,
+                        sequence_lengths=sequence_lengths)

@@ -335,3 +335,31 @@ def test_pair_gradient_ratio_is_the_objectives_own(loss_type, f_div, expect):
     losses, _ = obj(stats)
     (g,) = torch.autograd.grad(losses.sum(), logps)
     assert torch.allclose(g[P:], ratio * g[:P], rtol=1e-12, atol=1e-15)
+
+
+@pytest.mark.parametrize("loss_type", ["ipo", "sigmoid_norm", ("sigmoid", "ipo")])
+@pytest.mark.parametrize("chunk_tokens", [24, 5], ids=["one-pass", "two-phase"])
+def test_sequence_lengths_are_the_length_normalised_divisors(loss_type, chunk_tokens):
+    """``sequence_lengths`` replaces the label counts that ipo / sigmoid_norm divide by (TRL counts a
+    completion token at position 0, which has no label). TRL's loss on a completion mask with one more
+    counted position (no log-prob there) in every other sequence: loss and gradients within 1e-5 (the
+    fp32 bar), in one pass and in two phases (the long-pair shortcut then stands aside); without the
+    lengths ours differs."""
+    w, h, rh, lab, _ = make_inputs(**SHAPE, seed=3)
+    w64, h64 = leaf64(w, h)
+    pol = token_outputs64(w64, h64, lab)
+    ref = token_outputs64(w64.detach(), rh.double(), lab)
+    mask = pol.mask.clone()
+    mask[::2, 1] = True  # position 1 is a prompt position: no label, log-prob 0
+    lengths = mask.sum(1).float()
+    kw = dict(beta=0.3, loss_type=loss_type)
+    out = fused_linear_dpo_loss(w, h, rh, lab, sequence_lengths=lengths, chunk_tokens=chunk_tokens, impl="torch", **kw)
+    loss64, _ = trl_dpo(pol, ref, mask, **kw)
+    assert rel_err(out.loss, loss64) <= TOL[torch.float32], (float(out.loss), float(loss64))
+    for got, want in zip(grads(out.loss, h, w, None), grads(loss64, h64, w64, None)):
+        if want is not None:
+            assert rel_err(got, want) <= TOL[torch.float32]
+    plain = fused_linear_dpo_loss(w.detach(), h.detach(), rh, lab, chunk_tokens=chunk_tokens, impl="torch", **kw)
+    assert rel_err(plain.loss, loss64) > 1e-3
+    with pytest.raises(ValueError, match="sequence_lengths"):
+        fused_linear_dpo_loss(w, h, rh, lab, sequence_lengths=lengths[:-1], **kw)
