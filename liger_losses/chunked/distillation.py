@@ -22,7 +22,10 @@ enter a GEMM), ``bias [Vs]``. Teacher: ``teacher_hidden [..., Ht]`` with ``teach
 (``Vt >= Vs``, ``Ht`` may differ from ``H``; default: the student's ``weight`` and, unless ``teacher_bias`` is
 given, ``bias``), ``teacher_bias [Vt]``; or, instead of ``teacher_hidden`` (pass ``None``),
 ``teacher_topk_logprobs [..., k]`` float and ``teacher_topk_indices [..., k]`` integer. Any float dtypes; the
-tiles and GEMMs run in each head's compute dtype (autocast-aware), the kernel math in fp32.
+GEMMs run in each head's compute dtype (autocast-aware) and write float32 logits tiles for bf16 / fp16 heads
+(:func:`~liger_losses.chunked.gemm.project_fp32`: a divergence between close distributions is lost in logits
+rounded to bf16; TRL's distillation kernel keeps them in fp32 too), the kernel math in fp32; the gradient tile
+goes back to the compute dtype for the backward GEMMs.
 
 Reductions (TRL's ``generalized_jsd_loss`` over the valid tokens): ``"batchmean"`` (default) divergence summed
 over tokens / number of valid tokens (0 when there is none); ``"sum"``; ``"mean"``: divided by
@@ -51,7 +54,7 @@ from torch import Tensor
 
 from liger_losses.chunked.autograd import needs_head_grads, save_forward_grads, scaled_grads
 from liger_losses.chunked.config import get_engine_config
-from liger_losses.chunked.gemm import HeadGrads, compute_dtype, itemsize, project, weight_accum
+from liger_losses.chunked.gemm import HeadGrads, compute_dtype, itemsize, project_fp32, weight_accum
 from liger_losses.chunked.module import ChunkedLossModule
 from liger_losses.chunked.options import (
     HeadOptions,
@@ -282,14 +285,16 @@ def _run(weight, hidden, bias, labels, teacher: Teacher, head: HeadOptions, opts
     budget = 2 * get_engine_config().default_budget_bytes
     for ts, te in chunk_bounds(N, width, chunk_tokens=head.chunk_tokens, budget_bytes=budget, itemsize=s_item):
         h = h_rows(ts, te)
-        s_tile = project(h, w_c, bias)
+        # float32 logits for bf16 / fp16 heads (the same tokens a chunk: twice the bytes): a divergence of two
+        # close distributions is a small difference of softmaxes, which logits rounded to bf16 swamp
+        s_tile = project_fp32(h, w_c, bias)
         d_head = _head_transform(s_tile, logit_scale, softcap, want_factor=grad)
         if th.topk_logprobs is not None:
             t_tile = None
             extra = dict(topk_logprobs=th.topk_logprobs[ts:te], topk_indices=th.topk_indices[ts:te])
         else:
             with torch.no_grad():
-                t_tile = project(th.rows(ts, te), th.weight, th.bias)
+                t_tile = project_fp32(th.rows(ts, te), th.weight, th.bias)
                 _head_transform(t_tile, logit_scale, softcap, want_factor=False)
             extra = {}
         row_scale = scale[ts:te] if isinstance(scale, Tensor) else scale
@@ -304,8 +309,12 @@ def _run(weight, hidden, bias, labels, teacher: Teacher, head: HeadOptions, opts
             if isinstance(d_head, Tensor) or d_head != 1.0:
                 s_tile.mul_(d_head)
             del d_head
-            grads.add(s_tile, h, w_c, ts, te)
-        del s_tile
+            g_tile = s_tile if s_tile.dtype == cdt else s_tile.to(cdt)  # the GEMMs' operand dtype
+            del s_tile
+            grads.add(g_tile, h, w_c, ts, te)
+            del g_tile
+        else:
+            del s_tile
     gh, gw, gb = grads.finish()
     if gh is not None:
         gh = grad_like(gh, hidden)

@@ -2,6 +2,7 @@
 
 * :func:`project` -- ``logits [n, V] = hidden [n, H] @ weight[V, H].T (+ bias)`` in the compute
   dtype (:func:`compute_dtype`: the autocast dtype when autocast is on, else the weight's);
+  :func:`project_fp32` the same GEMM writing float32 logits (distillation's tiles);
 * :func:`backprop_tile` -- a gradient tile ``G = d loss / d logits [n, V]`` (written in place by
   a logits-tile kernel) into ``grad_hidden = G @ W``, ``grad_weight (+)= G^T @ hidden`` and
   ``grad_bias (+)= colsum(G)``, with an optional per-row upstream factor;
@@ -56,6 +57,34 @@ def project(hidden: Tensor, weight: Tensor, bias: Optional[Tensor] = None) -> Te
         return torch.mm(h, w.t())
 
 
+def project_fp32(hidden: Tensor, weight: Tensor, bias: Optional[Tensor] = None) -> Tensor:
+    """:func:`project` with float32 logits from bf16 / fp16 operands: the GEMM accumulates in fp32 and
+    writes fp32 (``out_dtype``), so the logits are not rounded to the compute dtype. A divergence between
+    two close distributions (distillation) is a small difference of softmaxes, which that rounding
+    swamps; a cross-entropy is not (its gradient is ``softmax - onehot``). fp32 / fp64 compute dtypes:
+    :func:`project` itself. Without ``out_dtype`` (CPU, torch < 2.8): on the CPU the operands are
+    widened in vocabulary blocks (exact; the CPU runs tests); on a GPU the product is rounded to the
+    compute dtype and widened (an fp32 GEMM would be ~10x slower)."""
+    dtype = compute_dtype(weight)
+    if itemsize(dtype) >= 4:
+        return project(hidden, weight, bias)
+    dev = weight.device.type
+    with torch.autocast(device_type=dev, enabled=False):
+        h = hidden if hidden.dtype == dtype else hidden.to(dtype)
+        w = weight if weight.dtype == dtype else weight.to(dtype)
+        out = torch.empty(h.shape[0], w.shape[0], dtype=torch.float32, device=weight.device)
+        if not _mm_out_dtype(out, h, w.t(), accumulate=False):
+            if dev == "cpu":
+                hf, step = h.float(), max(1, -(-w.shape[0] // _FALLBACK_BLOCKS))
+                for v0 in range(0, w.shape[0], step):
+                    out[:, v0:v0 + step] = hf @ w[v0:v0 + step].float().t()
+            else:
+                out.copy_(torch.mm(h, w.t()))
+        if bias is not None:
+            out.add_(bias.float())
+    return out
+
+
 _OUT_DTYPE_MM: dict = {}  # (device type, operand dtype, out dtype) -> whether out_dtype= works
 _FALLBACK_BLOCKS = 8
 
@@ -68,21 +97,8 @@ def mm_into(out: Tensor, a: Tensor, b: Tensor, accumulate: bool) -> None:
         else:
             torch.mm(a, b, out=out)
         return
-    key = (out.device.type, a.dtype, out.dtype)
-    if _OUT_DTYPE_MM.get(key, True):
-        try:
-            if accumulate:
-                torch.addmm(out, a, b, out_dtype=out.dtype, out=out)
-            else:
-                torch.mm(a, b, out_dtype=out.dtype, out=out)
-            _OUT_DTYPE_MM[key] = True
-            return
-        except torch.OutOfMemoryError:
-            raise  # a RuntimeError, but says nothing about out_dtype: not remembered as unsupported
-        except (RuntimeError, TypeError, NotImplementedError) as exc:
-            if "ALLOC_FAILED" in str(exc):  # cuBLAS out of workspace memory: the same
-                raise
-            _OUT_DTYPE_MM[key] = False
+    if _mm_out_dtype(out, a, b, accumulate):
+        return
     # no out_dtype (torch < 2.8): the product in a's dtype, in row blocks of at most an eighth of
     # ``out`` so that its temporary adds 1/8 of a's bytes a weight, not all of them, to the peak
     step = max(1, -(-out.shape[0] // _FALLBACK_BLOCKS))
@@ -92,6 +108,28 @@ def mm_into(out: Tensor, a: Tensor, b: Tensor, accumulate: bool) -> None:
             out[r0:r0 + step].add_(prod)
         else:
             out[r0:r0 + step].copy_(prod)
+
+
+def _mm_out_dtype(out: Tensor, a: Tensor, b: Tensor, accumulate: bool) -> bool:
+    """``out (+)= a @ b`` through torch's ``out_dtype`` GEMM (a wider ``out`` than the operands);
+    False, remembered per (device type, dtypes), where torch has none."""
+    key = (out.device.type, a.dtype, out.dtype)
+    if not _OUT_DTYPE_MM.get(key, True):
+        return False
+    try:
+        if accumulate:
+            torch.addmm(out, a, b, out_dtype=out.dtype, out=out)
+        else:
+            torch.mm(a, b, out_dtype=out.dtype, out=out)
+    except torch.OutOfMemoryError:
+        raise  # a RuntimeError, but says nothing about out_dtype: not remembered as unsupported
+    except (RuntimeError, TypeError, NotImplementedError) as exc:
+        if "ALLOC_FAILED" in str(exc):  # cuBLAS out of workspace memory: the same
+            raise
+        _OUT_DTYPE_MM[key] = False
+        return False
+    _OUT_DTYPE_MM[key] = True
+    return True
 
 
 def backprop_tile(
