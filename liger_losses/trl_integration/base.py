@@ -158,23 +158,63 @@ def backbone_of(causal_lm: nn.Module) -> nn.Module:
     )
 
 
+def _active_peft_adapter(head: nn.Module) -> bool:
+    """Whether ``head`` is a PEFT tuner layer (LoRA...) whose adapter acts in its forward now: not
+    merged, not disabled, an active adapter among its layers."""
+    if hasattr(head, "modules_to_save"):  # a trained copy of the head: its weight is the active copy's
+        return False
+    layer_names = getattr(head, "adapter_layer_names", ())
+    if not layer_names or getattr(head, "merged", False) or getattr(head, "disable_adapters", False):
+        return False
+    active = getattr(head, "active_adapters", None) or []
+    for name in layer_names:
+        layers = getattr(head, name, None)
+        if hasattr(layers, "keys") and any(a in layers.keys() for a in active):
+            return True
+    return False
+
+
 def lm_head_params(causal_lm: nn.Module) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
-    """(weight [V, H], bias [V] or None) of the model's output embeddings (the LM head)."""
+    """(weight [V, H], bias [V] or None) of the model's output embeddings (the LM head).
+
+    The losses use the head as ``hidden @ weight.T + bias``; a head whose forward does more is refused
+    (``ValueError``) rather than silently replaced by that: an active PEFT adapter on it (LoRA on
+    ``lm_head``: merge it, or leave ``lm_head`` out of ``target_modules``), or a head module of its own
+    with parameters besides ``weight`` and ``bias`` (e.g. a learned logit scale). PEFT's
+    ``modules_to_save`` copy of the head is a plain head."""
     head = causal_lm.get_output_embeddings()
+    name = type(causal_lm).__name__
     if head is None or not isinstance(getattr(head, "weight", None), torch.Tensor):
-        raise ValueError(f"{type(causal_lm).__name__} has no LM head with a weight (get_output_embeddings())")
+        raise ValueError(f"{name} has no LM head with a weight (get_output_embeddings())")
+    if _active_peft_adapter(head):
+        raise ValueError(
+            f"{name}'s LM head carries an active PEFT adapter ({type(head).__name__}); the fused loss reads "
+            "lm_head.weight and would ignore it: merge the adapter into the head, or leave lm_head out of "
+            "target_modules"
+        )
+    peft_wrapper = hasattr(head, "base_layer") or hasattr(head, "modules_to_save")
+    if not peft_wrapper and not isinstance(head, nn.Linear):
+        extra = sorted(n for n, _ in head.named_parameters() if n not in ("weight", "bias"))
+        if extra:
+            raise ValueError(
+                f"{name}'s LM head {type(head).__name__} has parameters besides weight and bias ({', '.join(extra)}): "
+                "its forward is more than hidden @ weight.T + bias, which the fused loss computes"
+            )
     return head.weight, getattr(head, "bias", None)
 
 
 def head_logit_options(config) -> Dict[str, Any]:
     """The logit transform a model applies after its LM head, as our loss options.
 
-    ``{"softcap": final_logit_softcapping or None, "logit_scale": float}``; the scale is read from the
-    text config's ``logit_scale`` / ``output_multiplier`` / ``lm_head_multiplier`` / ``1/logits_scaling``
-    (the same attributes TRL's fused head honours), 1.0 when none is set.
+    ``{"softcap": final_logit_softcapping (RecurrentGemma: logits_soft_cap) or None, "logit_scale": float}``;
+    the scale is read from the text config's ``logit_scale`` / ``output_multiplier`` /
+    ``lm_head_multiplier`` / ``1/logits_scaling`` (the same attributes TRL's fused head honours), 1.0
+    when none is set.
     """
     text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
     softcap = getattr(text_config, "final_logit_softcapping", None)
+    if softcap is None:  # RecurrentGemma's name for the same tanh cap
+        softcap = getattr(text_config, "logits_soft_cap", None)
     scale = None
     for name in ("logit_scale", "output_multiplier", "lm_head_multiplier"):
         scale = getattr(text_config, name, None)

@@ -102,6 +102,44 @@ def test_head_logit_options():
     assert base.head_logit_options(SimpleNamespace(final_logit_softcapping=30.0, logit_scale=0.5)) == {
         "softcap": 30.0, "logit_scale": 0.5}
     assert base.head_logit_options(SimpleNamespace(logits_scaling=4.0, model_type="granite"))["logit_scale"] == 0.25
+    assert base.head_logit_options(SimpleNamespace(logits_soft_cap=30.0))["softcap"] == 30.0  # RecurrentGemma
+
+
+def test_lm_head_that_is_more_than_a_linear_is_refused():
+    """The fused losses compute ``hidden @ weight.T + bias``: an LM head whose forward does more raises
+    ValueError naming it instead of being silently replaced by that. An active LoRA adapter on lm_head
+    raises; the same adapter disabled (a PEFT reference or teacher scope), merged, or a
+    ``modules_to_save`` copy of the head do not; a head module with a parameter of its own (a learned
+    logit scale) raises."""
+    peft = pytest.importorskip("peft")
+    tok = build_tokenizer()
+    lora = peft.get_peft_model(build_tiny_model(tok),
+                               peft.LoraConfig(r=2, target_modules=["q_proj", "lm_head"], task_type="CAUSAL_LM"))
+    inner = base.unwrap_causal_lm(lora)
+    with pytest.raises(ValueError, match="active PEFT adapter"):
+        base.lm_head_params(inner)
+    with lora.disable_adapter():
+        weight, _ = base.lm_head_params(inner)
+    assert weight is inner.lm_head.base_layer.weight
+    lora.merge_adapter()
+    base.lm_head_params(inner)
+    saved = peft.get_peft_model(build_tiny_model(tok), peft.LoraConfig(
+        r=2, target_modules=["q_proj"], modules_to_save=["lm_head"], task_type="CAUSAL_LM"))
+    base.lm_head_params(base.unwrap_causal_lm(saved))
+
+    class ScaledHead(nn.Module):
+        def __init__(self, linear):
+            super().__init__()
+            self.weight = linear.weight
+            self.logit_scale = nn.Parameter(torch.ones(()))
+
+        def forward(self, x):
+            return (x @ self.weight.T) * self.logit_scale
+
+    model = build_tiny_model(tok)
+    model.lm_head = ScaledHead(model.lm_head)
+    with pytest.raises(ValueError, match="logit_scale"):
+        base.lm_head_params(model)
 
 
 def test_gathered_params_noop_without_zero3():
