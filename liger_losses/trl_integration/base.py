@@ -148,6 +148,13 @@ def backbone_of(causal_lm: nn.Module) -> nn.Module:
         except Exception:
             decoder = None
         if isinstance(decoder, nn.Module) and decoder is not causal_lm:
+            if decoder is causal_lm.get_output_embeddings() or isinstance(decoder, nn.Linear):
+                # e.g. ModernBertDecoderForCausalLM: get_decoder() is the vocabulary projection, behind a
+                # prediction head of its own that the fused loss would skip
+                raise ValueError(
+                    f"{type(causal_lm).__name__}.get_decoder() is its vocabulary projection, not a backbone: "
+                    "a model with layers between its backbone and the LM head is not served by the fused loss"
+                )
             return decoder
     prefix = getattr(causal_lm, "base_model_prefix", None)
     if prefix and isinstance(getattr(causal_lm, prefix, None), nn.Module):

@@ -94,6 +94,27 @@ def test_model_anatomy_of_tiny_llama():
     assert base.unwrap_causal_lm(wrapped) is wrapped.get_base_model()
 
 
+def test_backbone_of_refuses_a_decoder_that_is_the_vocabulary_projection():
+    """A model whose get_decoder() is its vocabulary Linear (ModernBertDecoderForCausalLM: a prediction
+    head sits between the backbone and it) raises ValueError naming it, not a TypeError at the first
+    step or a loss that skips the prediction head."""
+
+    class OddLM(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.model = nn.Identity()
+            self.decoder = nn.Linear(4, 8)
+
+        def get_decoder(self):
+            return self.decoder
+
+        def get_output_embeddings(self):
+            return self.decoder
+
+    with pytest.raises(ValueError, match="OddLM.get_decoder"):
+        base.backbone_of(OddLM())
+
+
 def test_head_logit_options():
     """Softcap and logit scale are read from the config like TRL's fused head (1.0 / None by default)."""
     from types import SimpleNamespace
