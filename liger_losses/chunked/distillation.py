@@ -309,12 +309,9 @@ def _run(weight, hidden, bias, labels, teacher: Teacher, head: HeadOptions, opts
             if isinstance(d_head, Tensor) or d_head != 1.0:
                 s_tile.mul_(d_head)
             del d_head
-            g_tile = s_tile if s_tile.dtype == cdt else s_tile.to(cdt)  # the GEMMs' operand dtype
-            del s_tile
-            grads.add(g_tile, h, w_c, ts, te)
-            del g_tile
-        else:
-            del s_tile
+            s_tile = s_tile.to(cdt)  # the GEMMs' operand dtype (the fp32 tile is freed here)
+            grads.add(s_tile, h, w_c, ts, te)
+        del s_tile
     gh, gw, gb = grads.finish()
     if gh is not None:
         gh = grad_like(gh, hidden)

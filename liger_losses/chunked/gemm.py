@@ -63,8 +63,8 @@ def project_fp32(hidden: Tensor, weight: Tensor, bias: Optional[Tensor] = None) 
     two close distributions (distillation) is a small difference of softmaxes, which that rounding
     swamps; a cross-entropy is not (its gradient is ``softmax - onehot``). fp32 / fp64 compute dtypes:
     :func:`project` itself. Without ``out_dtype`` (CPU, torch < 2.8): on the CPU the operands are
-    widened in vocabulary blocks (exact; the CPU runs tests); on a GPU the product is rounded to the
-    compute dtype and widened (an fp32 GEMM would be ~10x slower)."""
+    widened (exact; the CPU runs tests); on a GPU the product is rounded to the compute dtype and
+    widened (an fp32 GEMM would be ~10x slower)."""
     dtype = compute_dtype(weight)
     if itemsize(dtype) >= 4:
         return project(hidden, weight, bias)
@@ -75,9 +75,7 @@ def project_fp32(hidden: Tensor, weight: Tensor, bias: Optional[Tensor] = None) 
         out = torch.empty(h.shape[0], w.shape[0], dtype=torch.float32, device=weight.device)
         if not _mm_out_dtype(out, h, w.t(), accumulate=False):
             if dev == "cpu":
-                hf, step = h.float(), max(1, -(-w.shape[0] // _FALLBACK_BLOCKS))
-                for v0 in range(0, w.shape[0], step):
-                    out[:, v0:v0 + step] = hf @ w[v0:v0 + step].float().t()
+                torch.mm(h.float(), w.float().t(), out=out)
             else:
                 out.copy_(torch.mm(h, w.t()))
         if bias is not None:

@@ -13,6 +13,8 @@ from typing import Any, Dict, Optional, Tuple
 import torch
 from torch import nn
 
+from ..patching.checks import is_projection
+
 
 def is_peft_model(model: nn.Module) -> bool:
     """True for a ``peft.PeftModel`` (peft imported lazily; False when peft is absent)."""
@@ -126,8 +128,7 @@ def lm_head_params(causal_lm: nn.Module) -> Tuple[torch.Tensor, Optional[torch.T
             "lm_head.weight and would ignore it: merge the adapter into the head, or leave lm_head out of "
             "target_modules"
         )
-    peft_wrapper = hasattr(head, "base_layer") or hasattr(head, "modules_to_save")
-    if not peft_wrapper and not isinstance(head, nn.Linear):
+    if not (is_projection(head) or hasattr(head, "modules_to_save")):
         extra = sorted(n for n, _ in head.named_parameters() if n not in ("weight", "bias"))
         if extra:
             raise ValueError(
