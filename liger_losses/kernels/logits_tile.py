@@ -11,8 +11,9 @@ Each row is transformed ``y = logit_scale * x``; ``y = softcap * tanh(y / softca
   ``(1 - eps) * w[label] * (-logp) + eps / V * sum_v w[v] * (-log p_v) + z_loss_weight * lse**2``
   (``w`` = class weights, 1 when not given; ``eps`` = label smoothing), in ``mode="logp"``
   ``loss = logp`` (the objective the preference losses differentiate)
-* ``entropy = -sum_v p_v log p_v`` (only if ``need_entropy``), ``correct = z[label] == max(z)``
-  (argmax hit; ties count as hits), ``logits_sum = sum_v z_v``
+* ``entropy = -sum_v p_v log p_v`` (only if ``need_entropy``), ``correct = argmax(z) == label``
+  (the first maximal index, as ``torch.argmax``: a label that ties the maximum after an earlier
+  column is no hit), ``logits_sum = sum_v z_v``
 
 With ``grad=True`` the tile is overwritten, in its own dtype, by
 ``grad_scale[row] * d loss[row] / d x[row, :]`` (through softcap, scale and temperature); with
@@ -134,11 +135,16 @@ if triton is not None:
         n_iter = tl.where(valid, n_blocks, 0)
         offs = tl.arange(0, BLOCK)
 
+        # the label's logit first: pass 1 counts the columns before it that reach it (argmax ties)
+        x_y = tl.load(x_ptr + safe).to(tl.float32)
+        z_y, _ty = _transform(x_y, logit_scale, inv_temp, softcap, HAS_SOFTCAP)
+
         # pass 1: online max / sum-exp with a scalar running max (one exp per element). The sums
         # are per-lane [BLOCK] vectors rescaled by the scalar factor and reduced once after the loop
         # (VEC_SUMS: one block-wide reduction per block, the max) or scalars reduced per block
         # (fewer live registers: what large blocks with many warps need to stay spill-free)
         m = -1e30
+        ahead = acc_zero(BLOCK, VEC_SUMS)
         d = acc_zero(BLOCK, VEC_SUMS)
         e = acc_zero(BLOCK, VEC_SUMS)
         s = acc_zero(BLOCK, VEC_SUMS)
@@ -158,6 +164,9 @@ if triton is not None:
             if NEED_ENT:
                 e = e * alpha + keep_or_sum(p * z, VEC_SUMS)
             m = m_new
+            # a column before the label that reaches its logit is the argmax (first index, as
+            # torch.argmax): the label is then no hit even when it ties the maximum
+            ahead += keep_or_sum(tl.where((zm >= z_y) & (cols < safe), 1.0, 0.0), VEC_SUMS)
             if NEED_LSUM:
                 s += keep_or_sum(z, VEC_SUMS)
             if HAS_CW:
@@ -174,8 +183,6 @@ if triton is not None:
         d = tl.where(valid, d, 1.0)  # ignored rows: no NaN/inf on the way to the zero outputs
         lse = tl.where(valid, m + tl.log(d), 0.0)
 
-        x_y = tl.load(x_ptr + safe).to(tl.float32)
-        z_y, _ty = _transform(x_y, logit_scale, inv_temp, softcap, HAS_SOFTCAP)
         logp = z_y - lse
         if HAS_CW:
             w_y = tl.load(CW + safe).to(tl.float32)
@@ -192,7 +199,8 @@ if triton is not None:
         tl.store(LOSS + row, tl.where(valid, loss, 0.0))
         tl.store(LSE + row, tl.where(valid, lse, 0.0))
         tl.store(LOGP + row, tl.where(valid, logp, 0.0))
-        tl.store(CORRECT + row, tl.where(valid & (z_y >= m), 1, 0).to(tl.int8))
+        hit = valid & (z_y >= m) & (kept_total(ahead, VEC_SUMS) == 0.0)
+        tl.store(CORRECT + row, tl.where(hit, 1, 0).to(tl.int8))
         tl.store(LSUM + row, tl.where(valid, s_tot, 0.0))
         if NEED_ENT:
             ent = lse - e_tot / d
@@ -257,7 +265,7 @@ def _logits_tile_torch(
     entropy = None
     if need_entropy:
         entropy = torch.where(valid, lse - (p * z).sum(1), zero)
-    correct = valid & (z_y >= z.max(1).values)
+    correct = valid & (z.argmax(1) == safe)  # the first maximal index, as torch.argmax and TRL's accuracy
     stats = TileStats(
         torch.where(valid, loss, zero), torch.where(valid, lse, zero),
         torch.where(valid, logp, zero), entropy, correct,

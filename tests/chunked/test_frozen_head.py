@@ -53,7 +53,7 @@ def _reference(w, h, b, y, *, softcap=None, logit_scale=1.0, label_smoothing=0.0
     (gh,) = torch.autograd.grad(loss, hd)
     p = torch.softmax(zv, 1)
     entropy = (lse - (p * zv).sum(1)).mean()
-    accuracy = (zv.gather(1, yv[:, None]).squeeze(1) >= zv.max(1).values).double().mean()
+    accuracy = (zv.argmax(1) == yv).double().mean()
     return loss.detach(), gh, entropy.detach(), accuracy
 
 
@@ -172,7 +172,7 @@ def test_block_kernel_reference_moving_within_a_row(first, monkeypatch):
     assert rel_err(s1.zexp * shift, s2.zexp) <= 1e-5
     if not first:
         assert rel_err(a1 * shift[:, None], a2) <= 1e-5
-    for key in ("zsum", "zmax", "z_y", "d_y"):
+    for key in ("zsum", "zmax", "z_y", "d_y", "zarg"):
         assert torch.allclose(getattr(s1, key), getattr(s2, key), rtol=1e-6, atol=1e-5), key
     assert bool(((x0.max(1).values - s1.ref) <= TAU).all())  # the bound the reference keeps
 
@@ -188,7 +188,7 @@ def test_first_block_never_reads_the_state(impl, monkeypatch):
     labels = torch.tensor([0, 69, 70, 3, 12])
     x = torch.randn(n, vb, generator=torch.Generator().manual_seed(2)) * 3
     results = []
-    for state in (OnlineState.empty(n, "cpu"), OnlineState(*torch.full((7, n), float("nan")).unbind(0))):
+    for state in (OnlineState.empty(n, "cpu"), OnlineState(*torch.full((8, n), float("nan")).unbind(0))):
         block = x.clone()
         online_block(block, labels, 0, state, None, first=True, need_zexp=True, need_zsum=True, impl=impl)
         results.append((vars(state), block))
@@ -429,3 +429,60 @@ def test_per_row_scale_is_checked_and_a_one_entry_tensor_scales_every_row():
         with pytest.raises(ValueError, match="grad_scale must be"):
             run_tiles(w, rows, y[valid], None, mode="ce", grad=True, needs_weight=False,
                       grad_scale=torch.ones(int(valid.sum()) - 1, dtype=torch.float64))
+
+
+@pytest.mark.parametrize("impl", ["torch", "triton"])
+def test_token_accuracy_counts_the_first_maximal_column(impl, monkeypatch):
+    """Integer hidden states and head rows make integer logits, so the row maximum ties exactly and
+    often, within a vocabulary block and across blocks. The frozen-head path and the tile path count
+    a hit only where the label is the first maximal column (``torch.argmax``, TRL's token accuracy):
+    the same token accuracy as the reference, exactly, with labels at the first, the last and a
+    middle maximal column."""
+    if impl == "triton":
+        pytest.importorskip("triton")
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
+    g = torch.Generator().manual_seed(11)
+    w = torch.randint(-1, 2, (V, H), generator=g).float()
+    w[600] = w[40]  # identical rows in different blocks, and within one
+    w[301] = w[300]
+    h = torch.randint(-1, 2, (N, H), generator=g).float()
+    z = h.double() @ w.double().t()
+    is_max = z == z.max(1, keepdim=True).values
+    cols = [row.nonzero().flatten() for row in is_max]
+    assert sum(len(c) > 1 for c in cols) > N // 4  # ties are common here
+    y = torch.stack([c[[0, -1, len(c) // 2][i % 3]] for i, c in enumerate(cols)])
+    y[::10] = -100
+    valid = y != -100
+    hits = z.argmax(1) == y
+    tie_misses = valid & ~hits & is_max.gather(1, y.clamp(min=0)[:, None]).squeeze(1)
+    assert int(tie_misses.sum()) > N // 10 and int((hits & valid).sum()) > N // 2
+    want = hits[valid].double().mean()
+    for online in (True, False):
+        with engine_config(frozen_head_online=online, **SMALL):
+            out = fused_linear_cross_entropy(w, h.requires_grad_(), y, impl=impl, return_token_accuracy=True)
+        assert float(out.metrics["token_accuracy"]) == pytest.approx(float(want), abs=1e-6), online  # a float32 metric
+
+
+@pytest.mark.parametrize("impl", ["torch", "triton"])
+def test_block_argmax_column_is_the_first_in_any_block_order(impl, monkeypatch):
+    """``zarg`` is the first column holding the row maximum whichever order the blocks come in (a
+    tie between blocks goes to the lower column), exactly; a vocabulary past 2^24 columns (the
+    float that holds the column) is refused."""
+    if impl == "triton":
+        pytest.importorskip("triton")
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
+    n, vb = 4, 50
+    x = torch.randint(-3, 4, (n, 3 * vb), generator=torch.Generator().manual_seed(1)).float()
+    x[0, [7, 60, 140]] = 9.0  # ties in all three blocks
+    x[1, [120, 149]] = 9.0  # within the last block
+    x[2, [49, 50]] = 9.0  # either side of a block edge
+    labels = torch.zeros(n, dtype=torch.long)
+    for order in ([0, 1, 2], [2, 1, 0], [1, 2, 0]):
+        state = OnlineState.empty(n, "cpu")
+        acc = torch.zeros(n, 8)
+        for k, b in enumerate(order):
+            online_block(x[:, b * vb:(b + 1) * vb].clone(), labels, b * vb, state, acc, first=k == 0, impl=impl)
+        assert torch.equal(state.zarg, x.argmax(1).float()), order
+    with pytest.raises(ValueError, match="columns"):
+        online_block(x[:, :vb].clone(), labels, (1 << 24) - 10, OnlineState.empty(n, "cpu"), None, first=True,
+                     impl=impl)

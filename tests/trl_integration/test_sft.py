@@ -82,6 +82,25 @@ def test_label_smoothing_parity(tok, tmp_path):
     _check(*_pair(tok, tmp_path, sft_dataset(), label_smoothing_factor=0.1))
 
 
+def test_token_accuracy_on_tied_logits_parity(tok, tmp_path):
+    """Half the head's rows identical (tokens added with one shared initial row) and the others
+    small, so the shared logit is the row maximum on about half the tokens and ties exactly there;
+    TRL's ``argmax`` counts only the first tied row. ``mean_token_accuracy`` matches TRL's (a label
+    on a later tied row is a miss), as do the loss and every gradient."""
+    theirs, ours = _pair(tok, tmp_path, sft_dataset())
+    for trainer in (theirs, ours):
+        with torch.no_grad():
+            head = trainer.model.get_output_embeddings().weight
+            head[0::2] *= 0.01
+            head[1::2] = head[1].clone()
+    batch = _check(theirs, ours)
+    with torch.no_grad():  # the case is live: labels on tied maximal rows that are not the first
+        logits = theirs.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+        z, y = logits[:, :-1], batch["labels"][:, 1:]
+        tied_late = (y > 1) & (y % 2 == 1) & (z.gather(-1, y.clamp(min=0)[..., None])[..., 0] == z.amax(-1))
+        assert int(tied_late.sum()) >= 1
+
+
 def test_short_run_tracks_trl(tok, tmp_path):
     """4 Adam steps: each logged loss, token accuracy and entropy track TRL's run (rel <= 1e-4)."""
     theirs, ours = _pair(tok, tmp_path, sft_dataset(), max_steps=4, learning_rate=3e-3)
