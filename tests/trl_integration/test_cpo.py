@@ -93,12 +93,12 @@ def test_short_run_tracks_trl(tok, tmp_path):
 @pytest.mark.slow
 def test_patched_short_run_tracks_trl(tok, tmp_path):
     """As test_short_run_tracks_trl (CPO sigmoid) with the model's layers patched (liger_patch_model=True:
-    RMSNorm/RoPE/SwiGLU kernels; slow in the Triton interpreter): loss rel <= 1e-3 per step."""
+    RMSNorm/RoPE/SwiGLU kernels; slow in the Triton interpreter, so 4 steps): loss rel <= 1e-3 per step."""
     from liger_losses.kernels.rms_norm import LigerRMSNorm
 
-    theirs, ours = _pair(tok, tmp_path, liger_kwargs={"liger_patch_model": True}, max_steps=10)
+    theirs, ours = _pair(tok, tmp_path, liger_kwargs={"liger_patch_model": True}, max_steps=4)
     assert isinstance(ours.model.model.norm, LigerRMSNorm)
-    _short_run(theirs, ours, 10)
+    _short_run(theirs, ours, 4)
 
 
 def test_use_liger_false_is_trl(tok, tmp_path):
