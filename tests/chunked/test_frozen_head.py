@@ -240,8 +240,10 @@ def test_token_logprobs_frozen_head():
 
 def test_eligibility():
     """The path serves only hidden-gradient passes of "ce"/"logp" without class weights or
-    label smoothing under a softcap and without a fixed chunk size; the knob turns it off."""
-    base = dict(chunk_tokens=None, mode="ce", grad=True, needs_hidden=True, needs_weight=False, needs_bias=False)
+    label smoothing under a softcap, without a fixed chunk size and up to 2^24 vocabulary columns; the
+    knob turns it off."""
+    base = dict(vocab_size=1 << 24, chunk_tokens=None, mode="ce", grad=True, needs_hidden=True, needs_weight=False,
+                needs_bias=False)
     assert online_eligible(**base, kernel_opts={})
     assert not online_eligible(**dict(base, needs_weight=True), kernel_opts={})
     assert not online_eligible(**dict(base, needs_bias=True), kernel_opts={})
@@ -250,6 +252,7 @@ def test_eligibility():
     assert not online_eligible(**base, kernel_opts=dict(label_smoothing=0.1, softcap=30.0))
     assert online_eligible(**base, kernel_opts=dict(label_smoothing=0.1))
     assert not online_eligible(**dict(base, chunk_tokens=64), kernel_opts={})
+    assert not online_eligible(**dict(base, vocab_size=(1 << 24) + 1), kernel_opts={})
     with engine_config(frozen_head_online=False):
         assert not online_eligible(**base, kernel_opts={})
 
