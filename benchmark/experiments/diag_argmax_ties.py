@@ -37,11 +37,12 @@ def _one() -> dict:
     import torch
     import triton.testing
 
+    import liger_losses
     from liger_losses.kernels.logits_tile import logits_tile
     from liger_losses.kernels.online_block import OnlineState, online_block
 
     g = torch.Generator(device="cuda").manual_seed(0)
-    out = {}
+    out = {"package": os.path.dirname(liger_losses.__file__)}
     x0 = (torch.randn(2048, V, device="cuda", generator=g) * 1.3).to(torch.bfloat16)
     labels = torch.randint(0, V, (2048,), device="cuda", generator=g)
     grad = torch.empty_like(x0)  # the gradient written beside the logits: every call sees the same logits
@@ -76,9 +77,16 @@ def main():
         for name, tree in trees.items():
             env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.abspath(tree), here,
                                                                os.environ.get("PYTHONPATH", "")]))
-            res = subprocess.run([sys.executable, "-m", "benchmark.experiments.diag_argmax_ties", "--one"],
-                                 env=env, capture_output=True, text=True, check=True)
-            runs[name].append(json.loads(res.stdout.strip().splitlines()[-1]))
+            # run as a script, not with -m: -m puts the working directory ahead of the tree on sys.path
+            res = subprocess.run([sys.executable, os.path.abspath(__file__), "--one"],
+                                 env=env, capture_output=True, text=True)
+            if res.returncode != 0:
+                raise SystemExit(f"tree {name} failed:\n{res.stderr[-3000:]}")
+            rec = json.loads(res.stdout.strip().splitlines()[-1])
+            package = rec.pop("package")
+            if not package.startswith(os.path.abspath(tree)):
+                raise SystemExit(f"tree {name}: imported {package}, not the tree's package")
+            runs[name].append(rec)
     names = list(trees)
     for key in runs[names[0]][0]:
         meds = {}
