@@ -37,19 +37,16 @@ from liger_losses.chunked.gemm import HeadGrads, mm_into
 from liger_losses.chunked.planning import chunk_bounds
 from liger_losses.chunked.tokens import RowGather, per_row_scale
 from liger_losses.kernels.logits_tile import torch_stats_dtype
-from liger_losses.kernels.online_block import MAX_COLUMNS, OnlineState, online_block
+from liger_losses.kernels.online_block import OnlineState, online_block
 from liger_losses.kernels.online_finish import online_finish
 
 
-def online_eligible(*, vocab_size: int, chunk_tokens: Optional[int], mode: str, grad: bool, needs_hidden: bool,
+def online_eligible(*, chunk_tokens: Optional[int], mode: str, grad: bool, needs_hidden: bool,
                     needs_weight: bool, needs_bias: bool, kernel_opts: Optional[Mapping[str, Any]]) -> bool:
     """Whether a per-token pass takes the frozen-head path (see the module docstring); a pass with a
-    fixed ``chunk_tokens`` keeps the tile path, whose chunks that size means, and so does a
-    vocabulary beyond the block kernel's ``MAX_COLUMNS`` (its argmax column is held as a float)."""
+    fixed ``chunk_tokens`` keeps the tile path, whose chunks that size means."""
     cfg = get_engine_config()
     if chunk_tokens is not None or not (cfg.frozen_head_online and grad and needs_hidden):
-        return False
-    if vocab_size > MAX_COLUMNS:
         return False
     if needs_weight or needs_bias:
         return False

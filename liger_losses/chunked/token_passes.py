@@ -85,7 +85,7 @@ def run_tiles(
     )
     parts: dict[str, list] = {}
     V, H = weight.shape
-    if online_eligible(vocab_size=V, chunk_tokens=chunk_tokens, mode=mode, grad=grad, needs_hidden=needs_hidden,
+    if online_eligible(chunk_tokens=chunk_tokens, mode=mode, grad=grad, needs_hidden=needs_hidden,
                        needs_weight=needs_weight, needs_bias=needs_bias, kernel_opts=kernel_opts):
         run_online_chunks(weight, hidden_rows, labels_valid, bias, grads, parts, grad_scale, tile_opts)
     else:
@@ -140,7 +140,7 @@ def run_token_tiles(
     flat_labels = labels.reshape(-1)
     total = flat_labels.shape[0]
     size = itemsize(weight.dtype)
-    online = online_eligible(vocab_size=V, chunk_tokens=chunk_tokens, mode=mode, grad=grad, needs_hidden=needs_hidden,
+    online = online_eligible(chunk_tokens=chunk_tokens, mode=mode, grad=grad, needs_hidden=needs_hidden,
                              needs_weight=needs_weight, needs_bias=needs_bias, kernel_opts=kernel_opts)
     if online:
         bounds = online_token_chunks(V, H, size, total)

@@ -10,9 +10,9 @@ vocabulary) and a running per-row :class:`OnlineState`, :func:`online_block`:
 * updates the state (float32 ``[n]`` each): ``ref``, the exponent's reference: raised to the block's
   maximum only when that exceeds it by more than ``TAU`` (so ``exp(z - ref) <= e^TAU``, and most
   blocks move no reference); ``sumexp = sum exp(z - ref)``; ``zexp = sum exp(z - ref) z`` (the
-  entropy's); ``zsum = sum z`` (label smoothing's); ``zmax = max z`` and ``zarg``, the first
-  column holding it (argmax hits, first index as ``torch.argmax``; a float, exact below 2^24
-  columns); ``z_y``/``d_y``,
+  entropy's); ``zsum = sum z`` (label smoothing's); ``zmax = max z`` and ``zpre``, the maximum
+  of the columns before the label (argmax hits, first index as ``torch.argmax``: the label is the
+  first maximal column when ``z_y >= zmax`` and ``zpre < z_y``); ``z_y``/``d_y``,
   the label's ``z`` and ``dz/dx`` once its block is seen (labels outside the block are left alone;
   ``ignore_index`` or out-of-range labels are never seen);
 * overwrites ``x`` by ``exp(z - ref) * dz/dx`` in its own dtype (``sum_v x_v W_v`` is then the
@@ -49,9 +49,6 @@ from liger_losses.kernels.utils import device_ctx, import_triton, next_power_of_
 # it is a sum of positives).
 TAU = 16.0
 
-# The state holds the argmax column as a float: exact up to 2^24 columns.
-MAX_COLUMNS = 1 << 24
-
 
 @dataclass(frozen=True)
 class OnlineBlockTuning(Knobs):
@@ -77,7 +74,7 @@ class OnlineState:
     zmax: Tensor
     z_y: Tensor
     d_y: Tensor
-    zarg: Tensor
+    zpre: Tensor
 
     @classmethod
     def empty(cls, n: int, device, dtype: torch.dtype = torch.float32) -> "OnlineState":
@@ -85,6 +82,7 @@ class OnlineState:
         buf = torch.zeros((8, n), dtype=dtype, device=device)
         buf[0].fill_(float("-inf"))
         buf[4].fill_(float("-inf"))
+        buf[7].fill_(float("-inf"))
         return cls(*buf.unbind(0))
 
     @classmethod
@@ -104,51 +102,55 @@ if triton is not None:
 
     @triton.jit
     def _online_block_kernel(x_ptr, stride_x, lab_ptr, v0, Vb, ref_ptr, se_ptr, ze_ptr, zs_ptr, zm_ptr,
-                             zy_ptr, dy_ptr, za_ptr, acc_ptr, stride_acc, H, logit_scale, inv_temp, softcap, tau,
+                             zy_ptr, dy_ptr, zp_ptr, acc_ptr, stride_acc, H, logit_scale, inv_temp, softcap, tau,
                              FIRST: tl.constexpr, HAS_SOFTCAP: tl.constexpr, NEED_ZEXP: tl.constexpr,
                              NEED_ZSUM: tl.constexpr, BLOCK: tl.constexpr, BLOCK_H: tl.constexpr):
         row = tl.program_id(0).to(tl.int64)
         x_row = x_ptr + row * stride_x
         offs = tl.arange(0, BLOCK)
-        # per lane the maximum and the first column holding it (strictly greater replaces: the
-        # columns come in increasing order), then the first column over the lanes that hold the block's
         bmax = tl.full((BLOCK,), float("-inf"), tl.float32)
-        barg = tl.zeros((BLOCK,), tl.int32)
         for start in range(0, Vb, BLOCK):
             cols = start + offs
             x = tl.load(x_row + cols, mask=cols < Vb, other=0.0).to(tl.float32)
             z, t = _transform(x, logit_scale, inv_temp, softcap, HAS_SOFTCAP)
-            zz = tl.where(cols < Vb, z, float("-inf"))
-            up = zz > bmax
-            barg = tl.where(up, cols, barg)
-            bmax = tl.where(up, zz, bmax)
+            bmax = tl.maximum(bmax, tl.where(cols < Vb, z, float("-inf")))
         block_max = tl.max(bmax, axis=0)
-        block_arg = (v0 + tl.min(tl.where(bmax == block_max, barg, Vb), axis=0)).to(tl.float32)
         # the label's z and dz/dx, when it falls in this block
         local = tl.load(lab_ptr + row).to(tl.int64) - v0
         here = (local >= 0) & (local < Vb)
         x_y = tl.load(x_row + tl.where(here, local, 0), mask=here, other=0.0).to(tl.float32)
         z_y, t_y = _transform(x_y, logit_scale, inv_temp, softcap, HAS_SOFTCAP)
         d_y = logit_scale * inv_temp * (1.0 - t_y * t_y)
+        # the maximum of this block's columns before the label: all of them for a block wholly before
+        # it, none after it, and in the label's block its prefix read again (from L2; only the rows
+        # whose label is here: no per-element work for the others -- tracking the first argmax column
+        # per lane cost 16% of the kernel, benchmark/experiments/diag_argmax_ties.py)
+        pre = tl.where(local >= Vb, block_max, float("-inf"))
+        if here:
+            pmax = tl.full((BLOCK,), float("-inf"), tl.float32)
+            for start in range(0, local, BLOCK):
+                cols = start + offs
+                x = tl.load(x_row + cols, mask=cols < local, other=0.0).to(tl.float32)
+                z, t = _transform(x, logit_scale, inv_temp, softcap, HAS_SOFTCAP)
+                pmax = tl.maximum(pmax, tl.where(cols < local, z, float("-inf")))
+            pre = tl.max(pmax, axis=0)
         tl.debug_barrier()  # every warp has read the label's logit before any overwrites the row below
         if FIRST:  # the state starts here: its old values are never read (it may be uninitialized)
             ref_old = block_max
             ref = block_max
             zm_old = block_max
-            za_old = block_arg
+            zp_old = pre
             zy_old = 0.0
             dy_old = 0.0
         else:
             ref_old = tl.load(ref_ptr + row)
             ref = tl.where(block_max > ref_old + tau, block_max, ref_old)
             zm_old = tl.load(zm_ptr + row)
-            za_old = tl.load(za_ptr + row)
+            zp_old = tl.load(zp_ptr + row)
             zy_old = tl.load(zy_ptr + row)
             dy_old = tl.load(dy_ptr + row)
         tl.store(zm_ptr + row, tl.maximum(zm_old, block_max))
-        # the earlier column wins a tie, whatever order the blocks come in
-        takes = (block_max > zm_old) | ((block_max == zm_old) & (block_arg < za_old))
-        tl.store(za_ptr + row, tl.where(takes, block_arg, za_old))
+        tl.store(zp_ptr + row, tl.maximum(zp_old, pre))
         tl.store(zy_ptr + row, tl.where(here, z_y, zy_old))
         tl.store(dy_ptr + row, tl.where(here, d_y, dy_old))
         se = tl.zeros((BLOCK,), tl.float32)
@@ -193,19 +195,18 @@ if triton is not None:
 def _online_block_torch(x, labels, v0, state, acc, first, logit_scale, inv_temp, softcap, need_zexp, need_zsum):
     n, Vb = x.shape
     z, t = transform_logits_torch(x, logit_scale, 1.0 / inv_temp, softcap)
-    block_max, block_arg = z.max(1)  # the first maximal column, as torch.argmax
-    block_arg = (block_arg + v0).to(z.dtype)
+    block_max = z.max(1).values
     if first:  # the state's old values are never read (the Triton kernel's contract)
         for field in (state.sumexp, state.zexp, state.zsum, state.z_y, state.d_y):
             field.zero_()
         state.ref.fill_(float("-inf"))
         state.zmax.fill_(float("-inf"))
-        state.zarg.copy_(block_arg)
+        state.zpre.fill_(float("-inf"))
     ref_old = state.ref.clone()
     ref = torch.where(block_max > ref_old + TAU, block_max, ref_old)
-    takes = (block_max > state.zmax) | ((block_max == state.zmax) & (block_arg < state.zarg))
-    state.zarg.copy_(torch.where(takes, block_arg, state.zarg))
     state.zmax.copy_(torch.maximum(state.zmax, block_max))
+    before = torch.arange(Vb, device=z.device)[None, :] < (labels.long() - v0)[:, None]  # columns before the label
+    state.zpre.copy_(torch.maximum(state.zpre, torch.where(before, z, float("-inf")).max(1).values))
     local = labels.long() - v0
     here = (local >= 0) & (local < Vb)
     idx = torch.where(here, local, torch.zeros_like(local)).unsqueeze(1)
@@ -241,9 +242,6 @@ def online_block(x: Tensor, labels: Tensor, v0: int, state: OnlineState, acc: Op
     if not first and (acc is None or acc.shape[0] != n or acc.dtype not in (torch.float32, torch.float64)
                       or acc.stride(1) != 1):
         raise ValueError("acc must be an [n, H] float32 (float64) tensor with unit column stride after the first block")
-    if int(v0) + Vb > MAX_COLUMNS:
-        raise ValueError(f"the vocabulary must have at most {MAX_COLUMNS} columns (the argmax column is held "
-                         f"as a float); got a block ending at column {int(v0) + Vb}")
     inv_temp = 1.0 / float(temperature)
     if n == 0:
         return
@@ -259,7 +257,7 @@ def online_block(x: Tensor, labels: Tensor, v0: int, state: OnlineState, acc: Op
     with device_ctx(x):
         _online_block_kernel[(n,)](
             x, x.stride(0), labels, int(v0), Vb, state.ref, state.sumexp, state.zexp, state.zsum, state.zmax,
-            state.z_y, state.d_y, state.zarg, acc_arg, acc_arg.stride(0) if acc is not None else 0, H,
+            state.z_y, state.d_y, state.zpre, acc_arg, acc_arg.stride(0) if acc is not None else 0, H,
             float(logit_scale), inv_temp, float(softcap) if softcap is not None else 1.0, TAU,
             FIRST=bool(first), HAS_SOFTCAP=softcap is not None, NEED_ZEXP=bool(need_zexp),
             NEED_ZSUM=bool(need_zsum), BLOCK=block, BLOCK_H=min(next_power_of_2(H), 1024), num_warps=knobs.num_warps,

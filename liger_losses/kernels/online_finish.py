@@ -3,13 +3,14 @@ hidden gradient, in one launch.
 
 After the last vocabulary block of :func:`~liger_losses.kernels.online_block.online_block`, row
 ``r`` of a chunk of ``n`` tokens holds its :class:`~liger_losses.kernels.online_block.OnlineState`
-(``ref``, ``sumexp``, ``zexp``, ``zsum``, ``zmax``, ``z_y``, ``d_y``, ``zarg``; float32 ``[n]``) and
+(``ref``, ``sumexp``, ``zexp``, ``zsum``, ``zmax``, ``z_y``, ``d_y``, ``zpre``; float32 ``[n]``) and
 ``acc [n, H]`` (float32) ``= sum_v exp(z_v - ref) d_v W_v``. :func:`online_finish` turns them into
 
 * the row statistics, written into float32 ``[n]`` outputs: ``lse = ref + log(sumexp)``,
   ``logp = z_y - lse``, ``loss`` (``mode`` "ce": ``(1 - eps) (-logp) + z_w lse^2 (+ eps (lse -
   zsum / V))``; "logp": ``logp``), ``entropy = lse - zexp / sumexp`` (``need_entropy``) and the
-  argmax hit ``zarg == label`` (bool ``[n]``; the first maximal column, as ``torch.argmax``);
+  argmax hit ``z_y >= zmax and zpre < z_y`` (bool ``[n]``: the label is the first maximal column, as
+  ``torch.argmax`` counts it);
 * the hidden gradient row, in ``out``'s dtype, with ``s`` the row's upstream scale::
 
       ce:    s * ((1 + 2 z_w lse) / sumexp * acc - (1 - eps) d_y W_y - eps d * mean_v W_v)
@@ -53,7 +54,7 @@ triton, tl = import_triton()
 if triton is not None:
 
     @triton.jit
-    def _online_finish_kernel(ref_ptr, se_ptr, ze_ptr, zs_ptr, za_ptr, zy_ptr, dy_ptr, acc_ptr, stride_acc,
+    def _online_finish_kernel(ref_ptr, se_ptr, ze_ptr, zs_ptr, zm_ptr, zy_ptr, dy_ptr, zp_ptr, acc_ptr, stride_acc,
                               w_ptr, stride_w, lab_ptr, wmean_ptr, scale_ptr, scale_stride, scale_value,
                               out_ptr, stride_out, rows_ptr, loss_ptr, lse_ptr, logp_ptr, hit_ptr, ent_ptr,
                               H, inv_V, eps, z_w, dz_dx,
@@ -82,8 +83,8 @@ if triton is not None:
         tl.store(loss_ptr + row, loss)
         tl.store(lse_ptr + row, lse)
         tl.store(logp_ptr + row, logp)
-        label = tl.load(lab_ptr + row)
-        tl.store(hit_ptr + row, tl.where(tl.load(za_ptr + row) == label.to(tl.float32), 1, 0).to(tl.int8))
+        hit = (z_y >= tl.load(zm_ptr + row)) & (tl.load(zp_ptr + row) < z_y)
+        tl.store(hit_ptr + row, tl.where(hit, 1, 0).to(tl.int8))
         if NEED_ENTROPY:
             tl.store(ent_ptr + row, lse - tl.load(ze_ptr + row) / se)
         if SCATTER:
@@ -91,7 +92,7 @@ if triton is not None:
         else:
             out_row = out_ptr + row * stride_out
         a_row = acc_ptr + row * stride_acc
-        w_row = w_ptr + label.to(tl.int64) * stride_w
+        w_row = w_ptr + tl.load(lab_ptr + row).to(tl.int64) * stride_w
         offs = tl.arange(0, BLOCK_H)
         for hs in range(0, H, BLOCK_H):
             hc = hs + offs
@@ -128,7 +129,7 @@ def _online_finish_torch(state, acc, weight, labels, scale, out, out_rows, stats
     stats["loss"].copy_(loss)
     stats["lse"].copy_(lse)
     stats["logp"].copy_(logp)
-    stats["correct"].copy_(state.zarg == labels.to(state.zarg.dtype))
+    stats["correct"].copy_((state.z_y >= state.zmax) & (state.zpre < state.z_y))
     if need_entropy:
         stats["entropy"].copy_(lse - state.zexp / state.sumexp)
 
@@ -176,7 +177,8 @@ def online_finish(state: OnlineState, acc: Tensor, weight: Tensor, labels: Tenso
     wmean = w_mean if w_mean is not None else state.ref
     with device_ctx(acc):
         _online_finish_kernel[(n,)](
-            state.ref, state.sumexp, state.zexp, state.zsum, state.zarg, state.z_y, state.d_y, acc, acc.stride(0),
+            state.ref, state.sumexp, state.zexp, state.zsum, state.zmax, state.z_y, state.d_y, state.zpre, acc,
+            acc.stride(0),
             weight, weight.stride(0), labels, wmean, scale_t, scale_stride,
             0.0 if per_row else float(scale), out, out.stride(0), out_rows if out_rows is not None else labels,
             stats["loss"], stats["lse"], stats["logp"], hits, ent, H, 1.0 / weight.shape[0], eps,

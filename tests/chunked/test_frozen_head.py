@@ -172,7 +172,7 @@ def test_block_kernel_reference_moving_within_a_row(first, monkeypatch):
     assert rel_err(s1.zexp * shift, s2.zexp) <= 1e-5
     if not first:
         assert rel_err(a1 * shift[:, None], a2) <= 1e-5
-    for key in ("zsum", "zmax", "z_y", "d_y", "zarg"):
+    for key in ("zsum", "zmax", "z_y", "d_y", "zpre"):
         assert torch.allclose(getattr(s1, key), getattr(s2, key), rtol=1e-6, atol=1e-5), key
     assert bool(((x0.max(1).values - s1.ref) <= TAU).all())  # the bound the reference keeps
 
@@ -240,10 +240,8 @@ def test_token_logprobs_frozen_head():
 
 def test_eligibility():
     """The path serves only hidden-gradient passes of "ce"/"logp" without class weights or
-    label smoothing under a softcap, without a fixed chunk size and up to 2^24 vocabulary columns; the
-    knob turns it off."""
-    base = dict(vocab_size=1 << 24, chunk_tokens=None, mode="ce", grad=True, needs_hidden=True, needs_weight=False,
-                needs_bias=False)
+    label smoothing under a softcap and without a fixed chunk size; the knob turns it off."""
+    base = dict(chunk_tokens=None, mode="ce", grad=True, needs_hidden=True, needs_weight=False, needs_bias=False)
     assert online_eligible(**base, kernel_opts={})
     assert not online_eligible(**dict(base, needs_weight=True), kernel_opts={})
     assert not online_eligible(**dict(base, needs_bias=True), kernel_opts={})
@@ -252,7 +250,6 @@ def test_eligibility():
     assert not online_eligible(**base, kernel_opts=dict(label_smoothing=0.1, softcap=30.0))
     assert online_eligible(**base, kernel_opts=dict(label_smoothing=0.1))
     assert not online_eligible(**dict(base, chunk_tokens=64), kernel_opts={})
-    assert not online_eligible(**dict(base, vocab_size=(1 << 24) + 1), kernel_opts={})
     with engine_config(frozen_head_online=False):
         assert not online_eligible(**base, kernel_opts={})
 
@@ -467,25 +464,31 @@ def test_token_accuracy_counts_the_first_maximal_column(impl, monkeypatch):
 
 
 @pytest.mark.parametrize("impl", ["torch", "triton"])
-def test_block_argmax_column_is_the_first_in_any_block_order(impl, monkeypatch):
-    """``zarg`` is the first column holding the row maximum whichever order the blocks come in (a
-    tie between blocks goes to the lower column), exactly; a vocabulary past 2^24 columns (the
-    float that holds the column) is refused."""
+def test_block_maximum_before_the_label_in_any_block_order(impl, monkeypatch):
+    """``zpre`` is the maximum of the columns before the label whichever order the blocks come in
+    (blocks wholly before it, the prefix of its own block at several column steps, none after it),
+    exactly, with ties of the maximum in and across blocks; the hit ``z_y >= zmax and zpre < z_y``
+    is ``argmax == label``."""
+    from liger_losses.kernels.tuning import tuning
+
     if impl == "triton":
         pytest.importorskip("triton")
         monkeypatch.setenv("TRITON_INTERPRET", "1")
-    n, vb = 4, 50
+    n, vb = 6, 50
     x = torch.randint(-3, 4, (n, 3 * vb), generator=torch.Generator().manual_seed(1)).float()
     x[0, [7, 60, 140]] = 9.0  # ties in all three blocks
     x[1, [120, 149]] = 9.0  # within the last block
     x[2, [49, 50]] = 9.0  # either side of a block edge
-    labels = torch.zeros(n, dtype=torch.long)
+    x[3, [0, 1]] = 9.0
+    labels = torch.tensor([60, 120, 50, 0, 149, 31])  # misses: rows 0, 2 (an earlier tie); hits: 1, 3
+    want_pre = torch.where(torch.arange(3 * vb) < labels[:, None], x, float("-inf")).max(1).values
     for order in ([0, 1, 2], [2, 1, 0], [1, 2, 0]):
         state = OnlineState.empty(n, "cpu")
         acc = torch.zeros(n, 8)
-        for k, b in enumerate(order):
-            online_block(x[:, b * vb:(b + 1) * vb].clone(), labels, b * vb, state, acc, first=k == 0, impl=impl)
-        assert torch.equal(state.zarg, x.argmax(1).float()), order
-    with pytest.raises(ValueError, match="columns"):
-        online_block(x[:, :vb].clone(), labels, (1 << 24) - 10, OnlineState.empty(n, "cpu"), None, first=True,
-                     impl=impl)
+        with tuning(online_block={"block_cap": 16}):  # the label's prefix over several column steps
+            for k, b in enumerate(order):
+                online_block(x[:, b * vb:(b + 1) * vb].clone(), labels, b * vb, state, acc, first=k == 0, impl=impl)
+        assert torch.equal(state.zpre, want_pre), order
+        hits = (state.z_y >= state.zmax) & (state.zpre < state.z_y)
+        assert torch.equal(hits, x.argmax(1) == labels), order
+    assert hits[[1, 3]].all() and not hits[[0, 2]].any()

@@ -36,7 +36,7 @@ def _problem(dtype=torch.float64, seed=0):
     e = torch.exp(z - ref[:, None])
     state = OnlineState(ref=ref, sumexp=e.sum(1), zexp=(e * z).sum(1), zsum=z.sum(1), zmax=z.max(1).values,
                         z_y=z.gather(1, labels[:, None]).squeeze(1), d_y=torch.ones(N_ROWS, dtype=torch.float64),
-                        zarg=z.argmax(1).to(torch.float64))
+                        zpre=torch.where(torch.arange(V) < labels[:, None], z, float("-inf")).max(1).values)
     acc = e @ w
     cast = OnlineState(*(getattr(state, k).to(dtype) for k in vars(state)))
     return cast, acc.to(dtype), w.to(dtype), labels, z
