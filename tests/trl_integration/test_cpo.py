@@ -84,10 +84,10 @@ def _short_run(theirs, ours, steps):
 
 
 def test_short_run_tracks_trl(tok, tmp_path):
-    """10 optimizer steps of SimPO with our loss: each logged loss tracks TRL's run (rel <= 1e-3: fp32 sums in
+    """5 optimizer steps of SimPO with our loss: each logged loss tracks TRL's run (rel <= 1e-3: fp32 sums in
     another order, amplified a little by Adam over steps), the logged names are TRL's, and the loss falls."""
-    theirs, ours = _pair(tok, tmp_path, max_steps=10, loss_type="simpo", cpo_alpha=0.0, beta=2.0)
-    _short_run(theirs, ours, 10)
+    theirs, ours = _pair(tok, tmp_path, max_steps=5, loss_type="simpo", cpo_alpha=0.0, beta=2.0)
+    _short_run(theirs, ours, 5)
 
 
 @pytest.mark.slow

@@ -83,10 +83,10 @@ def test_step0_parity(tok, tmp_path, cfg, chunk):
 
 
 def test_short_run_tracks_trl(tok, tmp_path):
-    """10 optimizer steps with greedy on-policy generation: each logged loss and entropy track TRL's run
+    """5 optimizer steps with greedy on-policy generation: each logged loss and entropy track TRL's run
     (rel <= 1e-3: fp32 sums in another order, amplified a little by Adam), and the logged names are TRL's."""
-    theirs, ours = _pair(tok, tmp_path, max_steps=10)
-    lo, lt = train_logs(theirs, ours, loss_tol=1e-3)
+    theirs, ours = _pair(tok, tmp_path, max_steps=5)
+    lo, lt = train_logs(theirs, ours, 5, loss_tol=1e-3)
     for a, b in zip(lo, lt):
         assert rel(a["entropy"], b["entropy"]) <= 1e-3
 
