@@ -44,6 +44,8 @@ from liger_losses.kernels import (  # noqa: E402
     layer_norm,
     logits_tile,
     norm_common,
+    online_block,
+    online_finish,
     rms_norm,
     rope,
     swiglu,
@@ -139,6 +141,26 @@ def _divergence_case(**flags) -> dict:
                         floats=("scale_value", "inv_t", "one_m_beta", "log_1m_beta", "log_beta", "w_hard", "w_soft"))
 
 
+def _online_block_case(first: bool) -> dict:
+    knobs = online_block.ONLINE_BLOCK_TUNING.current
+    pointers = {n: "*fp32" for n in ("ref_ptr", "se_ptr", "ze_ptr", "zs_ptr", "zm_ptr", "zy_ptr", "dy_ptr", "zp_ptr",
+                                     "acc_ptr")} | {"lab_ptr": "*i64"}
+    return compile_case(online_block._online_block_kernel, num_warps=knobs.num_warps, pointers=pointers,
+                        constexprs=dict(FIRST=first, HAS_SOFTCAP=False, NEED_ZEXP=True, NEED_ZSUM=False,
+                                        BLOCK=knobs.block_cap, BLOCK_H=1024),
+                        floats=("logit_scale", "inv_temp", "softcap", "tau"))
+
+
+def _online_finish_case() -> dict:
+    pointers = {n: "*fp32" for n in ("ref_ptr", "se_ptr", "ze_ptr", "zs_ptr", "zm_ptr", "zy_ptr", "dy_ptr", "zp_ptr",
+                                     "acc_ptr", "wmean_ptr", "scale_ptr", "loss_ptr", "lse_ptr", "logp_ptr",
+                                     "ent_ptr")} | {"lab_ptr": "*i64", "rows_ptr": "*i64", "hit_ptr": "*i8"}
+    return compile_case(online_finish._online_finish_kernel, num_warps=4, pointers=pointers,
+                        constexprs=dict(MODE_CE=True, HAS_EPS=False, NEED_ENTROPY=True, SCALE_PTR=True, SCATTER=True,
+                                        BLOCK_H=1024),
+                        floats=("scale_value", "inv_V", "eps", "z_w", "dz_dx"))
+
+
 def default_cases() -> dict:
     """name -> thunk compiling one default launch configuration."""
     cases = {}
@@ -152,6 +174,12 @@ def default_cases() -> dict:
                         ("logp+entropy", {"MODE_CE": False, "NEED_ENT": True}),
                         ("ce+softcap", {"HAS_SOFTCAP": True}), ("stats only", {"WRITE_GRAD": False})):
         cases[f"logits_tile {name} {block_v}/{warps_v}"] = (lambda f=flags: _logits_case(block_v, warps_v, vec, **f))
+
+    block_o = online_block.ONLINE_BLOCK_TUNING.current
+    for first in (True, False):
+        cases[f"online_block {'first' if first else 'later'} {block_o.block_cap}/{block_o.num_warps}"] = (
+            lambda f=first: _online_block_case(f))
+    cases["online_finish ce+entropy, scattered rows"] = _online_finish_case
 
     for mod, kernel, extra in ((rms_norm, "_rms_norm", dict(CASTING=0)), (layer_norm, "_layer_norm", {})):
         knobs = (rms_norm.RMS_NORM_TUNING if mod is rms_norm else layer_norm.LAYER_NORM_TUNING).current

@@ -186,11 +186,13 @@ if triton is not None:
         z_y, _ty = _transform(x_y, logit_scale, inv_temp, softcap, HAS_SOFTCAP)
         # a hit is the first maximal column (torch.argmax, TRL's token accuracy): the label reaches
         # the maximum and every column before it -- the earlier blocks' and its own block's prefix,
-        # read again (mostly from L2) -- stays below its logit
+        # read again (mostly from L2) -- stays below its logit. The transform is monotone, so the
+        # prefix's maximum is the transform of its largest logit (one scalar transform, not a
+        # vector's: with a softcap the vector's spilled under Triton 3.6)
         pre_cols = label_block * BLOCK + offs
-        x_pre = tl.load(x_ptr + pre_cols, mask=pre_cols < safe, other=0.0).to(tl.float32)
+        x_pre = tl.max(tl.load(x_ptr + pre_cols, mask=pre_cols < safe, other=float("-inf")).to(tl.float32), axis=0)
         z_pre, _tp = _transform(x_pre, logit_scale, inv_temp, softcap, HAS_SOFTCAP)
-        pre = tl.max(tl.where(pre_cols < safe, z_pre, float("-inf")), axis=0)
+        pre = tl.where(safe > label_block * BLOCK, z_pre, float("-inf"))
         logp = z_y - lse
         if HAS_CW:
             w_y = tl.load(CW + safe).to(tl.float32)

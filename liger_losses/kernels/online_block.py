@@ -126,13 +126,14 @@ if triton is not None:
         # whose label is here: no per-element work for the others -- tracking the first argmax column
         # per lane cost 16% of the kernel, benchmark/experiments/diag_argmax_ties.py)
         pre = tl.where(local >= Vb, block_max, float("-inf"))
-        if here:
+        if here:  # names of their own: the compiled branch may not retype the loops' variables
+            n_pre = local.to(tl.int32)
             pmax = tl.full((BLOCK,), float("-inf"), tl.float32)
-            for start in range(0, local, BLOCK):
-                cols = start + offs
-                x = tl.load(x_row + cols, mask=cols < local, other=0.0).to(tl.float32)
-                z, t = _transform(x, logit_scale, inv_temp, softcap, HAS_SOFTCAP)
-                pmax = tl.maximum(pmax, tl.where(cols < local, z, float("-inf")))
+            for p_start in range(0, n_pre, BLOCK):
+                p_cols = p_start + offs
+                p_x = tl.load(x_row + p_cols, mask=p_cols < n_pre, other=0.0).to(tl.float32)
+                p_z, _p_t = _transform(p_x, logit_scale, inv_temp, softcap, HAS_SOFTCAP)
+                pmax = tl.maximum(pmax, tl.where(p_cols < n_pre, p_z, float("-inf")))
             pre = tl.max(pmax, axis=0)
         tl.debug_barrier()  # every warp has read the label's logit before any overwrites the row below
         if FIRST:  # the state starts here: its old values are never read (it may be uninitialized)
