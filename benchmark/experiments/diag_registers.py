@@ -17,7 +17,10 @@ Each case is compiled like a real launch: bf16 tensors, 16-byte aligned pointers
 divisible by 16 (as the 8B shapes give), constexprs and warps from the kernels' tuning slots at the
 8B shapes (H=4096, V=128256, 32/8 heads of 128, intermediate 14336).
 
-    python -m benchmark.experiments.diag_registers [--json]
+    python -m benchmark.experiments.diag_registers [--json] [--defaults]
+
+(``--defaults``: the default configurations only; ``tests/kernels/test_sm90_compile.py`` runs it so that
+a kernel the interpreter accepts but the compiler refuses fails on the CPU.)
 
 Output per case: name, registers per thread, spill stack bytes per thread, warps.
 """
@@ -262,8 +265,11 @@ def alternative_cases() -> dict:
 
 def main() -> None:
     as_json = "--json" in sys.argv[1:]
+    groups = [("default", default_cases())]
+    if "--defaults" not in sys.argv[1:]:
+        groups.append(("alternative", alternative_cases()))
     results = {}
-    for group, cases in (("default", default_cases()), ("alternative", alternative_cases())):
+    for group, cases in groups:
         for name, thunk in cases.items():
             try:
                 results[name] = dict(group=group, **thunk())
