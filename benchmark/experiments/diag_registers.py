@@ -44,13 +44,16 @@ from liger_losses.kernels import (  # noqa: E402
     divergence_tile,
     gated,
     geglu,
+    label_stats,
     layer_norm,
     logits_tile,
+    logp_entropy_grad,
     norm_common,
     online_block,
     online_finish,
     rms_norm,
     rope,
+    scale,
     swiglu,
 )
 from liger_losses.kernels.utils import row_tile  # noqa: E402
@@ -183,6 +186,27 @@ def default_cases() -> dict:
         cases[f"online_block {'first' if first else 'later'} {block_o.block_cap}/{block_o.num_warps}"] = (
             lambda f=first: _online_block_case(f))
     cases["online_finish ce+entropy, scattered rows"] = _online_finish_case
+    # the branches the cases above leave out: top-k teachers, class weights with label smoothing
+    cases[f"divergence_tile top-k+tail+labels {block_d}/{warps_d}"] = lambda: _divergence_case(
+        TOPK=True, TAIL=True, HAS_LABELS=True, SEP_RAW=True, BLOCK_K=64)
+    cases[f"logits_tile ce+class weights+smoothing {block_v}/{warps_v}"] = (
+        lambda: _logits_case(block_v, warps_v, vec, HAS_CW=True, NEED_LSUM=True, HAS_SOFTCAP=True))
+    lg = logp_entropy_grad.LOGP_ENTROPY_GRAD_TUNING.current
+    lg_block = min(triton.next_power_of_2(V), lg.block_cap)
+    cases[f"logp_entropy_grad {lg_block}"] = lambda: compile_case(
+        logp_entropy_grad._logp_entropy_grad_kernel, num_warps=lg.num_warps or (8 if lg_block >= 4096 else 4),
+        pointers={"X": "*bf16", "LABELS": "*i64", "LSE": "*fp32", "ENT": "*fp32", "GL": "*fp32", "GE": "*fp32"},
+        constexprs=dict(HAS_SOFTCAP=True, HAS_GE=True, BLOCK=lg_block),
+        floats=("logit_scale", "inv_temp", "softcap"))
+    ls = label_stats.LABEL_STATS_TUNING.current
+    cases["label_stats"] = lambda: compile_case(
+        label_stats._label_stats_kernel, num_warps=ls.num_warps,
+        pointers={"LABELS": "*i64", "CW": "*fp32", "BAD": "*i32", "SCALE": "*fp32"},
+        constexprs=dict(HAS_CW=True, BLOCK=ls.block))
+    sc = scale.SCALE_TUNING.current
+    cases["scale_unless_one"] = lambda: compile_case(
+        scale._scale_unless_one_kernel, num_warps=sc.num_warps, pointers={"scale_ptr": "*fp32"},
+        constexprs=dict(BLOCK=sc.block))
 
     for mod, kernel, extra in ((rms_norm, "_rms_norm", dict(CASTING=0)), (layer_norm, "_layer_norm", {})):
         knobs = (rms_norm.RMS_NORM_TUNING if mod is rms_norm else layer_norm.LAYER_NORM_TUNING).current
