@@ -101,6 +101,17 @@ if triton is not None:
     from liger_losses.kernels.utils import transform_logits as _transform
 
     @triton.jit
+    def _max_z(x_row, n, offs, logit_scale, inv_temp, softcap, HAS_SOFTCAP: tl.constexpr, BLOCK: tl.constexpr):
+        """The largest transformed logit of the row's first ``n`` columns (-inf when ``n`` is 0): the
+        transform is monotone, so it is the transform of the largest logit (one scalar transform)."""
+        xmax = tl.full((BLOCK,), float("-inf"), tl.float32)
+        for start in range(0, n, BLOCK):
+            cols = start + offs
+            xmax = tl.maximum(xmax, tl.load(x_row + cols, mask=cols < n, other=float("-inf")).to(tl.float32))
+        z, _t = _transform(tl.max(xmax, axis=0), logit_scale, inv_temp, softcap, HAS_SOFTCAP)
+        return tl.where(n > 0, z, float("-inf"))
+
+    @triton.jit
     def _online_block_kernel(x_ptr, stride_x, lab_ptr, v0, Vb, ref_ptr, se_ptr, ze_ptr, zs_ptr, zm_ptr,
                              zy_ptr, dy_ptr, zp_ptr, acc_ptr, stride_acc, H, logit_scale, inv_temp, softcap, tau,
                              FIRST: tl.constexpr, HAS_SOFTCAP: tl.constexpr, NEED_ZEXP: tl.constexpr,
@@ -108,13 +119,7 @@ if triton is not None:
         row = tl.program_id(0).to(tl.int64)
         x_row = x_ptr + row * stride_x
         offs = tl.arange(0, BLOCK)
-        bmax = tl.full((BLOCK,), float("-inf"), tl.float32)
-        for start in range(0, Vb, BLOCK):
-            cols = start + offs
-            x = tl.load(x_row + cols, mask=cols < Vb, other=0.0).to(tl.float32)
-            z, t = _transform(x, logit_scale, inv_temp, softcap, HAS_SOFTCAP)
-            bmax = tl.maximum(bmax, tl.where(cols < Vb, z, float("-inf")))
-        block_max = tl.max(bmax, axis=0)
+        block_max = _max_z(x_row, Vb, offs, logit_scale, inv_temp, softcap, HAS_SOFTCAP, BLOCK)
         # the label's z and dz/dx, when it falls in this block
         local = tl.load(lab_ptr + row).to(tl.int64) - v0
         here = (local >= 0) & (local < Vb)
@@ -126,15 +131,8 @@ if triton is not None:
         # whose label is here: no per-element work for the others -- tracking the first argmax column
         # per lane cost 16% of the kernel, benchmark/experiments/diag_argmax_ties.py)
         pre = tl.where(local >= Vb, block_max, float("-inf"))
-        if here:  # names of their own: the compiled branch may not retype the loops' variables
-            n_pre = local.to(tl.int32)
-            pmax = tl.full((BLOCK,), float("-inf"), tl.float32)
-            for p_start in range(0, n_pre, BLOCK):
-                p_cols = p_start + offs
-                p_x = tl.load(x_row + p_cols, mask=p_cols < n_pre, other=0.0).to(tl.float32)
-                p_z, _p_t = _transform(p_x, logit_scale, inv_temp, softcap, HAS_SOFTCAP)
-                pmax = tl.maximum(pmax, tl.where(p_cols < n_pre, p_z, float("-inf")))
-            pre = tl.max(pmax, axis=0)
+        if here:
+            pre = _max_z(x_row, local.to(tl.int32), offs, logit_scale, inv_temp, softcap, HAS_SOFTCAP, BLOCK)
         tl.debug_barrier()  # every warp has read the label's logit before any overwrites the row below
         if FIRST:  # the state starts here: its old values are never read (it may be uninitialized)
             ref_old = block_max
