@@ -2,11 +2,12 @@
 
 Question: token accuracy counts a label as a hit when it is the row's first maximal column (as
 ``torch.argmax`` and TRL's ``mean_token_accuracy``), not when it merely ties the maximum. The logits
-tile kernel (``kernels/logits_tile.py``) now counts, per lane, the columns before the label that
-reach its logit (a compare and an add per element in pass 1, one reduction per row); the frozen
-head's block kernel (``kernels/online_block.py``) keeps per lane the first column of its maximum
-(a compare and two selects per element, one more reduction per block). What do they cost against
-the kernels before, alone (L2 flushed, ``do_bench`` median) and in their losses?
+tile kernel (``kernels/logits_tile.py``) keeps a scalar per block (the maximum of the blocks wholly
+before the label's) and re-reads the label block's prefix once; the frozen head's block kernel
+(``kernels/online_block.py``) keeps ``zpre``, the maximum of the columns before the label, re-reading
+the prefix only in the label's block. What do they cost against the kernels before, alone (L2
+flushed, ``do_bench`` median)? (The first measurement, in ``benchmark/NOTES.md``, timed earlier
+variants: a per-lane first-argmax column in the block kernel cost 16% of it.)
 
 Times, for the tree on ``PYTHONPATH`` (``--one``), in microseconds:
 

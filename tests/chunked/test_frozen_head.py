@@ -463,12 +463,14 @@ def test_token_accuracy_counts_the_first_maximal_column(impl, monkeypatch):
         assert float(out.metrics["token_accuracy"]) == pytest.approx(float(want), abs=1e-6), online  # a float32 metric
 
 
+@pytest.mark.parametrize("transform", [{}, dict(softcap=5.0, logit_scale=1.5, temperature=0.7)],
+                         ids=["plain", "softcap_scale_temperature"])
 @pytest.mark.parametrize("impl", ["torch", "triton"])
-def test_block_maximum_before_the_label_in_any_block_order(impl, monkeypatch):
+def test_block_maximum_before_the_label_in_any_block_order(impl, transform, monkeypatch):
     """``zpre`` is the maximum of the columns before the label whichever order the blocks come in
     (blocks wholly before it, the prefix of its own block at several column steps, none after it),
-    exactly, with ties of the maximum in and across blocks; the hit ``z_y >= zmax and zpre < z_y``
-    is ``argmax == label``."""
+    (plain logits exactly, transformed ones to 1e-6: float32), with ties of the maximum in and across
+    blocks; the hit ``z_y >= zmax and zpre < z_y`` is ``argmax == label``."""
     from liger_losses.kernels.tuning import tuning
 
     if impl == "triton":
@@ -481,14 +483,19 @@ def test_block_maximum_before_the_label_in_any_block_order(impl, monkeypatch):
     x[2, [49, 50]] = 9.0  # either side of a block edge
     x[3, [0, 1]] = 9.0
     labels = torch.tensor([60, 120, 50, 0, 149, 31])  # misses: rows 0, 2 (an earlier tie); hits: 1, 3
-    want_pre = torch.where(torch.arange(3 * vb) < labels[:, None], x, float("-inf")).max(1).values
+    z = x * transform.get("logit_scale", 1.0)
+    if "softcap" in transform:
+        z = transform["softcap"] * torch.tanh(z / transform["softcap"])
+    z = z / transform.get("temperature", 1.0)
+    want_pre = torch.where(torch.arange(3 * vb) < labels[:, None], z, float("-inf")).max(1).values
     for order in ([0, 1, 2], [2, 1, 0], [1, 2, 0]):
         state = OnlineState.empty(n, "cpu")
         acc = torch.zeros(n, 8)
         with tuning(online_block={"block_cap": 16}):  # the label's prefix over several column steps
             for k, b in enumerate(order):
-                online_block(x[:, b * vb:(b + 1) * vb].clone(), labels, b * vb, state, acc, first=k == 0, impl=impl)
-        assert torch.equal(state.zpre, want_pre), order
+                online_block(x[:, b * vb:(b + 1) * vb].clone(), labels, b * vb, state, acc, first=k == 0, impl=impl,
+                             **transform)
+        assert torch.allclose(state.zpre, want_pre, rtol=1e-6, atol=0), order  # float32 transforms
         hits = (state.z_y >= state.zmax) & (state.zpre < state.z_y)
-        assert torch.equal(hits, x.argmax(1) == labels), order
+        assert torch.equal(hits, z.argmax(1) == labels), order
     assert hits[[1, 3]].all() and not hits[[0, 2]].any()

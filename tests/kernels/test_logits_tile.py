@@ -274,11 +274,12 @@ def test_argmax_hit_is_the_first_maximal_column(impl, softcap, vec_sums_max_bloc
     is a hit only when it is the first maximal column, as ``torch.argmax`` and TRL's token accuracy
     count it -- a label tying an earlier column (in its block or an earlier one) is a miss, one
     tying only later columns a hit. Compared exactly with ``argmax`` of the transformed logits."""
-    V = 2500  # three blocks in the interpreter (1024 columns a block)
-    x = (torch.randn(8, V, generator=torch.Generator().manual_seed(7)) * 2).to(torch.bfloat16)
+    V = 2500  # three blocks in the interpreter (1024 columns a block; the last, from 2048, partial)
+    x = (torch.randn(11, V, generator=torch.Generator().manual_seed(7)) * 2).to(torch.bfloat16)
     top = x.float().max().item() + 4.0
-    ties = {0: (5, 2100), 1: (2100, 5), 2: (300, 301), 3: (301, 300), 4: (1023, 1024), 5: (1024, 1023)}
-    labels = torch.empty(8, dtype=torch.long)
+    ties = {0: (5, 2100), 1: (2100, 5), 2: (300, 301), 3: (301, 300), 4: (1023, 1024), 5: (1024, 1023),
+            8: (0, 7), 9: (V - 1, 2049), 10: (2048, 2049)}
+    labels = torch.empty(11, dtype=torch.long)
     for row, (first, second) in ties.items():  # the label at `first`, the same maximum at `second`
         x[row, first] = x[row, second] = top
         labels[row] = first
@@ -287,5 +288,5 @@ def test_argmax_hit_is_the_first_maximal_column(impl, softcap, vec_sums_max_bloc
     st = logits_tile(x.clone(), labels, mode="ce", grad=False, softcap=softcap, impl=impl)
     z = x.double() if softcap is None else softcap * torch.tanh(x.double() / softcap)
     want = (z.argmax(1) == labels) & (labels != -100)
-    assert want.tolist() == [True, False, True, False, True, False, True, False]
+    assert want.tolist() == [True, False, True, False, True, False, True, False, True, False, True]
     assert torch.equal(st.correct, want)
