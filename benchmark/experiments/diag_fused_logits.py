@@ -158,8 +158,8 @@ def patched_chunk(flags):
             state.sumexp.add_(part[:, :, 0].sum((0, 1)))
             if self.need_entropy:
                 state.zexp.add_(part[:, :, 1].sum((0, 1)))
-            # the fused kernel keeps no argmax column: the token accuracy of this path is the first
-            # block's, not the head's (loss and gradient, what it measures, are exact)
+            # the fused kernel keeps no `zpre` (the maximum before the label): this path's token
+            # accuracy is wrong on ties (loss and gradient, what it measures, are exact)
             torch.maximum(state.zmax, part[:, :, 2].amax((0, 1)), out=state.zmax)
             flags.append(flag)
             online_finish(state, acc, w, labels, mode=self.mode, scale=scale, out=out, out_rows=out_rows,
