@@ -47,14 +47,18 @@ def project(hidden: Tensor, weight: Tensor, bias: Optional[Tensor] = None) -> Te
     """Logits tile ``[n, V] = hidden [n, H] @ weight[V, H].T (+ bias)`` in the compute dtype
     (autocast dtype if autocast is on, else the weight dtype), contiguous, no autograd."""
     dtype = compute_dtype(weight)
-    dev = weight.device.type
-    with torch.autocast(device_type=dev, enabled=False):
-        h = hidden if hidden.dtype == dtype else hidden.to(dtype)
-        w = weight if weight.dtype == dtype else weight.to(dtype)
+    with torch.autocast(device_type=weight.device.type, enabled=False):
+        h, w = _operands(hidden, weight, dtype)
         if bias is not None:
             b = bias if bias.dtype == dtype else bias.to(dtype)
             return torch.addmm(b, h, w.t())
         return torch.mm(h, w.t())
+
+
+def _operands(hidden: Tensor, weight: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    """``hidden`` and ``weight`` in ``dtype`` (no copy when they are already)."""
+    return (hidden if hidden.dtype == dtype else hidden.to(dtype),
+            weight if weight.dtype == dtype else weight.to(dtype))
 
 
 def project_fp32(hidden: Tensor, weight: Tensor, bias: Optional[Tensor] = None) -> Tensor:
@@ -70,8 +74,7 @@ def project_fp32(hidden: Tensor, weight: Tensor, bias: Optional[Tensor] = None) 
         return project(hidden, weight, bias)
     dev = weight.device.type
     with torch.autocast(device_type=dev, enabled=False):
-        h = hidden if hidden.dtype == dtype else hidden.to(dtype)
-        w = weight if weight.dtype == dtype else weight.to(dtype)
+        h, w = _operands(hidden, weight, dtype)
         out = torch.empty(h.shape[0], w.shape[0], dtype=torch.float32, device=weight.device)
         if not _mm_out_dtype(out, h, w.t(), accumulate=False):
             if dev == "cpu":

@@ -67,7 +67,7 @@ class TileStats(NamedTuple):
 triton, tl = import_triton()
 
 if triton is not None:
-    from liger_losses.kernels.utils import acc_zero, keep_or_sum, kept_total  # jit helpers
+    from liger_losses.kernels.utils import acc_zero, keep_or_sum, kept_total, max_transformed  # jit helpers
     from liger_losses.kernels.utils import transform_logits as _transform
 
     @triton.jit
@@ -186,13 +186,10 @@ if triton is not None:
         z_y, _ty = _transform(x_y, logit_scale, inv_temp, softcap, HAS_SOFTCAP)
         # a hit is the first maximal column (torch.argmax, TRL's token accuracy): the label reaches
         # the maximum and every column before it -- the earlier blocks' and its own block's prefix,
-        # read again (mostly from L2) -- stays below its logit. The transform is monotone, so the
-        # prefix's maximum is the transform of its largest logit (one scalar transform, not a
-        # vector's: with a softcap the vector's spilled under Triton 3.6)
-        pre_cols = label_block * BLOCK + offs
-        x_pre = tl.max(tl.load(x_ptr + pre_cols, mask=pre_cols < safe, other=float("-inf")).to(tl.float32), axis=0)
-        z_pre, _tp = _transform(x_pre, logit_scale, inv_temp, softcap, HAS_SOFTCAP)
-        pre = tl.where(safe > label_block * BLOCK, z_pre, float("-inf"))
+        # read again (mostly from L2) -- stays below its logit (the prefix's maximum from its largest
+        # logit, transformed once: a per-element transform spilled with a softcap under Triton 3.6)
+        pre = max_transformed(x_ptr + label_block * BLOCK, safe - label_block * BLOCK, offs, logit_scale,
+                              inv_temp, softcap, HAS_SOFTCAP, BLOCK)
         logp = z_y - lse
         if HAS_CW:
             w_y = tl.load(CW + safe).to(tl.float32)

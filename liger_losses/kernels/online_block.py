@@ -98,18 +98,8 @@ class OnlineState:
 triton, tl = import_triton()
 
 if triton is not None:
+    from liger_losses.kernels.utils import max_transformed
     from liger_losses.kernels.utils import transform_logits as _transform
-
-    @triton.jit
-    def _max_z(x_row, n, offs, logit_scale, inv_temp, softcap, HAS_SOFTCAP: tl.constexpr, BLOCK: tl.constexpr):
-        """The largest transformed logit of the row's first ``n`` columns (-inf when ``n`` is 0): the
-        transform is monotone, so it is the transform of the largest logit (one scalar transform)."""
-        xmax = tl.full((BLOCK,), float("-inf"), tl.float32)
-        for start in range(0, n, BLOCK):
-            cols = start + offs
-            xmax = tl.maximum(xmax, tl.load(x_row + cols, mask=cols < n, other=float("-inf")).to(tl.float32))
-        z, _t = _transform(tl.max(xmax, axis=0), logit_scale, inv_temp, softcap, HAS_SOFTCAP)
-        return tl.where(n > 0, z, float("-inf"))
 
     @triton.jit
     def _online_block_kernel(x_ptr, stride_x, lab_ptr, v0, Vb, ref_ptr, se_ptr, ze_ptr, zs_ptr, zm_ptr,
@@ -119,7 +109,7 @@ if triton is not None:
         row = tl.program_id(0).to(tl.int64)
         x_row = x_ptr + row * stride_x
         offs = tl.arange(0, BLOCK)
-        block_max = _max_z(x_row, Vb, offs, logit_scale, inv_temp, softcap, HAS_SOFTCAP, BLOCK)
+        block_max = max_transformed(x_row, Vb, offs, logit_scale, inv_temp, softcap, HAS_SOFTCAP, BLOCK)
         # the label's z and dz/dx, when it falls in this block
         local = tl.load(lab_ptr + row).to(tl.int64) - v0
         here = (local >= 0) & (local < Vb)
@@ -132,7 +122,7 @@ if triton is not None:
         # per lane cost 16% of the kernel, benchmark/experiments/diag_argmax_ties.py)
         pre = tl.where(local >= Vb, block_max, float("-inf"))
         if here:
-            pre = _max_z(x_row, local.to(tl.int32), offs, logit_scale, inv_temp, softcap, HAS_SOFTCAP, BLOCK)
+            pre = max_transformed(x_row, local.to(tl.int32), offs, logit_scale, inv_temp, softcap, HAS_SOFTCAP, BLOCK)
         tl.debug_barrier()  # every warp has read the label's logit before any overwrites the row below
         if FIRST:  # the state starts here: its old values are never read (it may be uninitialized)
             ref_old = block_max
@@ -204,9 +194,9 @@ def _online_block_torch(x, labels, v0, state, acc, first, logit_scale, inv_temp,
     ref_old = state.ref.clone()
     ref = torch.where(block_max > ref_old + TAU, block_max, ref_old)
     state.zmax.copy_(torch.maximum(state.zmax, block_max))
-    before = torch.arange(Vb, device=z.device)[None, :] < (labels.long() - v0)[:, None]  # columns before the label
-    state.zpre.copy_(torch.maximum(state.zpre, torch.where(before, z, float("-inf")).max(1).values))
     local = labels.long() - v0
+    before = torch.arange(Vb, device=z.device)[None, :] < local[:, None]  # the columns before the label
+    state.zpre.copy_(torch.maximum(state.zpre, torch.where(before, z, float("-inf")).max(1).values))
     here = (local >= 0) & (local < Vb)
     idx = torch.where(here, local, torch.zeros_like(local)).unsqueeze(1)
     z_y = z.gather(1, idx).squeeze(1)

@@ -90,6 +90,19 @@ if _triton is not None:
         return y * inv_temp, t
 
     @_triton.jit
+    def max_transformed(x_row, n, offs, logit_scale, inv_temp, softcap, HAS_SOFTCAP: _tl.constexpr,
+                        BLOCK: _tl.constexpr):
+        """The largest transformed logit of the first ``n`` columns at ``x_row`` (-inf when ``n`` is 0),
+        in steps of ``BLOCK`` (``offs = arange(0, BLOCK)``): the transform is monotone, so it is the
+        transform of the largest logit (one scalar transform, no per-element one)."""
+        xmax = _tl.full((BLOCK,), float("-inf"), _tl.float32)
+        for start in range(0, n, BLOCK):
+            cols = start + offs
+            xmax = _tl.maximum(xmax, _tl.load(x_row + cols, mask=cols < n, other=float("-inf")).to(_tl.float32))
+        z, _t = transform_logits(_tl.max(xmax, axis=0), logit_scale, inv_temp, softcap, HAS_SOFTCAP)
+        return _tl.where(n > 0, z, float("-inf"))
+
+    @_triton.jit
     def kept_total(acc, KEEP: _tl.constexpr):
         """The first-axis sum of an accumulator built with :func:`keep_or_sum`."""
         if KEEP:
