@@ -172,9 +172,9 @@ def test_text_report():
     """peak_breakdown prints the totals, the peak event and the groups in order, truncated to ``top``
     with a remainder line, and max_memory_allocated next to the replayed total."""
     text = peak_breakdown(synthetic_snapshot(), top=3, max_allocated=27 * M)
-    assert "26.5 MiB" in text and "27.0 MiB" in text
+    assert "26.500 MiB" in text and "27.000 MiB" in text
     assert "at event 8 of 19, 0.1 ms after the first event" in text
-    assert "by an allocation of 0.5 MiB at transformers/models/llama/modeling_llama.py:250 forward" in text
+    assert "by an allocation of 0.500 MiB at transformers/models/llama/modeling_llama.py:250 forward" in text
     top = text.split("top 3 of 6 groups")[1].splitlines()[2:]
     assert [line.split(" | ")[-1] for line in top[:3]] == [g[1] for g in EXPECTED_GROUPS[:3]]
     assert "(3 more groups)" in top[3]
