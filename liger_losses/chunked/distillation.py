@@ -279,9 +279,12 @@ def _run(weight, hidden, bias, labels, teacher: Teacher, head: HeadOptions, opts
     softcap, logit_scale = head.softcap, head.logit_scale
     if softcap is not None:
         width += Vs  # the transform's derivative tile
-    # two tiles (student, teacher) live per chunk: each gets the engine's default tile budget
-    # (measured on the H200 at 8192 x 128256: 1024-token chunks 64.7 ms / 1.47x the memory floor,
-    # against 70.8 ms / 1.24x with the budget shared)
+    # two tiles (student, teacher) live per chunk: the chunk takes as many tokens as two tiles in the
+    # compute dtype fit in twice the engine's default budget (measured with bf16 tiles on the H200 at
+    # 8192 x 128256: 1024-token chunks 64.7 ms / 1.47x the memory floor, against 70.8 ms / 1.24x with
+    # the budget shared). The tiles are fp32 (project_fp32), so a bf16 / fp16 head's take twice those
+    # bytes: 1 GiB at 1024 x 128256, the size of the head's bf16 weight gradient, which the fp32
+    # accumulator's final cast holds beside it at the end anyway (peak-neutral when it widens).
     budget = 2 * get_engine_config().default_budget_bytes
     for ts, te in chunk_bounds(N, width, chunk_tokens=head.chunk_tokens, budget_bytes=budget, itemsize=s_item):
         h = h_rows(ts, te)
