@@ -16,10 +16,21 @@ import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+# spills (local-memory bytes a thread) the defaults are known to have, by case-name prefix, at the
+# most any triton version of ours gives (sm_90, ``diag_registers.py``): the RMSNorm backward's 4-row
+# tiles at H=4096 spill 40 B (3.9; 8 B under 3.6) and still time fastest; the JSD tile and the frozen
+# head's block kernel with a softcap 8 B (3.9; none under 3.6, the GPU image's).
+# Every other default case must not spill: a spill is live state a change added without a GPU run.
+KNOWN_SPILLS = {"_rms_norm_bwd H=4096": 40, "divergence_tile jsd": 8, "online_block later+softcap": 8}
+
+
+def allowed_spill(name: str) -> int:
+    return max([b for prefix, b in KNOWN_SPILLS.items() if name.startswith(prefix)], default=0)
+
 
 @pytest.mark.slow
 def test_every_default_kernel_compiles_for_sm90():
-    """No compile error in any default case, and every case uses at most 255 registers a thread."""
+    """No compile error in any default case, and no spill beyond the known ones (``KNOWN_SPILLS``)."""
     pytest.importorskip("triton")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     out = subprocess.run([sys.executable, "-m", "benchmark.experiments.diag_registers", "--json", "--defaults"],
@@ -29,4 +40,5 @@ def test_every_default_kernel_compiles_for_sm90():
     assert len(results) >= 20  # every kernel family is there
     errors = {name: r["error"] for name, r in results.items() if "error" in r}
     assert not errors, errors
-    assert all(r["regs"] <= 255 for r in results.values())
+    spills = {name: r["stack"] for name, r in results.items() if r["stack"] > allowed_spill(name)}
+    assert not spills, spills
