@@ -112,7 +112,13 @@ def _is_python(frame: Mapping) -> bool:
 
 
 def _is_torch(frame: Mapping) -> bool:
-    return bool(_TORCH_RE.search(str(frame.get("filename", "")).replace("\\", "/")))
+    """A frame of torch's own files: inside an install, by the path after ``site-packages/`` (a
+    ``/torch/`` further up, as in the GPU image's ``/opt/torch/.venv/...``, must not make transformers'
+    or TRL's frames torch's); elsewhere (a source checkout) by a ``torch/`` directory in the path."""
+    f = str(frame.get("filename", "")).replace("\\", "/")
+    if "site-packages/" in f or "dist-packages/" in f:
+        return package_path(f).startswith("torch/")
+    return bool(_TORCH_RE.search(f))
 
 
 def frame_label(frame: Mapping) -> str:

@@ -213,3 +213,15 @@ def test_frame_helpers():
     assert category([]) == "autograd engine (no Python frame)"
     assert category(MAIN) == "other"
     assert category(OPTIM) == "optimizer state" and category(LOSS) == "liger_losses"
+
+
+def test_torch_frames_by_the_path_inside_the_install():
+    """Only torch's own files count as torch's: an install under a directory named ``torch`` (the GPU
+    image's ``/opt/torch/.venv``) leaves transformers' and TRL's frames attributable."""
+    venv = "/opt/torch/.venv/lib/python3.12/site-packages/"
+    frames = [fr(venv + "torch/nn/functional.py", 10, "linear"), fr(venv + "trl/trainer/sft_trainer.py", 1693,
+                                                                     "training_step")]
+    assert attribution(frames) == "trl/trainer/sft_trainer.py:1693 training_step"
+    assert attribution(frames[:1]) == "torch/nn/functional.py:10 linear"
+    assert attribution([fr("/src/pytorch/torch/autograd/graph.py", 5, "f"), fr("/work/x/run.py", 1, "g")]) == \
+        "x/run.py:1 g"
