@@ -436,7 +436,10 @@ class LigerTrainerMixin:
         ``inputs``, TRL's ``num_tokens`` too, in the same gather: in training this process's token count
         (:meth:`_liger_local_tokens`) is summed over processes and added to the running total, and
         ``num_tokens`` is set to the total in either mode (when the queue is read, before ``then``)."""
-        count = inputs is not None and mode == "train"
+        # the queued function must not hold ``inputs``: the batch would stay on the device, one per
+        # step, until the metrics are next read (a flag is all it needs)
+        has_inputs = inputs is not None
+        count = has_inputs and mode == "train"
         if count:
             values = [*values, self._liger_local_tokens(inputs)]
             reduction = ([reduction] * (len(values) - 1) if isinstance(reduction, str) else list(reduction)) + ["sum"]
@@ -445,7 +448,7 @@ class LigerTrainerMixin:
         def resolved(out: List[float]) -> None:
             if count:
                 self._total_train_tokens += int(out.pop()) // self._tp_size
-            if inputs is not None:
+            if has_inputs:
                 self._metrics[mode]["num_tokens"] = [self._total_train_tokens]
             if then is not None:
                 then(out)

@@ -7,6 +7,8 @@ held to TRL's by the trainer parity tests, 1e-4). A trainer step queues its metr
 labels' scan queued before the backbone (``scan_labels_ahead``): exact counts, CPU, tiny models.
 """
 
+import gc
+import weakref
 from collections import defaultdict
 
 import pytest
@@ -116,3 +118,23 @@ def test_logged_history_is_complete(tok, tmp_path):
     logs = [h for h in trainer.state.log_history if "entropy" in h]
     assert len(logs) == 2 and all(isinstance(h["entropy"], float) for h in logs)
     assert logs[1]["num_tokens"] > logs[0]["num_tokens"] > 0
+
+
+@pytest.mark.parametrize("task", ["sft", "dpo"])
+def test_queued_metrics_do_not_hold_the_batch(tok, tmp_path, scans, task):
+    """What a step queues holds none of its batch's tensors: the queue is read at TRL's next log, so a
+    batch held there stays on the device for every step until then (one batch a step)."""
+    if task == "sft":
+        trainer = SFTTrainer(build_tiny_model(tok, seed=0), sft_config(tmp_path), train_dataset=sft_dataset(),
+                             processing_class=tok, use_liger=True, liger_patch_model=False)
+    else:
+        trainer = DPOTrainer(build_tiny_model(tok, seed=0), build_tiny_model(tok, seed=0), dpo_config(tmp_path),
+                             train_dataset=preference_dataset(8), processing_class=tok, use_liger=True,
+                             liger_patch_model=False)
+    batch = first_batch(trainer)
+    alive = [weakref.ref(v) for v in batch.values() if isinstance(v, torch.Tensor)]
+    queued, _, _ = _queued_step(trainer, batch, scans)
+    del batch
+    gc.collect()
+    assert queued == 1 and len(trainer._liger_pending) == 1 and alive
+    assert all(ref() is None for ref in alive)
