@@ -37,7 +37,7 @@ from typing import Any, Iterable, Mapping, Optional
 MIB = 1024.0**2
 BASELINE_KEY = "<allocated before recording>"
 NO_FRAME_KEY = "<no Python frame at allocation or free>"
-_TORCH_RE = re.compile(r"(^|/)torch/")
+_TORCH_INSTALLED_RE = re.compile(r"(torch-[^/]*\.egg/)?torch/")
 _PACKAGE_MARKERS = ("liger_losses/", "benchmark/", "tests/")
 _RECOMPUTE_NAMES = ("unpack_hook", "recompute_fn", "unpack_hook_with_error_cb", "backward")
 
@@ -112,13 +112,19 @@ def _is_python(frame: Mapping) -> bool:
 
 
 def _is_torch(frame: Mapping) -> bool:
-    """A frame of torch's own files: inside an install, by the path after ``site-packages/`` (a
+    """A frame of torch's own files. Inside an install, by the path after ``site-packages/`` (a
     ``/torch/`` further up, as in the GPU image's ``/opt/torch/.venv/...``, must not make transformers'
-    or TRL's frames torch's); elsewhere (a source checkout) by a ``torch/`` directory in the path."""
+    or TRL's frames torch's; an egg's ``torch-X.egg/torch/`` is torch's). Elsewhere (a source checkout):
+    a ``torch/`` directory that holds the file, unless the path is one of ours or an environment's
+    standard library (``envs/torch/lib/python3.x/``)."""
     f = str(frame.get("filename", "")).replace("\\", "/")
-    if "site-packages/" in f or "dist-packages/" in f:
-        return package_path(f).startswith("torch/")
-    return bool(_TORCH_RE.search(f))
+    for marker in ("site-packages/", "dist-packages/"):
+        if marker in f:
+            return bool(_TORCH_INSTALLED_RE.match(f.rsplit(marker, 1)[1]))
+    if any(f.startswith(m) or ("/" + m) in f for m in _PACKAGE_MARKERS):
+        return False
+    i = f.rfind("/torch/") if not f.startswith("torch/") else 0
+    return i >= 0 and "/lib/python" not in f[i:]
 
 
 def frame_label(frame: Mapping) -> str:

@@ -225,3 +225,10 @@ def test_torch_frames_by_the_path_inside_the_install():
     assert attribution(frames[:1]) == "torch/nn/functional.py:10 linear"
     assert attribution([fr("/src/pytorch/torch/autograd/graph.py", 5, "f"), fr("/work/x/run.py", 1, "g")]) == \
         "x/run.py:1 g"
+    egg = "/usr/lib/python3/site-packages/torch-2.1-py3.11.egg/torch/nn/functional.py"
+    assert attribution([fr(egg, 3, "linear"), fr("/work/x/run.py", 1, "g")]) == "x/run.py:1 g"
+    # a directory named torch above our checkout or above an environment's standard library
+    ours = "/opt/torch/work/liger_losses/chunked/engine.py"
+    stdlib = "/home/u/miniconda3/envs/torch/lib/python3.11/threading.py"
+    assert attribution([fr(ours, 7, "run")]) == "liger_losses/chunked/engine.py:7 run"
+    assert attribution([fr(stdlib, 9, "run"), fr(ours, 7, "run")]) == "python3.11/threading.py:9 run"

@@ -486,10 +486,12 @@ class LigerTrainerMixin:
                 values.append(metrics[key])
                 reductions.append("mean")
 
+        weighted = {key for key in keys if key in counts}  # the queued function holds no tensor
+
         def append(floats: List[float]) -> None:
             out = iter(floats)
             for key in keys:
-                if key in counts:
+                if key in weighted:
                     total, count = next(out), next(out)
                     value = total / count if count > 0 else 0.0
                 else:

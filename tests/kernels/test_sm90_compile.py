@@ -16,12 +16,14 @@ import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-# spills (local-memory bytes a thread) the defaults are known to have, by case-name prefix, at the
-# most any triton version of ours gives (sm_90, ``diag_registers.py``): the RMSNorm backward's 4-row
-# tiles at H=4096 spill 40 B (3.9; 8 B under 3.6) and still time fastest; the JSD tile and the frozen
-# head's block kernel with a softcap 8 B (3.9; none under 3.6, the GPU image's).
-# Every other default case must not spill: a spill is live state a change added without a GPU run.
-KNOWN_SPILLS = {"_rms_norm_bwd H=4096": 40, "divergence_tile jsd": 8, "online_block later+softcap": 8}
+# spills (stack bytes a thread) the defaults are known to have, by case-name prefix, with a margin
+# over the most the supported triton versions give (sm_90, ``diag_registers.py --defaults``): the
+# RMSNorm backward's 4-row tiles at H=4096 (still the fastest timed) 8 / 48 / 72 / 40 B under
+# 3.6 / 3.7 / 3.8 / 3.9; the JSD tile with hard labels 8 B (3.8, 3.9), without them and the frozen
+# head's block kernel with a softcap 8 B (3.9; these three none under 3.6, the GPU image's). Every other default
+# case must not spill: a new spill is live state a change added without a GPU run.
+KNOWN_SPILLS = {"_rms_norm_bwd H=4096 ": 96, "divergence_tile jsd+labels ": 16, "divergence_tile jsd ": 16,
+                "online_block later+softcap ": 16}
 
 
 def allowed_spill(name: str) -> int:

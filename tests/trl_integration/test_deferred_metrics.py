@@ -138,3 +138,25 @@ def test_queued_metrics_do_not_hold_the_batch(tok, tmp_path, scans, task):
     gc.collect()
     assert queued == 1 and len(trainer._liger_pending) == 1 and alive
     assert all(ref() is None for ref in alive)
+    # nor any other tensor: only the queued values vector is kept (what the functions close over,
+    # through nested functions and containers; objects such as the trainer are not followed)
+    [(values, then)] = trainer._liger_pending._items
+    assert isinstance(values, torch.Tensor) and _closure_tensors(then) == []
+
+
+def _closure_tensors(fn, seen=None):
+    seen = set() if seen is None else seen
+    if id(fn) in seen:
+        return []
+    seen.add(id(fn))
+    if isinstance(fn, torch.Tensor):
+        return [fn]
+    if isinstance(fn, dict):
+        items = list(fn.values())
+    elif isinstance(fn, (list, tuple, set, frozenset)):
+        items = list(fn)
+    elif callable(fn) and getattr(fn, "__closure__", None):
+        items = [cell.cell_contents for cell in fn.__closure__]
+    else:
+        return []
+    return [t for item in items for t in _closure_tensors(item, seen)]
