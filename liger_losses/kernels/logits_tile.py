@@ -272,7 +272,9 @@ def _logits_tile_torch(
     entropy = None
     if need_entropy:
         entropy = torch.where(valid, lse - (p * z).sum(1), zero)
-    correct = valid & (z.argmax(1) == safe)  # the first maximal index, as torch.argmax and TRL's accuracy
+    # the first maximal index, as torch.argmax and TRL's accuracy; a label at -inf is never a hit (a row of
+    # all -inf, whose argmax is 0, has a NaN loss; the kernel's maximum starts above -inf, so it agrees)
+    correct = valid & (z.argmax(1) == safe) & (z_y > float("-inf"))
     stats = TileStats(
         torch.where(valid, loss, zero), torch.where(valid, lse, zero),
         torch.where(valid, logp, zero), entropy, correct,

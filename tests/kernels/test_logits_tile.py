@@ -290,3 +290,18 @@ def test_argmax_hit_is_the_first_maximal_column(impl, softcap, vec_sums_max_bloc
     want = (z.argmax(1) == labels) & (labels != -100)
     assert want.tolist() == [True, False, True, False, True, False, True, False, True, False, True]
     assert torch.equal(st.correct, want)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_label_at_minus_inf_is_never_a_hit(impl):
+    """A label whose logit is -inf is a miss on every path, also in a row of all -inf (whose loss is NaN
+    and whose ``argmax`` is column 0): the kernel's running maximum starts above -inf, the PyTorch path
+    says so explicitly. A finite label beside -inf columns is a hit as usual. Exact."""
+    x = torch.randn(4, 40)
+    x[0] = float("-inf")  # all -inf, label 0
+    x[1] = float("-inf")  # all -inf, label 5
+    x[2, :10] = float("-inf")  # label 3 at -inf, the maximum elsewhere
+    x[3, 1:] = float("-inf")  # only the label's column finite
+    labels = torch.tensor([0, 5, 3, 0])
+    st = logits_tile(x.clone(), labels, mode="ce", grad=False, impl=impl)
+    assert st.correct.tolist() == [False, False, False, True]
