@@ -118,9 +118,8 @@ def _is_torch(frame: Mapping) -> bool:
     a ``torch/`` directory that holds the file, unless the path is one of ours or an environment's
     standard library (``envs/torch/lib/python3.x/``)."""
     f = str(frame.get("filename", "")).replace("\\", "/")
-    for marker in ("site-packages/", "dist-packages/"):
-        if marker in f:
-            return bool(_TORCH_INSTALLED_RE.match(f.rsplit(marker, 1)[1]))
+    if "site-packages/" in f or "dist-packages/" in f:
+        return bool(_TORCH_INSTALLED_RE.match(package_path(f)))
     if any(f.startswith(m) or ("/" + m) in f for m in _PACKAGE_MARKERS):
         return False
     i = f.rfind("/torch/") if not f.startswith("torch/") else 0

@@ -148,10 +148,13 @@ def _divergence_case(**flags) -> dict:
                         floats=("scale_value", "inv_t", "one_m_beta", "log_1m_beta", "log_beta", "w_hard", "w_soft"))
 
 
+# the OnlineState rows and the accumulator, as both frozen-head kernels take them
+_ONLINE_STATE_PTRS = ("ref_ptr", "se_ptr", "ze_ptr", "zs_ptr", "zm_ptr", "zy_ptr", "dy_ptr", "zp_ptr", "acc_ptr")
+
+
 def _online_block_case(first: bool, softcap: bool = False) -> dict:
     knobs = online_block.ONLINE_BLOCK_TUNING.current
-    pointers = {n: "*fp32" for n in ("ref_ptr", "se_ptr", "ze_ptr", "zs_ptr", "zm_ptr", "zy_ptr", "dy_ptr", "zp_ptr",
-                                     "acc_ptr")} | {"lab_ptr": "*i64"}
+    pointers = {n: "*fp32" for n in _ONLINE_STATE_PTRS} | {"lab_ptr": "*i64"}
     return compile_case(online_block._online_block_kernel, num_warps=knobs.num_warps, pointers=pointers,
                         constexprs=dict(FIRST=first, HAS_SOFTCAP=softcap, NEED_ZEXP=True, NEED_ZSUM=False,
                                         BLOCK=knobs.block_cap, BLOCK_H=1024),
@@ -159,9 +162,9 @@ def _online_block_case(first: bool, softcap: bool = False) -> dict:
 
 
 def _online_finish_case() -> dict:
-    pointers = {n: "*fp32" for n in ("ref_ptr", "se_ptr", "ze_ptr", "zs_ptr", "zm_ptr", "zy_ptr", "dy_ptr", "zp_ptr",
-                                     "acc_ptr", "wmean_ptr", "scale_ptr", "loss_ptr", "lse_ptr", "logp_ptr",
-                                     "ent_ptr")} | {"lab_ptr": "*i64", "rows_ptr": "*i64", "hit_ptr": "*i8"}
+    outputs = ("wmean_ptr", "scale_ptr", "loss_ptr", "lse_ptr", "logp_ptr", "ent_ptr")
+    pointers = {n: "*fp32" for n in _ONLINE_STATE_PTRS + outputs} | {"lab_ptr": "*i64", "rows_ptr": "*i64",
+                                                                     "hit_ptr": "*i8"}
     return compile_case(online_finish._online_finish_kernel, num_warps=4, pointers=pointers,
                         constexprs=dict(MODE_CE=True, HAS_EPS=False, NEED_ENTROPY=True, SCALE_PTR=True, SCATTER=True,
                                         BLOCK_H=1024),
