@@ -54,6 +54,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import inspect
+import warnings
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 import torch
@@ -172,24 +173,51 @@ def reference_adapter(peft_model: nn.Module):
 # --------------------------------------------------------------------------- model patching
 
 
-def patch_model_layers(model: nn.Module, *, allow_new_params: bool = True) -> None:
+def patch_model_layers(model: nn.Module, *, allow_new_params: bool = True) -> bool:
     """Swap ``model``'s layers for our kernels in place (``apply_liger_kernels``; the LM-head/loss
-    forward is left alone, the adapters compute the loss themselves).
+    forward is left alone, the adapters compute the loss themselves). Returns whether it patched.
+
+    The layer kernels are a speed-up, the fused loss serves any causal LM: a model of a family
+    ``apply_liger_kernels`` does not know (``ValueError``), or whose transformers classes no longer look
+    as its patch expects (``FamilyMismatchError``, raised before anything is patched), keeps
+    transformers' layers, with a ``UserWarning`` that says so, and trains with the fused loss.
 
     With ``allow_new_params=False`` (an optimizer already holds the parameters), raise ValueError if
     patching replaced any parameter object, since the optimizer would not update the new ones.
     """
-    from ..patching import apply_liger_kernels
+    from ..patching import FamilyMismatchError, apply_liger_kernels
+    from ..patching.apply import family_of
 
     target = unwrap_causal_lm(model)
+    try:
+        family_of(target)
+    except ValueError:
+        model_type = getattr(getattr(target, "config", None), "model_type", None)
+        _warn_unpatched(target, f"no layer kernels for model_type {model_type!r}")
+        return False
     before = {id(p) for p in target.parameters()}
-    apply_liger_kernels(target, cross_entropy=False)
+    try:
+        apply_liger_kernels(target, cross_entropy=False)
+    except FamilyMismatchError as exc:
+        _warn_unpatched(target, str(exc))
+        return False
     if not allow_new_params and {id(p) for p in target.parameters()} != before:
         raise ValueError(
             "liger_patch_model=True replaced parameters of a model whose optimizer was passed to the "
             "trainer (optimizers=...); pass liger_patch_model=False, or patch the model with "
             "liger_losses.patching.apply_liger_kernels before building the optimizer"
         )
+    return True
+
+
+def _warn_unpatched(model: nn.Module, why: str) -> None:
+    warnings.warn(
+        f"liger_patch_model=True: {type(model).__name__}'s layers stay transformers' ({why}); the fused loss "
+        "still computes the loss from its hidden states and LM head. Pass liger_patch_model=False to silence "
+        "this warning.",
+        UserWarning,
+        stacklevel=5,  # the trainer's construction: its __init__, _liger_after_init, patch_model_layers, here
+    )
 
 
 # --------------------------------------------------------------------------- loss construction
