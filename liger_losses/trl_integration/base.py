@@ -11,7 +11,8 @@ This module gives those pieces, each usable on its own:
 
 * :class:`LigerTrainerMixin` -- put it *before* the TRL trainer in the bases. It stores the three
   constructor options (``use_liger``, ``liger_patch_model``, ``liger_chunk_tokens``), patches the
-  policy/reference models with :func:`liger_losses.patching.apply_liger_kernels`, and has the
+  policy/reference models with :func:`liger_losses.patching.apply_liger_kernels` (a family it has no
+  kernels for keeps transformers' layers, with a warning: :func:`patch_model_layers`), and has the
   helpers the adapters call: :meth:`~LigerTrainerMixin._liger_backbone_hidden` (run the backbone,
   inside the wrapper's forward when the model is distributed), :meth:`~LigerTrainerMixin._liger_head`
   (LM head weight/bias), :meth:`~LigerTrainerMixin._liger_gather` / :meth:`~LigerTrainerMixin._liger_log`

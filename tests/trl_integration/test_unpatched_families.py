@@ -20,7 +20,15 @@ from liger_losses.patching import FamilyMismatchError
 from liger_losses.trl_integration import DPOTrainer, SFTTrainer
 from liger_losses.trl_integration.base import patch_model_layers
 
-from .utils import build_tiny_model, check_compute_loss, dpo_config, make_pair, preference_dataset, sft_config, sft_dataset
+from .utils import (
+    build_tiny_model,
+    check_compute_loss,
+    dpo_config,
+    make_pair,
+    preference_dataset,
+    sft_config,
+    sft_dataset,
+)
 
 TOL = 1e-4
 UNPATCHED = "layers stay transformers'"
