@@ -63,7 +63,7 @@ over the timed steps (absolute: weights, reference, optimizer state, activations
 ``resident_mib``: the least ``memory_allocated`` at a timed step's start (what stays between steps);
 ``step_peak_mib = peak_mib - resident_mib`` (the step's peak above its inputs). ``speed_vs_trl`` /
 ``speed_vs_trl_liger``: tokens/s over that provider's on the same case; ``step_peak_vs_trl`` likewise.
-``wall_s``: seconds all of the row's runs took (build, trainer setup, steps), to plan GPU time.
+``wall_s``: seconds all of the row's runs took (build, trainer setup, steps), to plan GPU time; ``card``: the GPU.
 ``sm_clock_mhz``, ``power_w``, ``temp_c``: ``nvidia-smi``'s SM clock, power draw and temperature sampled
 every 100 ms over the timed steps, the mean over rounds (:class:`GpuSampler`; empty without ``nvidia-smi``):
 at the GPU's power cap a step that idles less runs the same kernels at a lower clock.
@@ -847,10 +847,16 @@ def case_row(case: Case, provider: str, runs: list, *, rounds: int, skip_reason:
         issue_ms_all=" | ".join(" ".join(f"{t:.1f}" for t in r.issue_ms) for r in ok),
         launches_fast=sum(r.launches[0] for r in runs), launches_slow=sum(r.launches[1] for r in runs),
         **{k: _mean_of(r.gpu.get(k) for r in ok) for k in GpuSampler.KEYS},
-        wall_s=round(sum(r.wall_s for r in runs), 1), note=" | ".join(notes)[:400],
+        wall_s=round(sum(r.wall_s for r in runs), 1), card=_card(), note=" | ".join(notes)[:400],
     )
     return Row(bench="trainer_matrix", case=case.name, mode="step", provider=provider, ms=ms,
                peak_mib=max((r.peak_mib for r in ok), default=nan), extra=extra, error=error or None)
+
+
+def _card() -> str:
+    """The GPU the row ran on (``torch.cuda.get_device_name()``; "cpu" without CUDA): pieces of one matrix
+    merged from several calls may come from different cards, and only a case's own rows compare."""
+    return torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
 
 
 def _mean_of(values) -> object:
@@ -1082,7 +1088,7 @@ def main(argv=None) -> int:
     print()
     keys = ["case", "provider", "tokens_per_s", "tokens_per_s_min", "tokens_per_s_max", "rounds", "peak_mib",
             "step_peak_mib", "speed_vs_trl", "speed_vs_trl_liger", "step_peak_vs_trl", "train_loss", "sm_clock_mhz",
-            "power_w", "wall_s", "error"]
+            "power_w", "wall_s", "card", "error"]
     print_table([{**r.extra, "case": r.case, "provider": r.provider, "peak_mib": round(r.peak_mib, 1),
                   "error": (r.error or "")[:60]} for r in rows], keys=keys)
     ours = [r.extra["speed_vs_trl"] for r in rows if r.provider == "ours" and r.extra["speed_vs_trl"] != ""]
