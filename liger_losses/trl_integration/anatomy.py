@@ -88,6 +88,10 @@ def backbone_of(causal_lm: nn.Module) -> nn.Module:
     prefix = getattr(causal_lm, "base_model_prefix", None)
     if prefix and isinstance(getattr(causal_lm, prefix, None), nn.Module):
         return getattr(causal_lm, prefix)
+    # Llama4ForCausalLM / MllamaForCausalLM: base_model_prefix "language_model", the decoder stored as `model`
+    model = getattr(causal_lm, "model", None)
+    if isinstance(model, nn.Module) and model is not causal_lm.get_output_embeddings():
+        return model
     raise ValueError(
         f"cannot find the decoder backbone of {type(causal_lm).__name__}: expected a Hugging Face "
         "causal LM with get_decoder() or base_model_prefix"
@@ -128,34 +132,103 @@ def lm_head_params(causal_lm: nn.Module) -> Tuple[torch.Tensor, Optional[torch.T
             "lm_head.weight and would ignore it: merge the adapter into the head, or leave lm_head out of "
             "target_modules"
         )
-    if not (is_projection(head) or hasattr(head, "modules_to_save")):
+    # a PEFT wrapper (LoRA's base_layer, modules_to_save) holds its adapters' parameters; any other head with a
+    # parameter besides weight and bias uses it in its forward, nn.Linear subclasses included (a learned
+    # per-vocabulary logit scale: Dory)
+    if not (hasattr(head, "base_layer") and is_projection(head) or hasattr(head, "modules_to_save")):
         extra = sorted(n for n, _ in head.named_parameters() if n not in ("weight", "bias"))
         if extra:
             raise ValueError(
                 f"{name}'s LM head {type(head).__name__} has parameters besides weight and bias ({', '.join(extra)}): "
                 "its forward is more than hidden @ weight.T + bias, which the fused loss computes"
             )
-    return head.weight, getattr(head, "bias", None)
+    weight, bias = head.weight, getattr(head, "bias", None)
+    vocab = getattr(getattr(causal_lm, "config", None), "unpadded_vocab_size", None)
+    if vocab is not None and vocab < weight.shape[0]:
+        # Inkling pads its head to a round row count and cuts the logits to the real vocabulary: the padded rows
+        # take no part in the softmax
+        if hasattr(weight, "ds_id") or type(weight).__name__ == "DTensor":
+            raise ValueError(
+                f"{name} cuts its logits to config.unpadded_vocab_size={vocab} of its head's rows; the fused loss "
+                "cannot slice a sharded head (DeepSpeed ZeRO-3, FSDP2): pass use_liger=False"
+            )
+        weight, bias = weight[:vocab], None if bias is None else bias[:vocab]
+    return weight, bias
+
+
+# model_type -> why its causal-LM forward computes the logits from something else than the backbone's last hidden
+# state, in a way its module tree does not show
+_OTHER_LOGIT_INPUTS = {
+    "prophetnet": "ProphetNet computes its logits from the n-gram predicting streams",
+    "xlm-prophetnet": "XLM-ProphetNet computes its logits from the n-gram predicting streams",
+}
+
+
+def check_head_path(causal_lm: nn.Module) -> None:
+    """Raise ``ValueError`` unless ``causal_lm``'s logits are ``head(backbone(...).last_hidden_state)`` as far as
+    its module tree shows: every direct child with parameters is the backbone (:func:`backbone_of`), holds it (a
+    vision-language model's base model) or is the LM head (:func:`lm_head_params` checks the head itself). A
+    child with parameters of its own besides those is a layer between the backbone and the head that the fused
+    loss would skip: a BERT-style prediction head (``cls.predictions.transform``, RoBERTa's ``lm_head.dense``,
+    ELECTRA's ``generator_predictions``), RemBERT's output projection. Looks at the module tree only, once per
+    model (the adapters call it when the trainer is built)."""
+    name = type(causal_lm).__name__
+    model_type = getattr(getattr(causal_lm, "config", None), "model_type", None)
+    if model_type in _OTHER_LOGIT_INPUTS:
+        raise ValueError(f"{name} is not served by the fused loss: {_OTHER_LOGIT_INPUTS[model_type]}")
+    backbone = backbone_of(causal_lm)
+    head = causal_lm.get_output_embeddings()
+    lm_head_params(causal_lm)
+    head_params = {id(p) for p in head.parameters()}
+    for child_name, child in causal_lm.named_children():
+        if child is head or child is backbone or any(m is backbone for m in child.modules()):
+            continue
+        own = [n for n, p in child.named_parameters() if id(p) not in head_params]
+        if own:
+            where = "around its LM head" if any(m is head for m in child.modules()) else "beside its backbone"
+            raise ValueError(
+                f"{name}.{child_name} ({type(child).__name__}) has parameters {where} ({', '.join(own[:3])}"
+                f"{', ...' if len(own) > 3 else ''}): the model computes its logits through more than "
+                "hidden @ weight.T + bias of its backbone's last hidden state, which the fused loss computes"
+            )
+
+
+# Config attributes a model reads but its causal LM's forward does not apply: by model_type, what to skip.
+# MPT's config has logit_scale, MptForCausalLM never uses it; Gemma3ForConditionalGeneration (model_type
+# "gemma3", what AutoModelForCausalLM gives for Gemma-3 checkpoints from 4B up) applies no softcap, though its
+# text config may carry one (Gemma3ForCausalLM's).
+_UNUSED_LOGIT_ATTRS = {"mpt": ("logit_scale",), "gemma3": ("final_logit_softcapping",)}
 
 
 def head_logit_options(config) -> Dict[str, Any]:
     """The logit transform a model applies after its LM head, as our loss options.
 
-    ``{"softcap": final_logit_softcapping (RecurrentGemma: logits_soft_cap) or None, "logit_scale": float}``;
-    the scale is read from the text config's ``logit_scale`` / ``output_multiplier`` /
-    ``lm_head_multiplier`` / ``1/logits_scaling`` (the same attributes TRL's fused head honours), 1.0
-    when none is set.
+    ``{"softcap": float or None, "logit_scale": float}``. The softcap is the text config's
+    ``final_logit_softcapping`` (RecurrentGemma: ``logits_soft_cap``, xLSTM: ``output_logit_soft_cap``); the
+    scale its ``logit_scale`` / ``output_multiplier`` / ``lm_head_multiplier`` (the attributes TRL's fused head
+    honours), else ``1/logits_scaling`` (HyperCLOVA X: ``logits_scaling`` itself), else
+    ``1/logits_mup_width_multiplier`` (Inkling divides the hidden states by it before the head), 1.0 when none
+    is set. An attribute the family's causal-LM forward does not apply (``_UNUSED_LOGIT_ATTRS``) is not read.
     """
     text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
-    softcap = getattr(text_config, "final_logit_softcapping", None)
-    if softcap is None:  # RecurrentGemma's name for the same tanh cap
-        softcap = getattr(text_config, "logits_soft_cap", None)
+    unused = _UNUSED_LOGIT_ATTRS.get(getattr(config, "model_type", ""), ())
+
+    def attr(name):
+        return None if name in unused else getattr(text_config, name, None)
+
+    softcap = None
+    for name in ("final_logit_softcapping", "logits_soft_cap", "output_logit_soft_cap"):
+        softcap = attr(name)
+        if softcap is not None:
+            break
     scale = None
     for name in ("logit_scale", "output_multiplier", "lm_head_multiplier"):
-        scale = getattr(text_config, name, None)
+        scale = attr(name)
         if scale is not None:
             break
-    if scale is None and getattr(text_config, "logits_scaling", None) is not None:
+    if scale is None and attr("logits_scaling") is not None:
         ls = text_config.logits_scaling
         scale = ls if getattr(text_config, "model_type", "") == "hyperclovax" else 1.0 / ls
+    if scale is None and attr("logits_mup_width_multiplier") is not None:
+        scale = 1.0 / text_config.logits_mup_width_multiplier
     return {"softcap": softcap, "logit_scale": 1.0 if scale is None else float(scale)}

@@ -65,6 +65,7 @@ from ..chunked.tokens import scan_labels_ahead
 from ..chunked.weights import is_zero3_partitioned, run_as_forward, run_with_head_params, zero3_gathered
 from .anatomy import (  # noqa: F401 - re-exported: the adapters and tests import them from here
     backbone_of,
+    check_head_path,
     compiled_like,
     compiled_module,
     has_forward_hooks,
@@ -364,8 +365,12 @@ class LigerTrainerMixin:
             if cfg is not None and getattr(cfg, "is_prompt_learning", False):
                 reject("peft_config", type(cfg).__name__, "prompt-learning adapters prepend virtual tokens "
                        "inside PeftModel.forward, which the backbone call bypasses")
-        backbone_of(policy)  # fail now, not at the first step, if there is no backbone
-        lm_head_params(policy)
+        for m in (policy, *(unwrap_causal_lm(m) for m in models[1:] if m is not None)):
+            check_head_path(m)  # fail now, not at the first step, if the loss cannot read the model
+        if getattr(self, "aux_loss_enabled", False):
+            from .router_aux import moe_sizes
+
+            moe_sizes(policy)  # the load-balancing loss's expert count and top-k: fail now if the config has neither
         if self.liger_patch_model:
             for m in models:
                 if m is not None:

@@ -22,15 +22,50 @@ from torch import nn
 
 from .base import unwrap_causal_lm
 
+# where a family keeps its expert count and top-k: the causal LM's own attributes (what its forward passes to the
+# load-balancing loss: Mixtral, Granite-MoE, PhiMoE...), else the text config under these names
+_EXPERT_COUNT_NAMES = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
+_TOP_K_NAMES = ("num_experts_per_tok", "moe_topk", "moe_k")
+
+
+def moe_sizes(causal_lm: nn.Module) -> Tuple[int, int]:
+    """``(experts, experts per token)`` of an MoE causal LM for its load-balancing loss. ``ValueError`` naming the
+    attributes looked for when the model has neither."""
+    text_config = causal_lm.config.get_text_config()
+
+    def first(names):
+        for owner in (causal_lm, text_config):
+            for name in names:
+                value = getattr(owner, name, None)  # per-layer attributes of heterogeneous configs raise AttributeError
+                if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+                    return value
+        return None
+
+    experts, top_k = first(_EXPERT_COUNT_NAMES), first(_TOP_K_NAMES)
+    if experts is None or top_k is None:
+        raise ValueError(
+            f"router_aux_loss_coef != 0: the load-balancing loss of {type(causal_lm).__name__} needs its expert count "
+            f"({' / '.join(_EXPERT_COUNT_NAMES)}) and experts per token ({' / '.join(_TOP_K_NAMES)}), and its "
+            "config has not both; set router_aux_loss_coef=0.0, or pass use_liger=False"
+        )
+    return experts, top_k
+
 
 def router_aux_loss(model: nn.Module, router_logits, attention_mask) -> torch.Tensor:
-    """TRL's load-balancing loss of ``router_logits`` (one ``[tokens, experts]`` tensor per MoE layer)."""
+    """TRL's load-balancing loss of ``router_logits`` (one ``[tokens, experts]`` tensor per MoE layer): Mixtral's
+    function, which TRL's fused head applies to every family, with the family's own expert count and top-k
+    (:func:`moe_sizes`; TRL 1.16 reads ``config.num_experts``, which Granite-MoE, PhiMoE and Llama-4 name
+    ``num_local_experts``)."""
     from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_func
 
-    text_config = unwrap_causal_lm(model).config.get_text_config()
-    return load_balancing_loss_func(
-        router_logits, text_config.num_experts, text_config.num_experts_per_tok, attention_mask
-    )
+    causal_lm = unwrap_causal_lm(model)
+    if router_logits is None or (isinstance(router_logits, (tuple, list)) and not router_logits):
+        raise ValueError(
+            f"router_aux_loss_coef != 0 but {type(causal_lm).__name__}'s backbone returned no router logits to "
+            "balance; set router_aux_loss_coef=0.0, or pass use_liger=False"
+        )
+    experts, top_k = moe_sizes(causal_lm)
+    return load_balancing_loss_func(router_logits, experts, top_k, attention_mask)
 
 
 def backbone_hidden_and_router_aux(model: nn.Module, backbone: nn.Module,
