@@ -13,7 +13,7 @@ from typing import Any, Dict, Optional, Tuple
 import torch
 from torch import nn
 
-from ..patching.checks import is_projection
+from ..chunked.weights import is_dtensor
 
 
 def is_peft_model(model: nn.Module) -> bool:
@@ -94,7 +94,8 @@ def backbone_of(causal_lm: nn.Module) -> nn.Module:
         return model
     raise ValueError(
         f"cannot find the decoder backbone of {type(causal_lm).__name__}: expected a Hugging Face "
-        "causal LM with get_decoder() or base_model_prefix"
+        "causal LM with get_decoder(), base_model_prefix or a .model decoder; pass use_liger=False to train "
+        "with the model's own forward"
     )
 
 
@@ -132,28 +133,47 @@ def lm_head_params(causal_lm: nn.Module) -> Tuple[torch.Tensor, Optional[torch.T
             "lm_head.weight and would ignore it: merge the adapter into the head, or leave lm_head out of "
             "target_modules"
         )
-    # a PEFT wrapper (LoRA's base_layer, modules_to_save) holds its adapters' parameters; any other head with a
-    # parameter besides weight and bias uses it in its forward, nn.Linear subclasses included (a learned
-    # per-vocabulary logit scale: Dory)
-    if not (hasattr(head, "base_layer") and is_projection(head) or hasattr(head, "modules_to_save")):
-        extra = sorted(n for n, _ in head.named_parameters() if n not in ("weight", "bias"))
-        if extra:
-            raise ValueError(
-                f"{name}'s LM head {type(head).__name__} has parameters besides weight and bias ({', '.join(extra)}): "
-                "its forward is more than hidden @ weight.T + bias, which the fused loss computes"
-            )
+    # Any parameter besides weight and bias takes part in the head's forward, nn.Linear subclasses included (a
+    # learned per-vocabulary logit scale: Dory; an FP8 head's scales). A PEFT wrapper holds its adapters'
+    # parameters: the module it computes with is checked instead.
+    base = _peft_base(head)
+    checked = head if base is None else base
+    extra = sorted(n for n, _ in checked.named_parameters() if n not in ("weight", "bias"))
+    if extra:
+        raise ValueError(
+            f"{name}'s LM head {type(checked).__name__} has parameters besides weight and bias ({', '.join(extra)}): "
+            "its forward is more than hidden @ weight.T + bias, which the fused loss computes; pass "
+            "use_liger=False to train with the model's own forward"
+        )
     weight, bias = head.weight, getattr(head, "bias", None)
-    vocab = getattr(getattr(causal_lm, "config", None), "unpadded_vocab_size", None)
-    if vocab is not None and vocab < weight.shape[0]:
+    vocab = getattr(_text_config(causal_lm), "unpadded_vocab_size", None)
+    if vocab is not None and vocab < getattr(weight, "ds_shape", weight.shape)[0]:
         # Inkling pads its head to a round row count and cuts the logits to the real vocabulary: the padded rows
         # take no part in the softmax
-        if hasattr(weight, "ds_id") or type(weight).__name__ == "DTensor":
+        if hasattr(weight, "ds_id") or is_dtensor(weight):
             raise ValueError(
-                f"{name} cuts its logits to config.unpadded_vocab_size={vocab} of its head's rows; the fused loss "
+                f"{name} cuts its logits to unpadded_vocab_size={vocab} of its head's rows; the fused loss "
                 "cannot slice a sharded head (DeepSpeed ZeRO-3, FSDP2): pass use_liger=False"
             )
         weight, bias = weight[:vocab], None if bias is None else bias[:vocab]
     return weight, bias
+
+
+def _text_config(causal_lm: nn.Module):
+    config = getattr(causal_lm, "config", None)
+    return config.get_text_config() if hasattr(config, "get_text_config") else config
+
+
+def _peft_base(head: nn.Module) -> Optional[nn.Module]:
+    """The module a PEFT wrapper of the head computes with (a LoRA layer's innermost base layer; the original
+    module of ``modules_to_save`` and trainable-token wrappers, whose trained copy or token delta has its
+    shape), or None when PEFT does not wrap the head."""
+    if not type(head).__module__.startswith("peft."):
+        return None
+    if isinstance(getattr(head, "original_module", None), nn.Module):
+        return head.original_module
+    getter = getattr(head, "get_base_layer", None)
+    return getter() if callable(getter) else None
 
 
 # model_type -> why its causal-LM forward computes the logits from something else than the backbone's last hidden
@@ -175,7 +195,8 @@ def check_head_path(causal_lm: nn.Module) -> None:
     name = type(causal_lm).__name__
     model_type = getattr(getattr(causal_lm, "config", None), "model_type", None)
     if model_type in _OTHER_LOGIT_INPUTS:
-        raise ValueError(f"{name} is not served by the fused loss: {_OTHER_LOGIT_INPUTS[model_type]}")
+        raise ValueError(f"{name} is not served by the fused loss: {_OTHER_LOGIT_INPUTS[model_type]}; pass "
+                         "use_liger=False to train with the model's own forward")
     backbone = backbone_of(causal_lm)
     head = causal_lm.get_output_embeddings()
     lm_head_params(causal_lm)
@@ -189,15 +210,19 @@ def check_head_path(causal_lm: nn.Module) -> None:
             raise ValueError(
                 f"{name}.{child_name} ({type(child).__name__}) has parameters {where} ({', '.join(own[:3])}"
                 f"{', ...' if len(own) > 3 else ''}): the model computes its logits through more than "
-                "hidden @ weight.T + bias of its backbone's last hidden state, which the fused loss computes"
+                "hidden @ weight.T + bias of its backbone's last hidden state, which the fused loss computes; pass "
+                "use_liger=False to train with the model's own forward (a vision-language model: load its text "
+                "model with AutoModelForCausalLM)"
             )
 
 
 # Config attributes a model reads but its causal LM's forward does not apply: by model_type, what to skip.
 # MPT's config has logit_scale, MptForCausalLM never uses it; Gemma3ForConditionalGeneration (model_type
 # "gemma3", what AutoModelForCausalLM gives for Gemma-3 checkpoints from 4B up) applies no softcap, though its
-# text config may carry one (Gemma3ForCausalLM's).
-_UNUSED_LOGIT_ATTRS = {"mpt": ("logit_scale",), "gemma3": ("final_logit_softcapping",)}
+# text config may carry one (Gemma3ForCausalLM's); Cohere2VisionForConditionalGeneration applies no logit scale,
+# though its Cohere2 text config has one (0.0625 by default).
+_UNUSED_LOGIT_ATTRS = {"mpt": ("logit_scale",), "gemma3": ("final_logit_softcapping",),
+                       "cohere2_vision": ("logit_scale",)}
 
 
 def head_logit_options(config) -> Dict[str, Any]:

@@ -55,6 +55,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import inspect
+import sys
 import warnings
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
@@ -218,8 +219,17 @@ def _warn_unpatched(model: nn.Module, why: str) -> None:
         "still computes the loss from its hidden states and LM head. Pass liger_patch_model=False to silence "
         "this warning.",
         UserWarning,
-        stacklevel=5,  # the trainer's construction: its __init__, _liger_after_init, patch_model_layers, here
+        stacklevel=_caller_stacklevel(),
     )
+
+
+def _caller_stacklevel() -> int:
+    """The ``stacklevel`` of the first frame outside this package (the user's trainer construction, however
+    many of the adapters' own frames lie between)."""
+    frame, level = sys._getframe(1), 1
+    while frame is not None and frame.f_globals.get("__name__", "").startswith("liger_losses."):
+        frame, level = frame.f_back, level + 1
+    return level
 
 
 # --------------------------------------------------------------------------- loss construction
@@ -365,8 +375,12 @@ class LigerTrainerMixin:
             if cfg is not None and getattr(cfg, "is_prompt_learning", False):
                 reject("peft_config", type(cfg).__name__, "prompt-learning adapters prepend virtual tokens "
                        "inside PeftModel.forward, which the backbone call bypasses")
-        for m in (policy, *(unwrap_causal_lm(m) for m in models[1:] if m is not None)):
-            check_head_path(m)  # fail now, not at the first step, if the loss cannot read the model
+        for role, m in (("model", policy), *(("ref_model / teacher_model", unwrap_causal_lm(m))
+                                               for m in models[1:] if m is not None)):
+            try:  # fail now, not at the first step, if the loss cannot read the model
+                check_head_path(m)
+            except ValueError as exc:
+                raise ValueError(f"use_liger=True cannot serve {role}: {exc}") from None
         if getattr(self, "aux_loss_enabled", False):
             from .router_aux import moe_sizes
 

@@ -46,7 +46,7 @@ def moe_sizes(causal_lm: nn.Module) -> Tuple[int, int]:
         raise ValueError(
             f"router_aux_loss_coef != 0: the load-balancing loss of {type(causal_lm).__name__} needs its expert count "
             f"({' / '.join(_EXPERT_COUNT_NAMES)}) and experts per token ({' / '.join(_TOP_K_NAMES)}), and its "
-            "config has not both; set router_aux_loss_coef=0.0, or pass use_liger=False"
+            "config has not both; set router_aux_loss_coef=0.0 in the trainer's config, or pass use_liger=False"
         )
     return experts, top_k
 
@@ -59,10 +59,12 @@ def router_aux_loss(model: nn.Module, router_logits, attention_mask) -> torch.Te
     from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_func
 
     causal_lm = unwrap_causal_lm(model)
-    if router_logits is None or (isinstance(router_logits, (tuple, list)) and not router_logits):
+    if isinstance(router_logits, list):  # Mixtral's function takes a tuple and returns 0 for anything else
+        router_logits = tuple(router_logits)
+    if router_logits is None or (isinstance(router_logits, tuple) and not router_logits):
         raise ValueError(
             f"router_aux_loss_coef != 0 but {type(causal_lm).__name__}'s backbone returned no router logits to "
-            "balance; set router_aux_loss_coef=0.0, or pass use_liger=False"
+            "balance; set router_aux_loss_coef=0.0 in the trainer's config, or pass use_liger=False"
         )
     experts, top_k = moe_sizes(causal_lm)
     return load_balancing_loss_func(router_logits, experts, top_k, attention_mask)

@@ -184,3 +184,51 @@ def test_step0_parity_cuda_fp32(tok, tmp_path):
         from liger_losses.patching import revert_liger_kernels
 
         revert_liger_kernels()
+
+
+
+def _peft_head_config(kind):
+    peft = pytest.importorskip("peft")
+    extra = (dict(modules_to_save=["lm_head"]) if kind == "modules_to_save"
+             else dict(trainable_token_indices={"lm_head": [3, 5, 8, 13]}))
+    return peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], init_lora_weights=False,
+                           task_type="CAUSAL_LM", **extra)
+
+
+def _move_trained_head(trainer, kind):
+    """Move what PEFT trains of the head (the copy, or the token rows' delta) as training steps would."""
+    head = trainer.model.get_output_embeddings()
+    trained = (head.modules_to_save["default"].weight if kind == "modules_to_save"
+               else head.token_adapter.trainable_tokens_delta["default"])
+    gen = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        trained.add_(torch.randn(trained.shape, generator=gen) * 0.5)
+
+
+def test_peft_reference_reads_the_untrained_head(tok, tmp_path):
+    """A PEFT policy that trains its LM head (``modules_to_save=["lm_head"]``) and no ref_model: the reference
+    (adapters off) scores with the original head, as TRL's forward does. With the trained copy moved away from
+    it, loss, metrics and gradients equal TRL's (rel <= 1e-4); a reference read through the trained copy gives
+    the policy's own head on that side (a margin off by O(1))."""
+    theirs, ours = _pair(tok, tmp_path, ref=False, peft_config=_peft_head_config("modules_to_save"))
+    for trainer in (theirs, ours):
+        _move_trained_head(trainer, "modules_to_save")
+    m_t, _ = check_compute_loss(theirs, ours, TOL)
+    assert abs(m_t["rewards/margins"]) > 0
+
+
+def test_peft_trainable_head_tokens_are_served_and_the_reference_reads_the_base_head(tok, tmp_path):
+    """Trainable token rows of the LM head (PEFT's ``trainable_token_indices``; tied-embedding models get them on
+    the head too) are accepted (the wrapper's weight is the merged one its forward uses), and the reference
+    reads the base head, not the moved rows. TRL 1.16's own DPO step fails on this head (it reads
+    ``lm_head.bias``), so the check is on the heads the loss receives."""
+    ours = _pair(tok, tmp_path, ref=False, peft_config=_peft_head_config("trainable_tokens"))[1]
+    _move_trained_head(ours, "trainable_tokens")
+    head = ours.model.get_output_embeddings()
+    batch = first_batch(ours)
+    model_kwargs = {k: v for k, v in batch.items() if k in ("input_ids", "attention_mask")}
+    _, ref_weight, _, _ = ours._liger_reference_hidden(ours.model, model_kwargs)
+    assert torch.equal(ref_weight, head.original_module.weight)
+    policy_weight = ours._liger_head(ours.model)[0]
+    assert not torch.equal(policy_weight[[3, 5, 8, 13]], ref_weight[[3, 5, 8, 13]])
+    assert torch.equal(policy_weight[:3], ref_weight[:3])

@@ -147,3 +147,13 @@ def test_a_router_loss_without_expert_counts_is_refused_at_construction(tok, tmp
     model.config.router_aux_loss_coef = 0.1
     with pytest.raises(ValueError, match="needs its expert count"):
         _trainer(tok, tmp_path, model)
+
+
+def test_a_sharded_head_the_loss_would_have_to_cut_is_refused_at_construction(tok, tmp_path):
+    """Inkling's vocabulary cut on a DeepSpeed ZeRO-3 partitioned head (a parameter with ``ds_id``, its rows in
+    ``ds_shape``, empty here as a partitioned one is): refused when the trainer is built, naming the reason."""
+    model = tiny_model(tok, "inkling_text")
+    weight = model.get_output_embeddings().weight
+    weight.ds_id, weight.ds_shape = 0, weight.shape
+    with pytest.raises(ValueError, match="cannot slice a sharded head"):
+        _trainer(tok, tmp_path, model)
