@@ -129,3 +129,23 @@ def loss_and_grads(model, batch, **kwargs):
     grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
     model.zero_grad(set_to_none=True)
     return outputs, grads
+
+
+# vision-language model_type -> the family of its text model
+COMPOSITES = {"gemma3": "gemma3_text", "mistral3": "mistral", "llava": "llama"}
+
+
+def tiny_composite(model_type: str, **text_overrides):
+    """A tiny random vision-language model of ``model_type`` (a key of ``COMPOSITES``) in training mode: its text
+    model ``tiny_config``'s of its family (with ``text_overrides``), its vision tower one layer of width 32."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
+
+    text = tiny_config(COMPOSITES[model_type], **text_overrides).to_dict()
+    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=28,
+                  patch_size=14, **({"head_dim": 16} if model_type == "mistral3" else {}))
+    extra = {"mm_tokens_per_image": 4} if model_type == "gemma3" else {}
+    config = AutoConfig.for_model(model_type, text_config=text, vision_config=vision, **extra)
+    auto = AutoModelForCausalLM if model_type == "gemma3" else AutoModelForImageTextToText
+    torch.manual_seed(0)
+    model = auto.from_config(config, attn_implementation="eager")
+    return randomize_(model).float().train()

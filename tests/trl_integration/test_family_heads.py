@@ -157,3 +157,37 @@ def test_a_sharded_head_the_loss_would_have_to_cut_is_refused_at_construction(to
     weight.ds_id, weight.ds_shape = 0, weight.shape
     with pytest.raises(ValueError, match="cannot slice a sharded head"):
         _trainer(tok, tmp_path, model)
+
+
+def test_gemma3_conditional_generation_is_patched_and_equals_its_own_logits(tok, tmp_path):
+    """Gemma-3 4B and up load as ``Gemma3ForConditionalGeneration`` (model_type "gemma3"): with the default
+    ``liger_patch_model=True`` its text model's layers are ours, no warning, and a text-only SFT step equals the
+    model's own logits (rel <= 1e-4), which carry no softcap though its text config has one (1.0 here)."""
+    import warnings
+
+    from tests.patching.tiny_models import tiny_composite
+
+    model = tiny_composite("gemma3", vocab_size=len(tok), pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id)
+    pristine = copy.deepcopy(model)
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        ours = SFTTrainer(model, sft_config(tmp_path), train_dataset=sft_dataset(), processing_class=tok,
+                          use_liger=True)
+    assert not [w for w in record if "layers stay transformers'" in str(w.message)]
+    text_model = ours.model.model.language_model
+    assert {type(m).__name__ for m in text_model.modules() if "Norm" in type(m).__name__} == {"LigerGemmaRMSNorm"}
+    batch = first_batch(ours)
+    loss, _ = step0(ours, dict(batch))
+    loss.backward()
+    from liger_losses.patching import revert_liger_kernels
+
+    revert_liger_kernels()  # the reference runs HF's own RoPE
+    pristine.train()
+    truth = _own_loss(pristine, batch)
+    truth.backward()
+    assert rel(loss.detach(), truth.detach()) <= TOL, (float(loss), float(truth))
+    g_truth, g_ours = grads_of(pristine), grads_of(ours.model)
+    largest = max(float(g.norm()) for g in g_truth.values())
+    for name, g in g_truth.items():
+        if float(g.norm()) >= 1e-6 * largest:
+            assert float((g_ours[name] - g).norm()) <= TOL * float(g.norm()), name
