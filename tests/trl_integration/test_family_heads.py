@@ -191,3 +191,14 @@ def test_gemma3_conditional_generation_is_patched_and_equals_its_own_logits(tok,
     for name, g in g_truth.items():
         if float(g.norm()) >= 1e-6 * largest:
             assert float((g_ours[name] - g).norm()) <= TOL * float(g.norm()), name
+
+
+def test_a_reference_model_the_loss_cannot_follow_is_named_in_the_error(tok, tmp_path):
+    """The construction check covers the reference model too, and its error says which model it is."""
+    from liger_losses.trl_integration import DPOTrainer
+
+    from .utils import build_tiny_model, dpo_config, preference_dataset
+
+    with pytest.raises(ValueError, match=r"cannot serve ref_model / teacher_model: BertLMHeadModel\.cls"):
+        DPOTrainer(build_tiny_model(tok), tiny_model(tok, "bert"), args=dpo_config(tmp_path),
+                   train_dataset=preference_dataset(8), processing_class=tok, use_liger=True, liger_patch_model=False)
