@@ -67,8 +67,8 @@ def check_compute_loss(theirs, ours, tol, batch=None, skip=()):
     TRL logs (but ``skip``) agree to a relative error <= ``tol``, then every gradient (:func:`assert_grads_match`).
     ``(TRL's metrics, ours)``."""
     batch = first_batch(theirs) if batch is None else batch
-    loss_t, m_t = step0(theirs, batch)
-    loss_o, m_o = step0(ours, batch)
+    loss_t, m_t = step0(theirs, dict(batch))  # each its own dict: TRL's MoE step adds output_router_logits to it
+    loss_o, m_o = step0(ours, dict(batch))
     assert rel(loss_o, loss_t) <= tol, (float(loss_o), float(loss_t))
     assert_metrics_match(m_o, m_t, tol, skip=skip)
     assert_grads_match(loss_t, loss_o, theirs, ours, tol)
