@@ -4,7 +4,8 @@
 swiglu=True, geglu=True, cross_entropy=True, **kwargs)`` reads the config first (so an
 unsupported ``model_type`` fails with a ``ValueError`` before any weights are loaded), loads the
 model with ``AutoModelForCausalLM.from_pretrained(name_or_path, *model_args, **kwargs)`` and
-patches it in place. ``from_config(config, **kwargs)`` does the same for a fresh random model.
+patches it in place. ``from_config(config, **kwargs)`` does the same for a fresh random model. A composite
+config whose text config is a supported family's (Gemma-3 4B+) is accepted: its text model is patched.
 """
 
 from __future__ import annotations
@@ -23,10 +24,17 @@ _CONFIG_KWARGS = (
 
 
 def _check_model_type(config) -> None:
+    """A supported family's config, or a composite config (Gemma-3 4B+, which ``AutoModelForCausalLM`` loads as
+    ``Gemma3ForConditionalGeneration``) whose text config is one: its text model is patched."""
     model_type = getattr(config, "model_type", None)
-    if model_type not in FAMILIES:
+    try:
+        text_type = getattr(config.get_text_config(), "model_type", None)
+    except (AttributeError, ValueError):  # no text config, or several
+        text_type = None
+    if model_type not in FAMILIES and text_type not in FAMILIES:
         raise ValueError(
-            f"config.model_type must be one of {SUPPORTED_MODEL_TYPES}, got {model_type!r}"
+            f"config.model_type must be one of {SUPPORTED_MODEL_TYPES} (or a composite config's text config), "
+            f"got {model_type!r}"
         )
 
 

@@ -63,6 +63,17 @@ def test_from_config():
     assert isinstance(model.model.layers[0].mlp, LigerGEGLUMLP)
 
 
+def test_from_config_of_a_composite_patches_its_text_model():
+    """Gemma-3 4B+'s composite config (``AutoModelForCausalLM`` builds ``Gemma3ForConditionalGeneration``) is
+    accepted and its text model patched."""
+    from liger_losses.kernels.mlp import LigerGEGLUMLP
+    from tests.patching.tiny_models import tiny_composite_config
+
+    model = AutoLigerModelForCausalLM.from_config(tiny_composite_config("gemma3"))
+    assert type(model).__name__ == "Gemma3ForConditionalGeneration"
+    assert isinstance(model.model.language_model.layers[0].mlp, LigerGEGLUMLP)
+
+
 @pytest.mark.parametrize("model_type", FAMILIES)
 def test_from_pretrained_every_family(model_type, tmp_path):
     """Every supported family: a saved tiny random model loads through

@@ -135,16 +135,23 @@ def loss_and_grads(model, batch, **kwargs):
 COMPOSITES = {"gemma3": "gemma3_text", "mistral3": "mistral", "llava": "llama"}
 
 
-def tiny_composite(model_type: str, **text_overrides):
-    """A tiny random vision-language model of ``model_type`` (a key of ``COMPOSITES``) in training mode: its text
-    model ``tiny_config``'s of its family (with ``text_overrides``), its vision tower one layer of width 32."""
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
+def tiny_composite_config(model_type: str, **text_overrides):
+    """The config of a tiny vision-language model of ``model_type`` (a key of ``COMPOSITES``): its text config
+    ``tiny_config``'s of its family (with ``text_overrides``), its vision tower one layer of width 32."""
+    from transformers import AutoConfig
 
     text = tiny_config(COMPOSITES[model_type], **text_overrides).to_dict()
     vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=28,
                   patch_size=14, **({"head_dim": 16} if model_type == "mistral3" else {}))
     extra = {"mm_tokens_per_image": 4} if model_type == "gemma3" else {}
-    config = AutoConfig.for_model(model_type, text_config=text, vision_config=vision, **extra)
+    return AutoConfig.for_model(model_type, text_config=text, vision_config=vision, **extra)
+
+
+def tiny_composite(model_type: str, **text_overrides):
+    """A tiny random vision-language model of :func:`tiny_composite_config` in training mode."""
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
+
+    config = tiny_composite_config(model_type, **text_overrides)
     auto = AutoModelForCausalLM if model_type == "gemma3" else AutoModelForImageTextToText
     torch.manual_seed(0)
     model = auto.from_config(config, attn_implementation="eager")
