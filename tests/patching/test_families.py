@@ -29,25 +29,18 @@ from liger_losses.patching.rope import (
     liger_rotary_pos_emb_with_position_ids_inplace,
 )
 from tests.helpers import TOL, assert_close_rel
-from tests.patching.tiny_models import FAMILIES, MOE_FAMILIES, loss_and_grads, tiny_batch, tiny_model
+from tests.patching.tiny_models import (
+    FAMILIES,
+    MOE_FAMILIES,
+    assert_loss_and_grads,
+    eval_logits,
+    loss_and_grads,
+    reference_outputs,
+    tiny_batch,
+    tiny_model,
+)
 
 FP32 = TOL[torch.float32]
-
-
-def _reference(ref, batch):
-    """(logits without labels in eval mode, loss outputs and grads in train mode) of ``ref``."""
-    ref.eval()
-    with torch.no_grad():
-        logits = ref(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
-    ref.train()
-    out, grads = loss_and_grads(ref, batch)
-    return logits, out.loss.detach(), grads
-
-
-def _assert_loss_and_grads(out, grads, ref_loss, ref_grads):
-    assert_close_rel(out.loss, ref_loss, FP32, "loss")
-    for name, g in ref_grads.items():
-        assert_close_rel(grads[name], g, FP32, f"grad {name}")
 
 
 IMPLS = ("triton-interpreter", "torch-fallback")
@@ -103,7 +96,7 @@ def test_patched_family_matches_unpatched(model_type, kernel_impl):
     ref = tiny_model(model_type)
     model = copy.deepcopy(ref)
     batch = tiny_batch(ref.config)
-    ref_logits, ref_loss, ref_grads = _reference(ref, batch)
+    ref_logits, ref_loss, ref_grads = reference_outputs(ref, batch)
 
     n_params = len(list(model.parameters()))
     assert apply_liger_kernels(model) is model
@@ -115,15 +108,10 @@ def test_patched_family_matches_unpatched(model_type, kernel_impl):
     out, grads = loss_and_grads(model, batch)
     hook.remove()
     assert out.logits is None and not head_calls
-    assert_close_rel(out.loss, ref_loss, FP32, "loss")
     assert set(grads) == set(ref_grads)
-    for name, g in ref_grads.items():
-        assert_close_rel(grads[name], g, FP32, f"grad {name}")
+    assert_loss_and_grads(out, grads, ref_loss, ref_grads)
 
-    model.eval()
-    with torch.no_grad():
-        logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
-    assert_close_rel(logits, ref_logits, FP32, "logits")
+    assert_close_rel(eval_logits(model, batch), ref_logits, FP32, "logits")
 
 
 def test_qwen3_qk_norms_swapped():
@@ -214,11 +202,11 @@ def test_patched_family_matches_unpatched_with_inplace_rope(model_type, inplace)
     ref = tiny_model(model_type)
     model = copy.deepcopy(ref)
     batch = tiny_batch(ref.config)
-    _, ref_loss, ref_grads = _reference(ref, batch)
+    _, ref_loss, ref_grads = reference_outputs(ref, batch)
     apply_liger_kernels(model)
     with prope.ROPE_PATCH.override(inplace=inplace, inplace_backward=True):
         out, grads = loss_and_grads(model, batch)
-    _assert_loss_and_grads(out, grads, ref_loss, ref_grads)
+    assert_loss_and_grads(out, grads, ref_loss, ref_grads)
 
 
 @pytest.mark.parametrize("model_type", ["llama", "phi3", "gemma"])
@@ -233,14 +221,14 @@ def test_patched_family_matches_unpatched_with_fused_mlp_tail(model_type, monkey
     ref = tiny_model(model_type)
     model = copy.deepcopy(ref)
     batch = tiny_batch(ref.config)
-    ref_logits, ref_loss, ref_grads = _reference(ref, batch)
+    ref_logits, ref_loss, ref_grads = reference_outputs(ref, batch)
     apply_liger_kernels(model)
     used = []
     monkeypatch.setattr(gd.GatedDownFunction, "apply", _counting(gd.GatedDownFunction.apply, used))
     with tuning(mlp={"fuse_down_proj": True}, gated_down={"chunk_elems": 512, "forward_chunk_elems": 512}):
         out, grads = loss_and_grads(model, batch)
         assert used, "the fused tail was not used"
-        _assert_loss_and_grads(out, grads, ref_loss, ref_grads)
+        assert_loss_and_grads(out, grads, ref_loss, ref_grads)
         model.eval()
         with torch.no_grad():
             logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
@@ -268,7 +256,7 @@ def test_moe_router_aux_loss_as_transformers_adds_it(model_type):
         ref_out, ref_grads = loss_and_grads(ref, batch, **kwargs)
         out, grads = loss_and_grads(model, batch, **kwargs)
         assert out.logits is None
-        _assert_loss_and_grads(out, grads, ref_out.loss, ref_grads)
+        assert_loss_and_grads(out, grads, ref_out.loss, ref_grads)
         if kwargs.get("output_router_logits") is False:
             assert out.aux_loss is None and ref_out.aux_loss is None
             continue

@@ -131,6 +131,31 @@ def loss_and_grads(model, batch, **kwargs):
     return outputs, grads
 
 
+def eval_logits(model, batch):
+    """``model``'s logits on ``batch`` without labels, in eval mode, under no grad (``model`` stays in eval)."""
+    model.eval()
+    with torch.no_grad():
+        return model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+
+
+def reference_outputs(ref, batch):
+    """``(logits without labels in eval mode, loss, {name: grad})`` of ``ref`` (the loss and grads in train
+    mode): what a patched copy must reproduce. Run it before patching (the RoPE patch is process-wide)."""
+    logits = eval_logits(ref, batch)
+    ref.train()
+    out, grads = loss_and_grads(ref, batch)
+    return logits, out.loss.detach(), grads
+
+
+def assert_loss_and_grads(out, grads, ref_loss, ref_grads):
+    """``out.loss`` and every gradient of ``ref_grads`` within the fp32 bar of ``tests/helpers.TOL``."""
+    from tests.helpers import TOL, assert_close_rel
+
+    assert_close_rel(out.loss, ref_loss, TOL[torch.float32], "loss")
+    for name, g in ref_grads.items():
+        assert_close_rel(grads[name], g, TOL[torch.float32], f"grad {name}")
+
+
 # vision-language model_type -> the family of its text model
 COMPOSITES = {"gemma3": "gemma3_text", "mistral3": "mistral", "llava": "llama"}
 
