@@ -15,7 +15,7 @@ base and adapters share a dtype; PEFT's own forward otherwise).
 
 from __future__ import annotations
 
-from typing import Tuple
+from typing import Optional, Tuple
 
 from torch import nn
 
@@ -29,6 +29,19 @@ def family_of(model: nn.Module):
     return family_and_target(model)[0]
 
 
+def family_type(config) -> Optional[str]:
+    """The ``model_type`` of the family that patches a model of ``config``: its own when it is a family's, else
+    its text config's when that is one (a composite vision-language model's text model), else None."""
+    model_type = getattr(config, "model_type", None)
+    if model_type in FAMILIES:
+        return model_type
+    try:
+        text_type = getattr(config.get_text_config(), "model_type", None)
+    except (AttributeError, ValueError):  # no text config, or several (an encoder-decoder's)
+        return None
+    return text_type if text_type in FAMILIES else None
+
+
 def family_and_target(model: nn.Module) -> Tuple[FamilySpec, nn.Module]:
     """``(spec, target)``: the family to patch and the module to patch it in. ``target`` is the transformers model
     itself (through a PEFT wrapper) when its ``model_type`` is a family's; else, for a composite model (a
@@ -39,20 +52,16 @@ def family_and_target(model: nn.Module) -> Tuple[FamilySpec, nn.Module]:
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     root = unwrap_model(model)
     config = getattr(root, "config", None)
-    model_type = getattr(config, "model_type", None)
-    if model_type in FAMILIES:
-        return FAMILIES[model_type], model
-    try:
-        text_type = getattr(config.get_text_config(), "model_type", None)
-    except (AttributeError, ValueError):  # no text config, or several (an encoder-decoder's)
-        text_type = None
-    if text_type in FAMILIES:
+    family = family_type(config)
+    if family is not None and family == config.model_type:
+        return FAMILIES[family], model
+    if family is not None:
         for module in root.modules():
-            if module is not root and getattr(getattr(module, "config", None), "model_type", None) == text_type:
-                return FAMILIES[text_type], module
+            if module is not root and getattr(getattr(module, "config", None), "model_type", None) == family:
+                return FAMILIES[family], module
     raise ValueError(
         f"model.config.model_type must be one of {SUPPORTED_MODEL_TYPES} (or a composite model's text config), "
-        f"got {model_type!r}"
+        f"got {getattr(config, 'model_type', None)!r}"
     )
 
 

@@ -10,8 +10,8 @@ config whose text config is a supported family's (Gemma-3 4B+) is accepted: its 
 
 from __future__ import annotations
 
-from liger_losses.patching.apply import apply_liger_kernels
-from liger_losses.patching.specs import FAMILIES, SUPPORTED_MODEL_TYPES
+from liger_losses.patching.apply import apply_liger_kernels, family_type
+from liger_losses.patching.specs import SUPPORTED_MODEL_TYPES
 
 _CONFIG_KWARGS = (
     "revision",
@@ -26,15 +26,10 @@ _CONFIG_KWARGS = (
 def _check_model_type(config) -> None:
     """A supported family's config, or a composite config (Gemma-3 4B+, which ``AutoModelForCausalLM`` loads as
     ``Gemma3ForConditionalGeneration``) whose text config is one: its text model is patched."""
-    model_type = getattr(config, "model_type", None)
-    try:
-        text_type = getattr(config.get_text_config(), "model_type", None)
-    except (AttributeError, ValueError):  # no text config, or several
-        text_type = None
-    if model_type not in FAMILIES and text_type not in FAMILIES:
+    if family_type(config) is None:
         raise ValueError(
             f"config.model_type must be one of {SUPPORTED_MODEL_TYPES} (or a composite config's text config), "
-            f"got {model_type!r}"
+            f"got {getattr(config, 'model_type', None)!r}"
         )
 
 

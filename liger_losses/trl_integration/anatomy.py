@@ -146,7 +146,7 @@ def lm_head_params(causal_lm: nn.Module) -> Tuple[torch.Tensor, Optional[torch.T
             "use_liger=False to train with the model's own forward"
         )
     weight, bias = head.weight, getattr(head, "bias", None)
-    vocab = getattr(_text_config(causal_lm), "unpadded_vocab_size", None)
+    vocab = getattr(_text_config(getattr(causal_lm, "config", None)), "unpadded_vocab_size", None)
     if vocab is not None and vocab < getattr(weight, "ds_shape", weight.shape)[0]:
         # Inkling pads its head to a round row count and cuts the logits to the real vocabulary: the padded rows
         # take no part in the softmax
@@ -159,9 +159,15 @@ def lm_head_params(causal_lm: nn.Module) -> Tuple[torch.Tensor, Optional[torch.T
     return weight, bias
 
 
-def _text_config(causal_lm: nn.Module):
-    config = getattr(causal_lm, "config", None)
+def _text_config(config):
+    """``config``'s text config (a composite model's), or ``config`` itself."""
     return config.get_text_config() if hasattr(config, "get_text_config") else config
+
+
+def head_is_peft_wrapped(causal_lm: nn.Module) -> bool:
+    """Whether PEFT wraps ``causal_lm``'s LM head (LoRA on it, ``modules_to_save``, trainable tokens): then the
+    head the adapters-off reference computes with may differ from the policy's."""
+    return _peft_base(causal_lm.get_output_embeddings()) is not None
 
 
 def _peft_base(head: nn.Module) -> Optional[nn.Module]:
@@ -235,7 +241,7 @@ def head_logit_options(config) -> Dict[str, Any]:
     ``1/logits_mup_width_multiplier`` (Inkling divides the hidden states by it before the head), 1.0 when none
     is set. An attribute the family's causal-LM forward does not apply (``_UNUSED_LOGIT_ATTRS``) is not read.
     """
-    text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
+    text_config = _text_config(config)
     unused = _UNUSED_LOGIT_ATTRS.get(getattr(config, "model_type", ""), ())
 
     def attr(name):

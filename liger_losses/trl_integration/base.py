@@ -70,6 +70,7 @@ from .anatomy import (  # noqa: F401 - re-exported: the adapters and tests impor
     compiled_like,
     compiled_module,
     has_forward_hooks,
+    head_is_peft_wrapped,
     head_logit_options,
     innermost_module,
     is_peft_model,

@@ -32,6 +32,7 @@ from .base import (
     IGNORE_INDEX,
     LigerTrainerMixin,
     gathered_params,
+    head_is_peft_wrapped,
     head_logit_options,
     is_peft_model,
     reference_adapter,
@@ -126,19 +127,19 @@ class LigerReferenceTrainerMixin(LigerTrainerMixin):
         """``(ref_hidden [B, T-1, H], ref_weight, ref_bias, also(ref) or None)`` under no grad.
 
         The reference is ``self.ref_model`` (with its own head) or, without one, the policy ``model`` with its PEFT
-        adapter off (:meth:`_liger_reference_scope`). Its head is read in that scope too: a head PEFT trains (in
-        ``modules_to_save``, trainable tokens) reads as its original there. ``ref_weight``/``ref_bias`` are None
-        when that is the policy's head itself (it then serves both). ``also`` runs in the same scope on the
+        adapter off (:meth:`_liger_reference_scope`). A head PEFT wraps (``modules_to_save``, trainable tokens)
+        is read in that scope, where it is its original; an unwrapped head is the policy's own, and
+        ``ref_weight``/``ref_bias`` are then None (it serves both). ``also`` runs in the same scope on the
         reference module (e.g. the KL completions' log-probs).
         """
         peft_ref = self.ref_model is None
         ref = model if peft_ref else self.ref_model
+        ref_weight = ref_bias = None
         with (self._liger_reference_scope(True) if peft_ref else torch.no_grad()):
             ref_hidden = self._liger_run(ref, self._liger_backbone_hidden, ref, model_kwargs)[:, :-1]
             extra = None if also is None else also(ref)
-            ref_weight, ref_bias = self._liger_head(ref)
-        if peft_ref and ref_weight is self._liger_head(model)[0]:
-            ref_weight = ref_bias = None
+            if not peft_ref or head_is_peft_wrapped(unwrap_causal_lm(ref)):
+                ref_weight, ref_bias = self._liger_head(ref)
         return ref_hidden, ref_weight, ref_bias, extra
 
     def _liger_token_logps(self, model: nn.Module, model_kwargs: Dict[str, Any],
