@@ -77,6 +77,7 @@ from .anatomy import (  # noqa: F401 - re-exported: the adapters and tests impor
     lm_head_params,
     unwrap_causal_lm,
 )
+from .logit_check import check_model_logits
 from .metrics import DeferredMetrics
 from .metrics import install as install_resolving_store
 
@@ -410,7 +411,21 @@ class LigerTrainerMixin:
 
     def _liger_backbone_hidden(self, model: nn.Module, model_kwargs: Dict[str, Any]) -> torch.Tensor:
         """Last hidden states [B, T, H] of ``model``'s backbone (no LM head)."""
+        self._liger_check_logits(model, model_kwargs)
         return self._liger_backbone(model)(**model_kwargs).last_hidden_state
+
+    def _liger_check_logits(self, model: nn.Module, model_kwargs: Dict[str, Any]) -> None:
+        """At ``model``'s first step: its own forward's logits against the fused loss's formula on its backbone's
+        output (:func:`~.logit_check.check_model_logits`), with the policy's softcap / logit scale, which the loss
+        applies to every model the trainer runs. Once per causal LM (a PEFT reference is the policy's)."""
+        causal_lm = unwrap_causal_lm(model)
+        checked = self.__dict__.setdefault("_liger_logits_checked", set())
+        if id(causal_lm) in checked:
+            return
+        checked.add(id(causal_lm))
+        role = "model" if causal_lm is unwrap_causal_lm(self.model) else "ref_model / teacher_model"
+        check_model_logits(model, causal_lm, model_kwargs, role=role,
+                           **head_logit_options(unwrap_causal_lm(self.model).config))
 
     def _liger_run(self, model: nn.Module, fn: Callable[..., Any], *args, **kwargs) -> Any:
         """``fn(*args, **kwargs)`` run as ``model``'s forward, in the context TRL's ``model(...)`` call has.

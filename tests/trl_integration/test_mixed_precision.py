@@ -38,6 +38,15 @@ from .utils import (
 BF16_LOSS_TOL = 3e-2
 
 
+@pytest.fixture(autouse=True)
+def _no_logit_check(monkeypatch):
+    """The first step's logits check runs one more, no-grad, forward of each model, which TRL's step does not:
+    these tests record the training forwards only (the check's autocast is held in ``test_logit_check.py``)."""
+    from liger_losses.trl_integration.logit_check import ENV_SWITCH
+
+    monkeypatch.setenv(ENV_SWITCH, "0")
+
+
 def _check_same_autocast(theirs, ours, *, expect_autocast: bool, loss_tol=BF16_LOSS_TOL):
     """One training step each; equal backbone records, the expected autocast state, close losses."""
     seen_t, seen_o = record_backbone_autocast(theirs), record_backbone_autocast(ours)

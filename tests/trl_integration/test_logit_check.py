@@ -1,0 +1,165 @@
+"""The first-step logits check (``trl_integration/logit_check.py``): a model whose forward transforms its logits in
+a way its config does not show is refused at its first step instead of trained on another objective.
+
+The transform here is MiniCPM's (remote code): the hidden states divided by a width ratio before the head,
+written in the causal LM's forward. Tolerances: on the CPU in fp32 the model's logits and the formula are the
+same GEMM, so a model the loss serves checks at <= 1e-5; the divisor 4 puts the formula 3x the model's logits away (relative).
+"""
+
+import warnings
+
+import pytest
+import torch
+from transformers import LlamaForCausalLM
+from transformers.modeling_outputs import CausalLMOutputWithPast
+
+from liger_losses.trl_integration import DPOTrainer, SFTTrainer
+from liger_losses.trl_integration.logit_check import ENV_SWITCH, RTOL, check_model_logits
+
+from .test_unpatched_families import tiny_model
+from .utils import (
+    build_tiny_model,
+    dpo_config,
+    first_batch,
+    preference_dataset,
+    record_backbone_autocast,
+    sft_config,
+    sft_dataset,
+    step0,
+)
+
+
+class WidthScaledLlama(LlamaForCausalLM):
+    """A Llama whose forward divides the hidden states by ``width_ratio`` before the head, as MiniCPM's remote
+    code does (``hidden_size / dim_model_base``): nothing in its config or module tree says so."""
+
+    width_ratio = 4.0
+
+    def forward(self, input_ids=None, attention_mask=None, labels=None, **kwargs):
+        kwargs = {k: v for k, v in kwargs.items() if k in ("position_ids", "use_cache", "inputs_embeds")}
+        hidden = self.model(input_ids=input_ids, attention_mask=attention_mask, **kwargs).last_hidden_state
+        logits = self.lm_head(hidden / self.width_ratio)
+        loss = None
+        if labels is not None:
+            loss = self.loss_function(logits, labels, vocab_size=self.config.vocab_size)
+        return CausalLMOutputWithPast(loss=loss, logits=logits)
+
+
+def width_scaled(tok):
+    model = build_tiny_model(tok)
+    scaled = WidthScaledLlama(model.config)
+    scaled.load_state_dict(model.state_dict())
+    return scaled
+
+
+def ids_of(tok, n=12):
+    return {"input_ids": torch.tensor([tok("a short probe sentence")["input_ids"][:n]])}
+
+
+def test_a_model_the_loss_serves_checks_equal(tok):
+    """A plain Llama: the model's logits equal the formula (rel <= 1e-5, fp32)."""
+    model = build_tiny_model(tok)
+    diff = check_model_logits(model, model, ids_of(tok), softcap=None, logit_scale=1.0)
+    assert diff is not None and diff <= 1e-5
+
+
+def test_a_config_logit_scale_is_part_of_the_formula(tok):
+    """Cohere scales its logits by ``config.logit_scale`` (0.25 here): the check passes with that scale and
+    refuses the formula without it."""
+    model = tiny_model(tok, "cohere")
+    assert check_model_logits(model, model, ids_of(tok), softcap=None, logit_scale=0.25) <= 1e-5
+    with pytest.raises(ValueError, match=r"CohereForCausalLM's own forward computes logits that differ"):
+        check_model_logits(model, model, ids_of(tok), softcap=None, logit_scale=1.0)
+
+
+def test_a_transform_in_the_forward_code_is_refused_at_the_first_step(tok, tmp_path):
+    """SFT on the width-scaled Llama: construction passes (config and module tree look like Llama's), the first
+    step raises a ValueError naming the class, the difference and the way out."""
+    trainer = SFTTrainer(width_scaled(tok), sft_config(tmp_path), train_dataset=sft_dataset(),
+                         processing_class=tok, use_liger=True, liger_patch_model=False)
+    with pytest.raises(ValueError, match=r"cannot serve model: WidthScaledLlama's own forward .* by 3 "
+                                         r".*use_liger=False"):
+        step0(trainer, first_batch(trainer))
+
+
+def test_the_check_runs_once_and_the_switch_turns_it_off(tok, tmp_path, monkeypatch):
+    """``LIGER_LOSSES_CHECK_LOGITS=0`` skips the check (the step trains); a model that passed is not checked again."""
+    monkeypatch.setenv(ENV_SWITCH, "0")
+    trainer = SFTTrainer(width_scaled(tok), sft_config(tmp_path), train_dataset=sft_dataset(),
+                         processing_class=tok, use_liger=True, liger_patch_model=False)
+    loss, _ = step0(trainer, first_batch(trainer))
+    assert torch.isfinite(loss)
+    monkeypatch.delenv(ENV_SWITCH)
+
+    trainer = SFTTrainer(build_tiny_model(tok), sft_config(tmp_path), train_dataset=sft_dataset(),
+                         processing_class=tok, use_liger=True, liger_patch_model=False)
+    calls = []
+    real_forward = trainer.model.forward
+    trainer.model.forward = lambda *a, **k: calls.append(1) or real_forward(*a, **k)
+    batch = first_batch(trainer)
+    step0(trainer, batch)
+    step0(trainer, batch)
+    assert len(calls) == 1  # the check's forward; the loss runs the backbone alone
+
+
+def test_a_reference_with_another_transform_is_refused(tok, tmp_path):
+    """DPO applies the policy's logit transform to the reference too: a reference whose scale differs (Cohere
+    0.25 against 0.5) is named in the error at the first step."""
+    policy, ref = tiny_model(tok, "cohere", seed=0), tiny_model(tok, "cohere", seed=1)
+    ref.logit_scale = 0.5  # what CohereForCausalLM.forward multiplies by (read from its config at init)
+    trainer = DPOTrainer(policy, ref, dpo_config(tmp_path), train_dataset=preference_dataset(8),
+                         processing_class=tok, use_liger=True, liger_patch_model=False)
+    with pytest.raises(ValueError, match=r"cannot serve ref_model / teacher_model: CohereForCausalLM"):
+        step0(trainer, first_batch(trainer))
+
+
+def test_the_check_leaves_the_random_streams_as_they_were(tok):
+    """Dropout in the checked forward draws from a forked generator: the trainer's RNG state is unchanged."""
+    model = build_tiny_model(tok)
+    model.config.attention_dropout = 0.5
+    for layer in model.model.layers:
+        layer.self_attn.attention_dropout = 0.5
+    model.train()
+    before = torch.get_rng_state()
+    check_model_logits(model, model, ids_of(tok), softcap=None, logit_scale=1.0)
+    assert torch.equal(torch.get_rng_state(), before)
+
+
+def test_sharded_parameters_and_missing_input_ids_are_not_checked(tok):
+    """A ZeRO-3 parameter (``ds_id``) or inputs without ``input_ids``: None, no forward run."""
+    model = build_tiny_model(tok)
+    assert check_model_logits(model, model, {"inputs_embeds": torch.zeros(1, 4, 64)}, softcap=None,
+                              logit_scale=1.0) is None
+    model.lm_head.weight.ds_id = 0
+    assert check_model_logits(model, model, ids_of(tok), softcap=None, logit_scale=1.0) is None
+
+
+def test_a_forward_that_fails_on_plain_input_ids_warns(tok):
+    """A model whose own forward needs more than ``input_ids``: a warning saying the check could not run."""
+    model = build_tiny_model(tok)
+
+    def needs_more(*args, **kwargs):
+        raise TypeError("pixel_values is required")
+
+    model.forward = needs_more
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        assert check_model_logits(model, model, ids_of(tok), softcap=None, logit_scale=1.0) is None
+    assert any("could not check" in str(w.message) and "pixel_values" in str(w.message) for w in record)
+
+
+def test_rtol_is_above_bf16_rounding(tok):
+    """The bar's headroom: the same model in bf16 checks far below ``RTOL`` (the logits rounded to bf16)."""
+    model = build_tiny_model(tok).to(torch.bfloat16)
+    diff = check_model_logits(model, model, ids_of(tok), softcap=None, logit_scale=1.0)
+    assert diff <= RTOL / 4, diff
+
+
+def test_the_check_runs_in_the_steps_autocast(tok, tmp_path):
+    """With ``bf16=True`` (CPU autocast) the check's forward runs under the step's autocast, with grad off: the
+    backbone sees bf16 autocast in both calls, and the check passes on the bf16 logits."""
+    trainer = SFTTrainer(build_tiny_model(tok), sft_config(tmp_path, bf16=True, max_steps=1),
+                         train_dataset=sft_dataset(), processing_class=tok, use_liger=True, liger_patch_model=False)
+    seen = record_backbone_autocast(trainer)
+    trainer.train()
+    assert seen == {("policy", False, True, torch.bfloat16), ("policy", True, True, torch.bfloat16)}, seen
