@@ -324,8 +324,20 @@ def gather_metric_tensor(accelerator, values: Sequence[torch.Tensor],
         return rows.sum(0)
     if all(r == "mean" for r in reductions):
         return rows.mean(0)
-    is_sum = torch.tensor([r == "sum" for r in reductions], device=rows.device)
-    return torch.where(is_sum, rows.sum(0), rows.mean(0))
+    return torch.where(_sum_mask(tuple(r == "sum" for r in reductions), rows.device), rows.sum(0), rows.mean(0))
+
+
+_SUM_MASKS: Dict[Tuple[Tuple[bool, ...], torch.device], torch.Tensor] = {}
+
+
+def _sum_mask(is_sum: Tuple[bool, ...], device: torch.device) -> torch.Tensor:
+    """``is_sum`` as a bool tensor on ``device``, made once per pattern and device: a tensor copied from host
+    memory at every step would wait for the stream to drain (the step's forward and loss) before the backward."""
+    key = (is_sum, device)
+    mask = _SUM_MASKS.get(key)
+    if mask is None:
+        mask = _SUM_MASKS[key] = torch.tensor(is_sum, device=device)
+    return mask
 
 
 def gather_metric_values(accelerator, values: Sequence[torch.Tensor],

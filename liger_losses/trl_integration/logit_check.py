@@ -20,8 +20,9 @@ logits of 20: 12%; MiniCPM's divisor: 89%).
 
 Not checked (``None`` returned): parameters sharded across processes (DeepSpeed ZeRO-3, FSDP1, FSDP2 / tensor
 parallel DTensors: their forward is a collective the ranks would have to enter together), inputs without
-``input_ids``, non-finite logits (an overflow, not a transform) and ``LIGER_LOSSES_CHECK_LOGITS=0``. A forward that fails on a plain ``input_ids`` prefix
-warns and is not checked. The RNG streams are forked around the forward, so dropout draws as if it had not run.
+``input_ids``, non-finite logits (an overflow, not a transform) and ``LIGER_LOSSES_CHECK_LOGITS=0``. A forward
+that fails on a plain ``input_ids`` prefix warns and is not checked. The RNG streams are forked around the
+forward, so dropout draws as if it had not run.
 """
 
 from __future__ import annotations

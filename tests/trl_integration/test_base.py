@@ -236,3 +236,25 @@ def test_backbone_of_a_compiled_model_is_compiled_alike_once():
     assert backbone.dynamo_ctx is compiled.dynamo_ctx
     assert runner._liger_backbone(compiled) is backbone
     assert runner._liger_backbone(model) is model.model
+
+
+class _TwoProcessGather:
+    """Stands in for an accelerator of 2 processes: the other process's row is this one's plus 1."""
+
+    def gather_for_metrics(self, row):
+        return torch.cat([row, row + 1])
+
+
+def test_gather_metric_tensor_reduces_each_value_as_asked():
+    """Means and sums over 2 processes, one reduction for all or one per value (float64 math on exact values:
+    exact); the per-value pattern's mask is made once per device, not copied from the host at every step."""
+    values = [torch.tensor(1.0), torch.tensor(4.0), torch.tensor(10.0)]
+    acc = _TwoProcessGather()
+    assert base.gather_metric_tensor(acc, values, "mean").tolist() == [1.5, 4.5, 10.5]
+    assert base.gather_metric_tensor(acc, values, "sum").tolist() == [3.0, 9.0, 21.0]
+    mixed = ["sum", "mean", "sum"]
+    assert base.gather_metric_tensor(acc, values, mixed).tolist() == [3.0, 4.5, 21.0]
+    mask = base._sum_mask((True, False, True), torch.device("cpu"))
+    assert base._sum_mask((True, False, True), torch.device("cpu")) is mask
+    with pytest.raises(ValueError, match="reduction must be 'mean' or 'sum'"):
+        base.gather_metric_tensor(acc, values, ["sum", "max", "sum"])

@@ -50,6 +50,7 @@ from .utils import (
     rel,
     sft_dataset,
     train_logs,
+    with_logit_check,
 )
 
 ON_CPU = os.environ.get("LIGER_TEST_GPU_ON_CPU") == "1"
@@ -212,7 +213,7 @@ def test_short_run_cuda_bf16(name, tmp_path):
         seen_t, seen_o = record_backbone_autocast(theirs, device_type), record_backbone_autocast(ours, device_type)
         lo, lt = train_logs(theirs, ours, STEPS, same_names=False)
         # every backbone call (policy, reference, teacher) under the autocast TRL's runs under: a set equality
-        assert seen_t and seen_o == seen_t, (sorted(map(str, seen_o)), sorted(map(str, seen_t)))
+        assert seen_t and seen_o == with_logit_check(seen_t), (sorted(map(str, seen_o)), sorted(map(str, seen_t)))
         assert ours.state.global_step == theirs.state.global_step == STEPS
         for logs in (lo, lt):
             assert all(math.isfinite(h["loss"]) for h in logs), [h["loss"] for h in logs]

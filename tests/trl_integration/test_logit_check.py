@@ -3,7 +3,8 @@ a way its config does not show is refused at its first step instead of trained o
 
 The transform here is MiniCPM's (remote code): the hidden states divided by a width ratio before the head,
 written in the causal LM's forward. Tolerances: on the CPU in fp32 the model's logits and the formula are the
-same GEMM, so a model the loss serves checks at <= 1e-5; the divisor 4 puts the formula 3x the model's logits away (relative).
+same GEMM, so a model the loss serves checks at <= 1e-5; with the divisor 4 the formula is 3x the model's logits
+away (relative).
 """
 
 import warnings
@@ -69,6 +70,27 @@ def test_a_config_logit_scale_is_part_of_the_formula(tok):
     model = tiny_model(tok, "cohere")
     assert check_model_logits(model, model, ids_of(tok), softcap=None, logit_scale=0.25) <= 1e-5
     with pytest.raises(ValueError, match=r"CohereForCausalLM's own forward computes logits that differ"):
+        check_model_logits(model, model, ids_of(tok), softcap=None, logit_scale=1.0)
+
+
+def capped_gemma2(tok):
+    """A tiny fp32 Gemma-2 with ``final_logit_softcapping=5`` and head weights of std 0.5: logits well into the cap."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.for_model("gemma2", vocab_size=len(tok), hidden_size=64, intermediate_size=128,
+                                  num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                  final_logit_softcapping=5.0, pad_token_id=tok.pad_token_id)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config).float()
+    torch.nn.init.normal_(model.lm_head.weight, std=0.5)
+    return model
+
+
+def test_a_config_softcap_is_part_of_the_formula(tok):
+    """Gemma-2's final softcap (5 here): the check passes with it and refuses the formula without it."""
+    model = capped_gemma2(tok)
+    assert check_model_logits(model, model, ids_of(tok), softcap=5.0, logit_scale=1.0) <= 1e-5
+    with pytest.raises(ValueError, match=r"Gemma2ForCausalLM's own forward computes logits that differ"):
         check_model_logits(model, model, ids_of(tok), softcap=None, logit_scale=1.0)
 
 
@@ -163,3 +185,22 @@ def test_the_check_runs_in_the_steps_autocast(tok, tmp_path):
     seen = record_backbone_autocast(trainer)
     trainer.train()
     assert seen == {("policy", False, True, torch.bfloat16), ("policy", True, True, torch.bfloat16)}, seen
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_precision_cuda_logits_check_far_below_the_bar(tok, dtype):
+    """On the GPU, fp32 weights under the step's autocast and half-precision weights alike: the model's logits
+    (cuBLAS, rounded to ``dtype``) sit below ``RTOL / 4`` from the fp32 formula, softcap included (Gemma-2's,
+    computed in the model's dtype)."""
+    ids = {k: v.cuda() for k, v in ids_of(tok).items()}
+    model = build_tiny_model(tok).cuda()
+    with torch.autocast("cuda", dtype=dtype):
+        assert check_model_logits(model, model, ids, softcap=None, logit_scale=1.0) <= RTOL / 4
+    model = model.to(dtype)
+    assert check_model_logits(model, model, ids, softcap=None, logit_scale=1.0) <= RTOL / 4
+    gemma = capped_gemma2(tok).cuda().to(dtype)
+    assert check_model_logits(gemma, gemma, ids, softcap=5.0, logit_scale=1.0) <= RTOL / 4
+    with pytest.raises(ValueError, match="differ"):
+        check_model_logits(gemma, gemma, ids, softcap=None, logit_scale=1.0)

@@ -203,9 +203,17 @@ def record_backbone_autocast(trainer, device_type="cpu"):
     return seen
 
 
+def with_logit_check(seen_trl):
+    """What :func:`record_backbone_autocast` records for our trainer when TRL's records ``seen_trl``: the same, plus
+    the first step's logits check (``trl_integration/logit_check.py``), one no-grad forward of each model under
+    its step's autocast (for the policy a record TRL's step has not; a reference's or teacher's runs no grad
+    anyway)."""
+    return set(seen_trl) | {(role, False, on, dtype) for role, _, on, dtype in seen_trl}
+
+
 __all__ = [
     "PAIRS", "build_tiny_model", "build_tokenizer", "preference_dataset", "trl_config", "dpo_config", "sft_config",
     "make_pair", "policy_pair", "student_teacher", "sft_dataset", "first_batch", "step0", "rel",
     "assert_metrics_match", "grads_of", "assert_grads_match", "check_batch_loss_metrics", "check_compute_loss",
-    "train_logs", "lora_config", "record_backbone_autocast", "copy", "torch",
+    "train_logs", "lora_config", "record_backbone_autocast", "with_logit_check", "copy", "torch",
 ]
