@@ -582,16 +582,18 @@ def free_memory(cuda: bool) -> None:
 # --------------------------------------------------------------------------- trainers
 
 
-def make_config(case: Case, provider: str, *, steps: int, out_dir: str, tiny: bool, torch_compile: str = ""):
+def make_config(case: Case, provider: str, *, steps: int, out_dir: str, tiny: bool, torch_compile: str = "",
+                reentrant: bool = False):
     """The TRL config of one run; ``torch_compile`` (a backend name, e.g. "inductor"; "" for none) sets
     ``torch_compile=True`` for every provider: accelerate compiles the prepared model (ours then compiles
-    its backbone under the same context, ``trl_integration/base.py``)."""
+    its backbone under the same context, ``trl_integration/base.py``); ``reentrant``: activation checkpointing
+    with ``use_reentrant=True`` (TRL's default is False)."""
     import trl
 
     kwargs = dict(
         output_dir=out_dir, max_steps=steps, per_device_train_batch_size=case.batch, gradient_accumulation_steps=1,
         learning_rate=1e-6, lr_scheduler_type="constant", warmup_steps=0, bf16=True, fp16=False,
-        gradient_checkpointing=True, gradient_checkpointing_kwargs={"use_reentrant": False},
+        gradient_checkpointing=True, gradient_checkpointing_kwargs={"use_reentrant": reentrant},
         optim="adamw_torch_fused", logging_steps=10**6, save_strategy="no", eval_strategy="no", report_to="none",
         dataloader_num_workers=0, disable_tqdm=True, seed=0, data_seed=0,
         use_liger_kernel=(provider == "trl+liger"),
@@ -753,7 +755,7 @@ def run_one(case: Case, provider: str, bank: WeightBank, *, rnd: int, warmup: in
                 prompt, completion = grpo_lengths(case)
                 grpo_inputs = data.grpo_batch(case.batch, prompt, completion, vocab, device=device, seed=2)
             args = make_config(case, provider, steps=steps, out_dir=out_dir, tiny=tiny,
-                               torch_compile=diag.get("torch_compile", ""))
+                               torch_compile=diag.get("torch_compile", ""), reentrant=diag.get("reentrant", False))
             timer = _make_timer_callback(warmup, cuda, out_path["profile"], out_path["cprofile"],
                                          out_path["memory_peak"], out_path["syncs"])
             timer.ref_model = ref_model
@@ -1012,6 +1014,8 @@ def main(argv=None) -> int:
     ap.add_argument("--providers", nargs="+", choices=PROVIDERS + tuple(OURS_VARIANTS)[1:], default=list(PROVIDERS))
     ap.add_argument("--rounds", type=int, default=None, help="rounds (default 3; --tiny 2)")
     ap.add_argument("--warmup", type=int, default=None, help="warm-up steps per run (default 1; --full 2)")
+    ap.add_argument("--reentrant-checkpoint", action="store_true",
+                    help="every provider with gradient_checkpointing_kwargs={'use_reentrant': True}")
     ap.add_argument("--steps", type=int, default=None, help="timed steps per run (default 3; --full 5; --tiny 1)")
     ap.add_argument("--budget-s", type=float, default=None,
                     help="start no run that would end past this many seconds (by its last wall time); default 450 "
@@ -1076,7 +1080,7 @@ def main(argv=None) -> int:
     print(f"bench_trainer: {versions}; {len(cases)} cases x {len(a.providers)} providers x {rounds} rounds, "
           f"{warmup} warm-up + {timed} timed steps, budget {budget_s:.0f} s", flush=True)
     diag = dict(profile=a.profile, cprofile=a.cprofile, memory_peak=a.memory_peak, syncs=a.syncs,
-                chunk_tokens=a.ours_chunk_tokens, torch_compile=a.torch_compile)
+                chunk_tokens=a.ours_chunk_tokens, torch_compile=a.torch_compile, reentrant=a.reentrant_checkpoint)
     name = a.name or ("trainer_matrix_tiny" if a.tiny else "trainer_matrix")
     rows = run_matrix(cases, a.providers, rounds=rounds, warmup=warmup, timed=timed, tiny=a.tiny,
                       budget_s=budget_s, diag=diag, name=name)
