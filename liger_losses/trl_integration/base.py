@@ -77,7 +77,8 @@ from .anatomy import (  # noqa: F401 - re-exported: the adapters and tests impor
     lm_head_params,
     unwrap_causal_lm,
 )
-from .logit_check import check_model_logits
+from .checkpointing import LEAN_ENV, lean_checkpointing
+from .logit_check import check_model_logits, is_sharded
 from .metrics import DeferredMetrics
 from .metrics import install as install_resolving_store
 
@@ -424,7 +425,28 @@ class LigerTrainerMixin:
     def _liger_backbone_hidden(self, model: nn.Module, model_kwargs: Dict[str, Any]) -> torch.Tensor:
         """Last hidden states [B, T, H] of ``model``'s backbone (no LM head)."""
         self._liger_check_logits(model, model_kwargs)
-        return self._liger_backbone(model)(**model_kwargs).last_hidden_state
+        backbone = self._liger_backbone(model)
+        with self._liger_lean_checkpointing(model):
+            return backbone(**model_kwargs).last_hidden_state
+
+    def _liger_lean_checkpointing(self, model: nn.Module) -> contextlib.AbstractContextManager:
+        """:func:`~.checkpointing.lean_checkpointing` of ``model``'s backbone for one call, where the model allows it:
+        parameters not sharded across processes, not compiled (Dynamo traces torch's form), not under a DDP that looks
+        for unused parameters (decided once per model)."""
+        allowed = self.__dict__.setdefault("_liger_lean_allowed", {})
+        key = id(model)
+        if key not in allowed:
+            wrapper = model
+            ddp_unused = False
+            for _ in range(8):
+                ddp_unused = ddp_unused or bool(getattr(wrapper, "find_unused_parameters", False))
+                inner = getattr(wrapper, "module", None)
+                if not isinstance(inner, nn.Module):
+                    break
+                wrapper = inner
+            allowed[key] = (LEAN_ENV.enabled() and not ddp_unused and compiled_module(model) is None
+                            and not is_sharded(model, unwrap_causal_lm(model)))
+        return lean_checkpointing(backbone_of(unwrap_causal_lm(model)), allowed[key])
 
     def _liger_check_logits(self, model: nn.Module, model_kwargs: Dict[str, Any]) -> None:
         """At ``model``'s first step: its own forward's logits against the fused loss's formula on its backbone's

@@ -56,7 +56,7 @@ def formula_logits(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[to
     return logits
 
 
-def _sharded(wrapped: nn.Module, causal_lm: nn.Module) -> bool:
+def is_sharded(wrapped: nn.Module, causal_lm: nn.Module) -> bool:
     """Whether the model's parameters are split across processes (its forward is then a collective)."""
     module = wrapped
     for _ in range(8):  # FSDP1 flattens the parameters of the module it wraps
@@ -88,7 +88,7 @@ def check_model_logits(wrapped: nn.Module, causal_lm: nn.Module, model_kwargs: M
     input_ids = model_kwargs.get("input_ids")
     if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or input_ids.numel() == 0:
         return None
-    if _sharded(wrapped, causal_lm):
+    if is_sharded(wrapped, causal_lm):
         return None
     ids = input_ids[:1, :CHECK_TOKENS]
     captured = []
