@@ -111,7 +111,8 @@ def test_lora_with_checkpointing_equals_trl(tok, tmp_path, forms):
     """DPO with a PEFT LoRA policy (frozen embeddings: transformers makes their output require grad when it turns
     checkpointing on) and checkpointing: equal to TRL's (rel <= 1e-4), LoRA gradients included, reentrant form."""
     theirs, ours = make_pair(DPOTrainer, [build_tiny_model(tok), None],
-                             lambda d: dpo_config(d, gradient_checkpointing=True), tmp_path, lambda: preference_dataset(8), processing_class=tok, peft_config=lora_config())
+                             lambda d: dpo_config(d, gradient_checkpointing=True), tmp_path,
+                             lambda: preference_dataset(8), processing_class=tok, peft_config=lora_config())
     _checkpointed(theirs, ours)
     check_compute_loss(theirs, ours, TOL)
     assert forms[True] > 0 and forms[False] == 0, forms
