@@ -23,7 +23,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
-import weakref
 from typing import Any, Iterator, List
 
 import torch
@@ -43,8 +42,10 @@ class _EnvSwitch:
 
 LEAN_ENV = _EnvSwitch()
 
-# backbone -> its layers that carry a checkpoint function (found once; a layer's function is read per call)
-_LAYERS: "weakref.WeakKeyDictionary[nn.Module, List[nn.Module]]" = weakref.WeakKeyDictionary()
+# where a backbone keeps the list of its layers that carry a checkpoint function (found once; a layer's function
+# is read per call): on the backbone itself, so the list lives and dies with it (a global cache of it would hold
+# every model a process ever trained)
+_LAYERS_ATTR = "_liger_checkpointed_layers"
 
 
 def _requires_grad(value: Any) -> bool:
@@ -87,9 +88,10 @@ def _is_trl_default(func: Any) -> bool:
 
 
 def _checkpointed_layers(backbone: nn.Module) -> List[nn.Module]:
-    layers = _LAYERS.get(backbone)
+    layers = backbone.__dict__.get(_LAYERS_ATTR)
     if layers is None:
-        layers = _LAYERS[backbone] = [m for m in backbone.modules() if hasattr(m, "gradient_checkpointing")]
+        layers = [m for m in backbone.modules() if m is not backbone and hasattr(m, "gradient_checkpointing")]
+        backbone.__dict__[_LAYERS_ATTR] = layers
     return layers
 
 

@@ -194,3 +194,19 @@ def test_the_trainer_takes_it_only_where_the_model_allows(tok, tmp_path):
         cm = trainer._liger_lean_checkpointing(model)
         assert trainer._liger_lean_allowed[id(model)] is allowed
         assert cm.gen.gi_frame.f_locals["enabled"] is allowed
+
+
+def test_the_layer_list_dies_with_the_model(tok):
+    """The backbone keeps the list of its checkpointed layers itself: once the model is gone nothing holds it (a
+    process that trains models one after the other keeps none of the earlier ones)."""
+    import gc
+    import weakref
+
+    model = build_tiny_model(tok)
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=dict(TRL_DEFAULT))
+    with ck.lean_checkpointing(model.model):
+        pass
+    alive = weakref.ref(model)
+    del model
+    gc.collect()
+    assert alive() is None
