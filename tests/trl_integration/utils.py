@@ -203,17 +203,19 @@ def record_backbone_autocast(trainer, device_type="cpu"):
     return seen
 
 
-def with_logit_check(seen_trl):
-    """What :func:`record_backbone_autocast` records for our trainer when TRL's records ``seen_trl``: the same, plus
-    the first step's logits check (``trl_integration/logit_check.py``), one no-grad forward of each model under
-    its step's autocast (for the policy a record TRL's step has not; a reference's or teacher's runs no grad
+def assert_autocast_records_match(seen_ours, seen_trl):
+    """Our trainer's :func:`record_backbone_autocast` records are TRL's, plus at most the first step's logits check
+    (``trl_integration/logit_check.py``): one no-grad forward of each model in an autocast state one of TRL's
+    records of that model has (for a policy, a record TRL's step may not have; a reference or teacher runs no grad
     anyway)."""
-    return set(seen_trl) | {(role, False, on, dtype) for role, _, on, dtype in seen_trl}
+    allowed = {(role, False, on, dtype) for role, _, on, dtype in seen_trl}
+    assert seen_trl and set(seen_trl) <= set(seen_ours) and set(seen_ours) - set(seen_trl) <= allowed, (
+        f"ours {sorted(map(str, seen_ours))} vs TRL {sorted(map(str, seen_trl))}")
 
 
 __all__ = [
     "PAIRS", "build_tiny_model", "build_tokenizer", "preference_dataset", "trl_config", "dpo_config", "sft_config",
     "make_pair", "policy_pair", "student_teacher", "sft_dataset", "first_batch", "step0", "rel",
     "assert_metrics_match", "grads_of", "assert_grads_match", "check_batch_loss_metrics", "check_compute_loss",
-    "train_logs", "lora_config", "record_backbone_autocast", "with_logit_check", "copy", "torch",
+    "train_logs", "lora_config", "record_backbone_autocast", "assert_autocast_records_match", "copy", "torch",
 ]
