@@ -86,9 +86,9 @@ def policy_hidden_and_router_aux(trainer, model: nn.Module, model_kwargs: Dict[s
     forward (no router logits asked for)."""
     if trainer.aux_loss_enabled if enabled is None else enabled:
         trainer._liger_check_logits(model, model_kwargs)
-        backbone = trainer._liger_backbone(model)
-        with trainer._liger_lean_checkpointing(model):
-            return backbone_hidden_and_router_aux(model, backbone, model_kwargs)
+        # torch's checkpoint form here, not the lean one: transformers collects the router logits with forward hooks
+        # inside the layers, and a layer run under no grad would hand the aux loss logits without a graph
+        return backbone_hidden_and_router_aux(model, trainer._liger_backbone(model), model_kwargs)
     return trainer._liger_backbone_hidden(model, model_kwargs), None
 
 

@@ -296,3 +296,21 @@ def test_distillation_step0_parity_on_moe(tok, tmp_path):
     assert float(loss_t) > 0
     assert rel(loss_o.detach(), loss_t.detach()) <= TOL, (float(loss_o), float(loss_t))
     assert_grads_match(loss_t, loss_o, theirs, ours, TOL)
+
+
+@pytest.mark.parametrize("kind", ["sft", "dpo"])
+def test_checkpointed_router_aux_loss_keeps_its_gradient(tok, tmp_path, kind):
+    """Activation checkpointing on (TRL's default form): the router logits transformers collects with hooks inside
+    the layers must carry their graph, so the policy's checkpointed forward stays in torch's form on this path; loss,
+    metrics and every gradient (the routers' from the aux loss included) equal TRL's (rel <= 1e-4)."""
+    if kind == "sft":
+        models, cls, config, data = [tiny_moe(tok, seed=0)], SFTTrainer, sft_config, sft_dataset
+    else:
+        models, cls, config, data = [tiny_moe(tok, seed=0), tiny_moe(tok, seed=1)], DPOTrainer, dpo_config, \
+            lambda: preference_dataset(PAIRS)
+    theirs, ours = make_pair(cls, models, lambda d: config(d, gradient_checkpointing=True), tmp_path, data,
+                             processing_class=tok)
+    for trainer in (theirs, ours):
+        trainer.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    m_t, _ = check_compute_loss(theirs, ours, TOL)
+    assert AUX_COEF * m_t["aux_loss"] > 1e-2
