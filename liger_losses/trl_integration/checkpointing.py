@@ -15,7 +15,10 @@ reentrant form propagates gradients to the layer's positional tensor arguments a
 tensor that requires grad must be a positional argument, and at least one must (otherwise no gradient would reach
 the parameters); grad mode on; not while Dynamo traces. The trainers take it only on a model whose parameters are
 not sharded (FSDP and DeepSpeed run hooks around the recompute) and not under a DDP that looks for unused
-parameters (a reentrant backward marks them ready inside its nested backward). Measured: ``benchmark/NOTES.md``.
+parameters (a reentrant backward marks them ready inside its nested backward), and only where the backbone's
+output is all they use: a forward that also collects tensors with hooks inside the layers (an MoE's router logits
+for the aux loss) keeps torch's form, since under no grad those tensors would carry no graph. Measured:
+``benchmark/NOTES.md``.
 """
 
 from __future__ import annotations
