@@ -57,7 +57,9 @@ def formula_logits(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[to
 
 
 def is_sharded(wrapped: nn.Module, causal_lm: nn.Module) -> bool:
-    """Whether the model's parameters are split across processes (its forward is then a collective)."""
+    """Whether the model's parameters are split across processes (its forward is then a collective): FSDP1 in the
+    wrapper chain, FSDP2 (``fully_shard``) on any module -- told by the module, since inside the root's forward its
+    parameters are unsharded plain tensors --, DTensor parameters (tensor parallel) or DeepSpeed ZeRO-3 ones."""
     module = wrapped
     for _ in range(8):  # FSDP1 flattens the parameters of the module it wraps
         if type(module).__name__ == "FullyShardedDataParallel":
@@ -66,7 +68,18 @@ def is_sharded(wrapped: nn.Module, causal_lm: nn.Module) -> bool:
         if not isinstance(inner, nn.Module):
             break
         module = inner
+    fsdp2 = _fsdp2_module_type()
+    if fsdp2 is not None and any(isinstance(m, fsdp2) for m in (wrapped, *causal_lm.modules())):
+        return True
     return any(is_dtensor(p) or hasattr(p, "ds_id") for p in causal_lm.parameters())
+
+
+def _fsdp2_module_type():
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except Exception:  # noqa: BLE001 - torch without distributed / FSDP2
+        return None
+    return FSDPModule
 
 
 def _last_hidden(output: Any) -> Optional[torch.Tensor]:
