@@ -432,19 +432,21 @@ class LigerTrainerMixin:
     def _liger_lean_checkpointing(self, model: nn.Module) -> contextlib.AbstractContextManager:
         """:func:`~.checkpointing.lean_checkpointing` of ``model``'s backbone for one call, where the model allows it:
         parameters not sharded across processes, not compiled (Dynamo traces torch's form), not under a DDP that looks
-        for unused parameters (decided once per model)."""
+        for unused parameters nor a DeepSpeed engine (decided once per model)."""
         allowed = self.__dict__.setdefault("_liger_lean_allowed", {})
         key = id(model)
         if key not in allowed:
             wrapper = model
-            ddp_unused = False
+            unsuited = False  # a wrapper the reentrant form is not known to suit
             for _ in range(8):
-                ddp_unused = ddp_unused or bool(getattr(wrapper, "find_unused_parameters", False))
+                # DeepSpeed's engines reduce gradients from hooks of their own: untested with the reentrant form
+                unsuited = (unsuited or bool(getattr(wrapper, "find_unused_parameters", False))
+                              or type(wrapper).__name__ == "DeepSpeedEngine")
                 inner = getattr(wrapper, "module", None)
                 if not isinstance(inner, nn.Module):
                     break
                 wrapper = inner
-            allowed[key] = (LEAN_ENV.enabled() and not ddp_unused and compiled_module(model) is None
+            allowed[key] = (LEAN_ENV.enabled() and not unsuited and compiled_module(model) is None
                             and not is_sharded(model, unwrap_causal_lm(model)))
         return lean_checkpointing(backbone_of(unwrap_causal_lm(model)), allowed[key])
 

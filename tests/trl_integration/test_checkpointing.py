@@ -181,16 +181,25 @@ class _DDPLike(torch.nn.Module):
         self.module, self.find_unused_parameters = module, find_unused_parameters
 
 
+class DeepSpeedEngine(torch.nn.Module):
+    """Named as DeepSpeed's engine, which holds the model as ``.module``."""
+
+    def __init__(self, module):
+        super().__init__()
+        self.module = module
+
+
 def test_the_trainer_takes_it_only_where_the_model_allows(tok, tmp_path):
-    """Not under a DDP that looks for unused parameters, not on ZeRO-3 parameters (``ds_id``); decided once per
-    model."""
+    """Not under a DDP that looks for unused parameters, not under a DeepSpeed engine, not on ZeRO-3 parameters
+    (``ds_id``); decided once per model."""
     trainer = SFTTrainer(build_tiny_model(tok), sft_config(tmp_path), train_dataset=sft_dataset(),
                          processing_class=tok, use_liger=True, liger_patch_model=False)
     plain = build_tiny_model(tok)
     sharded = build_tiny_model(tok)
     sharded.lm_head.weight.ds_id = 0
     for model, allowed in ((plain, True), (_DDPLike(build_tiny_model(tok), True), False),
-                           (_DDPLike(build_tiny_model(tok), False), True), (sharded, False)):
+                           (_DDPLike(build_tiny_model(tok), False), True), (sharded, False),
+                           (DeepSpeedEngine(build_tiny_model(tok)), False)):
         cm = trainer._liger_lean_checkpointing(model)
         assert trainer._liger_lean_allowed[id(model)] is allowed
         assert cm.gen.gi_frame.f_locals["enabled"] is allowed
