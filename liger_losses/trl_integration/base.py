@@ -77,8 +77,8 @@ from .anatomy import (  # noqa: F401 - re-exported: the adapters and tests impor
     lm_head_params,
     unwrap_causal_lm,
 )
-from .checkpointing import LEAN_ENV, lean_checkpointing
-from .logit_check import check_model_logits, is_sharded
+from .checkpointing import lean_allowed, lean_checkpointing
+from .logit_check import check_model_logits
 from .metrics import DeferredMetrics
 from .metrics import install as install_resolving_store
 
@@ -430,25 +430,12 @@ class LigerTrainerMixin:
             return backbone(**model_kwargs).last_hidden_state
 
     def _liger_lean_checkpointing(self, model: nn.Module) -> contextlib.AbstractContextManager:
-        """:func:`~.checkpointing.lean_checkpointing` of ``model``'s backbone for one call, where the model allows it:
-        parameters not sharded across processes, not compiled (Dynamo traces torch's form), not under a DDP that looks
-        for unused parameters nor a DeepSpeed engine (decided once per model)."""
+        """:func:`~.checkpointing.lean_checkpointing` of ``model``'s backbone for one call, where
+        :func:`~.checkpointing.lean_allowed` says the model allows it (decided once per model)."""
         allowed = self.__dict__.setdefault("_liger_lean_allowed", {})
-        key = id(model)
-        if key not in allowed:
-            wrapper = model
-            unsuited = False  # a wrapper the reentrant form is not known to suit
-            for _ in range(8):
-                # DeepSpeed's engines reduce gradients from hooks of their own: untested with the reentrant form
-                unsuited = (unsuited or bool(getattr(wrapper, "find_unused_parameters", False))
-                              or type(wrapper).__name__ == "DeepSpeedEngine")
-                inner = getattr(wrapper, "module", None)
-                if not isinstance(inner, nn.Module):
-                    break
-                wrapper = inner
-            allowed[key] = (LEAN_ENV.enabled() and not unsuited and compiled_module(model) is None
-                            and not is_sharded(model, unwrap_causal_lm(model)))
-        return lean_checkpointing(backbone_of(unwrap_causal_lm(model)), allowed[key])
+        if id(model) not in allowed:
+            allowed[id(model)] = lean_allowed(model)
+        return lean_checkpointing(backbone_of(unwrap_causal_lm(model)), allowed[id(model)])
 
     def _liger_check_logits(self, model: nn.Module, model_kwargs: Dict[str, Any]) -> None:
         """At ``model``'s first step: its own forward's logits against the fused loss's formula on its backbone's

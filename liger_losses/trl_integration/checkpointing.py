@@ -32,6 +32,9 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from .anatomy import compiled_module, unwrap_causal_lm
+from .logit_check import is_sharded
+
 
 class _EnvSwitch:
     """``LIGER_LOSSES_LEAN_CHECKPOINT=0`` keeps torch's checkpoint form everywhere (read when a trainer first runs
@@ -82,6 +85,24 @@ def lean_checkpoint(function, *args):
     """A layer's checkpoint function: the reentrant form where it is equivalent (:func:`reentrant_is_equivalent`),
     else torch's non-reentrant one."""
     return checkpoint(function, *args, use_reentrant=reentrant_is_equivalent(function, args))
+
+
+def lean_allowed(model: nn.Module) -> bool:
+    """Whether ``model`` (as the trainer holds it, wrappers included) may run its policy layers in the lean form:
+    the switch on, parameters not sharded across processes, not compiled (Dynamo traces torch's form), and no
+    wrapper the reentrant form is not known to suit -- a DDP that looks for unused parameters, or a DeepSpeed
+    engine (which reduces gradients from hooks of its own: untested with the reentrant form)."""
+    if not LEAN_ENV.enabled() or compiled_module(model) is not None or is_sharded(model, unwrap_causal_lm(model)):
+        return False
+    wrapper = model
+    for _ in range(8):
+        if getattr(wrapper, "find_unused_parameters", False) or type(wrapper).__name__ == "DeepSpeedEngine":
+            return False
+        inner = getattr(wrapper, "module", None)
+        if not isinstance(inner, nn.Module):
+            return True
+        wrapper = inner
+    return True
 
 
 def _is_trl_default(func: Any) -> bool:
