@@ -431,24 +431,25 @@ class LigerTrainerMixin:
 
     def _liger_lean_checkpointing(self, model: nn.Module) -> contextlib.AbstractContextManager:
         """:func:`~.checkpointing.lean_checkpointing` of ``model``'s backbone for one call, where
-        :func:`~.checkpointing.lean_allowed` says the model allows it (decided once per model)."""
+        :func:`~.checkpointing.lean_allowed` says the model allows it (decided once per model and class: FSDP2's
+        ``fully_shard`` changes a module's class in place, e.g. after a reference precompute ran on the bare model)."""
         allowed = self.__dict__.setdefault("_liger_lean_allowed", {})
-        if id(model) not in allowed:
-            allowed[id(model)] = lean_allowed(model)
-        return lean_checkpointing(backbone_of(unwrap_causal_lm(model)), allowed[id(model)])
+        key = (id(model), type(model))
+        if key not in allowed:
+            allowed[key] = lean_allowed(model)
+        return lean_checkpointing(backbone_of(unwrap_causal_lm(model)), allowed[key])
 
     def _liger_check_logits(self, model: nn.Module, model_kwargs: Dict[str, Any]) -> None:
         """At ``model``'s first step: its own forward's logits against the fused loss's formula on its backbone's
-        output (:func:`~.logit_check.check_model_logits`), with the policy's softcap / logit scale, which the loss
-        applies to every model the trainer runs. Once per causal LM (a PEFT reference is the policy's)."""
+        output with its config's softcap / logit scale (:func:`~.logit_check.check_model_logits`). Once per causal LM
+        (a PEFT reference is the policy's)."""
         causal_lm = unwrap_causal_lm(model)
         checked = self.__dict__.setdefault("_liger_logits_checked", set())
         if id(causal_lm) in checked:
             return
         checked.add(id(causal_lm))
         role = "model" if causal_lm is unwrap_causal_lm(self.model) else "ref_model / teacher_model"
-        check_model_logits(model, causal_lm, model_kwargs, role=role,
-                           **head_logit_options(unwrap_causal_lm(self.model).config))
+        check_model_logits(model, causal_lm, model_kwargs, role=role, **head_logit_options(causal_lm.config))
 
     def _liger_run(self, model: nn.Module, fn: Callable[..., Any], *args, **kwargs) -> Any:
         """``fn(*args, **kwargs)`` run as ``model``'s forward, in the context TRL's ``model(...)`` call has.

@@ -8,16 +8,23 @@ recomputes the layer and records it again. The reentrant form runs the forward u
 once, in the recompute: the same ops on the same inputs, with the same RNG and autocast state, so the same values
 and gradients, for less host work per layer -- which is what bounds a step of a few thousand tokens.
 
-:func:`lean_checkpointing` swaps the reentrant form in, for one call of the policy's backbone, on the layers whose
-checkpoint function is exactly TRL's default (offloading to the CPU, a ``context_fn`` or determinism options keep
-torch's), and each layer call takes it only where the two forms are equivalent (:func:`lean_checkpoint`): the
-reentrant form propagates gradients to the layer's positional tensor arguments and its parameters only, so every
-tensor that requires grad must be a positional argument, and at least one must (otherwise no gradient would reach
-the parameters); grad mode on; not while Dynamo traces. The trainers take it only on a model whose parameters are
-not sharded (FSDP and DeepSpeed run hooks around the recompute) and not under a DDP that looks for unused
-parameters (a reentrant backward marks them ready inside its nested backward), and only where the backbone's
-output is all they use: a forward that also collects tensors with hooks inside the layers (an MoE's router logits
-for the aux loss) keeps torch's form, since under no grad those tensors would carry no graph. Measured:
+The two forms differ where a layer exchanges gradient-carrying tensors through anything but its positional inputs
+and its output, where one parameter takes part in several checkpointed calls under DDP (each reentrant backward
+marks it ready), and where a kernel chooses another algorithm under no grad (attention with dropout: SDPA picks its
+backend by grad mode, so the forward and the recompute would draw different masks). So the lean form is taken only
+where none of these can happen:
+
+* :func:`lean_allowed` (once per model): the switch on (``LIGER_LOSSES_LEAN_CHECKPOINT=0`` turns it off), a family
+  whose decoder layers we patch (``patching/specs.py``: their layers were read for the above), no attention dropout,
+  parameters not sharded, not compiled, no DDP looking for unused parameters, no DeepSpeed engine;
+* :func:`lean_checkpointing` (per backbone call): on layers whose checkpoint function is exactly TRL's default, in a
+  backbone whose checkpointed layers share no trainable parameter and were each called once in a first call run in
+  torch's form (a looped model calls a layer several times);
+* per layer call: grad mode on, not under Dynamo, some positional tensor requiring grad, and every other argument
+  immutable and without a graph (:func:`plain_argument`: a shared dict that layers write K/V into is not).
+
+The trainers take it for the policy backbone's call, not on the MoE router-aux path (transformers collects the
+router logits with hooks inside the layers, which under no grad would carry no graph). Measured:
 ``benchmark/NOTES.md``.
 """
 
@@ -48,55 +55,70 @@ class _EnvSwitch:
 
 LEAN_ENV = _EnvSwitch()
 
-# where a backbone keeps the list of its layers that carry a checkpoint function (found once; a layer's function
-# is read per call): on the backbone itself, so the list lives and dies with it (a global cache of it would hold
-# every model a process ever trained)
-_LAYERS_ATTR = "_liger_checkpointed_layers"
+# What a backbone keeps on itself (so it lives and dies with it; a global cache would hold every model a process
+# ever trained): its checkpointed layers, and whether they qualify (None until a first call in torch's form
+# has counted the calls per layer).
+_STATE_ATTR = "_liger_lean_checkpoint_state"
+_PLAIN = (type(None), bool, int, float, complex, str, torch.dtype, torch.device)
 
 
-def _requires_grad(value: Any) -> bool:
+def plain_argument(value: Any) -> bool:
+    """Immutable and without a graph: None, a scalar, a string, a dtype or device, a tensor that does not require
+    grad, a flex-attention ``BlockMask``, or a tuple of those. A dict, a list or another object (a cache, a store
+    that layers share K/V through) may carry gradient-carrying tensors from one layer to another."""
+    if isinstance(value, _PLAIN):
+        return True
     if isinstance(value, torch.Tensor):
-        return value.requires_grad
-    if isinstance(value, (tuple, list)):
-        return any(_requires_grad(v) for v in value)
-    if isinstance(value, dict):
-        return any(_requires_grad(v) for v in value.values())
-    return False
+        return not value.requires_grad
+    if isinstance(value, tuple):
+        return all(plain_argument(v) for v in value)
+    return type(value).__name__ == "BlockMask"
 
 
-def reentrant_is_equivalent(function: Any, args: tuple) -> bool:
-    """Whether checkpointing ``function(*args)`` the reentrant way gives the gradients the non-reentrant way
-    gives: grad mode on, not traced, some positional tensor requiring grad, and none among the tensors bound in
-    ``function`` (a ``functools.partial``'s arguments and keywords, nested containers included)."""
+def reentrant_is_equivalent(layer: nn.Module, function: Any, args: tuple) -> bool:
+    """Whether checkpointing ``function(*args)`` -- ``layer``'s forward or call, bound in ``functools.partial`` with
+    its keywords -- the reentrant way gives the gradients the non-reentrant way gives: grad mode on, not traced,
+    some positional tensor requiring grad, every other positional and bound argument :func:`plain_argument` (the
+    layer itself aside)."""
     if not torch.is_grad_enabled() or torch.compiler.is_compiling():
         return False
     if not any(isinstance(a, torch.Tensor) and a.requires_grad for a in args):
         return False
-    if _requires_grad([a for a in args if not isinstance(a, torch.Tensor)]):
+    if not all(plain_argument(a) for a in args if not isinstance(a, torch.Tensor)):
         return False
     while isinstance(function, functools.partial):
-        if _requires_grad(function.args) or _requires_grad(function.keywords):
+        if not all(a is layer or plain_argument(a) for a in function.args):
+            return False
+        if not all(plain_argument(v) for v in function.keywords.values()):
             return False
         function = function.func
-    return True
+    return getattr(function, "__self__", layer) is layer
 
 
-def lean_checkpoint(function, *args):
-    """A layer's checkpoint function: the reentrant form where it is equivalent (:func:`reentrant_is_equivalent`),
-    else torch's non-reentrant one."""
-    return checkpoint(function, *args, use_reentrant=reentrant_is_equivalent(function, args))
+def _lean_layer_call(layer: nn.Module, function, *args):
+    """``layer``'s checkpoint function in the lean form: reentrant where :func:`reentrant_is_equivalent`, else
+    torch's non-reentrant one."""
+    return checkpoint(function, *args, use_reentrant=reentrant_is_equivalent(layer, function, args))
 
 
 def lean_allowed(model: nn.Module) -> bool:
-    """Whether ``model`` (as the trainer holds it, wrappers included) may run its policy layers in the lean form:
-    the switch on, parameters not sharded across processes, not compiled (Dynamo traces torch's form), and no
-    wrapper the reentrant form is not known to suit -- a DDP that looks for unused parameters, or a DeepSpeed
-    engine (which reduces gradients from hooks of its own: untested with the reentrant form)."""
-    if not LEAN_ENV.enabled() or compiled_module(model) is not None or is_sharded(model, unwrap_causal_lm(model)):
+    """Whether ``model`` (as the trainer holds it, wrappers included) may run its policy layers in the lean form
+    (module docstring): the switch on, a family whose layers we patch, no attention dropout, parameters not sharded
+    across processes, not compiled, and no DDP that looks for unused parameters nor a DeepSpeed engine (which
+    reduces gradients from hooks of its own: untested with the reentrant form)."""
+    from ..patching.apply import family_type
+
+    causal_lm = unwrap_causal_lm(model)
+    if not LEAN_ENV.enabled() or family_type(getattr(causal_lm, "config", None)) is None:
+        return False
+    if compiled_module(model) is not None or is_sharded(model, causal_lm):
+        return False
+    if any(float(getattr(m, "attention_dropout", 0.0) or 0.0) > 0.0 for m in causal_lm.modules()):
         return False
     wrapper = model
     for _ in range(8):
-        if getattr(wrapper, "find_unused_parameters", False) or type(wrapper).__name__ == "DeepSpeedEngine":
+        if getattr(wrapper, "find_unused_parameters", False) or any(
+                c.__name__ == "DeepSpeedEngine" for c in type(wrapper).__mro__):
             return False
         inner = getattr(wrapper, "module", None)
         if not isinstance(inner, nn.Module):
@@ -111,30 +133,57 @@ def _is_trl_default(func: Any) -> bool:
             and func.keywords == {"use_reentrant": False})
 
 
-def _checkpointed_layers(backbone: nn.Module) -> List[nn.Module]:
-    layers = backbone.__dict__.get(_LAYERS_ATTR)
-    if layers is None:
-        layers = [m for m in backbone.modules() if m is not backbone and hasattr(m, "gradient_checkpointing")]
-        backbone.__dict__[_LAYERS_ATTR] = layers
-    return layers
+class _BackboneState:
+    """A backbone's checkpointed layers and whether the lean form suits them (None: not known yet)."""
+
+    def __init__(self, backbone: nn.Module):
+        self.layers: List[nn.Module] = [m for m in backbone.modules()
+                                        if m is not backbone and hasattr(m, "gradient_checkpointing")]
+        owners: dict = {}
+        shared = False
+        for layer in self.layers:
+            for p in layer.parameters():
+                if p.requires_grad and owners.setdefault(id(p), id(layer)) != id(layer):
+                    shared = True
+        self.suits = False if shared else None
+
+
+def _state(backbone: nn.Module) -> _BackboneState:
+    state = backbone.__dict__.get(_STATE_ATTR)
+    if state is None:
+        state = backbone.__dict__[_STATE_ATTR] = _BackboneState(backbone)
+    return state
 
 
 @contextlib.contextmanager
 def lean_checkpointing(backbone: nn.Module, enabled: bool = True) -> Iterator[None]:
-    """For the duration of one backbone call: every layer of ``backbone`` whose checkpoint function is TRL's
-    default takes :func:`lean_checkpoint` instead; put back afterwards, also on error (the backward needs no
-    function: the reentrant form's recompute is held by the autograd graph)."""
-    if not enabled or not torch.is_grad_enabled():
+    """For the duration of one backbone call: every checkpointed layer of ``backbone`` whose function is TRL's
+    default takes the lean form instead; put back afterwards, also on error (the backward needs no function: the
+    reentrant form's recompute is held by the autograd graph). The first call with grad runs in torch's form and
+    counts the calls per layer: a layer called twice (a looped model) keeps torch's form for good."""
+    state = _state(backbone) if enabled and torch.is_grad_enabled() else None
+    if state is None or state.suits is False:
         yield
         return
     swapped = []
-    for layer in _checkpointed_layers(backbone):
+    calls = {id(layer): 0 for layer in state.layers}
+    for layer in state.layers:
         func = layer.__dict__.get("_gradient_checkpointing_func")
         if layer.gradient_checkpointing and _is_trl_default(func):
-            layer._gradient_checkpointing_func = lean_checkpoint
+            if state.suits:
+                layer._gradient_checkpointing_func = functools.partial(_lean_layer_call, layer)
+            else:  # the counting call: torch's form
+                layer._gradient_checkpointing_func = functools.partial(_counted_call, calls, id(layer), func)
             swapped.append((layer, func))
     try:
         yield
     finally:
         for layer, func in swapped:
             layer._gradient_checkpointing_func = func
+    if state.suits is None and swapped:
+        state.suits = max(calls.values()) <= 1
+
+
+def _counted_call(calls: dict, key: int, func, function, *args):
+    calls[key] += 1
+    return func(function, *args)

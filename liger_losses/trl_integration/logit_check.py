@@ -43,10 +43,12 @@ ENV_SWITCH = "LIGER_LOSSES_CHECK_LOGITS"
 
 
 def formula_logits(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], *,
-                   softcap: Optional[float], logit_scale: float) -> torch.Tensor:
+                   softcap: Optional[float], logit_scale: float, rows: int = 8192) -> torch.Tensor:
     """``softcap(logit_scale * (hidden @ weight.T + bias))`` in float32: what the fused losses compute,
-    ``[..., V]`` for ``hidden [..., H]``."""
-    logits = hidden.float() @ weight.float().t()
+    ``[..., V]`` for ``hidden [..., H]``; ``rows`` vocabulary rows of the head at a time in float32 (a float32
+    copy of a whole 128k x 4096 head would be 2 GiB)."""
+    h = hidden.float()
+    logits = torch.cat([h @ weight[v:v + rows].float().t() for v in range(0, weight.shape[0], rows)], dim=-1)
     if bias is not None:
         logits = logits + bias.float()
     if logit_scale != 1.0:

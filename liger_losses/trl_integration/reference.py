@@ -100,6 +100,12 @@ class LigerReferenceTrainerMixin(LigerTrainerMixin):
             reject("router_aux_loss_coef", self.router_aux_loss_coef,
                    "the MoE load-balancing loss needs the router logits of TRL's forward")
         logit_opts = head_logit_options(unwrap_causal_lm(self.model).config)
+        if self.ref_model is not None and not getattr(self.args, "precompute_ref_log_probs", False):
+            ref_opts = head_logit_options(unwrap_causal_lm(self.ref_model).config)
+            if ref_opts != logit_opts:  # the loss applies the policy's transform to the reference's tiles too
+                reject("ref_model", type(unwrap_causal_lm(self.ref_model)).__name__,
+                       f"its head's logit transform {ref_opts} differs from the policy's {logit_opts}, and the fused "
+                       "loss applies one to both (precompute_ref_log_probs=True computes the reference's with its own)")
         if logit_opts["softcap"] is not None or logit_opts["logit_scale"] != 1.0:
             self.liger_loss = self._liger_build_loss(self.args, chunk_tokens=self.liger_chunk_tokens, **logit_opts)
         self._liger_after_init(self.model, self.ref_model, trl_kwargs=trl_kwargs)

@@ -21,11 +21,14 @@ from .utils import (
     build_tiny_model,
     check_compute_loss,
     dpo_config,
+    first_batch,
     lora_config,
     make_pair,
     preference_dataset,
+    rel,
     sft_config,
     sft_dataset,
+    step0,
 )
 
 TOL = 1e-4
@@ -38,8 +41,8 @@ def forms(monkeypatch):
     seen = {True: 0, False: 0}
     decide = ck.reentrant_is_equivalent
 
-    def counted(function, args):
-        out = decide(function, args)
+    def counted(layer, function, args):
+        out = decide(layer, function, args)
         seen[out] += 1
         return out
 
@@ -59,9 +62,9 @@ def _layer_functions(trainer):
 
 
 def test_sft_and_dpo_with_checkpointing_equal_trl(tok, tmp_path, forms):
-    """SFT and DPO (reference model) with checkpointing: loss, metrics and every gradient equal TRL's
-    (rel <= 1e-4); every policy layer took the reentrant form; afterwards each layer holds TRL's checkpoint
-    function again."""
+    """SFT and DPO (reference model) with checkpointing, two steps: loss, metrics and every gradient equal TRL's
+    (rel <= 1e-4) in both; the first ran in torch's form (it counts the calls per layer), the second took the
+    reentrant form in every policy layer; afterwards each layer holds TRL's checkpoint function again."""
     cases = ((SFTTrainer, [build_tiny_model(tok)], sft_config, sft_dataset),
              (DPOTrainer, [build_tiny_model(tok, seed=0), build_tiny_model(tok, seed=1)], dpo_config,
               lambda: preference_dataset(8)))
@@ -70,41 +73,35 @@ def test_sft_and_dpo_with_checkpointing_equal_trl(tok, tmp_path, forms):
         theirs, ours = make_pair(cls, models, lambda d, c=config: c(d, gradient_checkpointing=True),
                                  tmp_path / cls.__name__, dataset, processing_class=tok)
         _checkpointed(theirs, ours)
-        check_compute_loss(theirs, ours, TOL)
+        batch = first_batch(theirs)
+        check_compute_loss(theirs, ours, TOL, batch=batch)  # the first call counts the layer calls, torch's form
+        assert forms == {True: 0, False: 0}, forms
+        theirs.model.zero_grad()
+        ours.model.zero_grad()
+        check_compute_loss(theirs, ours, TOL, batch=batch)
         layers = len(unwrap_causal_lm(ours.model).model.layers)
         assert forms == {True: layers, False: 0}, forms
         funcs = _layer_functions(ours)
         assert funcs and all(f.func is checkpoint and f.keywords == TRL_DEFAULT for f in funcs)
 
 
-def test_dropout_draws_the_same_in_both_forms(tok, tmp_path, monkeypatch):
-    """Attention dropout 0.3, the same seed: our SFT step in the lean form and in torch's form gives the same
-    loss and gradients (rel <= 1e-6: the same ops and masks; both forms replay the forward's RNG state in the
-    recompute), and dropout acts (the loss differs from the step without it)."""
-    from .utils import first_batch, grads_of, rel, step0
-
-    def run(dropout, lean):
-        monkeypatch.setenv(ck.LEAN_ENV.name, "1" if lean else "0")
-        model = build_tiny_model(tok)
-        for layer in model.model.layers:
-            layer.self_attn.attention_dropout = dropout
-        trainer = SFTTrainer(model, sft_config(tmp_path / f"{dropout}{lean}", gradient_checkpointing=True),
-                             train_dataset=sft_dataset(), processing_class=tok, use_liger=True,
-                             liger_patch_model=False)
-        _checkpointed(trainer)
-        batch = first_batch(trainer)
-        torch.manual_seed(3)
-        loss, _ = step0(trainer, batch)
-        loss.backward()
-        return float(loss), grads_of(trainer.model)
-
-    loss_lean, grads_lean = run(0.3, True)
-    loss_torch, grads_torch = run(0.3, False)
-    assert rel(loss_lean, loss_torch) <= 1e-6
-    assert grads_lean.keys() == grads_torch.keys()
-    for name, g in grads_lean.items():
-        assert rel((g - grads_torch[name]).norm(), 0.0) <= 1e-6 * max(1.0, float(grads_torch[name].norm())), name
-    assert abs(run(0.0, True)[0] - loss_lean) > 1e-3
+def test_attention_dropout_keeps_torchs_form(tok, tmp_path, forms):
+    """Attention dropout 0.3 (SDPA picks its backend by grad mode, so a no-grad forward and the recompute could
+    draw different masks): the model is not allowed the lean form, and the step, seeded alike, equals TRL's."""
+    model = build_tiny_model(tok)
+    for layer in model.model.layers:
+        layer.self_attn.attention_dropout = 0.3
+    theirs, ours = make_pair(SFTTrainer, [model], lambda d: sft_config(d, gradient_checkpointing=True), tmp_path,
+                             sft_dataset, processing_class=tok)
+    _checkpointed(theirs, ours)
+    assert not ck.lean_allowed(ours.model)
+    batch = first_batch(theirs)
+    torch.manual_seed(3)
+    loss_t, _ = step0(theirs, dict(batch))
+    torch.manual_seed(3)
+    loss_o, _ = step0(ours, dict(batch))
+    assert rel(loss_o, loss_t) <= TOL
+    assert forms == {True: 0, False: 0}
 
 
 def test_lora_with_checkpointing_equals_trl(tok, tmp_path, forms):
@@ -114,7 +111,11 @@ def test_lora_with_checkpointing_equals_trl(tok, tmp_path, forms):
                              lambda d: dpo_config(d, gradient_checkpointing=True), tmp_path,
                              lambda: preference_dataset(8), processing_class=tok, peft_config=lora_config())
     _checkpointed(theirs, ours)
-    check_compute_loss(theirs, ours, TOL)
+    batch = first_batch(theirs)
+    for _ in range(2):  # the first call counts the layer calls in torch's form
+        theirs.model.zero_grad()
+        ours.model.zero_grad()
+        check_compute_loss(theirs, ours, TOL, batch=batch)
     assert forms[True] > 0 and forms[False] == 0, forms
 
 
@@ -124,38 +125,64 @@ def test_the_switch_keeps_torchs_form(tok, tmp_path, forms, monkeypatch):
     trainer = SFTTrainer(build_tiny_model(tok), sft_config(tmp_path, gradient_checkpointing=True),
                          train_dataset=sft_dataset(), processing_class=tok, use_liger=True, liger_patch_model=False)
     _checkpointed(trainer)
-    from .utils import first_batch, step0
-
-    step0(trainer, first_batch(trainer))
+    batch = first_batch(trainer)
+    step0(trainer, batch)
+    step0(trainer, batch)
     assert forms == {True: 0, False: 0}
+
+
+class _Layer(torch.nn.Module):
+    """Stands in for a decoder layer: ``function`` is a ``functools.partial`` of its forward, as transformers'."""
+
+    def forward(self, x, scale=None, store=None):
+        return x * 2 if scale is None else x * scale
 
 
 def test_reentrant_only_where_equivalent():
     """Torch's form when no positional tensor requires grad (no gradient would reach the parameters), when a bound
-    keyword tensor does (the reentrant form would drop its gradient), in nested containers too, under no grad."""
+    tensor does (the reentrant form would drop its gradient, in a tuple too), when an argument is a mutable or
+    unknown object (a dict, a list, a store layers share K/V through), when the function is another module's,
+    under no grad; the reentrant form for the layer's own forward with plain keywords."""
+    from collections import UserDict
+
+    layer = _Layer()
     x = torch.randn(2, 3, requires_grad=True)
     frozen = torch.randn(2, 3)
-    f = functools.partial(torch.mul, other=torch.ones(3))
-    assert ck.reentrant_is_equivalent(f, (x,))
-    assert not ck.reentrant_is_equivalent(f, (frozen,))
-    assert not ck.reentrant_is_equivalent(functools.partial(torch.mul, other=x), (x,))
-    assert not ck.reentrant_is_equivalent(functools.partial(lambda a, pe: a, pe=(frozen, x)), (x,))
-    assert not ck.reentrant_is_equivalent(f, (x, [x]))
+
+    def bound(**kwargs):
+        return functools.partial(_Layer.forward, layer, **kwargs)
+
+    plain = bound(scale=torch.ones(3), store=(frozen, None, 1, "sliding", torch.float32))
+    assert ck.reentrant_is_equivalent(layer, plain, (x,))
+    assert ck.reentrant_is_equivalent(layer, functools.partial(layer.__call__, scale=torch.ones(3)), (x,))
+    assert not ck.reentrant_is_equivalent(layer, plain, (frozen,))
+    assert not ck.reentrant_is_equivalent(layer, bound(scale=x), (x,))
+    assert not ck.reentrant_is_equivalent(layer, bound(store=(frozen, x)), (x,))
+    assert not ck.reentrant_is_equivalent(layer, bound(store={}), (x,))
+    assert not ck.reentrant_is_equivalent(layer, bound(store=UserDict()), (x,))
+    assert not ck.reentrant_is_equivalent(layer, plain, (x, [frozen]))
+    assert not ck.reentrant_is_equivalent(layer, functools.partial(_Layer().__call__), (x,))
     with torch.no_grad():
-        assert not ck.reentrant_is_equivalent(f, (x,))
+        assert not ck.reentrant_is_equivalent(layer, plain, (x,))
 
 
 def test_a_keyword_tensor_that_requires_grad_gets_its_gradient():
-    """Through :func:`lean_checkpoint`, a tensor bound as a keyword (which the reentrant form would not
-    differentiate) gets the gradient of the plain computation (exact: the same ops)."""
+    """Through the lean layer call, a tensor bound as a keyword (which the reentrant form would not differentiate)
+    gets the gradient of the plain computation (exact: the same ops)."""
+    layer = _Layer()
     x = torch.randn(4, 3, requires_grad=True)
     w = torch.randn(3, requires_grad=True)
-    out = ck.lean_checkpoint(functools.partial(lambda a, scale: (a * scale).tanh(), scale=w), x)
-    out.sum().backward()
+    out = ck._lean_layer_call(layer, functools.partial(_Layer.forward, layer, scale=w), x)
+    out.tanh().sum().backward()
     gx, gw = x.grad.clone(), w.grad.clone()
     x.grad = w.grad = None
     (x * w).tanh().sum().backward()
     assert torch.equal(gx, x.grad) and torch.equal(gw, w.grad)
+
+
+def _lean_funcs(layers):
+    return [isinstance(f, functools.partial) and f.func is ck._lean_layer_call
+            for f in (layer._gradient_checkpointing_func for layer in layers)]
 
 
 def test_other_checkpoint_functions_are_kept_and_restored_on_error(tok):
@@ -167,12 +194,51 @@ def test_other_checkpoint_functions_are_kept_and_restored_on_error(tok):
     other = functools.partial(checkpoint, use_reentrant=False, preserve_rng_state=False)
     layers[0]._gradient_checkpointing_func = other
     before = [layer._gradient_checkpointing_func for layer in layers]
+    ck._state(model.model).suits = True  # as after a first call that found each layer called once
     with pytest.raises(RuntimeError, match="boom"):
         with ck.lean_checkpointing(model.model):
             assert layers[0]._gradient_checkpointing_func is other
-            assert all(layer._gradient_checkpointing_func is ck.lean_checkpoint for layer in layers[1:])
+            assert _lean_funcs(layers[1:]) == [True] * (len(layers) - 1)
             raise RuntimeError("boom")
     assert [layer._gradient_checkpointing_func for layer in layers] == before
+
+
+def test_a_looped_or_parameter_sharing_backbone_keeps_torchs_form(tok):
+    """A backbone that calls one checkpointed layer twice per call (a looped model), or whose checkpointed layers
+    share a trainable parameter (Zamba's shared blocks): each reentrant backward would mark the parameter ready
+    under DDP, which raises; such a backbone never takes the lean form. A plain one does after its first call."""
+    def run(model):
+        ids = torch.randint(0, len(tok), (2, 8))
+        for _ in range(2):
+            with ck.lean_checkpointing(model.model):
+                model.model(input_ids=ids).last_hidden_state.sum().backward()
+        return ck._state(model.model).suits
+
+    plain = build_tiny_model(tok)
+    plain.gradient_checkpointing_enable(gradient_checkpointing_kwargs=dict(TRL_DEFAULT))
+    plain.train()
+    assert run(plain) is True
+
+    looped = build_tiny_model(tok)
+    looped.model.layers.append(looped.model.layers[0])  # layer 0 runs twice
+    looped.config.num_hidden_layers += 1
+    looped.gradient_checkpointing_enable(gradient_checkpointing_kwargs=dict(TRL_DEFAULT))
+    looped.train()
+    ck._state(looped.model).layers = list(looped.model.layers[:-1])  # as found in the module tree: each once
+    assert run(looped) is False
+
+    shared = build_tiny_model(tok)
+    shared.model.layers[1].mlp.down_proj.weight = shared.model.layers[0].mlp.down_proj.weight
+    assert ck._state(shared.model).suits is False
+
+
+def test_unpatched_families_keep_torchs_form(tok):
+    """A family whose decoder layers are not ours to vouch for (Phi here; transformers' Gemma-3n and Gemma-4
+    share K/V between layers, Zamba parameters): torch's form."""
+    from .test_unpatched_families import tiny_model
+
+    assert ck.lean_allowed(build_tiny_model(tok))
+    assert not ck.lean_allowed(tiny_model(tok, "phi"))
 
 
 class _DDPLike(torch.nn.Module):
@@ -189,9 +255,13 @@ class DeepSpeedEngine(torch.nn.Module):
         self.module = module
 
 
+class PipelineEngine(DeepSpeedEngine):
+    """A subclass, as DeepSpeed's pipeline and hybrid engines are."""
+
+
 def test_the_trainer_takes_it_only_where_the_model_allows(tok, tmp_path):
-    """Not under a DDP that looks for unused parameters, not under a DeepSpeed engine, not on ZeRO-3 parameters
-    (``ds_id``); decided once per model."""
+    """Not under a DDP that looks for unused parameters, not under a DeepSpeed engine (or a subclass), not on ZeRO-3
+    parameters (``ds_id``); decided once per model and class."""
     trainer = SFTTrainer(build_tiny_model(tok), sft_config(tmp_path), train_dataset=sft_dataset(),
                          processing_class=tok, use_liger=True, liger_patch_model=False)
     plain = build_tiny_model(tok)
@@ -199,9 +269,10 @@ def test_the_trainer_takes_it_only_where_the_model_allows(tok, tmp_path):
     sharded.lm_head.weight.ds_id = 0
     for model, allowed in ((plain, True), (_DDPLike(build_tiny_model(tok), True), False),
                            (_DDPLike(build_tiny_model(tok), False), True), (sharded, False),
-                           (DeepSpeedEngine(build_tiny_model(tok)), False)):
+                           (DeepSpeedEngine(build_tiny_model(tok)), False),
+                           (PipelineEngine(build_tiny_model(tok)), False)):
         cm = trainer._liger_lean_checkpointing(model)
-        assert trainer._liger_lean_allowed[id(model)] is allowed
+        assert trainer._liger_lean_allowed[(id(model), type(model))] is allowed
         assert cm.gen.gi_frame.f_locals["enabled"] is allowed
 
 
@@ -219,3 +290,29 @@ def test_the_layer_list_dies_with_the_model(tok):
     del model
     gc.collect()
     assert alive() is None
+
+
+def test_gemma3n_sharing_kv_between_layers_equals_trl(tok, tmp_path):
+    """Gemma-3n's later layers reuse the K/V earlier layers store in a dict passed to every layer: a no-grad forward
+    would store K/V without a graph (the review's reproduction: embedding gradient 50% off). Its family is not one
+    we patch, so its layers keep torch's form: two checkpointed steps equal TRL's (rel <= 1e-4)."""
+    from transformers import Gemma3nForCausalLM, Gemma3nTextConfig
+
+    config = Gemma3nTextConfig(
+        vocab_size=len(tok), vocab_size_per_layer_input=len(tok), hidden_size=32, intermediate_size=64,
+        num_hidden_layers=4, num_attention_heads=2, num_key_value_heads=1, head_dim=16, num_kv_shared_layers=2,
+        hidden_size_per_layer_input=8, sliding_window=8,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention", "full_attention"],
+        activation_sparsity_pattern=[0.0] * 4, laurel_rank=4, altup_num_inputs=2, pad_token_id=tok.pad_token_id,
+        eos_token_id=tok.eos_token_id, bos_token_id=None)
+    config._attn_implementation = "eager"
+    torch.manual_seed(0)
+    theirs, ours = make_pair(SFTTrainer, [Gemma3nForCausalLM(config).float()],
+                             lambda d: sft_config(d, gradient_checkpointing=True), tmp_path, sft_dataset,
+                             processing_class=tok)
+    _checkpointed(theirs, ours)
+    batch = first_batch(theirs)
+    for _ in range(2):
+        theirs.model.zero_grad()
+        ours.model.zero_grad()
+        check_compute_loss(theirs, ours, TOL, batch=batch)

@@ -124,15 +124,28 @@ def test_the_check_runs_once_and_the_switch_turns_it_off(tok, tmp_path, monkeypa
     assert len(calls) == 1  # the check's forward; the loss runs the backbone alone
 
 
-def test_a_reference_with_another_transform_is_refused(tok, tmp_path):
-    """DPO applies the policy's logit transform to the reference too: a reference whose scale differs (Cohere
-    0.25 against 0.5) is named in the error at the first step."""
+def test_a_reference_whose_forward_disagrees_with_its_config_is_refused(tok, tmp_path):
+    """DPO with a Cohere reference whose forward scales by 0.5 while its config says 0.25 (the attribute its
+    forward reads was changed after it was built): the reference is named in the error at the first step."""
     policy, ref = tiny_model(tok, "cohere", seed=0), tiny_model(tok, "cohere", seed=1)
     ref.logit_scale = 0.5  # what CohereForCausalLM.forward multiplies by (read from its config at init)
     trainer = DPOTrainer(policy, ref, dpo_config(tmp_path), train_dataset=preference_dataset(8),
                          processing_class=tok, use_liger=True, liger_patch_model=False)
     with pytest.raises(ValueError, match=r"cannot serve ref_model / teacher_model: CohereForCausalLM"):
         step0(trainer, first_batch(trainer))
+
+
+def test_a_reference_of_another_transform_is_refused_when_built(tok, tmp_path):
+    """The DPO loss applies the policy's logit transform to the reference's tiles: a reference whose config asks
+    for another (Cohere, logit scale 0.5 against 0.25) is refused when the trainer is built, unless its
+    log-probs are precomputed with its own."""
+    policy, ref = tiny_model(tok, "cohere", seed=0), tiny_model(tok, "cohere", seed=1)
+    ref.config.logit_scale = ref.logit_scale = 0.5
+    with pytest.raises(ValueError, match=r"ref_model.*logit transform .* differs from the policy's"):
+        DPOTrainer(policy, ref, dpo_config(tmp_path), train_dataset=preference_dataset(8), processing_class=tok,
+                   use_liger=True, liger_patch_model=False)
+    DPOTrainer(policy, ref, dpo_config(tmp_path, precompute_ref_log_probs=True), train_dataset=preference_dataset(8),
+               processing_class=tok, use_liger=True, liger_patch_model=False)
 
 
 def test_the_check_leaves_the_random_streams_as_they_were(tok):
