@@ -18,8 +18,9 @@ where none of these can happen:
   whose decoder layers we patch (``patching/specs.py``: their layers were read for the above), no attention dropout,
   parameters not sharded, not compiled, no DDP looking for unused parameters, no DeepSpeed engine;
 * :func:`lean_checkpointing` (per backbone call): on layers whose checkpoint function is exactly TRL's default, in a
-  backbone whose checkpointed layers share no trainable parameter and were each called once in a first call run in
-  torch's form (a looped model calls a layer several times);
+  backbone whose checkpointed layers share no trainable parameter (with each other or with the rest of the
+  backbone) and were each called once in a first checkpointing call run in torch's form (a looped model calls a
+  layer several times);
 * per layer call: grad mode on, not under Dynamo, some positional tensor requiring grad, and every other argument
   immutable and without a graph (:func:`plain_argument`: a shared dict that layers write K/V into is not).
 
@@ -139,11 +140,16 @@ class _BackboneState:
     def __init__(self, backbone: nn.Module):
         self.layers: List[nn.Module] = [m for m in backbone.modules()
                                         if m is not backbone and hasattr(m, "gradient_checkpointing")]
+        # a trainable parameter of a layer that takes part in another call too: another layer's, or the backbone's
+        # outside the layers (a norm or an embedding tied to it)
+        inside = {id(m) for layer in self.layers for _, m in layer.named_modules(remove_duplicate=False)}
+        outside = {id(p) for _, m in backbone.named_modules(remove_duplicate=False) if id(m) not in inside
+                   for p in m._parameters.values() if p is not None}
         owners: dict = {}
         shared = False
         for layer in self.layers:
-            for p in layer.parameters():
-                if p.requires_grad and owners.setdefault(id(p), id(layer)) != id(layer):
+            for _, p in layer.named_parameters(remove_duplicate=False):
+                if p.requires_grad and (id(p) in outside or owners.setdefault(id(p), id(layer)) != id(layer)):
                     shared = True
         self.suits = False if shared else None
 
@@ -180,7 +186,7 @@ def lean_checkpointing(backbone: nn.Module, enabled: bool = True) -> Iterator[No
     finally:
         for layer, func in swapped:
             layer._gradient_checkpointing_func = func
-    if state.suits is None and swapped:
+    if state.suits is None and any(calls.values()):  # decided on a call that checkpointed (training mode)
         state.suits = max(calls.values()) <= 1
 
 

@@ -205,8 +205,9 @@ def test_other_checkpoint_functions_are_kept_and_restored_on_error(tok):
 
 def test_a_looped_or_parameter_sharing_backbone_keeps_torchs_form(tok):
     """A backbone that calls one checkpointed layer twice per call (a looped model), or whose checkpointed layers
-    share a trainable parameter (Zamba's shared blocks): each reentrant backward would mark the parameter ready
-    under DDP, which raises; such a backbone never takes the lean form. A plain one does after its first call."""
+    share a trainable parameter with each other (Zamba's shared blocks) or with the rest of the backbone (a tied
+    norm): each reentrant backward would mark the parameter ready under DDP, which raises; such a backbone never
+    takes the lean form. A plain one does after its first call."""
     def run(model):
         ids = torch.randint(0, len(tok), (2, 8))
         for _ in range(2):
@@ -230,6 +231,27 @@ def test_a_looped_or_parameter_sharing_backbone_keeps_torchs_form(tok):
     shared = build_tiny_model(tok)
     shared.model.layers[1].mlp.down_proj.weight = shared.model.layers[0].mlp.down_proj.weight
     assert ck._state(shared.model).suits is False
+    tied_outside = build_tiny_model(tok)
+    tied_outside.model.norm.weight = tied_outside.model.layers[0].input_layernorm.weight
+    assert ck._state(tied_outside.model).suits is False
+
+
+def test_a_first_call_in_eval_mode_decides_nothing(tok):
+    """Transformers checkpoints only in training mode: a grad-mode call in eval mode counts no layer call, so it
+    leaves the decision to the first training call (a looped backbone is still caught there)."""
+    looped = build_tiny_model(tok)
+    looped.model.layers.append(looped.model.layers[0])
+    looped.config.num_hidden_layers += 1
+    looped.gradient_checkpointing_enable(gradient_checkpointing_kwargs=dict(TRL_DEFAULT))
+    ids = torch.randint(0, len(tok), (2, 8))
+    looped.eval()
+    with ck.lean_checkpointing(looped.model):
+        looped.model(input_ids=ids)
+    assert ck._state(looped.model).suits is None
+    looped.train()
+    with ck.lean_checkpointing(looped.model):
+        looped.model(input_ids=ids).last_hidden_state.sum().backward()
+    assert ck._state(looped.model).suits is False
 
 
 def test_unpatched_families_keep_torchs_form(tok):
