@@ -338,3 +338,36 @@ def test_gemma3n_sharing_kv_between_layers_equals_trl(tok, tmp_path):
         theirs.model.zero_grad()
         ours.model.zero_grad()
         check_compute_loss(theirs, ours, TOL, batch=batch)
+
+
+@pytest.mark.gpu
+def test_patched_kernels_give_the_same_gradients_in_both_forms(tok):
+    """Our patched layer kernels take other paths under no grad (in-place RoPE, RMSNorm without its autograd
+    Function): the lean form's loss comes from that no-grad forward, its gradient from the recompute. A patched tiny
+    Llama in fp32 (CUDA when there is one): the backbone's output and every gradient of the second call equal
+    torch's form's to a relative 1e-5 (fp32 math; the same kernels on the same inputs give the same bits)."""
+    from liger_losses.patching import apply_liger_kernels, revert_liger_kernels
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    try:
+        results = []
+        for lean in (False, True):
+            model = build_tiny_model(tok).to(device)
+            apply_liger_kernels(model)
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=dict(TRL_DEFAULT))
+            model.train()
+            ids = torch.randint(0, len(tok), (2, 16), generator=torch.Generator().manual_seed(0)).to(device)
+            for _ in range(2):  # the second call is the lean one (the first counts the layer calls)
+                model.zero_grad()
+                with ck.lean_checkpointing(model.model, lean):
+                    out = model.model(input_ids=ids).last_hidden_state
+                out.float().pow(2).mean().backward()
+            assert ck._state(model.model).suits is True or not lean
+            results.append((out.detach(), {n: p.grad for n, p in model.named_parameters() if p.grad is not None}))
+        (out_t, grads_t), (out_l, grads_l) = results
+        assert float((out_l - out_t).norm() / out_t.norm()) <= 1e-5
+        assert grads_t.keys() == grads_l.keys() and grads_t
+        for name, g in grads_t.items():
+            assert float((grads_l[name] - g).norm() / g.norm().clamp_min(1e-30)) <= 1e-5, name
+    finally:
+        revert_liger_kernels()
