@@ -8,7 +8,7 @@ and the logit transform after the head (:func:`head_logit_options`: softcap, sca
 from __future__ import annotations
 
 import sys
-from typing import Any, Dict, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 from torch import nn
@@ -25,14 +25,21 @@ def is_peft_model(model: nn.Module) -> bool:
     return isinstance(model, PeftModel)
 
 
-def innermost_module(model: nn.Module, *, max_depth: int = 8) -> nn.Module:
-    """``model`` with its DDP/FSDP1/DeepSpeed wrappers (``.module``) taken off, at most ``max_depth`` of them."""
+def wrapper_chain(model: nn.Module, *, max_depth: int = 8) -> List[nn.Module]:
+    """``model`` and the modules its DDP/FSDP1/DeepSpeed wrappers hold (``.module``), outermost first, at most
+    ``max_depth`` wrappers deep."""
+    chain = [model]
     for _ in range(max_depth):
-        inner = getattr(model, "module", None)
+        inner = getattr(chain[-1], "module", None)
         if not isinstance(inner, nn.Module):
             break
-        model = inner
-    return model
+        chain.append(inner)
+    return chain
+
+
+def innermost_module(model: nn.Module, *, max_depth: int = 8) -> nn.Module:
+    """``model`` with its DDP/FSDP1/DeepSpeed wrappers (``.module``) taken off, at most ``max_depth`` of them."""
+    return wrapper_chain(model, max_depth=max_depth)[-1]
 
 
 def compiled_module(model: nn.Module) -> Optional[nn.Module]:

@@ -40,7 +40,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from .anatomy import compiled_module, unwrap_causal_lm
+from .anatomy import compiled_module, unwrap_causal_lm, wrapper_chain
 from .logit_check import is_sharded
 
 
@@ -116,16 +116,8 @@ def lean_allowed(model: nn.Module) -> bool:
         return False
     if any(float(getattr(m, "attention_dropout", 0.0) or 0.0) > 0.0 for m in causal_lm.modules()):
         return False
-    wrapper = model
-    for _ in range(8):
-        if getattr(wrapper, "find_unused_parameters", False) or any(
-                c.__name__ == "DeepSpeedEngine" for c in type(wrapper).__mro__):
-            return False
-        inner = getattr(wrapper, "module", None)
-        if not isinstance(inner, nn.Module):
-            return True
-        wrapper = inner
-    return True
+    return not any(getattr(w, "find_unused_parameters", False)
+                   or any(c.__name__ == "DeepSpeedEngine" for c in type(w).__mro__) for w in wrapper_chain(model))
 
 
 def _is_trl_default(func: Any) -> bool:
@@ -140,6 +132,7 @@ class _BackboneState:
     def __init__(self, backbone: nn.Module):
         self.layers: List[nn.Module] = [m for m in backbone.modules()
                                         if m is not backbone and hasattr(m, "gradient_checkpointing")]
+        self.lean_funcs = [functools.partial(_lean_layer_call, layer) for layer in self.layers]
         # a trainable parameter of a layer that takes part in another call too: another layer's, or the backbone's
         # outside the layers (a norm or an embedding tied to it)
         inside = {id(m) for layer in self.layers for _, m in layer.named_modules(remove_duplicate=False)}
@@ -173,11 +166,11 @@ def lean_checkpointing(backbone: nn.Module, enabled: bool = True) -> Iterator[No
         return
     swapped = []
     calls = {id(layer): 0 for layer in state.layers}
-    for layer in state.layers:
+    for layer, lean in zip(state.layers, state.lean_funcs):
         func = layer.__dict__.get("_gradient_checkpointing_func")
         if layer.gradient_checkpointing and _is_trl_default(func):
             if state.suits:
-                layer._gradient_checkpointing_func = functools.partial(_lean_layer_call, layer)
+                layer._gradient_checkpointing_func = lean
             else:  # the counting call: torch's form
                 layer._gradient_checkpointing_func = functools.partial(_counted_call, calls, id(layer), func)
             swapped.append((layer, func))

@@ -35,7 +35,8 @@ import torch
 from torch import nn
 
 from ..chunked.weights import is_dtensor
-from .anatomy import backbone_of, lm_head_params
+from ..kernels.logits_tile import transform_logits_torch
+from .anatomy import backbone_of, lm_head_params, wrapper_chain
 
 CHECK_TOKENS = 32
 RTOL = 0.02
@@ -51,25 +52,15 @@ def formula_logits(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[to
     logits = torch.cat([h @ weight[v:v + rows].float().t() for v in range(0, weight.shape[0], rows)], dim=-1)
     if bias is not None:
         logits = logits + bias.float()
-    if logit_scale != 1.0:
-        logits = logits * float(logit_scale)
-    if softcap is not None:
-        logits = float(softcap) * torch.tanh(logits / float(softcap))
-    return logits
+    return transform_logits_torch(logits, float(logit_scale), 1.0, softcap)[0]
 
 
 def is_sharded(wrapped: nn.Module, causal_lm: nn.Module) -> bool:
     """Whether the model's parameters are split across processes (its forward is then a collective): FSDP1 in the
     wrapper chain, FSDP2 (``fully_shard``) on any module -- told by the module, since inside the root's forward its
     parameters are unsharded plain tensors --, DTensor parameters (tensor parallel) or DeepSpeed ZeRO-3 ones."""
-    module = wrapped
-    for _ in range(8):  # FSDP1 flattens the parameters of the module it wraps
-        if type(module).__name__ == "FullyShardedDataParallel":
-            return True
-        inner = getattr(module, "module", None)
-        if not isinstance(inner, nn.Module):
-            break
-        module = inner
+    if any(type(m).__name__ == "FullyShardedDataParallel" for m in wrapper_chain(wrapped)):
+        return True  # FSDP1 flattens the parameters of the module it wraps
     fsdp2 = _fsdp2_module_type()
     if fsdp2 is not None and any(isinstance(m, fsdp2) for m in (wrapped, *causal_lm.modules())):
         return True

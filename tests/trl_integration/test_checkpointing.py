@@ -293,7 +293,7 @@ def test_the_trainer_takes_it_only_where_the_model_allows(tok, tmp_path):
                            (_DDPLike(build_tiny_model(tok), False), True), (sharded, False),
                            (DeepSpeedEngine(build_tiny_model(tok)), False),
                            (PipelineEngine(build_tiny_model(tok)), False)):
-        cm = trainer._liger_lean_checkpointing(model)
+        cm = trainer._liger_lean_checkpointing(model, backbone_of(unwrap_causal_lm(model)))
         assert trainer._liger_lean_allowed[(id(model), type(model))] is allowed
         assert cm.gen.gi_frame.f_locals["enabled"] is allowed
 
