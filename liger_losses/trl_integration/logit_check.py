@@ -11,18 +11,22 @@ causal LM's forward code, as remote-code models have (MiniCPM divides the hidden
 :func:`check_model_logits` closes that gap at a model's first loss step: it runs the causal LM's own forward,
 under no grad, on the first :data:`CHECK_TOKENS` tokens of the step's first sequence, takes its backbone's output
 with a forward hook and compares the model's logits ``[1, n, V]`` with the formula above on that same hidden
-state (float32). A relative difference ``||ours - model's|| / ||model's||`` above :data:`RTOL` raises
-``ValueError``. The forward is the model's, in the trainer's autocast, so the two differ only by the head's
-rounding: a half-precision logit is rounded to 8 (bf16) or 11 (fp16) significant bits, a relative error
-below 2^-8 per element, and a softcap computed in bf16 adds two roundings; :data:`RTOL` = 2% is five times
-that bound, while the transforms it exists for change the logits by tens of percent (a softcap of 30 on
-logits of 20: 12%; MiniCPM's divisor: 89%).
+state (float32, computed in a forward pre-hook of the head, where the head's weight is whole under every sharding
+scheme: FSDP1 / FSDP2 / DeepSpeed ZeRO-3 gather it in their own hooks before ours runs). A relative difference
+``||ours - model's|| / ||model's||`` above :data:`RTOL` raises ``ValueError``. The forward is the model's, in the
+trainer's autocast, so the two differ only by the head's rounding: a half-precision logit is rounded to 8 (bf16)
+or 11 (fp16) significant bits, a relative error below 2^-8 per element, and a softcap computed in bf16 adds two
+roundings; :data:`RTOL` = 2% is five times that bound, while the transforms it exists for change the logits by
+tens of percent (a softcap of 30 on logits of 20: 12%; MiniCPM's divisor: 89%).
 
-Not checked (``None`` returned): parameters sharded across processes (DeepSpeed ZeRO-3, FSDP1, FSDP2 / tensor
-parallel DTensors: their forward is a collective the ranks would have to enter together), inputs without
-``input_ids``, non-finite logits (an overflow, not a transform) and ``LIGER_LOSSES_CHECK_LOGITS=0``. A forward
-that fails on a plain ``input_ids`` prefix warns and is not checked. The RNG streams are forked around the
-forward, so dropout draws as if it had not run.
+A model trained by several processes together (sharded, DDP, a DeepSpeed engine) is checked on every rank: the
+ranks enter the check at the same step (each model's first), so a sharded forward's collectives pair up, and
+the verdict is the largest difference over the ranks (one ``all_reduce``), so all of them raise or none does.
+
+Not checked (``None`` returned): inputs without ``input_ids``, non-finite logits (an overflow, not a transform),
+a sharded model whose logits are not made by calling its head module (its weight is whole nowhere else), and
+``LIGER_LOSSES_CHECK_LOGITS=0``. A forward that fails on a plain ``input_ids`` prefix warns and is not checked.
+The RNG streams are forked around the forward, so dropout draws as if it had not run.
 """
 
 from __future__ import annotations
@@ -85,40 +89,58 @@ def _last_hidden(output: Any) -> Optional[torch.Tensor]:
 def check_model_logits(wrapped: nn.Module, causal_lm: nn.Module, model_kwargs: Mapping[str, Any], *,
                        softcap: Optional[float], logit_scale: float, role: str = "model") -> Optional[float]:
     """Compare ``causal_lm``'s own logits with the fused loss's formula on its backbone's output (module
-    docstring). ``wrapped`` is the model as the trainer holds it (its wrappers tell sharding), ``model_kwargs``
-    the step's forward inputs (``input_ids [B, T]`` used), ``softcap`` / ``logit_scale`` the transform the loss
-    applies to this model, ``role`` its name in the error. Returns the relative difference, or None when not
-    checked; raises ``ValueError`` above :data:`RTOL`."""
+    docstring). ``wrapped`` is the model as the trainer holds it (its wrappers tell sharding and distribution),
+    ``model_kwargs`` the step's forward inputs (``input_ids [B, T]`` used), ``softcap`` / ``logit_scale`` the
+    transform the loss applies to this model, ``role`` its name in the error. Called inside the trainer's redirected
+    forward (``_liger_run``), where a sharded root is gathered. Returns the relative difference (the largest over
+    the ranks of a distributed model), or None when not checked; raises ``ValueError`` above :data:`RTOL`."""
     if os.environ.get(ENV_SWITCH, "1").strip() == "0":
         return None
     input_ids = model_kwargs.get("input_ids")
     if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or input_ids.numel() == 0:
         return None
-    if is_sharded(wrapped, causal_lm):
-        return None
     ids = input_ids[:1, :CHECK_TOKENS]
-    captured = []
-    handle = backbone_of(causal_lm).register_forward_hook(lambda _m, _a, out: captured.append(_last_hidden(out)))
+    sharded = is_sharded(wrapped, causal_lm)
+    head = causal_lm.get_output_embeddings()
+    hidden, formula = [], []
+
+    def on_backbone(_module, _args, out):
+        if not hidden:
+            hidden.append(_full(_last_hidden(out)))
+
+    def on_head(_module, _args):
+        # the head's own gather hooks (FSDP, ZeRO-3) ran before this one: its weight is whole here
+        if hidden and hidden[0] is not None and not formula:
+            formula.append(_formula(hidden[0], causal_lm, softcap, logit_scale))
+
+    handles = [backbone_of(causal_lm).register_forward_hook(on_backbone)]
+    if isinstance(head, nn.Module):
+        handles.append(head.register_forward_pre_hook(on_head))
     on_cpu = ids.device.type == "cpu"
-    name = type(causal_lm).__name__
+    name = _class_name(causal_lm)
+    logits, failed = None, False
     try:
         with torch.no_grad(), torch.random.fork_rng(devices=[] if on_cpu else [ids.device],
                                                    device_type="cuda" if on_cpu else ids.device.type):
-            output = causal_lm(input_ids=ids, use_cache=False)
+            output = _own_forward(causal_lm)(input_ids=ids, use_cache=False)
+        logits = getattr(output, "logits", None)
+        if logits is None and isinstance(output, (tuple, list)) and output:
+            logits = output[0]
+        logits = _full(logits) if isinstance(logits, torch.Tensor) else None
     except Exception as exc:  # noqa: BLE001 - any failure of the model's own forward: say so, train on
+        failed = True
         warnings.warn(f"use_liger=True could not check that the fused loss computes {name}'s own logits (its "
                       f"forward on input_ids alone failed: {type(exc).__name__}: {exc})", UserWarning, stacklevel=2)
-        return None
     finally:
-        handle.remove()
-    logits = getattr(output, "logits", None)
-    if logits is None and isinstance(output, (tuple, list)) and output:
-        logits = output[0]
-    if not captured or captured[0] is None or not isinstance(logits, torch.Tensor):
-        return None
-    weight, bias = lm_head_params(causal_lm)
-    with torch.no_grad():
-        ours = formula_logits(captured[0].to(weight.device), weight, bias, softcap=softcap, logit_scale=logit_scale)
+        for handle in handles:
+            handle.remove()
+    ours = None
+    if formula:
+        ours = formula[0]
+    elif not failed and not sharded and hidden and hidden[0] is not None:  # logits not made by calling the head
+        ours = _formula(hidden[0], causal_lm, softcap, logit_scale)
+    diff = None
+    if ours is not None and logits is not None:
         theirs = logits.float()
         if theirs.shape != ours.shape:
             raise ValueError(
@@ -126,10 +148,11 @@ def check_model_logits(wrapped: nn.Module, causal_lm: nn.Module, model_kwargs: M
                 f"where its backbone and LM head give {tuple(ours.shape)}; pass use_liger=False to train with the "
                 "model's own forward"
             )
-        if not (bool(torch.isfinite(theirs).all()) and bool(torch.isfinite(ours).all())):
-            return None  # an overflow is not a transform; the loss reports non-finite values itself
-        diff = float((ours - theirs).norm() / theirs.norm().clamp_min(torch.finfo(torch.float32).tiny))
-    if diff > RTOL:
+        if bool(torch.isfinite(theirs).all()) and bool(torch.isfinite(ours).all()):  # an overflow is no transform
+            diff = float((ours - theirs).norm() / theirs.norm().clamp_min(torch.finfo(torch.float32).tiny))
+    if is_distributed(wrapped, causal_lm):
+        diff = _largest_over_ranks(diff, ids.device)
+    if diff is not None and diff > RTOL:
         raise ValueError(
             f"use_liger=True cannot serve {role}: {name}'s own forward computes logits that differ from "
             f"softcap={softcap}, logit_scale={logit_scale} applied to hidden @ lm_head.weight.T (+ bias) by "
@@ -139,3 +162,59 @@ def check_model_logits(wrapped: nn.Module, causal_lm: nn.Module, model_kwargs: M
             f"set {ENV_SWITCH}=0 to skip this check)"
         )
     return diff
+
+
+def _formula(hidden: torch.Tensor, causal_lm: nn.Module, softcap: Optional[float], logit_scale: float) -> torch.Tensor:
+    """:func:`formula_logits` of ``hidden`` with ``causal_lm``'s head as it is now (whole inside the head's gather
+    hooks; a DTensor head gathered here, a collective every rank enters in the same forward), float32 with autocast
+    off."""
+    weight, bias = lm_head_params(causal_lm)
+    weight, bias = _full(weight), _full(bias)
+    with torch.no_grad(), torch.autocast(hidden.device.type, enabled=False):
+        return formula_logits(hidden.to(weight.device), weight, bias, softcap=softcap, logit_scale=logit_scale)
+
+
+def _full(value: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    """A DTensor's whole tensor (a collective), any other tensor (or None) as it is."""
+    return value.full_tensor() if value is not None and is_dtensor(value) else value
+
+
+def _class_name(module: nn.Module) -> str:
+    """The module's class name as the user wrote it (FSDP2 swaps in an ``FSDP<name>`` subclass)."""
+    fsdp2 = _fsdp2_module_type()
+    if fsdp2 is not None and isinstance(module, fsdp2):
+        return next((c.__name__ for c in type(module).__mro__[1:] if not issubclass(c, fsdp2)), type(module).__name__)
+    return type(module).__name__
+
+
+def _own_forward(causal_lm: nn.Module):
+    """What runs ``causal_lm``'s forward inside the trainer's redirected forward: the module's call, except for an
+    FSDP2 root, whose parameters that call has gathered already and whose hooks would run a second time around
+    (its ``forward`` alone; the groups inside it gather themselves)."""
+    fsdp2 = _fsdp2_module_type()
+    return causal_lm.forward if fsdp2 is not None and isinstance(causal_lm, fsdp2) else causal_lm
+
+
+_DISTRIBUTED_WRAPPERS = ("DistributedDataParallel", "FullyShardedDataParallel", "DeepSpeedEngine")
+
+
+def is_distributed(wrapped: nn.Module, causal_lm: nn.Module) -> bool:
+    """Whether the model trains in several processes that step together (sharded, or under DDP / a DeepSpeed
+    engine, in a process group of more than one): the check's verdict must then be the same on every rank, or
+    the ranks that train on wait forever for the one that raised."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
+        return False
+    return is_sharded(wrapped, causal_lm) or any(type(m).__name__ in _DISTRIBUTED_WRAPPERS
+                                                 for m in wrapper_chain(wrapped))
+
+
+def _largest_over_ranks(diff: Optional[float], device: torch.device) -> Optional[float]:
+    """The largest ``diff`` over the default process group's ranks (None where no rank checked)."""
+    import torch.distributed as dist
+
+    value = torch.tensor([-1.0 if diff is None else diff], dtype=torch.float64, device=device)
+    dist.all_reduce(value, op=dist.ReduceOp.MAX)
+    largest = float(value.item())
+    return None if largest < 0 else largest

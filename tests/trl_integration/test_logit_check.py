@@ -160,13 +160,38 @@ def test_the_check_leaves_the_random_streams_as_they_were(tok):
     assert torch.equal(torch.get_rng_state(), before)
 
 
-def test_sharded_parameters_and_missing_input_ids_are_not_checked(tok):
-    """A ZeRO-3 parameter (``ds_id``) or inputs without ``input_ids``: None, no forward run."""
+def test_missing_input_ids_are_not_checked(tok):
+    """Inputs without ``input_ids``: None, no forward run."""
     model = build_tiny_model(tok)
     assert check_model_logits(model, model, {"inputs_embeds": torch.zeros(1, 4, 64)}, softcap=None,
                               logit_scale=1.0) is None
+
+
+class HeadWeightLlama(LlamaForCausalLM):
+    """A Llama whose forward computes its logits from ``lm_head.weight`` without calling the head module."""
+
+    def forward(self, input_ids=None, **kwargs):
+        hidden = self.model(input_ids=input_ids).last_hidden_state
+        return CausalLMOutputWithPast(logits=torch.nn.functional.linear(hidden, self.lm_head.weight))
+
+
+def test_a_sharded_model_is_checked_inside_its_heads_call(tok):
+    """A ZeRO-3 parameter (``ds_id``: the head's weight is whole only inside its module's call, after DeepSpeed's
+    gather hook): the formula is computed in the head's pre-forward hook, so a plain model checks equal (rel <=
+    1e-5, fp32) and the width-scaled one is refused; a sharded model whose forward never calls its head module
+    cannot be checked (None), while the same model unsharded is checked after its forward."""
+    model = build_tiny_model(tok)
     model.lm_head.weight.ds_id = 0
-    assert check_model_logits(model, model, ids_of(tok), softcap=None, logit_scale=1.0) is None
+    assert check_model_logits(model, model, ids_of(tok), softcap=None, logit_scale=1.0) <= 1e-5
+    scaled = width_scaled(tok)
+    scaled.lm_head.weight.ds_id = 0
+    with pytest.raises(ValueError, match=r"WidthScaledLlama's own forward computes logits that differ"):
+        check_model_logits(scaled, scaled, ids_of(tok), softcap=None, logit_scale=1.0)
+    direct = HeadWeightLlama(model.config)
+    direct.load_state_dict(build_tiny_model(tok).state_dict())
+    assert check_model_logits(direct, direct, ids_of(tok), softcap=None, logit_scale=1.0) <= 1e-5
+    direct.lm_head.weight.ds_id = 0
+    assert check_model_logits(direct, direct, ids_of(tok), softcap=None, logit_scale=1.0) is None
 
 
 def test_a_forward_that_fails_on_plain_input_ids_warns(tok):
