@@ -100,6 +100,8 @@ def check_model_logits(wrapped: nn.Module, causal_lm: nn.Module, model_kwargs: M
     if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or input_ids.numel() == 0:
         return None
     ids = input_ids[:1, :CHECK_TOKENS]
+    if any(hasattr(p, "ds_id") for p in causal_lm.parameters()):
+        return None  # ZeRO-3: its prefetcher replays the first step's module order, this forward included
     sharded = is_sharded(wrapped, causal_lm)
     head = causal_lm.get_output_embeddings()
     hidden, formula = [], []
@@ -122,7 +124,7 @@ def check_model_logits(wrapped: nn.Module, causal_lm: nn.Module, model_kwargs: M
     try:
         with torch.no_grad(), torch.random.fork_rng(devices=[] if on_cpu else [ids.device],
                                                    device_type="cuda" if on_cpu else ids.device.type):
-            output = _own_forward(causal_lm)(input_ids=ids, use_cache=False)
+            output = (causal_lm.forward if sharded else causal_lm)(input_ids=ids, use_cache=False)
         logits = getattr(output, "logits", None)
         if logits is None and isinstance(output, (tuple, list)) and output:
             logits = output[0]

@@ -1,17 +1,21 @@
-"""The first-step logits check (``trl_integration/logit_check.py``) on a model FSDP2 shards over 2 gloo ranks.
+"""The first-step logits check (``trl_integration/logit_check.py``) on a model sharded over 2 gloo ranks.
 
 A sharded model's forward is a collective and its head's weight is whole only inside the head's call, so the
 check runs the model's forward on every rank, computes the formula in the head's pre-forward hook and takes the
 largest difference over the ranks. Here a tiny Llama and the width-scaled one of
 ``tests/trl_integration/test_logit_check.py`` (its hidden states divided by 4 before the head, nothing in its
-config says so) are sharded with ``fully_shard`` in the layouts of ``test_fsdp2_causal_lm`` (``root``: head in the
-root's group; ``tail``: accelerate's ``[norm, lm_head]`` group; ``head``: the head alone in a group), and the
-check is called the way the trainers call it, inside the root's forward (``run_in_forward``), with a different
-batch on each rank:
+config says so) are sharded with FSDP2's ``fully_shard`` in the layouts of ``test_fsdp2_causal_lm`` (``root``: head
+in the root's group; ``tail``: accelerate's ``[norm, lm_head]`` group; ``head``: the head alone in a group) and
+with FSDP1 (``fsdp1``: each decoder layer a unit, the rest in the root's, ``use_orig_params=True`` as accelerate
+sets it), and replicated under DDP (``ddp``: not sharded, but its ranks step together, so the verdict must be
+theirs alike), and the check is called the way the trainers call it, inside the root's forward (``run_in_forward``),
+with a different batch on each rank:
 
 * the plain model checks equal on both ranks (fp32, the same GEMM: rel <= 1e-5), both ranks returning the same
-  (largest) difference, and a training step after it still gives finite gradients on every parameter;
-* the width-scaled model is refused with ``ValueError`` on both ranks (neither waits for the other);
+  (largest) difference, and the training steps after the check give exactly the losses they give without it
+  (the check's no-grad forward leaves no state behind in FSDP);
+* the width-scaled model is refused with ``ValueError`` on both ranks (neither waits for the other), also where
+  only rank 0's copy transforms its hidden states;
 * the SFT trainer under accelerate's FSDP2 (``examples/accelerate/fsdp2.yaml``) refuses the width-scaled model at
   its first step on both ranks.
 """
@@ -24,10 +28,27 @@ import pytest
 
 from tests.distributed.ranks import run_on_ranks, skip_unless_gloo_fsdp2
 
-LAYOUTS = ("root", "tail", "head")
+LAYOUTS = ("root", "tail", "head", "fsdp1", "ddp")
+STEPS = 3
 
 
-def _shard(model, layout: str) -> None:
+def _shard(model, layout: str):
+    """``model`` sharded (or, ``ddp``, replicated) in ``layout``; returns the module a trainer would hold (FSDP1,
+    DDP: the wrapper)."""
+    import functools
+
+    import torch
+
+    if layout == "ddp":
+        return torch.nn.parallel.DistributedDataParallel(model)
+    if layout == "fsdp1":
+        from torch.distributed.fsdp import FullyShardedDataParallel
+        from torch.distributed.fsdp.wrap import transformer_auto_wrap_policy
+        from transformers.models.llama.modeling_llama import LlamaDecoderLayer
+
+        policy = functools.partial(transformer_auto_wrap_policy, transformer_layer_cls={LlamaDecoderLayer})
+        return FullyShardedDataParallel(model, auto_wrap_policy=policy, device_id=torch.device("cpu"),
+                                        use_orig_params=True)
     from torch.distributed.fsdp import fully_shard
 
     for layer in model.model.layers:
@@ -38,20 +59,40 @@ def _shard(model, layout: str) -> None:
     elif layout == "head":
         fully_shard(model.lm_head)
     fully_shard(model)
+    return model
 
 
-def _check(model, ids):
+def _check(wrapped, ids):
     """The check as a trainer runs it: inside the root's forward. Returns the difference or the error's text."""
+    from liger_losses.trl_integration.anatomy import innermost_module
     from liger_losses.trl_integration.base import run_in_forward
     from liger_losses.trl_integration.logit_check import check_model_logits
 
     def fn():
         try:
-            return check_model_logits(model, model, {"input_ids": ids}, softcap=None, logit_scale=1.0)
+            return check_model_logits(wrapped, innermost_module(wrapped), {"input_ids": ids}, softcap=None,
+                                      logit_scale=1.0)
         except ValueError as exc:
             return f"ValueError: {exc}"
 
-    return run_in_forward(model, fn)
+    return run_in_forward(wrapped, fn)
+
+
+def _train(wrapped, ids, *, check: bool):
+    """(the check's result or None, the losses of STEPS SGD steps), the check run before the first."""
+    import torch
+
+    optimizer = torch.optim.SGD(wrapped.parameters(), lr=0.1)
+    result, losses = None, []
+    for step in range(STEPS):
+        if check and step == 0:
+            result = _check(wrapped, ids)
+        loss = wrapped(input_ids=ids, labels=ids).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(float(loss))
+    return result, losses
 
 
 def _worker(rank: int, world: int) -> dict:
@@ -65,16 +106,13 @@ def _worker(rank: int, world: int) -> dict:
     ids = torch.randint(3, len(tok), (2, 16))
     out = {}
     for layout in LAYOUTS:
-        plain = build_tiny_model(tok)
-        _shard(plain, layout)
-        out[("plain", layout)] = _check(plain, ids)
-        loss = plain(input_ids=ids, labels=ids).loss  # the model still trains after the check's forward
-        loss.backward()
-        out[("grads", layout)] = all(p.grad is not None and bool(torch.isfinite(p.grad.full_tensor()).all())
-                                     for p in plain.parameters())
-        scaled = width_scaled(tok)
-        _shard(scaled, layout)
-        out[("scaled", layout)] = _check(scaled, ids)
+        out[("plain", layout)], out[("losses", layout)] = _train(_shard(build_tiny_model(tok), layout), ids,
+                                                                 check=True)
+        out[("unchecked", layout)] = _train(_shard(build_tiny_model(tok), layout), ids, check=False)[1]
+        out[("scaled", layout)] = _check(_shard(width_scaled(tok), layout), ids)
+        mixed = width_scaled(tok)
+        mixed.width_ratio = 4.0 if rank == 0 else 1.0  # only rank 0's forward transforms
+        out[("mixed", layout)] = _check(_shard(mixed, layout), ids)
     return out
 
 
@@ -86,19 +124,23 @@ def results():
 
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_a_sharded_model_the_loss_serves_checks_equal_on_every_rank(results, layout):
-    """Plain Llama, sharded: both ranks return the same difference, <= 1e-5 (fp32), and the model trains after."""
+    """Plain Llama, sharded: both ranks return the same difference, <= 1e-5 (fp32), and the training steps after
+    the check give exactly the losses of the same steps without it."""
     diffs = [r[("plain", layout)] for r in results]
     assert all(isinstance(d, float) for d in diffs), diffs
     assert diffs[0] == diffs[1] and diffs[0] <= 1e-5, diffs
-    assert all(r[("grads", layout)] for r in results)
+    for r in results:  # the check's forward changes nothing the training computes after it
+        assert r[("losses", layout)] == r[("unchecked", layout)], layout
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_a_sharded_hidden_transform_is_refused_on_every_rank(results, layout):
-    """Width-scaled Llama, sharded: a ValueError on both ranks, naming the class."""
+    """Width-scaled Llama, sharded: a ValueError on both ranks, naming the class; also where only rank 0's forward
+    transforms (rank 1 alone would pass): the verdict is the ranks' largest difference."""
     for r in results:
-        got = r[("scaled", layout)]
-        assert isinstance(got, str) and "WidthScaledLlama's own forward computes logits that differ" in got, got
+        for case in ("scaled", "mixed"):
+            got = r[(case, layout)]
+            assert isinstance(got, str) and "WidthScaledLlama's own forward computes logits that differ" in got, got
 
 
 def _trainer_worker(rank: int, world: int, run_dir: str, env: dict) -> str:

@@ -175,23 +175,34 @@ class HeadWeightLlama(LlamaForCausalLM):
         return CausalLMOutputWithPast(logits=torch.nn.functional.linear(hidden, self.lm_head.weight))
 
 
-def test_a_sharded_model_is_checked_inside_its_heads_call(tok):
-    """A ZeRO-3 parameter (``ds_id``: the head's weight is whole only inside its module's call, after DeepSpeed's
-    gather hook): the formula is computed in the head's pre-forward hook, so a plain model checks equal (rel <=
-    1e-5, fp32) and the width-scaled one is refused; a sharded model whose forward never calls its head module
+def test_a_sharded_model_is_checked_inside_its_heads_call(tok, monkeypatch):
+    """A model whose head's weight is whole only inside the head module's call (FSDP / DTensor sharding, told here
+    by ``is_sharded``): the formula is computed in the head's pre-forward hook, so a plain model checks equal (rel
+    <= 1e-5, fp32) and the width-scaled one is refused; a sharded model whose forward never calls its head module
     cannot be checked (None), while the same model unsharded is checked after its forward."""
-    model = build_tiny_model(tok)
-    model.lm_head.weight.ds_id = 0
-    assert check_model_logits(model, model, ids_of(tok), softcap=None, logit_scale=1.0) <= 1e-5
-    scaled = width_scaled(tok)
-    scaled.lm_head.weight.ds_id = 0
-    with pytest.raises(ValueError, match=r"WidthScaledLlama's own forward computes logits that differ"):
-        check_model_logits(scaled, scaled, ids_of(tok), softcap=None, logit_scale=1.0)
-    direct = HeadWeightLlama(model.config)
+    from liger_losses.trl_integration import logit_check
+
+    direct = HeadWeightLlama(build_tiny_model(tok).config)
     direct.load_state_dict(build_tiny_model(tok).state_dict())
     assert check_model_logits(direct, direct, ids_of(tok), softcap=None, logit_scale=1.0) <= 1e-5
-    direct.lm_head.weight.ds_id = 0
+    monkeypatch.setattr(logit_check, "is_sharded", lambda wrapped, causal_lm: True)
+    model = build_tiny_model(tok)
+    assert check_model_logits(model, model, ids_of(tok), softcap=None, logit_scale=1.0) <= 1e-5
+    scaled = width_scaled(tok)
+    with pytest.raises(ValueError, match=r"WidthScaledLlama's own forward computes logits that differ"):
+        check_model_logits(scaled, scaled, ids_of(tok), softcap=None, logit_scale=1.0)
     assert check_model_logits(direct, direct, ids_of(tok), softcap=None, logit_scale=1.0) is None
+
+
+def test_zero3_partitioned_models_are_not_checked(tok):
+    """A ZeRO-3 parameter (``ds_id``): None, no forward run (DeepSpeed's prefetcher would replay the extra forward's
+    module order in later steps and fetch the head while the loss gathers it)."""
+    model = build_tiny_model(tok)
+    model.lm_head.weight.ds_id = 0
+    calls = []
+    model.register_forward_pre_hook(lambda *a: calls.append(1))
+    assert check_model_logits(model, model, ids_of(tok), softcap=None, logit_scale=1.0) is None
+    assert not calls
 
 
 def test_a_forward_that_fails_on_plain_input_ids_warns(tok):
