@@ -426,19 +426,23 @@ class LigerTrainerMixin:
         """Last hidden states [B, T, H] of ``model``'s backbone (no LM head)."""
         self._liger_check_logits(model, model_kwargs)
         backbone = self._liger_backbone(model)
-        with self._liger_lean_checkpointing(model, backbone):
+        with self._liger_lean_checkpointing(model, backbone, model_kwargs):
             return backbone(**model_kwargs).last_hidden_state
 
-    def _liger_lean_checkpointing(self, model: nn.Module, backbone: nn.Module) -> contextlib.AbstractContextManager:
+    def _liger_lean_checkpointing(self, model: nn.Module, backbone: nn.Module,
+                                  model_kwargs: Dict[str, Any]) -> contextlib.AbstractContextManager:
         """:func:`~.checkpointing.lean_checkpointing` of ``backbone`` (``model``'s, :meth:`_liger_backbone`) for one
-        call, where
+        call on ``model_kwargs`` (its token count decides with the layers' size), where
         :func:`~.checkpointing.lean_allowed` says the model allows it (decided once per model and class: FSDP2's
         ``fully_shard`` changes a module's class in place, e.g. after a reference precompute ran on the bare model)."""
         allowed = self.__dict__.setdefault("_liger_lean_allowed", {})
         key = (id(model), type(model))
         if key not in allowed:
             allowed[key] = lean_allowed(model)
-        return lean_checkpointing(backbone, allowed[key])  # not allowed for a compiled model's compiled backbone
+        inputs = model_kwargs.get("input_ids")
+        inputs = model_kwargs.get("inputs_embeds") if inputs is None else inputs
+        tokens = inputs.shape[0] * inputs.shape[1] if isinstance(inputs, torch.Tensor) and inputs.dim() >= 2 else None
+        return lean_checkpointing(backbone, allowed[key], tokens)  # a compiled model: not allowed
 
     def _liger_check_logits(self, model: nn.Module, model_kwargs: Dict[str, Any]) -> None:
         """At ``model``'s first step: its own forward's logits against the fused loss's formula on its backbone's

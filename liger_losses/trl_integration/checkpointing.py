@@ -34,7 +34,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
-from typing import Any, Iterator, List
+from typing import Any, Iterator, List, Optional
 
 import torch
 from torch import nn
@@ -126,12 +126,23 @@ def _is_trl_default(func: Any) -> bool:
             and func.keywords == {"use_reentrant": False})
 
 
+# The lean form saves host time and costs GPU time (the reentrant backward runs one more GEMM-sized kernel per
+# layer on an H100: ~4% of a GPU-bound step), so it pays only where the step is host-bound: where a layer's work,
+# tokens x the layer's parameters, is small. Measured on an H100 (benchmark/results/lean_checkpoint_h100.csv):
+# faster at 1.9e11 (Qwen2.5-1.5B layers, 4096 tokens: 1.36x), 2.2e11 (Gemma-3-1B, 8192: 1.11-1.26x) and 2.5e11
+# (Llama-3.2-1B, 4096: 1.02-1.22x); slower at 5.0e11 (Llama-3.2-1B, 8192, fp32 weights: 0.97x) and 7.7e11 (Qwen2.5-1.5B,
+# 16384: 0.96x).
+LEAN_MAX_LAYER_WORK = 3.5e11
+
+
 class _BackboneState:
-    """A backbone's checkpointed layers and whether the lean form suits them (None: not known yet)."""
+    """A backbone's checkpointed layers, their largest parameter count and whether the lean form suits them (None:
+    not known yet)."""
 
     def __init__(self, backbone: nn.Module):
         self.layers: List[nn.Module] = [m for m in backbone.modules()
                                         if m is not backbone and hasattr(m, "gradient_checkpointing")]
+        self.layer_params = max((sum(p.numel() for p in layer.parameters()) for layer in self.layers), default=0)
         self.lean_funcs = [functools.partial(_lean_layer_call, layer) for layer in self.layers]
         # a trainable parameter of a layer that takes part in another call too: another layer's, or the backbone's
         # outside the layers (a norm or an embedding tied to it)
@@ -155,13 +166,16 @@ def _state(backbone: nn.Module) -> _BackboneState:
 
 
 @contextlib.contextmanager
-def lean_checkpointing(backbone: nn.Module, enabled: bool = True) -> Iterator[None]:
-    """For the duration of one backbone call: every checkpointed layer of ``backbone`` whose function is TRL's
-    default takes the lean form instead; put back afterwards, also on error (the backward needs no function: the
-    reentrant form's recompute is held by the autograd graph). The first call with grad runs in torch's form and
-    counts the calls per layer: a layer called twice (a looped model) keeps torch's form for good."""
+def lean_checkpointing(backbone: nn.Module, enabled: bool = True, tokens: Optional[int] = None) -> Iterator[None]:
+    """For the duration of one backbone call on ``tokens`` tokens (batch x sequence; None: not known): every
+    checkpointed layer of ``backbone`` whose function is TRL's default takes the lean form instead, where a layer's
+    work (``tokens`` x its parameters) is at most :data:`LEAN_MAX_LAYER_WORK`; put back afterwards, also on error (the
+    backward needs no function: the reentrant form's recompute is held by the autograd graph). The first call with
+    grad runs in torch's form and counts the calls per layer: a layer called twice (a looped model) keeps torch's
+    form for good."""
     state = _state(backbone) if enabled and torch.is_grad_enabled() else None
-    if state is None or state.suits is False:
+    if state is None or state.suits is False or (tokens is not None
+                                                 and tokens * state.layer_params > LEAN_MAX_LAYER_WORK):
         yield
         return
     swapped = []

@@ -131,6 +131,24 @@ def test_the_switch_keeps_torchs_form(tok, tmp_path, forms, monkeypatch):
     assert forms == {True: 0, False: 0}
 
 
+def test_a_step_whose_layers_do_much_work_keeps_torchs_form(tok, tmp_path, forms, monkeypatch):
+    """Tokens x a layer's parameters above ``LEAN_MAX_LAYER_WORK`` (a GPU-bound step, where the reentrant backward
+    costs more GPU time than the host time it saves): torch's form; at or below it, the lean form."""
+    trainer = SFTTrainer(build_tiny_model(tok), sft_config(tmp_path, gradient_checkpointing=True),
+                         train_dataset=sft_dataset(), processing_class=tok, use_liger=True, liger_patch_model=False)
+    _checkpointed(trainer)
+    batch = first_batch(trainer)
+    step0(trainer, batch)  # counts the layer calls
+    layer_params = sum(p.numel() for p in unwrap_causal_lm(trainer.model).model.layers[0].parameters())
+    work = batch["input_ids"].numel() * layer_params
+    monkeypatch.setattr(ck, "LEAN_MAX_LAYER_WORK", work - 1)
+    step0(trainer, batch)
+    assert forms == {True: 0, False: 0}, forms
+    monkeypatch.setattr(ck, "LEAN_MAX_LAYER_WORK", work)
+    step0(trainer, batch)
+    assert forms[True] == len(unwrap_causal_lm(trainer.model).model.layers) and forms[False] == 0, forms
+
+
 class _Layer(torch.nn.Module):
     """Stands in for a decoder layer: ``function`` is a ``functools.partial`` of its forward, as transformers'."""
 
@@ -293,7 +311,7 @@ def test_the_trainer_takes_it_only_where_the_model_allows(tok, tmp_path):
                            (_DDPLike(build_tiny_model(tok), False), True), (sharded, False),
                            (DeepSpeedEngine(build_tiny_model(tok)), False),
                            (PipelineEngine(build_tiny_model(tok)), False)):
-        cm = trainer._liger_lean_checkpointing(model, backbone_of(unwrap_causal_lm(model)))
+        cm = trainer._liger_lean_checkpointing(model, backbone_of(unwrap_causal_lm(model)), {})
         assert trainer._liger_lean_allowed[(id(model), type(model))] is allowed
         assert cm.gen.gi_frame.f_locals["enabled"] is allowed
 
