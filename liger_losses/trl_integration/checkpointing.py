@@ -126,9 +126,11 @@ def _is_trl_default(func: Any) -> bool:
             and func.keywords == {"use_reentrant": False})
 
 
-# The lean form saves host time and costs GPU time (the reentrant backward runs one more GEMM-sized kernel per
-# layer on an H100: ~4% of a GPU-bound step), so it pays only where the step is host-bound: where a layer's work,
-# tokens x the layer's parameters, is small. Measured on an H100 (benchmark/results/lean_checkpoint_h100.csv):
+# The lean form saves host time and costs GPU time: its recompute runs the layer whole, where torch's form stops
+# once the last tensor the backward needs is recomputed, before the MLP's down projection and the residual add
+# (an H100 profile of a GPU-bound step: one more GEMM of that shape per layer, ~4% of the step). So it pays only where
+# the step is host-bound: where a layer's work, tokens x the layer's parameters, is small. Measured on an H100
+# (benchmark/results/lean_checkpoint_h100.csv):
 # faster at 1.9e11 (Qwen2.5-1.5B layers, 4096 tokens: 1.36x), 2.2e11 (Gemma-3-1B, 8192: 1.11-1.26x) and 2.5e11
 # (Llama-3.2-1B, 4096: 1.02-1.22x); slower at 5.0e11 (Llama-3.2-1B, 8192, fp32 weights: 0.97x) and 7.7e11 (Qwen2.5-1.5B,
 # 16384: 0.96x).
