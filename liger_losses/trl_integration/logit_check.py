@@ -111,9 +111,13 @@ def check_model_logits(wrapped: nn.Module, causal_lm: nn.Module, model_kwargs: M
             hidden.append(_full(_last_hidden(out)))
 
     def on_head(_module, _args):
-        # the head's own gather hooks (FSDP, ZeRO-3) ran before this one: its weight is whole here
+        # the head's own gather hooks (FSDP) ran before this one: its weight is whole here. An error (a head the
+        # loss refuses, lm_head_params) is raised after the forward, not taken for a failure of the model's own
         if hidden and hidden[0] is not None and not formula:
-            formula.append(_formula(hidden[0], causal_lm, softcap, logit_scale))
+            try:
+                formula.append(_formula(hidden[0], causal_lm, softcap, logit_scale))
+            except Exception as exc:  # noqa: BLE001 - re-raised below
+                formula.append(exc)
 
     handles = [backbone_of(causal_lm).register_forward_hook(on_backbone)]
     if isinstance(head, nn.Module):
@@ -136,6 +140,8 @@ def check_model_logits(wrapped: nn.Module, causal_lm: nn.Module, model_kwargs: M
     finally:
         for handle in handles:
             handle.remove()
+    if formula and isinstance(formula[0], Exception):
+        raise formula[0]
     ours = None
     if formula:
         ours = formula[0]

@@ -194,6 +194,15 @@ def test_a_sharded_model_is_checked_inside_its_heads_call(tok, monkeypatch):
     assert check_model_logits(direct, direct, ids_of(tok), softcap=None, logit_scale=1.0) is None
 
 
+def test_a_head_the_loss_refuses_raises_its_own_error(tok):
+    """A head with a parameter besides weight and bias (a learned logit scale): ``lm_head_params``' ValueError,
+    computed inside the model's forward, reaches the caller as it is (not a could-not-check warning)."""
+    model = build_tiny_model(tok)
+    model.lm_head.register_parameter("logit_scale", torch.nn.Parameter(torch.ones(1)))
+    with pytest.raises(ValueError, match="logit_scale"):
+        check_model_logits(model, model, ids_of(tok), softcap=None, logit_scale=1.0)
+
+
 def test_zero3_partitioned_models_are_not_checked(tok):
     """A ZeRO-3 parameter (``ds_id``): None, no forward run (DeepSpeed's prefetcher would replay the extra forward's
     module order in later steps and fetch the head while the loss gathers it)."""
