@@ -16,7 +16,7 @@ where none of these can happen:
 
 * :func:`lean_allowed` (once per model): the switch on (``LIGER_LOSSES_LEAN_CHECKPOINT=0`` turns it off), a family
   whose decoder layers we patch (``patching/specs.py``: their layers were read for the above), no attention dropout,
-  parameters not sharded, not compiled, no DDP looking for unused parameters, no DeepSpeed engine;
+  parameters not sharded, not compiled, no DDP looking for unused parameters, no DeepSpeed engine but ZeRO 0-2's;
 * :func:`lean_checkpointing` (per backbone call): on layers whose checkpoint function is exactly TRL's default, in a
   backbone whose checkpointed layers share no trainable parameter (with each other or with the rest of the
   backbone) and were each called once in a first checkpointing call run in torch's form (a looped model calls a
@@ -105,8 +105,8 @@ def _lean_layer_call(layer: nn.Module, function, *args):
 def lean_allowed(model: nn.Module) -> bool:
     """Whether ``model`` (as the trainer holds it, wrappers included) may run its policy layers in the lean form
     (module docstring): the switch on, a family whose layers we patch, no attention dropout, parameters not sharded
-    across processes, not compiled, and no DDP that looks for unused parameters nor a DeepSpeed engine (which
-    reduces gradients from hooks of its own: untested with the reentrant form)."""
+    across processes, not compiled, no DDP that looks for unused parameters, and no DeepSpeed engine but ZeRO stage
+    0-2's own (ZeRO-3 partitions the parameters; a pipeline or hybrid engine runs the layers itself)."""
     from ..patching.apply import family_type
 
     causal_lm = unwrap_causal_lm(model)
@@ -116,8 +116,17 @@ def lean_allowed(model: nn.Module) -> bool:
         return False
     if any(float(getattr(m, "attention_dropout", 0.0) or 0.0) > 0.0 for m in causal_lm.modules()):
         return False
-    return not any(getattr(w, "find_unused_parameters", False)
-                   or any(c.__name__ == "DeepSpeedEngine" for c in type(w).__mro__) for w in wrapper_chain(model))
+    return not any(getattr(w, "find_unused_parameters", False) or _deepspeed_refuses(w) for w in wrapper_chain(model))
+
+
+def _deepspeed_refuses(wrapper: nn.Module) -> bool:
+    """A DeepSpeed engine other than a plain ``DeepSpeedEngine`` at ZeRO stage 0-2. Stages 1-2 reduce each gradient
+    from a hook on its accumulation, which the reentrant backward fires once per parameter as torch's form does
+    (``tests/distributed/test_deepspeed_trainers.py``)."""
+    if not any(c.__name__ == "DeepSpeedEngine" for c in type(wrapper).__mro__):
+        return False
+    stage = getattr(wrapper, "zero_optimization_stage", None)
+    return type(wrapper).__name__ != "DeepSpeedEngine" or not callable(stage) or stage() > 2
 
 
 def _is_trl_default(func: Any) -> bool:

@@ -13,6 +13,11 @@ step's loss, grad_norm and metric must equal ours in one process (no DeepSpeed) 
 DeepSpeed setup, to relative 1e-4 (the reasons are those of ``test_fsdp2_trainers``: the same fp32 math in another
 order, ~1e-6 a step). Under ZeRO-3 the policy's head is partitioned; the loss reads it inside the engine's forward,
 where DeepSpeed gathers it (and again for the backward).
+
+With activation checkpointing (TRL's default form) under ZeRO-1 and ZeRO-2, ours runs the policy's layers in the
+lean (reentrant) form (``trl_integration/checkpointing.py``), whose backward fires each parameter's gradient hook --
+where those stages reduce the gradient -- once, as torch's form does: every step equals TRL's (torch's form) under
+the same setup, to the same 1e-4, on both ranks.
 """
 
 from __future__ import annotations
@@ -109,3 +114,55 @@ def test_deepspeed_two_ranks_equal_one_process_and_trl(logs_of, stage, kind):
     _assert_logs_match(rank0[(kind, True)], got["single"][(kind, True)], keys, FP32, f"ZeRO-{stage} {kind}: vs 1")
     _assert_logs_match(rank0[(kind, True)], rank0[(kind, False)], keys, FP32, f"ZeRO-{stage} {kind}: vs TRL")
     _assert_logs_match(rank1[(kind, True)], rank0[(kind, True)], keys, FP32, f"ZeRO-{stage} {kind}: rank 1")
+
+
+def _checkpointing_worker(rank: int, world: int, env) -> dict:
+    """Ours and TRL's SFT and DPO with activation checkpointing under the DeepSpeed setup of ``env``; ours' count of
+    layer calls taken in the lean form."""
+    from liger_losses.trl_integration import checkpointing as ck
+    from tests.distributed.accelerate_cpu import enable_deepspeed_on_cpu
+
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    os.environ.update(env)
+    enable_deepspeed_on_cpu()
+    lean = [0]
+    decide = ck.reentrant_is_equivalent
+
+    def counted(layer, function, args):
+        out = decide(layer, function, args)
+        lean[0] += out
+        return out
+
+    ck.reentrant_is_equivalent = counted
+    out = {}
+    run_dir = env["RUN_DIR"]
+    for kind in FP32.kinds:
+        for use_liger in (True, False):
+            trainer = _trainer(kind, use_liger, world, os.path.join(run_dir, f"ckpt-{kind}-{use_liger}-{rank}"), FP32,
+                               use_cpu=False, gradient_checkpointing=True)
+            out[(kind, use_liger)] = step_logs(trainer)
+        out[(kind, "lean")] = lean[0]
+        lean[0] = 0
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stage", [1, 2])
+def test_lean_checkpointing_under_zero_1_and_2_equals_trl(tmp_path, stage):
+    """ZeRO-1 / ZeRO-2 with checkpointing: ours takes the lean form in the policy's layers and every step's loss,
+    grad_norm and metrics equal TRL's (rel 1e-4), on both ranks."""
+    skip_unless_gloo_fsdp2()
+    pytest.importorskip("trl")
+    if importlib.util.find_spec("deepspeed") is None:
+        pytest.skip("deepspeed is not importable")
+    from tests.distributed.accelerate_cpu import launcher_deepspeed_env
+
+    env = launcher_deepspeed_env(os.path.join(REPO, "examples", "accelerate", "zero2.yaml"))
+    env.update(ACCELERATE_MIXED_PRECISION="no", ACCELERATE_DEEPSPEED_ZERO_STAGE=str(stage), RUN_DIR=str(tmp_path))
+    ranks = run_on_ranks(_checkpointing_worker, env, world=2, init_process_group=False, timeout=600)
+    for rank, got in enumerate(ranks):
+        for kind in FP32.kinds:
+            assert got[(kind, "lean")] > 0, (rank, kind)
+            keys = ("loss", "grad_norm") + METRICS[kind]
+            what = f"ZeRO-{stage} {kind} with checkpointing, rank {rank}: ours vs TRL"
+            _assert_logs_match(got[(kind, True)], got[(kind, False)], keys, FP32, what)

@@ -288,11 +288,14 @@ class _DDPLike(torch.nn.Module):
 
 
 class DeepSpeedEngine(torch.nn.Module):
-    """Named as DeepSpeed's engine, which holds the model as ``.module``."""
+    """Named as DeepSpeed's engine, which holds the model as ``.module`` and says its ZeRO stage."""
 
-    def __init__(self, module):
+    def __init__(self, module, stage=2):
         super().__init__()
-        self.module = module
+        self.module, self.stage = module, stage
+
+    def zero_optimization_stage(self):
+        return self.stage
 
 
 class PipelineEngine(DeepSpeedEngine):
@@ -300,8 +303,9 @@ class PipelineEngine(DeepSpeedEngine):
 
 
 def test_the_trainer_takes_it_only_where_the_model_allows(tok, tmp_path):
-    """Not under a DDP that looks for unused parameters, not under a DeepSpeed engine (or a subclass), not on ZeRO-3
-    parameters (``ds_id``); decided once per model and class."""
+    """Not under a DDP that looks for unused parameters, not under a DeepSpeed engine past ZeRO-2 or a subclass of it
+    (pipeline, hybrid), not on ZeRO-3 parameters (``ds_id``); under ZeRO-0-2's plain engine, yes; decided once per
+    model and class."""
     trainer = SFTTrainer(build_tiny_model(tok), sft_config(tmp_path), train_dataset=sft_dataset(),
                          processing_class=tok, use_liger=True, liger_patch_model=False)
     plain = build_tiny_model(tok)
@@ -309,7 +313,8 @@ def test_the_trainer_takes_it_only_where_the_model_allows(tok, tmp_path):
     sharded.lm_head.weight.ds_id = 0
     for model, allowed in ((plain, True), (_DDPLike(build_tiny_model(tok), True), False),
                            (_DDPLike(build_tiny_model(tok), False), True), (sharded, False),
-                           (DeepSpeedEngine(build_tiny_model(tok)), False),
+                           (DeepSpeedEngine(build_tiny_model(tok)), True),
+                           (DeepSpeedEngine(build_tiny_model(tok), stage=3), False),
                            (PipelineEngine(build_tiny_model(tok)), False)):
         cm = trainer._liger_lean_checkpointing(model, backbone_of(unwrap_causal_lm(model)), {})
         assert trainer._liger_lean_allowed[(id(model), type(model))] is allowed
