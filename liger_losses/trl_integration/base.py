@@ -454,7 +454,9 @@ class LigerTrainerMixin:
             return
         checked.add(id(causal_lm))
         role = "model" if causal_lm is unwrap_causal_lm(self.model) else "ref_model / teacher_model"
-        check_model_logits(model, causal_lm, model_kwargs, role=role, **head_logit_options(causal_lm.config))
+        distributed = getattr(getattr(self, "accelerator", None), "num_processes", 1) > 1  # every rank checks it now
+        check_model_logits(model, causal_lm, model_kwargs, role=role, distributed=distributed,
+                           **head_logit_options(causal_lm.config))
 
     def _liger_run(self, model: nn.Module, fn: Callable[..., Any], *args, **kwargs) -> Any:
         """``fn(*args, **kwargs)`` run as ``model``'s forward, in the context TRL's ``model(...)`` call has.

@@ -87,13 +87,16 @@ def _last_hidden(output: Any) -> Optional[torch.Tensor]:
 
 
 def check_model_logits(wrapped: nn.Module, causal_lm: nn.Module, model_kwargs: Mapping[str, Any], *,
-                       softcap: Optional[float], logit_scale: float, role: str = "model") -> Optional[float]:
+                       softcap: Optional[float], logit_scale: float, role: str = "model",
+                       distributed: Optional[bool] = None) -> Optional[float]:
     """Compare ``causal_lm``'s own logits with the fused loss's formula on its backbone's output (module
     docstring). ``wrapped`` is the model as the trainer holds it (its wrappers tell sharding and distribution),
     ``model_kwargs`` the step's forward inputs (``input_ids [B, T]`` used), ``softcap`` / ``logit_scale`` the
-    transform the loss applies to this model, ``role`` its name in the error. Called inside the trainer's redirected
-    forward (``_liger_run``), where a sharded root is gathered. Returns the relative difference (the largest over
-    the ranks of a distributed model), or None when not checked; raises ``ValueError`` above :data:`RTOL`."""
+    transform the loss applies to this model, ``role`` its name in the error, ``distributed`` whether every rank of
+    the default process group runs this check now (a trainer of several processes; None: :func:`is_distributed` of
+    the model's wrappers). Called inside the trainer's redirected forward (``_liger_run``), where a sharded root is
+    gathered. Returns the relative difference (the largest over the ranks when distributed), or None when not
+    checked; raises ``ValueError`` above :data:`RTOL`."""
     if os.environ.get(ENV_SWITCH, "1").strip() == "0":
         return None
     input_ids = model_kwargs.get("input_ids")
@@ -128,6 +131,8 @@ def check_model_logits(wrapped: nn.Module, causal_lm: nn.Module, model_kwargs: M
     try:
         with torch.no_grad(), torch.random.fork_rng(devices=[] if on_cpu else [ids.device],
                                                    device_type="cuda" if on_cpu else ids.device.type):
+            # sharded: inside the trainer's redirected forward the root is gathered already, and an FSDP2 root's own
+            # hooks would run a second time around its call: its forward alone (the groups inside gather themselves)
             output = (causal_lm.forward if sharded else causal_lm)(input_ids=ids, use_cache=False)
         logits = getattr(output, "logits", None)
         if logits is None and isinstance(output, (tuple, list)) and output:
@@ -158,7 +163,7 @@ def check_model_logits(wrapped: nn.Module, causal_lm: nn.Module, model_kwargs: M
             )
         if bool(torch.isfinite(theirs).all()) and bool(torch.isfinite(ours).all()):  # an overflow is no transform
             diff = float((ours - theirs).norm() / theirs.norm().clamp_min(torch.finfo(torch.float32).tiny))
-    if is_distributed(wrapped, causal_lm):
+    if is_distributed(wrapped, causal_lm) if distributed is None else (distributed and _group_size() > 1):
         diff = _largest_over_ranks(diff, ids.device)
     if diff is not None and diff > RTOL:
         raise ValueError(
@@ -195,14 +200,6 @@ def _class_name(module: nn.Module) -> str:
     return type(module).__name__
 
 
-def _own_forward(causal_lm: nn.Module):
-    """What runs ``causal_lm``'s forward inside the trainer's redirected forward: the module's call, except for an
-    FSDP2 root, whose parameters that call has gathered already and whose hooks would run a second time around
-    (its ``forward`` alone; the groups inside it gather themselves)."""
-    fsdp2 = _fsdp2_module_type()
-    return causal_lm.forward if fsdp2 is not None and isinstance(causal_lm, fsdp2) else causal_lm
-
-
 _DISTRIBUTED_WRAPPERS = ("DistributedDataParallel", "FullyShardedDataParallel", "DeepSpeedEngine")
 
 
@@ -210,12 +207,17 @@ def is_distributed(wrapped: nn.Module, causal_lm: nn.Module) -> bool:
     """Whether the model trains in several processes that step together (sharded, or under DDP / a DeepSpeed
     engine, in a process group of more than one): the check's verdict must then be the same on every rank, or
     the ranks that train on wait forever for the one that raised."""
-    import torch.distributed as dist
-
-    if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
+    if _group_size() <= 1:
         return False
     return is_sharded(wrapped, causal_lm) or any(type(m).__name__ in _DISTRIBUTED_WRAPPERS
                                                  for m in wrapper_chain(wrapped))
+
+
+def _group_size() -> int:
+    """The default process group's size (1 without one)."""
+    import torch.distributed as dist
+
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
 
 
 def _largest_over_ranks(diff: Optional[float], device: torch.device) -> Optional[float]:

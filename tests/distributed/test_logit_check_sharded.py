@@ -16,6 +16,8 @@ with a different batch on each rank:
   (the check's no-grad forward leaves no state behind in FSDP);
 * the width-scaled model is refused with ``ValueError`` on both ranks (neither waits for the other), also where
   only rank 0's copy transforms its hidden states;
+* a model with no wrapper, checked with ``distributed=True`` (as a trainer of several processes checks its
+  reference), is refused on both ranks where only rank 0's copy transforms;
 * the SFT trainer under accelerate's FSDP2 (``examples/accelerate/fsdp2.yaml``) refuses the width-scaled model at
   its first step on both ranks.
 """
@@ -62,7 +64,7 @@ def _shard(model, layout: str):
     return model
 
 
-def _check(wrapped, ids):
+def _check(wrapped, ids, distributed=None):
     """The check as a trainer runs it: inside the root's forward. Returns the difference or the error's text."""
     from liger_losses.trl_integration.anatomy import innermost_module
     from liger_losses.trl_integration.base import run_in_forward
@@ -71,7 +73,7 @@ def _check(wrapped, ids):
     def fn():
         try:
             return check_model_logits(wrapped, innermost_module(wrapped), {"input_ids": ids}, softcap=None,
-                                      logit_scale=1.0)
+                                      logit_scale=1.0, distributed=distributed)
         except ValueError as exc:
             return f"ValueError: {exc}"
 
@@ -113,6 +115,10 @@ def _worker(rank: int, world: int) -> dict:
         mixed = width_scaled(tok)
         mixed.width_ratio = 4.0 if rank == 0 else 1.0  # only rank 0's forward transforms
         out[("mixed", layout)] = _check(_shard(mixed, layout), ids)
+    mixed = width_scaled(tok)  # unwrapped, as TRL prepares a reference model under DDP
+    mixed.width_ratio = 4.0 if rank == 0 else 1.0
+    out[("mixed", "unwrapped")] = _check(mixed, ids)
+    out[("mixed", "unwrapped, distributed")] = _check(mixed, ids, distributed=True)
     return out
 
 
@@ -174,3 +180,14 @@ def test_the_sft_trainer_under_fsdp2_refuses_a_hidden_transform_on_every_rank(tm
     got = run_on_ranks(_trainer_worker, str(tmp_path), env, world=2, init_process_group=False, timeout=600)
     for message in got:
         assert "cannot serve model: WidthScaledLlama's own forward" in message, message
+
+
+def test_an_unwrapped_model_of_a_distributed_trainer_agrees_over_ranks(results):
+    """A model with no distributed wrapper (TRL's reference under DDP) whose transform only rank 0's copy has:
+    checked alone, only rank 0 raises (its wrappers say nothing of the other ranks); with ``distributed=True`` (what
+    a trainer of several processes passes) both ranks raise."""
+    alone = [r[("mixed", "unwrapped")] for r in results]
+    assert isinstance(alone[0], str) and "differ" in alone[0] and isinstance(alone[1], float), alone
+    for r in results:
+        got = r[("mixed", "unwrapped, distributed")]
+        assert isinstance(got, str) and "WidthScaledLlama's own forward computes logits that differ" in got, got
