@@ -17,8 +17,10 @@ where none of these can happen:
 * :func:`lean_allowed` (once per model): the switch on (``LIGER_LOSSES_LEAN_CHECKPOINT=0`` turns it off), a family
   whose decoder layers we patch (``patching/specs.py``: their layers were read for the above), no attention dropout,
   parameters not sharded, not compiled, no DDP looking for unused parameters, no DeepSpeed engine but ZeRO 0-2's;
-* :func:`lean_checkpointing` (per backbone call): on layers whose checkpoint function is exactly TRL's default, in a
-  backbone whose checkpointed layers share no trainable parameter (with each other or with the rest of the
+* :func:`lean_checkpointing` (per backbone call): where the step is host-bound -- tokens x a layer's parameters at
+  most :data:`LEAN_MAX_LAYER_WORK`: the reentrant recompute runs the whole layer, one GEMM more than torch's early
+  stopped one --, on layers whose checkpoint function is exactly TRL's default, in a backbone whose checkpointed
+  layers share no trainable parameter (with each other or with the rest of the
   backbone) and were each called once in a first checkpointing call run in torch's form (a looped model calls a
   layer several times);
 * per layer call: grad mode on, not under Dynamo, some positional tensor requiring grad, and every other argument
@@ -153,7 +155,7 @@ class _BackboneState:
     def __init__(self, backbone: nn.Module):
         self.layers: List[nn.Module] = [m for m in backbone.modules()
                                         if m is not backbone and hasattr(m, "gradient_checkpointing")]
-        self.layer_params = max((sum(p.numel() for p in layer.parameters()) for layer in self.layers), default=0)
+        self.layer_params = max((sum(_param_count(p) for p in layer.parameters()) for layer in self.layers), default=0)
         self.lean_funcs = [functools.partial(_lean_layer_call, layer) for layer in self.layers]
         # a trainable parameter of a layer that takes part in another call too: another layer's, or the backbone's
         # outside the layers (a norm or an embedding tied to it)
@@ -167,6 +169,13 @@ class _BackboneState:
                 if p.requires_grad and (id(p) in outside or owners.setdefault(id(p), id(layer)) != id(layer)):
                     shared = True
         self.suits = False if shared else None
+
+
+def _param_count(param: torch.Tensor) -> int:
+    """The parameter's element count as the layer computes with it: a bitsandbytes 4-bit weight packs two to a byte
+    and keeps its shape in ``quant_state``."""
+    shape = getattr(getattr(param, "quant_state", None), "shape", None)
+    return int(torch.Size(shape).numel()) if shape is not None else param.numel()
 
 
 def _state(backbone: nn.Module) -> _BackboneState:

@@ -11,26 +11,29 @@ causal LM's forward code, as remote-code models have (MiniCPM divides the hidden
 :func:`check_model_logits` closes that gap at a model's first loss step: it runs the causal LM's own forward,
 under no grad, on the first :data:`CHECK_TOKENS` tokens of the step's first sequence, takes its backbone's output
 with a forward hook and compares the model's logits ``[1, n, V]`` with the formula above on that same hidden
-state (float32, computed in a forward pre-hook of the head, where the head's weight is whole under every sharding
-scheme: FSDP1 / FSDP2 / DeepSpeed ZeRO-3 gather it in their own hooks before ours runs). A relative difference
+state (float32, computed in a forward pre-hook of the head, where FSDP has gathered the head's weight in its own
+hooks before ours runs). A relative difference
 ``||ours - model's|| / ||model's||`` above :data:`RTOL` raises ``ValueError``. The forward is the model's, in the
 trainer's autocast, so the two differ only by the head's rounding: a half-precision logit is rounded to 8 (bf16)
 or 11 (fp16) significant bits, a relative error below 2^-8 per element, and a softcap computed in bf16 adds two
 roundings; :data:`RTOL` = 2% is five times that bound, while the transforms it exists for change the logits by
 tens of percent (a softcap of 30 on logits of 20: 12%; MiniCPM's divisor: 89%).
 
-A model trained by several processes together (sharded, DDP, a DeepSpeed engine) is checked on every rank: the
-ranks enter the check at the same step (each model's first), so a sharded forward's collectives pair up, and
-the verdict is the largest difference over the ranks (one ``all_reduce``), so all of them raise or none does.
+Every model of a trainer of several processes (sharded, DDP, a DeepSpeed engine; its reference and teacher too) is
+checked on every rank: the ranks enter the check at the same step (each model's first), so a sharded forward's
+collectives pair up, and the verdict is the largest difference over the ranks (one ``all_reduce``; a rank that
+failed to compute it counts as infinite), so all of them raise or none does.
 
-Not checked (``None`` returned): inputs without ``input_ids``, non-finite logits (an overflow, not a transform),
-a sharded model whose logits are not made by calling its head module (its weight is whole nowhere else), and
-``LIGER_LOSSES_CHECK_LOGITS=0``. A forward that fails on a plain ``input_ids`` prefix warns and is not checked.
-The RNG streams are forked around the forward, so dropout draws as if it had not run.
+Not checked (``None`` returned): DeepSpeed ZeRO-3 (its prefetcher records the first step's module order, this
+forward included, and would replay it), inputs without ``input_ids``, non-finite logits (an overflow, not a
+transform), a sharded model whose logits are not made by calling its head module or whose head is not whole in
+that call, and ``LIGER_LOSSES_CHECK_LOGITS=0``. A forward that fails on a plain ``input_ids`` prefix warns and is not
+checked. The RNG streams are forked around the forward, so dropout draws as if it had not run.
 """
 
 from __future__ import annotations
 
+import math
 import os
 import warnings
 from typing import Any, Mapping, Optional
@@ -125,6 +128,11 @@ def check_model_logits(wrapped: nn.Module, causal_lm: nn.Module, model_kwargs: M
     handles = [backbone_of(causal_lm).register_forward_hook(on_backbone)]
     if isinstance(head, nn.Module):
         handles.append(head.register_forward_pre_hook(on_head))
+    # an FSDP2 head of its own group that the trainer's call holds unsharded (run_with_head_params): this forward's
+    # call of the head reshards it on the way out, and the loss must read it unsharded
+    fsdp2 = _fsdp2_module_type()
+    regather = head if (fsdp2 is not None and isinstance(head, fsdp2)
+                        and not is_dtensor(getattr(head, "weight", None))) else None
     on_cpu = ids.device.type == "cpu"
     name = _class_name(causal_lm)
     logits, failed = None, False
@@ -145,12 +153,13 @@ def check_model_logits(wrapped: nn.Module, causal_lm: nn.Module, model_kwargs: M
     finally:
         for handle in handles:
             handle.remove()
-    if formula and isinstance(formula[0], Exception):
-        raise formula[0]
+        if regather is not None and is_dtensor(getattr(regather, "weight", None)):
+            regather.unshard()
+    error = formula[0] if formula and isinstance(formula[0], Exception) else None
     ours = None
-    if formula:
+    if formula and error is None:
         ours = formula[0]
-    elif not failed and not sharded and hidden and hidden[0] is not None:  # logits not made by calling the head
+    elif not formula and not failed and not sharded and hidden and hidden[0] is not None:  # head never called
         ours = _formula(hidden[0], causal_lm, softcap, logit_scale)
     diff = None
     if ours is not None and logits is not None:
@@ -164,7 +173,14 @@ def check_model_logits(wrapped: nn.Module, causal_lm: nn.Module, model_kwargs: M
         if bool(torch.isfinite(theirs).all()) and bool(torch.isfinite(ours).all()):  # an overflow is no transform
             diff = float((ours - theirs).norm() / theirs.norm().clamp_min(torch.finfo(torch.float32).tiny))
     if is_distributed(wrapped, causal_lm) if distributed is None else (distributed and _group_size() > 1):
-        diff = _largest_over_ranks(diff, ids.device)
+        # a rank that failed computing the formula still joins the others (as +inf), then each raises
+        largest = _largest_over_ranks(math.inf if error is not None else diff, ids.device)
+        if error is None and largest == math.inf:
+            raise RuntimeError(f"use_liger=True's logits check of {name} failed on another rank (its error is that "
+                               f"rank's; set {ENV_SWITCH}=0 to skip the check)")
+        diff = largest
+    if error is not None:
+        raise error
     if diff is not None and diff > RTOL:
         raise ValueError(
             f"use_liger=True cannot serve {role}: {name}'s own forward computes logits that differ from "
@@ -177,12 +193,16 @@ def check_model_logits(wrapped: nn.Module, causal_lm: nn.Module, model_kwargs: M
     return diff
 
 
-def _formula(hidden: torch.Tensor, causal_lm: nn.Module, softcap: Optional[float], logit_scale: float) -> torch.Tensor:
+def _formula(hidden: torch.Tensor, causal_lm: nn.Module, softcap: Optional[float],
+             logit_scale: float) -> Optional[torch.Tensor]:
     """:func:`formula_logits` of ``hidden`` with ``causal_lm``'s head as it is now (whole inside the head's gather
     hooks; a DTensor head gathered here, a collective every rank enters in the same forward), float32 with autocast
-    off."""
+    off; None where the weight is not whole ``[V, H]`` here (an FSDP1 unit of its own gathers it inside its forward,
+    after this hook)."""
     weight, bias = lm_head_params(causal_lm)
     weight, bias = _full(weight), _full(bias)
+    if weight.dim() != 2 or weight.shape[1] != hidden.shape[-1]:
+        return None
     with torch.no_grad(), torch.autocast(hidden.device.type, enabled=False):
         return formula_logits(hidden.to(weight.device), weight, bias, softcap=softcap, logit_scale=logit_scale)
 
@@ -209,8 +229,8 @@ def is_distributed(wrapped: nn.Module, causal_lm: nn.Module) -> bool:
     the ranks that train on wait forever for the one that raised."""
     if _group_size() <= 1:
         return False
-    return is_sharded(wrapped, causal_lm) or any(type(m).__name__ in _DISTRIBUTED_WRAPPERS
-                                                 for m in wrapper_chain(wrapped))
+    return is_sharded(wrapped, causal_lm) or any(c.__name__ in _DISTRIBUTED_WRAPPERS
+                                                 for m in wrapper_chain(wrapped) for c in type(m).__mro__)
 
 
 def _group_size() -> int:

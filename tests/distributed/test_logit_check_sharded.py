@@ -18,6 +18,10 @@ with a different batch on each rank:
   only rank 0's copy transforms its hidden states;
 * a model with no wrapper, checked with ``distributed=True`` (as a trainer of several processes checks its
   reference), is refused on both ranks where only rank 0's copy transforms;
+* a loss step run the trainers' way (``_liger_run``) gives the head the same gradient with the check as without
+  (the check's forward calls a head that the trainer's call holds unsharded; FSDP2 reshards it on the way out,
+  and the check gathers it again);
+* a rank that fails to compute the formula makes every rank raise (the others see an infinite difference);
 * the SFT trainer under accelerate's FSDP2 (``examples/accelerate/fsdp2.yaml``) refuses the width-scaled model at
   its first step on both ranks.
 """
@@ -97,6 +101,28 @@ def _train(wrapped, ids, *, check: bool):
     return result, losses
 
 
+def _trainer_path_head_grad(model, ids, tok):
+    """One loss step the way the trainers run it (``_liger_run``: the loss as the root's and, for an FSDP2 head of its
+    own group, the head's forward, where the first step's check runs); the head's gradient, whole."""
+    from liger_losses.chunked.cross_entropy import fused_linear_cross_entropy
+    from liger_losses.trl_integration.base import LigerTrainerMixin
+
+    class Trainer(LigerTrainerMixin):
+        pass
+
+    trainer = Trainer()
+    trainer.model = model
+
+    def run():
+        hidden = trainer._liger_backbone_hidden(model, {"input_ids": ids, "use_cache": False})[:, :-1]
+        weight, bias = trainer._liger_head(model)
+        return fused_linear_cross_entropy(weight, hidden, ids[:, 1:], bias=bias)
+
+    trainer._liger_run(model, run).backward()
+    grad = model.lm_head.weight.grad
+    return grad.full_tensor() if hasattr(grad, "full_tensor") else grad
+
+
 def _worker(rank: int, world: int) -> dict:
     import torch
 
@@ -115,11 +141,43 @@ def _worker(rank: int, world: int) -> dict:
         mixed = width_scaled(tok)
         mixed.width_ratio = 4.0 if rank == 0 else 1.0  # only rank 0's forward transforms
         out[("mixed", layout)] = _check(_shard(mixed, layout), ids)
+    for layout in ("root", "tail", "head"):
+        grads = []
+        for check in ("1", "0"):
+            os.environ["LIGER_LOSSES_CHECK_LOGITS"] = check
+            grads.append(_trainer_path_head_grad(_shard(build_tiny_model(tok), layout), ids, tok))
+        os.environ.pop("LIGER_LOSSES_CHECK_LOGITS")
+        out[("head grad", layout)] = bool(torch.equal(grads[0], grads[1]))
+    out[("one rank fails", "ddp")] = _one_rank_fails(rank, tok, ids)
     mixed = width_scaled(tok)  # unwrapped, as TRL prepares a reference model under DDP
     mixed.width_ratio = 4.0 if rank == 0 else 1.0
     out[("mixed", "unwrapped")] = _check(mixed, ids)
     out[("mixed", "unwrapped, distributed")] = _check(mixed, ids, distributed=True)
     return out
+
+
+def _one_rank_fails(rank: int, tok, ids) -> str:
+    """The formula fails on rank 0 only (as an out-of-memory on its fp32 logits would), DDP: each rank's error."""
+    import torch
+
+    from liger_losses.trl_integration import logit_check
+    from tests.trl_integration.utils import build_tiny_model
+
+    real = logit_check.formula_logits
+
+    def failing(*args, **kwargs):
+        if rank == 0:
+            raise RuntimeError("out of memory (injected on rank 0)")
+        return real(*args, **kwargs)
+
+    logit_check.formula_logits = failing
+    try:
+        got = _check(torch.nn.parallel.DistributedDataParallel(build_tiny_model(tok)), ids)
+    except RuntimeError as exc:
+        got = f"RuntimeError: {exc}"
+    finally:
+        logit_check.formula_logits = real
+    return got
 
 
 @pytest.fixture(scope="module")
@@ -191,3 +249,19 @@ def test_an_unwrapped_model_of_a_distributed_trainer_agrees_over_ranks(results):
     for r in results:
         got = r[("mixed", "unwrapped, distributed")]
         assert isinstance(got, str) and "WidthScaledLlama's own forward computes logits that differ" in got, got
+
+
+@pytest.mark.parametrize("layout", ("root", "tail", "head"))
+def test_the_check_leaves_the_trainers_head_gradient_as_it_was(results, layout):
+    """A loss step run the trainers' way (the head of its own FSDP2 group held unsharded by the trainer's call of it,
+    which the check's forward calls again): the head's gradient with the check equals it without, exactly."""
+    assert all(r[("head grad", layout)] for r in results)
+
+
+def test_a_rank_that_fails_to_check_fails_every_rank(results):
+    """The formula fails on rank 0 only: rank 0 raises its own error, rank 1 a RuntimeError saying another rank
+    failed -- neither waits for the other."""
+    rank0, rank1 = (r[("one rank fails", "ddp")] for r in results)
+    assert rank0.startswith("RuntimeError: out of memory (injected on rank 0)"), rank0
+    assert rank1.startswith("RuntimeError: use_liger=True's logits check of LlamaForCausalLM failed on another rank"), \
+        rank1

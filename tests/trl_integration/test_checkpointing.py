@@ -149,6 +149,17 @@ def test_a_step_whose_layers_do_much_work_keeps_torchs_form(tok, tmp_path, forms
     assert forms[True] == len(unwrap_causal_lm(trainer.model).model.layers) and forms[False] == 0, forms
 
 
+def test_a_4bit_weight_counts_its_own_shape():
+    """A bitsandbytes 4-bit weight (two values packed to a byte, its shape in ``quant_state``) counts as the layer
+    computes with it, not as stored."""
+    import types
+
+    packed = torch.nn.Parameter(torch.zeros(32, 1, dtype=torch.uint8), requires_grad=False)
+    packed.quant_state = types.SimpleNamespace(shape=torch.Size([8, 8]))
+    assert ck._param_count(packed) == 64
+    assert ck._param_count(torch.zeros(3, 5)) == 15
+
+
 class _Layer(torch.nn.Module):
     """Stands in for a decoder layer: ``function`` is a ``functools.partial`` of its forward, as transformers'."""
 
