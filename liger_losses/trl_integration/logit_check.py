@@ -165,19 +165,19 @@ def check_model_logits(wrapped: nn.Module, causal_lm: nn.Module, model_kwargs: M
     if ours is not None and logits is not None:
         theirs = logits.float()
         if theirs.shape != ours.shape:
-            raise ValueError(
+            error = ValueError(
                 f"use_liger=True cannot serve {role}: {name}'s forward returns logits of shape {tuple(theirs.shape)} "
                 f"where its backbone and LM head give {tuple(ours.shape)}; pass use_liger=False to train with the "
                 "model's own forward"
             )
-        if bool(torch.isfinite(theirs).all()) and bool(torch.isfinite(ours).all()):  # an overflow is no transform
+        elif bool(torch.isfinite(theirs).all()) and bool(torch.isfinite(ours).all()):  # an overflow is no transform
             diff = float((ours - theirs).norm() / theirs.norm().clamp_min(torch.finfo(torch.float32).tiny))
     if is_distributed(wrapped, causal_lm) if distributed is None else (distributed and _group_size() > 1):
-        # a rank that failed computing the formula still joins the others (as +inf), then each raises
+        # a rank with an error still joins the others (as +inf), then each raises
         largest = _largest_over_ranks(math.inf if error is not None else diff, ids.device)
         if error is None and largest == math.inf:
-            raise RuntimeError(f"use_liger=True's logits check of {name} failed on another rank (its error is that "
-                               f"rank's; set {ENV_SWITCH}=0 to skip the check)")
+            raise RuntimeError(f"use_liger=True's logits check of {name} failed on another rank, which raised the "
+                               f"error (set {ENV_SWITCH}=0 to skip the check)")
         diff = largest
     if error is not None:
         raise error

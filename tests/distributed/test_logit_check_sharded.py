@@ -265,3 +265,4 @@ def test_a_rank_that_fails_to_check_fails_every_rank(results):
     assert rank0.startswith("RuntimeError: out of memory (injected on rank 0)"), rank0
     assert rank1.startswith("RuntimeError: use_liger=True's logits check of LlamaForCausalLM failed on another rank"), \
         rank1
+    assert "which raised the error" in rank1, rank1
