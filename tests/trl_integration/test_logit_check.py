@@ -203,6 +203,23 @@ def test_a_head_the_loss_refuses_raises_its_own_error(tok):
         check_model_logits(model, model, ids_of(tok), softcap=None, logit_scale=1.0)
 
 
+class LastTokenLlama(LlamaForCausalLM):
+    """A Llama whose forward returns the last position's logits only."""
+
+    def forward(self, input_ids=None, **kwargs):
+        hidden = self.model(input_ids=input_ids).last_hidden_state
+        return CausalLMOutputWithPast(logits=self.lm_head(hidden[:, -1:]))
+
+
+def test_logits_of_another_shape_are_refused(tok):
+    """A forward whose logits do not cover every position: a ValueError naming both shapes."""
+    model = LastTokenLlama(build_tiny_model(tok).config)
+    n = ids_of(tok)["input_ids"].shape[1]
+    with pytest.raises(ValueError, match=rf"logits of shape \(1, 1, {len(tok)}\) where its backbone and LM head give "
+                                         rf"\(1, {n}, {len(tok)}\)"):
+        check_model_logits(model, model, ids_of(tok), softcap=None, logit_scale=1.0)
+
+
 def test_zero3_partitioned_models_are_not_checked(tok):
     """A ZeRO-3 parameter (``ds_id``): None, no forward run (DeepSpeed's prefetcher would replay the extra forward's
     module order in later steps and fetch the head while the loss gathers it)."""
