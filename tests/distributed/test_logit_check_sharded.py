@@ -101,7 +101,7 @@ def _train(wrapped, ids, *, check: bool):
     return result, losses
 
 
-def _trainer_path_head_grad(model, ids, tok):
+def _trainer_path_head_grad(model, ids):
     """One loss step the way the trainers run it (``_liger_run``: the loss as the root's and, for an FSDP2 head of its
     own group, the head's forward, where the first step's check runs); the head's gradient, whole."""
     from liger_losses.chunked.cross_entropy import fused_linear_cross_entropy
@@ -145,7 +145,7 @@ def _worker(rank: int, world: int) -> dict:
         grads = []
         for check in ("1", "0"):
             os.environ["LIGER_LOSSES_CHECK_LOGITS"] = check
-            grads.append(_trainer_path_head_grad(_shard(build_tiny_model(tok), layout), ids, tok))
+            grads.append(_trainer_path_head_grad(_shard(build_tiny_model(tok), layout), ids))
         os.environ.pop("LIGER_LOSSES_CHECK_LOGITS")
         out[("head grad", layout)] = bool(torch.equal(grads[0], grads[1]))
     out[("one rank fails", "ddp")] = _one_rank_fails(rank, tok, ids)
