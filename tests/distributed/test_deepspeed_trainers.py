@@ -139,17 +139,21 @@ def _checkpointing_worker(rank: int, world: int, env) -> dict:
     for kind in FP32.kinds:
         for use_liger in (True, False):
             trainer = _trainer(kind, use_liger, world, os.path.join(run_dir, f"ckpt-{kind}-{use_liger}-{rank}"), FP32,
-                               use_cpu=False, gradient_checkpointing=True)
+                               use_cpu=False, gradient_checkpointing=True,
+                               gradient_accumulation_steps=int(env["ACCELERATE_GRADIENT_ACCUMULATION_STEPS"]))
             out[(kind, use_liger)] = step_logs(trainer)
+            out[(kind, use_liger, "engine")] = (trainer.model_wrapped.zero_optimization_stage(),
+                                                trainer.model_wrapped.gradient_accumulation_steps())
         out[(kind, "lean")] = lean[0]
         lean[0] = 0
     return out
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("stage", [1, 2])
-def test_lean_checkpointing_under_zero_1_and_2_equals_trl(tmp_path, stage):
-    """ZeRO-1 / ZeRO-2 with checkpointing: ours takes the lean form in the policy's layers and every step's loss,
+@pytest.mark.parametrize("stage, accumulation", [(1, 1), (2, 1), (2, 2)])
+def test_lean_checkpointing_under_zero_1_and_2_equals_trl(tmp_path, stage, accumulation):
+    """ZeRO-1 / ZeRO-2 with checkpointing (ZeRO-2 also accumulating gradients over 2 micro-batches, which its hooks
+    keep in its partitions between them): ours takes the lean form in the policy's layers and every step's loss,
     grad_norm and metrics equal TRL's (rel 1e-4), on both ranks."""
     skip_unless_gloo_fsdp2()
     pytest.importorskip("trl")
@@ -158,10 +162,12 @@ def test_lean_checkpointing_under_zero_1_and_2_equals_trl(tmp_path, stage):
     from tests.distributed.accelerate_cpu import launcher_deepspeed_env
 
     env = launcher_deepspeed_env(os.path.join(REPO, "examples", "accelerate", "zero2.yaml"))
-    env.update(ACCELERATE_MIXED_PRECISION="no", ACCELERATE_DEEPSPEED_ZERO_STAGE=str(stage), RUN_DIR=str(tmp_path))
+    env.update(ACCELERATE_MIXED_PRECISION="no", ACCELERATE_DEEPSPEED_ZERO_STAGE=str(stage), RUN_DIR=str(tmp_path),
+               ACCELERATE_GRADIENT_ACCUMULATION_STEPS=str(accumulation))
     ranks = run_on_ranks(_checkpointing_worker, env, world=2, init_process_group=False, timeout=600)
     for rank, got in enumerate(ranks):
         for kind in FP32.kinds:
+            assert got[(kind, True, "engine")] == got[(kind, False, "engine")] == (stage, accumulation)
             assert got[(kind, "lean")] > 0, (rank, kind)
             keys = ("loss", "grad_norm") + METRICS[kind]
             what = f"ZeRO-{stage} {kind} with checkpointing, rank {rank}: ours vs TRL"
