@@ -108,12 +108,18 @@ def weight_grad_like(weight: Tensor, full_grad: Tensor) -> Tensor:
         return distribute_tensor(full_grad, weight.device_mesh, weight.placements)
 
 
-def _is_fsdp2_module(module) -> bool:
+def fsdp2_module_type():
+    """FSDP2's ``FSDPModule`` (the class ``fully_shard`` mixes into a module), None on a torch without it."""
     try:
         from torch.distributed.fsdp import FSDPModule
     except Exception:  # pragma: no cover - torch without FSDP2
-        return False
-    return isinstance(module, FSDPModule)
+        return None
+    return FSDPModule
+
+
+def _is_fsdp2_module(module) -> bool:
+    fsdp2 = fsdp2_module_type()
+    return fsdp2 is not None and isinstance(module, fsdp2)
 
 
 def run_with_head_params(head: nn.Module, fn: Callable[..., Any], *args, **kwargs) -> Any:

@@ -35,28 +35,18 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import os
 from typing import Any, Iterator, List, Optional
 
 import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from ..kernels.utils import env_switch
 from .anatomy import compiled_module, unwrap_causal_lm, wrapper_chain
 from .logit_check import is_sharded
 
-
-class _EnvSwitch:
-    """``LIGER_LOSSES_LEAN_CHECKPOINT=0`` keeps torch's checkpoint form everywhere (read when a trainer first runs
-    a model)."""
-
-    name = "LIGER_LOSSES_LEAN_CHECKPOINT"
-
-    def enabled(self) -> bool:
-        return os.environ.get(self.name, "1").strip() != "0"
-
-
-LEAN_ENV = _EnvSwitch()
+# LIGER_LOSSES_LEAN_CHECKPOINT=0 keeps torch's checkpoint form everywhere (read when a trainer first runs a model)
+LEAN_SWITCH = "LIGER_LOSSES_LEAN_CHECKPOINT"
 
 # What a backbone keeps on itself (so it lives and dies with it; a global cache would hold every model a process
 # ever trained): its checkpointed layers, and whether they qualify (None until a first call in torch's form
@@ -112,7 +102,7 @@ def lean_allowed(model: nn.Module) -> bool:
     from ..patching.apply import family_type
 
     causal_lm = unwrap_causal_lm(model)
-    if not LEAN_ENV.enabled() or family_type(getattr(causal_lm, "config", None)) is None:
+    if not env_switch(LEAN_SWITCH) or family_type(getattr(causal_lm, "config", None)) is None:
         return False
     if compiled_module(model) is not None or is_sharded(model, causal_lm):
         return False

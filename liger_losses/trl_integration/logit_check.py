@@ -34,15 +34,15 @@ checked. The RNG streams are forked around the forward, so dropout draws as if i
 from __future__ import annotations
 
 import math
-import os
 import warnings
 from typing import Any, Mapping, Optional
 
 import torch
 from torch import nn
 
-from ..chunked.weights import is_dtensor
+from ..chunked.weights import fsdp2_module_type, is_dtensor
 from ..kernels.logits_tile import transform_logits_torch
+from ..kernels.utils import env_switch
 from .anatomy import backbone_of, lm_head_params, wrapper_chain
 
 CHECK_TOKENS = 32
@@ -68,18 +68,10 @@ def is_sharded(wrapped: nn.Module, causal_lm: nn.Module) -> bool:
     parameters are unsharded plain tensors --, DTensor parameters (tensor parallel) or DeepSpeed ZeRO-3 ones."""
     if any(type(m).__name__ == "FullyShardedDataParallel" for m in wrapper_chain(wrapped)):
         return True  # FSDP1 flattens the parameters of the module it wraps
-    fsdp2 = _fsdp2_module_type()
+    fsdp2 = fsdp2_module_type()
     if fsdp2 is not None and any(isinstance(m, fsdp2) for m in (wrapped, *causal_lm.modules())):
         return True
     return any(is_dtensor(p) or hasattr(p, "ds_id") for p in causal_lm.parameters())
-
-
-def _fsdp2_module_type():
-    try:
-        from torch.distributed.fsdp import FSDPModule
-    except Exception:  # noqa: BLE001 - torch without distributed / FSDP2
-        return None
-    return FSDPModule
 
 
 def _last_hidden(output: Any) -> Optional[torch.Tensor]:
@@ -100,7 +92,7 @@ def check_model_logits(wrapped: nn.Module, causal_lm: nn.Module, model_kwargs: M
     the model's wrappers). Called inside the trainer's redirected forward (``_liger_run``), where a sharded root is
     gathered. Returns the relative difference (the largest over the ranks when distributed), or None when not
     checked; raises ``ValueError`` above :data:`RTOL`."""
-    if os.environ.get(ENV_SWITCH, "1").strip() == "0":
+    if not env_switch(ENV_SWITCH):
         return None
     input_ids = model_kwargs.get("input_ids")
     if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or input_ids.numel() == 0:
@@ -130,7 +122,7 @@ def check_model_logits(wrapped: nn.Module, causal_lm: nn.Module, model_kwargs: M
         handles.append(head.register_forward_pre_hook(on_head))
     # an FSDP2 head of its own group that the trainer's call holds unsharded (run_with_head_params): this forward's
     # call of the head reshards it on the way out, and the loss must read it unsharded
-    fsdp2 = _fsdp2_module_type()
+    fsdp2 = fsdp2_module_type()
     regather = head if (fsdp2 is not None and isinstance(head, fsdp2)
                         and not is_dtensor(getattr(head, "weight", None))) else None
     on_cpu = ids.device.type == "cpu"
@@ -214,7 +206,7 @@ def _full(value: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
 
 def _class_name(module: nn.Module) -> str:
     """The module's class name as the user wrote it (FSDP2 swaps in an ``FSDP<name>`` subclass)."""
-    fsdp2 = _fsdp2_module_type()
+    fsdp2 = fsdp2_module_type()
     if fsdp2 is not None and isinstance(module, fsdp2):
         return next((c.__name__ for c in type(module).__mro__[1:] if not issubclass(c, fsdp2)), type(module).__name__)
     return type(module).__name__

@@ -121,7 +121,7 @@ def test_lora_with_checkpointing_equals_trl(tok, tmp_path, forms):
 
 def test_the_switch_keeps_torchs_form(tok, tmp_path, forms, monkeypatch):
     """``LIGER_LOSSES_LEAN_CHECKPOINT=0``: no layer takes the lean function."""
-    monkeypatch.setenv(ck.LEAN_ENV.name, "0")
+    monkeypatch.setenv(ck.LEAN_SWITCH, "0")
     trainer = SFTTrainer(build_tiny_model(tok), sft_config(tmp_path, gradient_checkpointing=True),
                          train_dataset=sft_dataset(), processing_class=tok, use_liger=True, liger_patch_model=False)
     _checkpointed(trainer)
