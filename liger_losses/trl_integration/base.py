@@ -64,6 +64,7 @@ from torch import nn
 
 from ..chunked.tokens import scan_labels_ahead
 from ..chunked.weights import is_zero3_partitioned, run_as_forward, run_with_head_params, zero3_gathered
+from ..patching.pad_free import pack_batch
 from .anatomy import (  # noqa: F401 - re-exported: the adapters and tests import them from here
     backbone_of,
     check_head_path,
@@ -90,10 +91,8 @@ IGNORE_INDEX = -100
 
 def reject(option: str, value: Any, why: str) -> None:
     """Raise the ``ValueError`` an adapter gives for a TRL option it cannot serve with use_liger=True."""
-    raise ValueError(
-        f"use_liger=True does not support {option}={value!r}: {why}. "
-        f"Unset {option}, or pass use_liger=False to use TRL's own loss."
-    )
+    raise ValueError(f"use_liger=True does not support {option}={value!r}: {why}. "
+                     f"Unset {option}, or pass use_liger=False to use TRL's own loss.")
 
 
 def reject_vision(processing_class: Any) -> None:
@@ -422,12 +421,16 @@ class LigerTrainerMixin:
             cache[backbone] = compiled_like(wrapper, backbone)
         return cache[backbone]
 
-    def _liger_backbone_hidden(self, model: nn.Module, model_kwargs: Dict[str, Any]) -> torch.Tensor:
-        """Last hidden states [B, T, H] of ``model``'s backbone (no LM head)."""
+    def _liger_backbone_hidden(self, model: nn.Module, model_kwargs: Dict[str, Any], read_mask=None) -> torch.Tensor:
+        """Last hidden states [B, T, H] of ``model``'s backbone (no LM head); given ``read_mask [B, T]`` (what the loss
+        reads), on the attended tokens alone where :func:`~..patching.pad_free.pack_batch` packs them."""
         self._liger_check_logits(model, model_kwargs)
         backbone = self._liger_backbone(model)
-        with self._liger_lean_checkpointing(model, backbone, model_kwargs):
-            return backbone(**model_kwargs).last_hidden_state
+        packed = None if read_mask is None else pack_batch(backbone, model_kwargs, read_mask)
+        kwargs = model_kwargs if packed is None else packed.kwargs
+        with self._liger_lean_checkpointing(model, backbone, kwargs):
+            hidden = backbone(**kwargs).last_hidden_state
+        return hidden if packed is None else packed.unpack(hidden)
 
     def _liger_lean_checkpointing(self, model: nn.Module, backbone: nn.Module,
                                   model_kwargs: Dict[str, Any]) -> contextlib.AbstractContextManager:

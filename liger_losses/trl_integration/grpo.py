@@ -37,6 +37,7 @@ import trl
 
 from ..chunked.grpo import TRL_METRIC_NAMES, grpo_head_options, run_grpo
 from ..chunked.grpo_objective import TOKEN_COUNT_LOSS_TYPES, GRPOOptions
+from ..patching.pad_free import completion_read_mask
 from .base import (
     IGNORE_INDEX,
     LigerTrainerMixin,
@@ -154,6 +155,7 @@ class GRPOTrainer(LigerTrainerMixin, trl.GRPOTrainer):
                         "attention_mask": torch.cat([prompt_mask, completion_mask], dim=1), "use_cache": False}
         labels = self._liger_scan_ahead(model, completion_ids.masked_fill(mask == 0, IGNORE_INDEX))
         start = prompt_ids.size(1) - 1  # the position predicting the first completion token
+        read = completion_read_mask(model_kwargs["attention_mask"], start, labels, IGNORE_INDEX)
         items, divisor, entropy_coef = self._liger_normalizers(mode, inputs)
         options = dataclasses.replace(grpo_options(self), entropy_coef=entropy_coef)
         head = grpo_head_options(temperature=self.temperature, ignore_index=IGNORE_INDEX,
@@ -164,7 +166,7 @@ class GRPOTrainer(LigerTrainerMixin, trl.GRPOTrainer):
             is_ratio = inputs.get("importance_sampling_ratio")
 
         def run():
-            hidden, aux = policy_hidden_and_router_aux(self, model, model_kwargs)
+            hidden, aux = policy_hidden_and_router_aux(self, model, model_kwargs, read_mask=read)
             hidden = hidden[:, start:start + labels.size(1)]
             weight, bias = self._liger_head(model)
             with gathered_params(weight, bias):

@@ -27,6 +27,7 @@ import torch
 import trl
 
 from ..chunked.rloo import RLOO_TRL_METRIC_NAMES, fused_linear_rloo_loss
+from ..patching.pad_free import completion_read_mask
 from .base import (
     IGNORE_INDEX,
     LigerTrainerMixin,
@@ -67,10 +68,11 @@ class RLOOTrainer(LigerTrainerMixin, trl.RLOOTrainer):
                         "attention_mask": torch.cat([prompt_mask, completion_mask], dim=1), "use_cache": False}
         labels = self._liger_scan_ahead(model, completion_ids.masked_fill(completion_mask == 0, IGNORE_INDEX))
         start = prompt_ids.size(1) - 1  # the position predicting the first completion token
+        read = completion_read_mask(model_kwargs["attention_mask"], start, labels, IGNORE_INDEX)
         logit_opts = head_logit_options(unwrap_causal_lm(model).config)
 
         def run():
-            hidden, aux = policy_hidden_and_router_aux(self, model, model_kwargs)
+            hidden, aux = policy_hidden_and_router_aux(self, model, model_kwargs, read_mask=read)
             hidden = hidden[:, start:start + labels.size(1)]
             weight, bias = self._liger_head(model)
             with gathered_params(weight, bias):

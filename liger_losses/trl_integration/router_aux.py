@@ -80,16 +80,18 @@ def backbone_hidden_and_router_aux(model: nn.Module, backbone: nn.Module,
 
 
 def policy_hidden_and_router_aux(trainer, model: nn.Module, model_kwargs: Dict[str, Any], *,
-                                 enabled: Optional[bool] = None) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+                                 enabled: Optional[bool] = None, read_mask: Optional[torch.Tensor] = None
+                                 ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
     """``(last hidden states [B, T, H], aux_loss or None)``: with the router logits when the aux loss is
     served (``enabled``, default TRL's rule ``trainer.aux_loss_enabled``), else the trainer's plain backbone
-    forward (no router logits asked for)."""
+    forward (no router logits asked for; pad-free where ``read_mask``, the positions the loss reads, allows:
+    ``LigerTrainerMixin._liger_backbone_hidden``)."""
     if trainer.aux_loss_enabled if enabled is None else enabled:
         trainer._liger_check_logits(model, model_kwargs)
         # torch's checkpoint form here, not the lean one: transformers collects the router logits with forward hooks
         # inside the layers, and a layer run under no grad would hand the aux loss logits without a graph
         return backbone_hidden_and_router_aux(model, trainer._liger_backbone(model), model_kwargs)
-    return trainer._liger_backbone_hidden(model, model_kwargs), None
+    return trainer._liger_backbone_hidden(model, model_kwargs, read_mask), None
 
 
 def log_router_aux_loss(trainer, mode: str, aux_loss: torch.Tensor) -> None:

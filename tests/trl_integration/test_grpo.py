@@ -15,6 +15,7 @@ import torch
 
 trl = pytest.importorskip("trl")
 
+from liger_losses.patching.pad_free import varlen_call_count  # noqa: E402
 from liger_losses.trl_integration.grpo import GRPOTrainer  # noqa: E402
 
 from .utils import (  # noqa: E402
@@ -112,6 +113,21 @@ def test_step0_parity(tok, tmp_path, cfg):
     assert "entropy" in m_t
     if cfg["loss_type"] in ("dapo", "dr_grpo"):  # a real test of the clipping: some ratios are clipped
         assert m_t["clip_ratio/region_mean"] > 0, m_t
+
+
+@pytest.mark.parametrize("cfg", [dict(loss_type="dapo"), dict(loss_type="grpo", beta=0.04)], ids=["dapo", "grpo-beta"])
+def test_step0_parity_pad_free(tok, tmp_path, monkeypatch, cfg):
+    """Forced pad-free (``LIGER_LOSSES_PAD_FREE=1``: the backbone on the attended tokens alone, packed, on the
+    CPU's reference attention): loss, metrics and gradients equal TRL's padded step (rel <= 1e-4)."""
+    monkeypatch.setenv("LIGER_LOSSES_PAD_FREE", "1")
+    theirs, ours = _pair(tok, tmp_path, **cfg)
+    batch = _batch(theirs)
+    batch["prompt_mask"][2, 0] = 0  # a left-padded prompt, completions ending early: padding to drop
+    batch["completion_mask"][0, 5:] = 0
+    batch["completion_mask"][1, 2:] = 0
+    calls = varlen_call_count()
+    _check(theirs, ours, batch)
+    assert varlen_call_count() - calls == ours.model.config.num_hidden_layers
 
 
 def test_step0_parity_entropy_options(tok, tmp_path):

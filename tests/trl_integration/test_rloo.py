@@ -11,6 +11,7 @@ import torch
 
 trl = pytest.importorskip("trl")
 
+from liger_losses.patching.pad_free import varlen_call_count  # noqa: E402
 from liger_losses.trl_integration import RLOOTrainer  # noqa: E402
 
 from .test_grpo import _assert_logs_match, _dataset, _reward_len, _step0  # noqa: E402
@@ -48,6 +49,26 @@ def test_step0_parity(tok, tmp_path, chunk):
     assert_metrics_match(m_o, m_t, TOL)
     assert_grads_match(loss_t, loss_o, theirs, ours, TOL)
     assert m_t["clip_ratio/region_mean"] > 0
+
+
+def test_step0_parity_pad_free(tok, tmp_path, monkeypatch):
+    """Forced pad-free (the backbone on the attended tokens alone, packed; CPU reference attention) with a
+    left-padded prompt and completions ending early: loss, metrics and gradients equal TRL's (rel <= 1e-4)."""
+    monkeypatch.setenv("LIGER_LOSSES_PAD_FREE", "1")
+    theirs, ours = _pair(tok, tmp_path, epsilon_high=0.28)
+    torch.manual_seed(0)
+    theirs.model.train()
+    batch = theirs._prepare_inputs(next(iter(theirs.get_train_dataloader())))
+    batch["prompt_mask"][2, 0] = 0
+    batch["completion_mask"][0, 5:] = 0
+    batch["completion_mask"][1, 2:] = 0
+    calls = varlen_call_count()
+    loss_t, m_t = _step0(theirs, batch)
+    loss_o, m_o = _step0(ours, batch)
+    assert varlen_call_count() - calls == ours.model.config.num_hidden_layers
+    assert rel(loss_o, loss_t) <= TOL, (float(loss_o), float(loss_t))
+    assert_metrics_match(m_o, m_t, TOL)
+    assert_grads_match(loss_t, loss_o, theirs, ours, TOL)
 
 
 @pytest.mark.slow

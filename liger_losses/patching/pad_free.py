@@ -1,0 +1,183 @@
+"""Run a Hugging Face backbone on the valid tokens of a padded batch only ("pad-free"), packed end to end.
+
+``pack_batch(backbone, model_kwargs, read_mask) -> PackedBatch | None``: for ``model_kwargs`` with
+``input_ids [B, T]`` and a 2-D ``attention_mask [B, T]`` that has padding, the keywords that run ``backbone``
+on the ``N`` attended tokens as one row ``[1, N]`` -- each row's tokens one causal sequence, at the
+positions the padded call gives them (``position_ids``, default ``0 .. T-1``, gathered) -- and
+``PackedBatch.unpack(hidden [1, N, H]) -> [B, T, H]``, zeros at the padding. ``read_mask [B, T]`` (bool):
+the positions whose hidden states the caller's loss reads; packing is refused (``None``: run the padded
+call) unless every one is attended, so the loss sees exactly the hidden states of the padded call. Also
+``None`` without padding, or where :func:`pad_free_reason` refuses the model.
+
+Why: the padded call computes every layer on the padding too (GRPO's completions end at their sampled
+lengths: ~20% of a batch is padding), and with a padding mask SDPA cannot take the flash kernel, so
+grouped-query attention copies the key/value heads out for the masked kernel. Packed, the attention is
+:func:`~liger_losses.kernels.varlen_attention.varlen_causal_attention` (flash varlen on the GPU).
+
+How the attention gets there: transformers' decoder layers pass their keywords on to the attention
+function; :func:`install` wraps transformers' ``"sdpa"`` attention so that a call carrying
+``liger_cu_seqlens`` (the sequences' offsets) and ``liger_max_seqlen`` runs the varlen attention and every
+other call is transformers' own, untouched. The packed row's ``attention_mask`` is all ones, so the model
+builds no mask. ``unpack`` checks that every attention layer took the varlen path (else it raises: a model
+that does not pass the keywords would have attended across sequences).
+
+``LIGER_LOSSES_PAD_FREE``: unset, on where the GPU's flash varlen kernel serves the model (CUDA, bf16/fp16
+compute dtype); ``0`` off; ``1`` on wherever the model qualifies (on the CPU with the reference
+attention: how the tests run it).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+from typing import Any, Dict, Optional, Tuple
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..kernels.utils import env_switch
+from ..kernels.varlen_attention import varlen_causal_attention
+
+# model types whose decoder layers pass their keywords to transformers' attention function and whose
+# attention is plain causal attention (no softcap, no attention sinks, no bias beyond RoPE)
+PAD_FREE_MODEL_TYPES = frozenset({"llama", "mistral", "qwen2", "qwen3"})
+_PLAIN_KEYS = frozenset({"input_ids", "attention_mask", "position_ids", "use_cache", "return_dict"})
+
+
+class _Route(threading.local):
+    varlen_calls = 0  # attention calls that took the varlen path (unpack checks the count)
+
+
+_ROUTE = _Route()
+
+
+def _routed(sdpa):
+    def attention(module, query, key, value, attention_mask, *args, **kwargs):
+        cu_seqlens = kwargs.pop("liger_cu_seqlens", None)
+        max_seqlen = kwargs.pop("liger_max_seqlen", None)
+        if cu_seqlens is None:
+            return sdpa(module, query, key, value, attention_mask, *args, **kwargs)
+        window = kwargs.get("sliding_window")
+        if (args or attention_mask is not None or query.shape[0] != 1 or kwargs.get("softcap") is not None
+                or not getattr(module, "is_causal", True) or (window is not None and window < max_seqlen)):
+            raise RuntimeError(f"{type(module).__name__}: the packed (pad-free) call reached an attention it cannot "
+                               "serve (a mask, a softcap, a sliding window or non-causal attention); set "
+                               "LIGER_LOSSES_PAD_FREE=0")
+        device = query.device.type
+        if torch.is_autocast_enabled(device):  # as SDPA runs under autocast: in the autocast dtype
+            dtype = torch.get_autocast_dtype(device)
+            query, key, value = query.to(dtype), key.to(dtype), value.to(dtype)
+        _ROUTE.varlen_calls += 1
+        q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))  # [N, heads, D]
+        out = varlen_causal_attention(q, k, v, cu_seqlens, max_seqlen, scale=kwargs.get("scaling"),
+                                      dropout_p=kwargs.get("dropout", 0.0))
+        return out.unsqueeze(0), None  # [1, N, Hq, D], as transformers' attention functions return
+
+    attention.liger_sdpa = sdpa
+    return attention
+
+
+def install() -> None:
+    """Route transformers' ``"sdpa"`` attention through the varlen attention for packed calls (idempotent)."""
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    current = ALL_ATTENTION_FUNCTIONS["sdpa"]
+    if getattr(current, "liger_sdpa", None) is None:
+        ALL_ATTENTION_FUNCTIONS["sdpa"] = _routed(current)
+
+
+def _compute_dtype(backbone: nn.Module, device: torch.device) -> torch.dtype:
+    if torch.is_autocast_enabled(device.type):
+        return torch.get_autocast_dtype(device.type)
+    return next(backbone.parameters()).dtype
+
+
+def pad_free_reason(backbone: nn.Module, model_kwargs: Dict[str, Any]) -> str:
+    """Why ``backbone`` on ``model_kwargs`` is not run packed ("" when it may be)."""
+    mode = env_switch("LIGER_LOSSES_PAD_FREE", None)
+    if mode is False:
+        return "LIGER_LOSSES_PAD_FREE=0"
+    config = getattr(backbone, "config", None)
+    if getattr(config, "model_type", None) not in PAD_FREE_MODEL_TYPES:
+        return f"model type {getattr(config, 'model_type', None)!r} is not one of {sorted(PAD_FREE_MODEL_TYPES)}"
+    if getattr(config, "_attn_implementation", None) != "sdpa":
+        return f"attention implementation {getattr(config, '_attn_implementation', None)!r}, not 'sdpa'"
+    if hasattr(backbone, "_orig_mod"):
+        return "a compiled backbone"
+    if set(model_kwargs) - _PLAIN_KEYS:
+        return f"model inputs other than {sorted(_PLAIN_KEYS)}: {sorted(set(model_kwargs) - _PLAIN_KEYS)}"
+    ids, mask = model_kwargs.get("input_ids"), model_kwargs.get("attention_mask")
+    if not isinstance(ids, torch.Tensor) or not isinstance(mask, torch.Tensor) or mask.dim() != 2 \
+            or mask.shape != ids.shape or model_kwargs.get("use_cache"):
+        return "not input_ids [B, T] with a 2-D attention_mask of its shape and no cache"
+    window = getattr(config, "sliding_window", None) if getattr(config, "use_sliding_window", True) else None
+    if window is not None and window < ids.shape[1]:  # a window as long as the batch is no window
+        return f"a sliding window ({window}) shorter than the batch ({ids.shape[1]} tokens)"
+    if mode is None and not (ids.is_cuda and _compute_dtype(backbone, ids.device) in (torch.float16, torch.bfloat16)):
+        return "not a CUDA bf16/fp16 step (LIGER_LOSSES_PAD_FREE=1 packs anyway)"
+    return ""
+
+
+@dataclasses.dataclass
+class PackedBatch:
+    """The packed call's keywords and what ``unpack`` needs: the flat indices of the attended tokens
+    ``order [N]`` in the padded batch ``shape (B, T)``, the attention layers that must take the varlen path."""
+
+    kwargs: Dict[str, Any]
+    order: torch.Tensor
+    shape: Tuple[int, int]
+    layers: int
+    calls_before: int
+
+    def unpack(self, hidden: torch.Tensor) -> torch.Tensor:
+        """``hidden [1, N, H]`` of the packed call -> ``[B, T, H]``, zeros at the padding (differentiable)."""
+        calls = _ROUTE.varlen_calls - self.calls_before
+        if calls != self.layers:
+            raise RuntimeError(f"the packed (pad-free) call ran {calls} varlen attention calls for {self.layers} "
+                               "layers: the model did not pass the packing to every attention; set "
+                               "LIGER_LOSSES_PAD_FREE=0")
+        batch, length = self.shape
+        full = hidden.new_zeros(batch * length, hidden.shape[-1]).index_copy(0, self.order, hidden[0])
+        return full.view(batch, length, hidden.shape[-1])
+
+
+def pack_batch(backbone: nn.Module, model_kwargs: Dict[str, Any],
+               read_mask: torch.Tensor) -> Optional[PackedBatch]:
+    """See the module docstring."""
+    if pad_free_reason(backbone, model_kwargs):
+        return None
+    ids, mask = model_kwargs["input_ids"], model_kwargs["attention_mask"]
+    if read_mask.shape != mask.shape:
+        raise ValueError(f"read_mask must be [B, T] = {tuple(mask.shape)}, got {tuple(read_mask.shape)}")
+    keep = mask.bool()
+    counts = keep.sum(1, dtype=torch.int32)
+    total, longest, unattended_reads = torch.stack(  # one host read
+        [counts.sum(dtype=torch.int32), counts.max(), (read_mask.bool() & ~keep).sum(dtype=torch.int32)]).tolist()
+    if total in (0, keep.numel()) or unattended_reads:
+        return None
+    install()
+    batch, length = ids.shape
+    order = torch.sort((~keep).flatten().to(torch.uint8), stable=True).indices[:total]  # attended, row-major
+    positions = model_kwargs.get("position_ids")
+    if positions is None:
+        positions = torch.arange(length, device=ids.device)
+    positions = positions.expand(batch, length).flatten()[order]
+    kwargs = dict(model_kwargs, input_ids=ids.flatten()[order][None], position_ids=positions[None],
+                  attention_mask=mask.new_ones(1, total), liger_max_seqlen=int(longest),
+                  liger_cu_seqlens=F.pad(counts.cumsum(0, dtype=torch.int32), (1, 0)))
+    return PackedBatch(kwargs, order, (batch, length), int(backbone.config.num_hidden_layers), _ROUTE.varlen_calls)
+
+
+def completion_read_mask(attention_mask: torch.Tensor, start: int, labels: torch.Tensor,
+                         ignore_index: int) -> torch.Tensor:
+    """``[B, T]`` bool: the positions ``start .. start + C - 1`` whose hidden states predict the labels ``[B, C]``
+    that are not ``ignore_index`` (what an RL loss on the completion reads)."""
+    read = torch.zeros(attention_mask.shape, dtype=torch.bool, device=attention_mask.device)
+    read[:, start:start + labels.size(1)] = labels.to(read.device) != ignore_index
+    return read
+
+
+def varlen_call_count() -> int:
+    """How many attention calls (this thread) took the varlen path so far: tests and benchmarks check packing."""
+    return _ROUTE.varlen_calls

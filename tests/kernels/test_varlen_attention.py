@@ -1,0 +1,98 @@
+"""``kernels/varlen_attention.py``: causal attention over packed sequences against a float64 formula.
+
+The formula is the masked one a padded batch uses: one ``[N, N]`` score matrix per head with every
+pair outside "same sequence, key not after query" set to -inf, then softmax and the value sum, with
+each query head reading key/value head ``h // group``. The reference path (per-sequence SDPA) must
+match it to 1e-12 in float64 (the same math in another order), forward and every input gradient.
+On the GPU (``-m gpu``) the flash varlen path in bf16 must match the float64 formula to 1e-2
+relative (bf16's 8 bits of mantissa in the inputs and the output), gradients included.
+"""
+
+import pytest
+import torch
+
+from liger_losses.kernels.varlen_attention import (
+    flash_usable,
+    reference_varlen_attention,
+    varlen_causal_attention,
+)
+from tests.helpers import rel_err
+
+
+def _formula(query, key, value, cu_seqlens, scale):
+    n, heads, dim = query.shape
+    group = heads // key.shape[1]
+    seq = torch.zeros(n, dtype=torch.long)
+    for s, (a, b) in enumerate(zip(cu_seqlens[:-1].tolist(), cu_seqlens[1:].tolist())):
+        seq[a:b] = s
+    idx = torch.arange(n)
+    allowed = (seq[:, None] == seq[None, :]) & (idx[None, :] <= idx[:, None])
+    k = key.repeat_interleave(group, dim=1)
+    v = value.repeat_interleave(group, dim=1)
+    scores = torch.einsum("qhd,khd->hqk", query, k) * (dim ** -0.5 if scale is None else scale)
+    probs = scores.masked_fill(~allowed.to(query.device), float("-inf")).softmax(-1)
+    return torch.einsum("hqk,khd->qhd", probs, v)
+
+
+def _inputs(lengths, heads=4, kv_heads=2, dim=16, dtype=torch.float64, device="cpu", seed=0):
+    g = torch.Generator().manual_seed(seed)
+    n = sum(lengths)
+    tensors = [torch.randn(n, h, dim, generator=g, dtype=torch.float64) for h in (heads, kv_heads, kv_heads)]
+    cu = torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist(), dtype=torch.int32)
+    return [t.to(device=device, dtype=dtype).requires_grad_() for t in tensors], cu
+
+
+@pytest.mark.parametrize("lengths,heads,kv_heads,scale", [
+    ([5, 1, 7], 4, 2, None),
+    ([3, 0, 6, 2], 6, 1, 0.3),  # an empty sequence, multi-query
+    ([9], 2, 2, None),          # one sequence, no grouping
+])
+def test_reference_equals_the_masked_formula(lengths, heads, kv_heads, scale):
+    (q, k, v), cu = _inputs(lengths, heads, kv_heads)
+    out = varlen_causal_attention(q, k, v, cu, max(lengths), scale=scale)
+    ref = _formula(q, k, v, cu, scale)
+    assert rel_err(out, ref) <= 1e-12
+    grad = torch.randn_like(out)
+    got = torch.autograd.grad(out, (q, k, v), grad)
+    want = torch.autograd.grad(ref, (q, k, v), grad)
+    for name, a, b in zip("qkv", got, want):
+        assert rel_err(a, b) <= 1e-12, name
+
+
+def test_bad_inputs_raise_naming_the_argument():
+    (q, k, v), cu = _inputs([4, 4])
+    with pytest.raises(ValueError, match="multiple of the key/value heads"):
+        varlen_causal_attention(q, k[:, :1].expand(8, 3, 16), v[:, :1].expand(8, 3, 16), cu, 4)
+    with pytest.raises(ValueError, match="cu_seqlens must be int32"):
+        varlen_causal_attention(q, k, v, cu.long(), 4)
+    with pytest.raises(ValueError, match="max_seqlen"):
+        varlen_causal_attention(q, k, v, cu, 0)
+    with pytest.raises(ValueError, match=r"\[N, heads, D\]"):
+        varlen_causal_attention(q[None], k, v, cu, 4)
+    with pytest.raises(ValueError, match="key and value"):
+        varlen_causal_attention(q, k[:7], v[:7], cu, 4)
+
+
+def test_cpu_takes_the_reference_path():
+    (q, k, v), cu = _inputs([3, 5], dtype=torch.bfloat16)
+    assert not flash_usable(q, k, v)
+    out = varlen_causal_attention(q, k, v, cu, 5)
+    assert torch.equal(out, reference_varlen_attention(q, k, v, cu))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("heads,kv_heads,dim", [(12, 2, 128), (8, 8, 64)])
+def test_flash_path_matches_the_formula(heads, kv_heads, dim):
+    lengths = [700, 1, 0, 333, 1024]
+    (q, k, v), cu = _inputs(lengths, heads, kv_heads, dim, dtype=torch.bfloat16, device="cuda")
+    assert flash_usable(q, k, v)
+    out = varlen_causal_attention(q, k, v, cu.cuda(), max(lengths))
+    assert out.dtype == torch.bfloat16
+    q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
+    ref = _formula(q64, k64, v64, cu, None)
+    assert rel_err(out, ref) <= 1e-2
+    grad = torch.randn_like(ref)
+    got = torch.autograd.grad(out, (q, k, v), grad.to(out.dtype))
+    want = torch.autograd.grad(ref, (q64, k64, v64), grad)
+    for name, a, b in zip("qkv", got, want):
+        assert rel_err(a, b) <= 1e-2, name
