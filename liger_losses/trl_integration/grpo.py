@@ -16,7 +16,8 @@ liger_chunk_tokens=None)`` takes every argument of ``trl.GRPOTrainer`` plus thre
   advantages, old and reference log-probs are TRL's. Metrics are logged under TRL's names. MoE models
   (``aux_loss_enabled``, TRL's rule): the same backbone forward returns the router logits and, as TRL,
   ``router_aux_loss_coef * aux_loss`` (divided by the accumulation steps in training) is added to the
-  loss and ``aux_loss`` logged (``router_aux.py``).
+  loss and ``aux_loss`` logged (``router_aux.py``). Without router logits the backbone runs pad-free where it
+  can: the attended tokens alone, packed (``patching/pad_free.py``; ``LIGER_LOSSES_PAD_FREE``).
   ``liger_patch_model=True`` also swaps the model's layers for our kernels.
 
 Metrics are reduced over processes as TRL reduces them (:func:`log_rl_metrics`): token (or

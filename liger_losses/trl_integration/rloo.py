@@ -13,7 +13,8 @@ liger_chunk_tokens=None)`` takes every argument of ``trl.RLOOTrainer`` plus thre
   reduced over processes as TRL does (token / sequence weighted means, min / max over processes).
   MoE models (``aux_loss_enabled``, TRL's rule): the same backbone forward returns the router logits
   and, as TRL, ``router_aux_loss_coef * aux_loss`` is added to the (unscaled) loss and ``aux_loss``
-  logged (``router_aux.py``).
+  logged (``router_aux.py``). Without router logits the backbone runs pad-free where it can: the attended
+  tokens alone, packed (``patching/pad_free.py``; ``LIGER_LOSSES_PAD_FREE``).
 
 Options TRL supports that use_liger=True cannot serve raise ``ValueError`` at construction, naming the
 option: ``cast_lm_head_to_fp32``, vision-language models, PEFT prompt learning.
