@@ -103,7 +103,8 @@ def pad_free_reason(backbone: nn.Module, model_kwargs: Dict[str, Any]) -> str:
         return f"model type {getattr(config, 'model_type', None)!r} is not one of {sorted(PAD_FREE_MODEL_TYPES)}"
     if getattr(config, "_attn_implementation", None) != "sdpa":
         return f"attention implementation {getattr(config, '_attn_implementation', None)!r}, not 'sdpa'"
-    if hasattr(backbone, "_orig_mod"):
+    compiled = [backbone, *getattr(backbone, "layers", ())]  # torch.compile's wrapper, or nn.Module.compile()
+    if hasattr(backbone, "_orig_mod") or any(getattr(m, "_compiled_call_impl", None) is not None for m in compiled):
         return "a compiled backbone"
     if set(model_kwargs) - _PLAIN_KEYS:
         return f"model inputs other than {sorted(_PLAIN_KEYS)}: {sorted(set(model_kwargs) - _PLAIN_KEYS)}"

@@ -113,6 +113,9 @@ def test_refusals_keep_the_padded_call(monkeypatch):
     assert "'eager'" in pad_free_reason(_model("llama", attn="eager").model, kwargs)
     assert "sliding" in pad_free_reason(_model("mistral", sliding_window=4).model, kwargs)
     assert "model type 'gemma'" in pad_free_reason(_model("gemma").model, kwargs)
+    compiled = _model("llama")
+    compiled.model.layers[0].compile()
+    assert "compiled" in pad_free_reason(compiled.model, kwargs)
     with pytest.raises(ValueError, match="read_mask must be"):
         pack_batch(model.model, kwargs, mask[:, :5])
     monkeypatch.setenv("LIGER_LOSSES_PAD_FREE", "0")
