@@ -151,7 +151,7 @@ def pack_batch(backbone: nn.Module, model_kwargs: Dict[str, Any],
     ids, mask = model_kwargs["input_ids"], model_kwargs["attention_mask"]
     if read_mask.shape != mask.shape:
         raise ValueError(f"read_mask must be [B, T] = {tuple(mask.shape)}, got {tuple(read_mask.shape)}")
-    keep = mask.bool()
+    keep, read_mask = mask.bool(), read_mask.to(mask.device)
     counts = keep.sum(1, dtype=torch.int32)
     total, longest, unattended_reads = torch.stack(  # one host read
         [counts.sum(dtype=torch.int32), counts.max(), (read_mask.bool() & ~keep).sum(dtype=torch.int32)]).tolist()
@@ -182,3 +182,9 @@ def completion_read_mask(attention_mask: torch.Tensor, start: int, labels: torch
 def varlen_call_count() -> int:
     """How many attention calls (this thread) took the varlen path so far: tests and benchmarks check packing."""
     return _ROUTE.varlen_calls
+
+
+def label_read_mask(labels: torch.Tensor, ignore_index: int) -> torch.Tensor:
+    """``[B, T]`` bool from the shifted labels ``[B, T-1]`` of a causal LM loss: the positions whose hidden states
+    predict a label that is not ``ignore_index`` (what a token-level loss on ``hidden[:, :-1]`` reads)."""
+    return F.pad(labels != ignore_index, (0, 1))

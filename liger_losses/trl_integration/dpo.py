@@ -106,7 +106,7 @@ class DPOTrainer(LigerReferenceTrainerMixin, trl.DPOTrainer):
         if self.precompute_ref_logps:
             ref_chosen, ref_rejected = inputs["ref_chosen_logps"], inputs["ref_rejected_logps"]
         else:
-            ref_hidden, ref_weight, ref_bias, _ = self._liger_reference_hidden(model, model_kwargs)
+            ref_hidden, ref_weight, ref_bias, _ = self._liger_reference_hidden(model, model_kwargs, labels=labels)
 
         # TRL's ipo / sigmoid_norm divide by the completion mask's count before the label shift (one more than
         # the labels where a completion token sits at position 0: an empty prompt without BOS, keep_end truncation)

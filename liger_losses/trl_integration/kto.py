@@ -120,7 +120,7 @@ class KTOTrainer(LigerReferenceTrainerMixin, trl.KTOTrainer):
         else:
             also = (lambda ref: self._liger_sequence_logps(ref, kl_kwargs, kl_labels)) if self.calculate_KL else None
             ref_hidden, ref_weight, ref_bias, ref_kl_logps = self._liger_reference_hidden(
-                model, model_kwargs, also=also)
+                model, model_kwargs, also=also, labels=labels)
 
         # the KL estimate (forward only), averaged over processes before the clamp as in TRL
         if self.calculate_KL:

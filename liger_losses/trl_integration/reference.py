@@ -28,6 +28,7 @@ import torch
 from torch import nn
 
 from ..chunked.token_logprobs import fused_linear_token_logprobs
+from ..patching.pad_free import label_read_mask
 from .base import (
     IGNORE_INDEX,
     LigerTrainerMixin,
@@ -129,8 +130,10 @@ class LigerReferenceTrainerMixin(LigerTrainerMixin):
             yield
 
     def _liger_reference_hidden(self, model: nn.Module, model_kwargs: Dict[str, Any], *,
-                                also: Optional[Callable[[nn.Module], Any]] = None):
-        """``(ref_hidden [B, T-1, H], ref_weight, ref_bias, also(ref) or None)`` under no grad.
+                                also: Optional[Callable[[nn.Module], Any]] = None,
+                                labels: Optional[torch.Tensor] = None):
+        """``(ref_hidden [B, T-1, H], ref_weight, ref_bias, also(ref) or None)`` under no grad; pad-free where the
+        loss's shifted ``labels [B, T-1]`` allow (``patching/pad_free.py``: zeros where nothing is attended).
 
         The reference is ``self.ref_model`` (with its own head) or, without one, the policy ``model`` with its PEFT
         adapter off (:meth:`_liger_reference_scope`). A head PEFT wraps (``modules_to_save``, trainable tokens)
@@ -142,7 +145,8 @@ class LigerReferenceTrainerMixin(LigerTrainerMixin):
         ref = model if peft_ref else self.ref_model
         ref_weight = ref_bias = None
         with (self._liger_reference_scope(True) if peft_ref else torch.no_grad()):
-            ref_hidden = self._liger_run(ref, self._liger_backbone_hidden, ref, model_kwargs)[:, :-1]
+            read = None if labels is None else label_read_mask(labels, IGNORE_INDEX)
+            ref_hidden = self._liger_run(ref, self._liger_backbone_hidden, ref, model_kwargs, read)[:, :-1]
             extra = None if also is None else also(ref)
             if not peft_ref or head_is_peft_wrapped(unwrap_causal_lm(ref)):
                 ref_weight, ref_bias = self._liger_head(ref)
@@ -154,7 +158,7 @@ class LigerReferenceTrainerMixin(LigerTrainerMixin):
         logit_opts = head_logit_options(unwrap_causal_lm(model).config)
 
         def run():
-            hidden = self._liger_backbone_hidden(model, model_kwargs)[:, :-1]
+            hidden = self._liger_backbone_hidden(model, model_kwargs, label_read_mask(labels, IGNORE_INDEX))[:, :-1]
             weight, bias = self._liger_head(model)
             with gathered_params(weight, bias):
                 return fused_linear_token_logprobs(
@@ -176,7 +180,8 @@ class LigerReferenceTrainerMixin(LigerTrainerMixin):
 
         def run():
             # MoE: the router logits of this same policy forward give the aux loss
-            hidden, aux = policy_hidden_and_router_aux(self, model, model_kwargs, enabled=aux_enabled)
+            hidden, aux = policy_hidden_and_router_aux(self, model, model_kwargs, enabled=aux_enabled,
+                                                       read_mask=label_read_mask(labels, IGNORE_INDEX))
             hidden = hidden[:, :-1]
             weight, bias = self._liger_head(model)
             extra = {k: v.to(hidden.device) if isinstance(v, torch.Tensor) else v for k, v in loss_kwargs.items()}

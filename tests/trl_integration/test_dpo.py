@@ -12,6 +12,7 @@ import copy
 import pytest
 import torch
 
+from liger_losses.patching.pad_free import varlen_call_count
 from liger_losses.trl_integration import DPOTrainer
 
 from .utils import (
@@ -55,6 +56,21 @@ def test_step0_parity_with_ref_model(tok, tmp_path, cfg):
     theirs, ours = _pair(tok, tmp_path, liger_kwargs={"liger_chunk_tokens": chunk}, **cfg)
     m_t, _ = check_compute_loss(theirs, ours, TOL)
     assert abs(m_t["rewards/margins"]) > 0  # a real test: policy != reference
+
+
+@pytest.mark.parametrize("peft", [False, True], ids=["ref-model", "peft-lora"])
+def test_step0_parity_pad_free(tok, tmp_path, monkeypatch, peft):
+    """Forced pad-free (``LIGER_LOSSES_PAD_FREE=1``: policy and reference backbones on the attended tokens alone,
+    packed; the CPU's reference attention) on TRL's padded batch: loss, metrics and gradients equal TRL's
+    (rel <= 1e-4), and both forwards were packed."""
+    monkeypatch.setenv("LIGER_LOSSES_PAD_FREE", "1")
+    theirs, ours = _pair(tok, tmp_path, ref=not peft, peft_config=lora_config() if peft else None)
+    batch = first_batch(theirs)
+    assert not batch["attention_mask"].all()  # completions of different lengths: padding to drop
+    calls = varlen_call_count()
+    m_t, _ = check_compute_loss(theirs, ours, TOL, batch)
+    assert varlen_call_count() - calls == 2 * ours.model.config.num_hidden_layers  # policy and reference
+    assert abs(m_t["rewards/margins"]) > 0
 
 
 @pytest.mark.parametrize("loss_type", ["ipo", "sigmoid_norm"])

@@ -49,9 +49,11 @@ from .utils import (
     build_tokenizer,
     check_batch_loss_metrics,
     check_compute_loss,
+    first_batch,
     record_backbone_autocast,
     rel,
     sft_dataset,
+    step0,
     train_logs,
 )
 
@@ -221,27 +223,37 @@ def test_rl_step0_parity_pad_free_cuda_fp32(name, tmp_path, monkeypatch):
         revert_liger_kernels()
 
 
-@pytest.mark.parametrize("name", ["grpo", "rloo"])
-def test_rl_pad_free_flash_cuda_bf16(name, tmp_path, monkeypatch):
-    """GRPO / RLOO under ``bf16=True`` (fp32 weights, autocast) on CUDA: pad-free by default (packed, flash varlen
-    attention in bf16) against the same trainer's padded step (``LIGER_LOSSES_PAD_FREE=0``) on one batch with
-    padding: loss and every gradient within 2e-2 relative (two bf16 attention kernels, bf16 GEMMs)."""
+# the trainers whose backbone calls go pad-free, and the number of packed calls in one step (policy, reference, KL)
+PAD_FREE_CALLS = {"grpo": 1, "rloo": 1, "dpo": 2, "kto": 4}
+
+
+@pytest.mark.parametrize("name", list(PAD_FREE_CALLS))
+def test_pad_free_flash_cuda_bf16(name, tmp_path, monkeypatch):
+    """Under ``bf16=True`` (fp32 weights, autocast) on CUDA: pad-free by default (packed, flash varlen attention
+    in bf16) against the same trainer's padded step (``LIGER_LOSSES_PAD_FREE=0``) on one batch with padding
+    (GRPO / RLOO: a left-padded prompt and early-ending completions; DPO / KTO: completions of different
+    lengths): loss and every gradient within 2e-2 relative (two bf16 attention kernels, bf16 GEMMs)."""
     if ON_CPU:
         pytest.skip("the flash varlen attention needs CUDA")
     monkeypatch.delenv("LIGER_LOSSES_PAD_FREE", raising=False)
     try:
         theirs, ours = _pair(name, tmp_path, patch=True, bf16=True)
-        batch = _rl_batch(theirs, "old_per_token_logps" if name == "grpo" else "old_logps", padded=True)
+        if name in ("grpo", "rloo"):
+            batch = _rl_batch(theirs, "old_per_token_logps" if name == "grpo" else "old_logps", padded=True)
+        else:
+            batch = first_batch(theirs)
+            assert not batch["attention_mask"].all()
         results = []
         for mode in ("auto", "0"):
             if mode == "0":
                 monkeypatch.setenv("LIGER_LOSSES_PAD_FREE", "0")
             calls = varlen_call_count()
             ours.model.zero_grad()
-            loss, _ = grpo_tests._step0(ours, batch)
+            loss, _ = step0(ours, dict(batch))
             loss.backward()
             taken = varlen_call_count() - calls
-            assert taken == (ours.model.config.num_hidden_layers if mode == "auto" else 0), (mode, taken)
+            layers = ours.model.config.num_hidden_layers
+            assert taken == (PAD_FREE_CALLS[name] * layers if mode == "auto" else 0), (mode, taken)
             results.append((loss.detach(), {n: p.grad.clone() for n, p in ours.model.named_parameters()
                                             if p.grad is not None}))
         (packed, g_packed), (padded, g_padded) = results

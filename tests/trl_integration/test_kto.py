@@ -12,6 +12,7 @@ import copy
 import pytest
 import torch
 
+from liger_losses.patching.pad_free import varlen_call_count
 from liger_losses.trl_integration.kto import KTOTrainer
 
 from .utils import (
@@ -68,6 +69,20 @@ def test_step0_parity_with_ref_model(tok, tmp_path, cfg):
     assert abs(m_t["rewards/margins"]) > 0  # policy != reference
     if not cfg:
         assert m_t["kl"] >= 0
+
+
+def test_step0_parity_pad_free(tok, tmp_path, monkeypatch):
+    """Forced pad-free (``LIGER_LOSSES_PAD_FREE=1``: every backbone call -- policy, reference, and both KL
+    forwards -- on the attended tokens alone, packed; the CPU's reference attention) on TRL's padded batch: loss,
+    every metric and every gradient equal TRL's (rel <= 1e-4)."""
+    monkeypatch.setenv("LIGER_LOSSES_PAD_FREE", "1")
+    theirs, ours = _pair(tok, tmp_path)
+    batch = first_batch(theirs)
+    assert not batch["attention_mask"].all() and not batch["KL_attention_mask"].all()
+    calls = varlen_call_count()
+    m_t, _ = check_compute_loss(theirs, ours, TOL, batch)
+    assert varlen_call_count() - calls == 4 * ours.model.config.num_hidden_layers
+    assert m_t["kl"] >= 0 and abs(m_t["rewards/margins"]) > 0
 
 
 def test_step0_parity_precomputed_ref_logps(tok, tmp_path):
