@@ -14,7 +14,8 @@ liger_chunk_tokens=None)`` takes every argument of ``trl.DPOTrainer`` plus three
   columns (``precompute_ref_log_probs=True``; the precompute itself also uses our chunked log-probs,
   via :meth:`DPOTrainer.compute_ref_log_probs`). Every metric TRL logs is logged under TRL's name.
   ``liger_patch_model=True`` also swaps the models' layers for our kernels (``apply_liger_kernels``).
-  ``liger_chunk_tokens`` fixes the tokens per logits tile (default: sized from a memory budget).
+  ``liger_chunk_tokens`` fixes the tokens per logits tile (default: sized from a memory budget). The
+  backbone calls run pad-free where they can: the attended tokens alone, packed (``patching/pad_free.py``).
 
 Options TRL supports that use_liger=True cannot serve raise ``ValueError`` at construction, naming the
 option: ``use_weighting`` (WPO), ``ld_alpha`` with an ``"sft"`` loss term, vision-language models,

@@ -19,7 +19,8 @@ liger_chunk_tokens=None)`` takes every argument of ``trl.KTOTrainer`` plus three
   ``liger_patch_model=True`` also swaps the models' layers for our kernels; ``liger_chunk_tokens`` fixes the
   tokens per logits tile. MoE models (``aux_loss_enabled``, TRL's rule): the policy's forward on the batch
   returns the router logits and, as TRL, ``router_aux_loss_coef * aux_loss`` is added to the loss and
-  ``aux_loss`` logged (``router_aux.py``; the KL and reference forwards take none, as TRL's).
+  ``aux_loss`` logged (``router_aux.py``; the KL and reference forwards take none, as TRL's). The backbone
+  calls run pad-free where they can: the attended tokens alone, packed (``patching/pad_free.py``).
 
 Options TRL supports that use_liger=True cannot serve raise ``ValueError`` at construction, naming the option:
 vision-language models / datasets, PEFT prompt learning.
