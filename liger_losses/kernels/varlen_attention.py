@@ -42,15 +42,22 @@ def _check(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cu_seqle
         raise ValueError(f"max_seqlen must be a positive int, got {max_seqlen!r}")
 
 
-def flash_usable(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> bool:
-    """Whether :func:`varlen_causal_attention` takes torch's flash-attention kernel for these operands."""
-    if not (query.is_cuda and query.dtype in (torch.float16, torch.bfloat16)
-            and key.dtype == query.dtype and value.dtype == query.dtype):
+def flash_supported(device: torch.device, dtype: torch.dtype, head_dim: int) -> bool:
+    """Whether torch's flash varlen kernel serves operands of this device, dtype and head size (CUDA sm80+,
+    fp16/bf16, a head size that is a multiple of 8 up to 256, flash attention built and enabled)."""
+    device = torch.device(device)
+    if device.type != "cuda" or dtype not in (torch.float16, torch.bfloat16) or head_dim % 8 or head_dim > 256:
         return False
-    if query.shape[-1] % 8 or query.shape[-1] > 256 or torch.cuda.get_device_capability(query.device) < (8, 0):
+    if torch.cuda.get_device_capability(device) < (8, 0):
         return False
     available = getattr(torch.backends.cuda, "is_flash_attention_available", lambda: True)
     return bool(available()) and torch.backends.cuda.flash_sdp_enabled()
+
+
+def flash_usable(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> bool:
+    """Whether :func:`varlen_causal_attention` takes torch's flash-attention kernel for these operands."""
+    same = key.dtype == query.dtype and value.dtype == query.dtype
+    return same and flash_supported(query.device, query.dtype, query.shape[-1])
 
 
 def reference_varlen_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -58,6 +65,8 @@ def reference_varlen_attention(query: torch.Tensor, key: torch.Tensor, value: to
     """The reference path: one causal ``scaled_dot_product_attention`` per sequence (key/value heads repeated)."""
     group = query.shape[1] // key.shape[1]
     bounds = cu_seqlens.tolist()
+    if bounds[0] != 0 or bounds[-1] != query.shape[0] or any(b < a for a, b in zip(bounds, bounds[1:])):
+        raise ValueError(f"cu_seqlens must rise from 0 to N = {query.shape[0]}, got {bounds}")
     outputs = []
     for start, end in zip(bounds[:-1], bounds[1:]):
         if end == start:
@@ -67,17 +76,20 @@ def reference_varlen_attention(query: torch.Tensor, key: torch.Tensor, value: to
             k, v = k.repeat_interleave(group, dim=0), v.repeat_interleave(group, dim=0)
         out = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True, scale=scale)
         outputs.append(out.transpose(0, 1))
-    return torch.cat(outputs) if outputs else query.new_empty(query.shape)
+    return torch.cat(outputs) if outputs else query.new_zeros(query.shape)
 
 
 def varlen_causal_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cu_seqlens: torch.Tensor,
                             max_seqlen: int, *, scale=None, dropout_p: float = 0.0) -> torch.Tensor:
     """See the module docstring."""
     _check(query, key, value, cu_seqlens, max_seqlen)
-    if flash_usable(query, key, value):
+    if flash_usable(query, key, value):  # the kernel trusts cu_seqlens and max_seqlen: the caller's contract
         cu_seqlens = cu_seqlens.to(query.device)
         # positional: the schema's leading arguments are the same from torch 2.1 to 2.13
         return torch.ops.aten._flash_attention_forward(
             query, key, value, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, dropout_p, True, False,
             scale=scale)[0]
+    lengths = cu_seqlens.diff()
+    if lengths.numel() and int(lengths.max()) > max_seqlen:
+        raise ValueError(f"max_seqlen ({max_seqlen}) is below the longest sequence ({int(lengths.max())})")
     return reference_varlen_attention(query, key, value, cu_seqlens, scale=scale, dropout_p=dropout_p)

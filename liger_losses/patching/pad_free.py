@@ -37,7 +37,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..kernels.utils import env_switch
-from ..kernels.varlen_attention import varlen_causal_attention
+from ..kernels.varlen_attention import flash_supported, varlen_causal_attention
 
 # model types whose decoder layers pass their keywords to transformers' attention function and whose
 # attention is plain causal attention (no softcap, no attention sinks, no bias beyond RoPE)
@@ -112,12 +112,22 @@ def pad_free_reason(backbone: nn.Module, model_kwargs: Dict[str, Any]) -> str:
     if not isinstance(ids, torch.Tensor) or not isinstance(mask, torch.Tensor) or mask.dim() != 2 \
             or mask.shape != ids.shape or model_kwargs.get("use_cache"):
         return "not input_ids [B, T] with a 2-D attention_mask of its shape and no cache"
-    window = getattr(config, "sliding_window", None) if getattr(config, "use_sliding_window", True) else None
-    if window is not None and window < ids.shape[1]:  # a window as long as the batch is no window
-        return f"a sliding window ({window}) shorter than the batch ({ids.shape[1]} tokens)"
-    if mode is None and not (ids.is_cuda and _compute_dtype(backbone, ids.device) in (torch.float16, torch.bfloat16)):
-        return "not a CUDA bf16/fp16 step (LIGER_LOSSES_PAD_FREE=1 packs anyway)"
+    window = sliding_window(config)
+    if window is not None and window <= ids.shape[1]:
+        return f"a sliding window ({window}) no longer than the batch ({ids.shape[1]} tokens)"
+    rope = getattr(getattr(backbone, "rotary_emb", None), "rope_type", "") or ""
+    if "dynamic" in rope or "longrope" in rope:  # their frequencies follow the largest position in the call
+        return f"RoPE type {rope!r}"
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    if mode is None and not flash_supported(ids.device, _compute_dtype(backbone, ids.device), head_dim):
+        return "not a step torch's flash varlen kernel serves (CUDA sm80+, bf16/fp16, head size a multiple of 8 " \
+               "up to 256; LIGER_LOSSES_PAD_FREE=1 packs anyway, with the reference attention)"
     return ""
+
+
+def sliding_window(config) -> Optional[int]:
+    """The attention window of ``config`` (None: full attention; Qwen's ``use_sliding_window=False`` too)."""
+    return getattr(config, "sliding_window", None) if getattr(config, "use_sliding_window", True) else None
 
 
 @dataclasses.dataclass
@@ -155,7 +165,8 @@ def pack_batch(backbone: nn.Module, model_kwargs: Dict[str, Any],
     counts = keep.sum(1, dtype=torch.int32)
     total, longest, unattended_reads = torch.stack(  # one host read
         [counts.sum(dtype=torch.int32), counts.max(), (read_mask.bool() & ~keep).sum(dtype=torch.int32)]).tolist()
-    if total in (0, keep.numel()) or unattended_reads:
+    window = sliding_window(backbone.config)  # transformers builds an [N, N] mask for a window the packed row reaches
+    if total in (0, keep.numel()) or unattended_reads or (window is not None and window <= total):
         return None
     install()
     batch, length = ids.shape

@@ -71,6 +71,19 @@ def test_bad_inputs_raise_naming_the_argument():
         varlen_causal_attention(q[None], k, v, cu, 4)
     with pytest.raises(ValueError, match="key and value"):
         varlen_causal_attention(q, k[:7], v[:7], cu, 4)
+    with pytest.raises(ValueError, match="rise from 0 to N = 8"):
+        varlen_causal_attention(q, k, v, torch.tensor([0, 2, 4], dtype=torch.int32), 4)
+    with pytest.raises(ValueError, match="rise from 0 to N = 8"):
+        varlen_causal_attention(q, k, v, torch.tensor([0, 6, 2, 8], dtype=torch.int32), 6)
+    with pytest.raises(ValueError, match=r"max_seqlen \(3\) is below the longest sequence \(4\)"):
+        varlen_causal_attention(q, k, v, cu, 3)
+
+
+def test_no_tokens_attend_to_nothing():
+    (q, k, v), _ = _inputs([2])
+    cu = torch.tensor([0, 0], dtype=torch.int32)
+    out = varlen_causal_attention(q[:0], k[:0], v[:0], cu, 1)
+    assert out.shape == (0, 4, 16)
 
 
 def test_cpu_takes_the_reference_path():

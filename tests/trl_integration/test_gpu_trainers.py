@@ -28,6 +28,7 @@ import os
 import pytest
 import torch
 
+from liger_losses.kernels import varlen_attention
 from liger_losses.kernels.rms_norm import LigerRMSNorm
 from liger_losses.patching import revert_liger_kernels
 from liger_losses.patching.pad_free import varlen_call_count
@@ -236,6 +237,11 @@ def test_pad_free_flash_cuda_bf16(name, tmp_path, monkeypatch):
     if ON_CPU:
         pytest.skip("the flash varlen attention needs CUDA")
     monkeypatch.delenv("LIGER_LOSSES_PAD_FREE", raising=False)
+
+    def no_reference(*args, **kwargs):
+        raise AssertionError("the packed step took the reference attention, not the flash kernel")
+
+    monkeypatch.setattr(varlen_attention, "reference_varlen_attention", no_reference)
     try:
         theirs, ours = _pair(name, tmp_path, patch=True, bf16=True)
         if name in ("grpo", "rloo"):
