@@ -21,9 +21,10 @@ other call is transformers' own, untouched. The packed row's ``attention_mask`` 
 builds no mask. ``unpack`` checks that every attention layer took the varlen path (else it raises: a model
 that does not pass the keywords would have attended across sequences).
 
-``LIGER_LOSSES_PAD_FREE``: unset, on where the GPU's flash varlen kernel serves the model (CUDA, bf16/fp16
-compute dtype); ``0`` off; ``1`` on wherever the model qualifies (on the CPU with the reference
-attention: how the tests run it).
+``LIGER_LOSSES_PAD_FREE``: unset, on where torch's flash varlen kernel serves the step (CUDA sm80+, bf16/fp16
+compute dtype, head size a multiple of 8 up to 256); ``0`` off; ``1`` on wherever the model qualifies (on the
+CPU with the reference attention: how the tests run it). Refused also for dynamic/longrope RoPE (their
+frequencies follow the call's largest position) and where the packed row would reach a sliding window.
 """
 
 from __future__ import annotations
