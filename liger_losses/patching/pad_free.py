@@ -116,6 +116,9 @@ def pad_free_reason(backbone: nn.Module, model_kwargs: Dict[str, Any]) -> str:
     window = sliding_window(config)
     if window is not None and window <= ids.shape[1]:
         return f"a sliding window ({window}) no longer than the batch ({ids.shape[1]} tokens)"
+    dropouts = [getattr(getattr(layer, "self_attn", None), "attention_dropout", 0.0) for layer in compiled[1:]]
+    if backbone.training and any(float(p or 0.0) > 0.0 for p in dropouts):
+        return "attention dropout (the packed call would draw other random numbers than the padded one)"
     rope = getattr(getattr(backbone, "rotary_emb", None), "rope_type", "") or ""
     if "dynamic" in rope or "longrope" in rope:  # their frequencies follow the largest position in the call
         return f"RoPE type {rope!r}"

@@ -11,6 +11,8 @@ takes every argument of ``trl.SFTTrainer`` plus three keywords:
   assistant-only masks (``-100``), padding-free batches and packing work as in TRL. The loss is the
   token mean of the NLL (``sum / num_items_in_batch`` when the Trainer gives the count, as TRL does).
   Logged like TRL: ``entropy`` and ``mean_token_accuracy`` (over the scored tokens), ``num_tokens``.
+  A padded batch whose scored positions are all attended runs the backbone pad-free: the attended
+  tokens alone, packed (``patching/pad_free.py``).
 
 How: by default one call of the chunked engine
 (:func:`liger_losses.chunked.sequence.fused_linear_sequence_objective`, one unit per sequence, the
@@ -36,6 +38,7 @@ from typing import Any, Optional
 import torch
 import trl
 
+from ..patching.pad_free import label_read_mask
 from .base import (
     IGNORE_INDEX,
     LigerTrainerMixin,
@@ -114,10 +117,12 @@ class SFTTrainer(LigerTrainerMixin, trl.SFTTrainer):
         shift_labels = inputs.get("shift_labels")
         labels = self._liger_scan_ahead(model, inputs["labels"][:, 1:] if shift_labels is None else shift_labels)
         smoothing = float(self.args.label_smoothing_factor or 0.0)
+        # the positions whose hidden states the loss reads: pad-free where they are all attended
+        read = label_read_mask(labels, IGNORE_INDEX) if shift_labels is None else labels != IGNORE_INDEX
 
         def head_loss():
             # MoE: the router logits of this same forward give the aux loss
-            hidden, aux = policy_hidden_and_router_aux(self, model, model_kwargs)
+            hidden, aux = policy_hidden_and_router_aux(self, model, model_kwargs, read_mask=read)
             if shift_labels is None:
                 hidden = hidden[:, :-1]
             weight, bias = self._liger_head(model)

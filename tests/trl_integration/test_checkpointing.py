@@ -133,7 +133,9 @@ def test_the_switch_keeps_torchs_form(tok, tmp_path, forms, monkeypatch):
 
 def test_a_step_whose_layers_do_much_work_keeps_torchs_form(tok, tmp_path, forms, monkeypatch):
     """Tokens x a layer's parameters above ``LEAN_MAX_LAYER_WORK`` (a GPU-bound step, where the reentrant backward
-    costs more GPU time than the host time it saves): torch's form; at or below it, the lean form."""
+    costs more GPU time than the host time it saves): torch's form; at or below it, the lean form. The padded
+    call (pad-free off): its tokens are the batch's ``B x T``; a packed call counts the attended tokens."""
+    monkeypatch.setenv("LIGER_LOSSES_PAD_FREE", "0")
     trainer = SFTTrainer(build_tiny_model(tok), sft_config(tmp_path, gradient_checkpointing=True),
                          train_dataset=sft_dataset(), processing_class=tok, use_liger=True, liger_patch_model=False)
     _checkpointed(trainer)

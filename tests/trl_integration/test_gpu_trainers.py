@@ -225,14 +225,14 @@ def test_rl_step0_parity_pad_free_cuda_fp32(name, tmp_path, monkeypatch):
 
 
 # the trainers whose backbone calls go pad-free, and the number of packed calls in one step (policy, reference, KL)
-PAD_FREE_CALLS = {"grpo": 1, "rloo": 1, "dpo": 2, "kto": 4}
+PAD_FREE_CALLS = {"grpo": 1, "rloo": 1, "dpo": 2, "kto": 4, "sft": 1}
 
 
 @pytest.mark.parametrize("name", list(PAD_FREE_CALLS))
 def test_pad_free_flash_cuda_bf16(name, tmp_path, monkeypatch):
     """Under ``bf16=True`` (fp32 weights, autocast) on CUDA: pad-free by default (packed, flash varlen attention
     in bf16) against the same trainer's padded step (``LIGER_LOSSES_PAD_FREE=0``) on one batch with padding
-    (GRPO / RLOO: a left-padded prompt and early-ending completions; DPO / KTO: completions of different
+    (GRPO / RLOO: a left-padded prompt and early-ending completions; DPO / KTO / SFT: completions of different
     lengths): loss and every gradient within 2e-2 relative (two bf16 attention kernels, bf16 GEMMs)."""
     if ON_CPU:
         pytest.skip("the flash varlen attention needs CUDA")

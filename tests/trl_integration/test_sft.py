@@ -8,6 +8,7 @@ relative error <= 1e-4 (the same fp32 math in another summation order gives ~1e-
 import pytest
 import torch
 
+from liger_losses.patching.pad_free import varlen_call_count
 from liger_losses.trl_integration import SFTTrainer
 
 from .utils import (
@@ -68,6 +69,24 @@ def test_assistant_only_parity(tok, tmp_path):
     data = Dataset.from_list([{"messages": r["prompt"] + r["completion"]}
                               for r in sft_dataset(conversational=True).to_list()])
     _check(*_pair(tok, tmp_path, data, assistant_only_loss=True))
+
+
+@pytest.mark.parametrize("data", ["completion-only", "full-sequence", "label-smoothing"])
+def test_pad_free_parity(tok, tmp_path, monkeypatch, data):
+    """Forced pad-free (``LIGER_LOSSES_PAD_FREE=1``: the backbone on the attended tokens alone, packed; the CPU's
+    reference attention) on TRL's padded batch: loss, metrics and grads equal TRL's (rel <= 1e-4), packed."""
+    from datasets import Dataset
+
+    monkeypatch.setenv("LIGER_LOSSES_PAD_FREE", "1")
+    rows = sft_dataset()
+    if data == "full-sequence":
+        rows = Dataset.from_list([{"text": r["prompt"] + r["completion"]} for r in rows.to_list()])
+    cfg = {"label_smoothing_factor": 0.1} if data == "label-smoothing" else {}
+    theirs, ours = _pair(tok, tmp_path, rows, **cfg)
+    calls = varlen_call_count()
+    batch = _check(theirs, ours)
+    assert not batch["attention_mask"].all()
+    assert varlen_call_count() - calls == ours.model.config.num_hidden_layers
 
 
 def test_num_items_in_batch_parity(tok, tmp_path):
