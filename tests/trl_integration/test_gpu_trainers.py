@@ -54,7 +54,6 @@ from .utils import (
     record_backbone_autocast,
     rel,
     sft_dataset,
-    step0,
     train_logs,
 )
 
@@ -255,7 +254,8 @@ def test_pad_free_flash_cuda_bf16(name, tmp_path, monkeypatch):
                 monkeypatch.setenv("LIGER_LOSSES_PAD_FREE", "0")
             calls = varlen_call_count()
             ours.model.zero_grad()
-            loss, _ = step0(ours, dict(batch))
+            with ours.accelerator.autocast():  # as under train(), whose prepared policy runs its forward in it
+                loss, _ = grpo_tests._step0(ours, dict(batch))
             loss.backward()
             taken = varlen_call_count() - calls
             layers = ours.model.config.num_hidden_layers
