@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import dataclasses
 import threading
+import weakref
 from typing import Any, Dict, Optional, Tuple
 
 import torch
@@ -116,9 +117,8 @@ def pad_free_reason(backbone: nn.Module, model_kwargs: Dict[str, Any]) -> str:
     window = sliding_window(config)
     if window is not None and window <= ids.shape[1]:
         return f"a sliding window ({window}) no longer than the batch ({ids.shape[1]} tokens)"
-    dropouts = [getattr(getattr(layer, "self_attn", None), "attention_dropout", 0.0) for layer in compiled[1:]]
-    if backbone.training and any(float(p or 0.0) > 0.0 for p in dropouts):
-        return "attention dropout (the packed call would draw other random numbers than the padded one)"
+    if backbone.training and _has_dropout(backbone):
+        return "dropout in training (the packed call would draw other random numbers than the padded one)"
     rope = getattr(getattr(backbone, "rotary_emb", None), "rope_type", "") or ""
     if "dynamic" in rope or "longrope" in rope:  # their frequencies follow the largest position in the call
         return f"RoPE type {rope!r}"
@@ -127,6 +127,19 @@ def pad_free_reason(backbone: nn.Module, model_kwargs: Dict[str, Any]) -> str:
         return "not a step torch's flash varlen kernel serves (CUDA sm80+, bf16/fp16, head size a multiple of 8 " \
                "up to 256; LIGER_LOSSES_PAD_FREE=1 packs anyway, with the reference attention)"
     return ""
+
+
+_DROPOUT = weakref.WeakKeyDictionary()  # backbone -> whether its layers drop out (read once: a walk of every module)
+
+
+def _has_dropout(backbone: nn.Module) -> bool:
+    """Whether ``backbone`` holds a dropout with p > 0 (an ``nn.Dropout``, e.g. PEFT's ``lora_dropout``) or an
+    attention with ``attention_dropout > 0``; decided at its first packed step."""
+    if backbone not in _DROPOUT:
+        _DROPOUT[backbone] = any(
+            (isinstance(m, nn.Dropout) and m.p > 0) or float(getattr(m, "attention_dropout", 0.0) or 0.0) > 0
+            for m in backbone.modules())
+    return _DROPOUT[backbone]
 
 
 def sliding_window(config) -> Optional[int]:

@@ -114,8 +114,12 @@ def test_refusals_keep_the_padded_call(monkeypatch):
     assert "'eager'" in pad_free_reason(_model("llama", attn="eager").model, kwargs)
     assert "sliding" in pad_free_reason(_model("mistral", sliding_window=4).model, kwargs)
     assert "model type 'gemma'" in pad_free_reason(_model("gemma").model, kwargs)
-    assert "attention dropout" in pad_free_reason(_model("llama", attention_dropout=0.1).model, kwargs)
+    assert "dropout in training" in pad_free_reason(_model("llama", attention_dropout=0.1).model, kwargs)
     assert pad_free_reason(_model("llama", attention_dropout=0.1).model.eval(), kwargs) == ""
+    dropping = _model("llama")
+    mlp = dropping.model.layers[0].mlp
+    mlp.up_proj = torch.nn.Sequential(torch.nn.Dropout(0.05), mlp.up_proj)
+    assert "dropout in training" in pad_free_reason(dropping.model, kwargs)  # e.g. PEFT's lora_dropout
     dynamic = _model("llama", rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0})
     assert "RoPE type 'dynamic'" in pad_free_reason(dynamic.model, kwargs)
     # a window longer than the padded rows but reached by the packed row (19 tokens): transformers would build

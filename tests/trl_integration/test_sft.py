@@ -89,6 +89,26 @@ def test_pad_free_parity(tok, tmp_path, monkeypatch, data):
     assert varlen_call_count() - calls == ours.model.config.num_hidden_layers
 
 
+def test_pad_free_refused_under_lora_dropout(tok, tmp_path, monkeypatch):
+    """LoRA with dropout 0.1, pad-free forced: the padded call runs (a packed one would draw other dropout masks
+    than TRL's), and seeded alike the step equals TRL's (rel <= 1e-4)."""
+    from .utils import lora_config
+
+    monkeypatch.setenv("LIGER_LOSSES_PAD_FREE", "1")
+    config = lora_config()
+    config.lora_dropout = 0.1
+    theirs, ours = make_pair(SFTTrainer, [build_tiny_model(tok, seed=0)], lambda run_dir: sft_config(run_dir),
+                             tmp_path, sft_dataset, processing_class=tok, peft_config=config)
+    batch = first_batch(theirs)
+    calls = varlen_call_count()
+    torch.manual_seed(5)
+    loss_t = theirs.compute_loss(theirs.model, dict(batch))
+    torch.manual_seed(5)
+    loss_o = ours.compute_loss(ours.model, dict(batch))
+    assert varlen_call_count() == calls
+    assert rel(loss_o.detach(), loss_t.detach()) <= TOL
+
+
 def test_num_items_in_batch_parity(tok, tmp_path):
     """With the Trainer's num_items_in_batch (gradient accumulation count) the loss is sum / count,
     as TRL's; loss, metrics, grads match."""
