@@ -33,8 +33,10 @@ full/LoRA, sequences x tokens, and ``-L<n>`` where the depth is cut, ``-fp32w`` 
 
 ``--full`` adds: qwen1.5b_sft_full_2x4096 (issue 18's SFT row), llama1b_{dpo,sft}_full_8x2048 (the earlier
 single-shape benchmark's cases, ``trainer_b8.csv``), llama1b_sft_lora_8x2048, gemma2b_dpo_lora_4x1024,
-llama8b_sft_lora_2x4096 (the full 32-layer 8B) and llama8b-L8_grpo_full_16x1024 (GRPO's step at the 8B
-widths) -- and 2 warm-up + 5 timed steps per run instead of 1 + 3.
+llama8b_sft_lora_2x4096 (the full 32-layer 8B), llama8b-L8_grpo_full_16x1024 (GRPO's step at the 8B
+widths) and qwen1.5b_dpo_full_4x1024_sampled (completions of lengths drawn in [C/2, C]: the padded batch that
+pad-free DPO skips; its tokens/s counts the nominal 2 x 4 x 1024 positions) -- and 2 warm-up + 5 timed steps per
+run instead of 1 + 3.
 
 Economy: each model is built (random init, seed 0) once per (family, depth, dtype) and its weights kept as a
 pinned CPU copy (``benchmark.trainer_data.snapshot_weights``); every run loads that copy into a skeleton
@@ -145,6 +147,7 @@ class Case:
     lora: bool = False
     fp32_weights: bool = False  # fp32 weights (master weights) trained with bf16=True autocast
     layers: Optional[int] = None  # cut depth (None: the family's own)
+    sampled_lengths: bool = False  # DPO: each completion's length drawn in [C/2, C] (padding, as real data has)
 
     @property
     def tokens_per_step(self) -> int:
@@ -157,7 +160,7 @@ class Case:
     def tiny(self) -> "Case":
         """The CPU smoke version: the family's tiny shape, 2 layers, batch 2 (GRPO 4), seq 64."""
         return Case(self.name, self.family, self.task, 4 if self.task == "grpo" else 2, 64, self.lora,
-                    self.fp32_weights, None)
+                    self.fp32_weights, None, self.sampled_lengths)
 
 
 DEFAULT_CASES = (
@@ -181,6 +184,8 @@ FULL_EXTRA_CASES = (
     Case("gemma2b_dpo_lora_4x1024", "gemma2-2b", "dpo", 4, 1024, lora=True),
     Case("llama8b_sft_lora_2x4096", "llama3-8b", "sft", 2, 4096, lora=True),
     Case("llama8b-L8_grpo_full_16x1024", "llama3-8b", "grpo", 16, 1024, layers=8),
+    # pad-free's DPO case: completions of sampled lengths, so a batch is padded to its longest row
+    Case("qwen1.5b_dpo_full_4x1024_sampled", "qwen2.5-1.5b", "dpo", 4, 1024, sampled_lengths=True),
 )
 ALL_CASES = {c.name: c for c in DEFAULT_CASES + FULL_EXTRA_CASES}
 
@@ -637,7 +642,7 @@ def make_dataset(case: Case, vocab: int, n: int):
         return data.sft_dataset(n, case.seq, vocab, seed=1)
     if case.task == "grpo":
         return data.prompt_dataset(n, grpo_lengths(case)[0], vocab, seed=1)
-    return data.dpo_dataset(n, case.seq, vocab, seed=1)
+    return data.dpo_dataset(n, case.seq, vocab, seed=1, sampled_lengths=case.sampled_lengths)
 
 
 def make_trainer(case: Case, provider: str, model, ref_model, args, dataset, tokenizer, callback, *,

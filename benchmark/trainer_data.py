@@ -209,19 +209,26 @@ def _text(ids: list[int]) -> str:
     return " ".join(f"w{i}" for i in ids)
 
 
-def dpo_dataset(n: int, seq: int, vocab_size: int, *, seed: int = 0):
-    """``n`` preference rows; prompt ``seq // 4`` tokens, chosen/rejected ``seq - seq // 4`` tokens with EOS."""
+def dpo_dataset(n: int, seq: int, vocab_size: int, *, seed: int = 0, sampled_lengths: bool = False):
+    """``n`` preference rows; prompt ``seq // 4`` tokens, chosen/rejected ``seq - seq // 4`` tokens with EOS
+    (``sampled_lengths``: each completion's words drawn in ``[C/2, C]``, so batches carry padding)."""
     from datasets import Dataset
 
     gen = torch.Generator().manual_seed(seed)
     prompt_len = seq // 4
     completion_words = seq - prompt_len - 1  # TRL appends "</s>"
+
+    def words() -> int:
+        if not sampled_lengths:
+            return completion_words
+        return int(torch.randint(completion_words // 2, completion_words + 1, (1,), generator=gen))
+
     rows = []
     for _ in range(n):
         rows.append({
             "prompt": _text(_ids(gen, prompt_len, vocab_size)),
-            "chosen": " " + _text(_ids(gen, completion_words, vocab_size)),
-            "rejected": " " + _text(_ids(gen, completion_words, vocab_size)),
+            "chosen": " " + _text(_ids(gen, words(), vocab_size)),
+            "rejected": " " + _text(_ids(gen, words(), vocab_size)),
         })
     return Dataset.from_list(rows)
 
