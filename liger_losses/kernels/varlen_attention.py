@@ -61,12 +61,17 @@ def flash_usable(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) ->
 
 
 def reference_varlen_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                               cu_seqlens: torch.Tensor, *, scale=None, dropout_p: float = 0.0) -> torch.Tensor:
-    """The reference path: one causal ``scaled_dot_product_attention`` per sequence (key/value heads repeated)."""
+                               cu_seqlens: torch.Tensor, *, scale=None, dropout_p: float = 0.0,
+                               max_seqlen=None) -> torch.Tensor:
+    """The reference path: one causal ``scaled_dot_product_attention`` per sequence (key/value heads repeated);
+    ``cu_seqlens`` read on the host once, checked (and against ``max_seqlen`` when given)."""
     group = query.shape[1] // key.shape[1]
     bounds = cu_seqlens.tolist()
     if bounds[0] != 0 or bounds[-1] != query.shape[0] or any(b < a for a, b in zip(bounds, bounds[1:])):
         raise ValueError(f"cu_seqlens must rise from 0 to N = {query.shape[0]}, got {bounds}")
+    longest = max(b - a for a, b in zip(bounds, bounds[1:]))
+    if max_seqlen is not None and longest > max_seqlen:
+        raise ValueError(f"max_seqlen ({max_seqlen}) is below the longest sequence ({longest})")
     outputs = []
     for start, end in zip(bounds[:-1], bounds[1:]):
         if end == start:
@@ -89,7 +94,5 @@ def varlen_causal_attention(query: torch.Tensor, key: torch.Tensor, value: torch
         return torch.ops.aten._flash_attention_forward(
             query, key, value, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, dropout_p, True, False,
             scale=scale)[0]
-    lengths = cu_seqlens.diff()
-    if lengths.numel() and int(lengths.max()) > max_seqlen:
-        raise ValueError(f"max_seqlen ({max_seqlen}) is below the longest sequence ({int(lengths.max())})")
-    return reference_varlen_attention(query, key, value, cu_seqlens, scale=scale, dropout_p=dropout_p)
+    return reference_varlen_attention(query, key, value, cu_seqlens, scale=scale, dropout_p=dropout_p,
+                                      max_seqlen=max_seqlen)

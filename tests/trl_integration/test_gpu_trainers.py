@@ -168,9 +168,7 @@ def _rl_batch(theirs, old_key, padded=False):
     batch = theirs._prepare_inputs(next(iter(theirs.get_train_dataloader())))
     assert batch["completion_mask"].sum() > 0
     if padded:
-        batch["prompt_mask"][2, 0] = 0
-        batch["completion_mask"][0, 5:] = 0
-        batch["completion_mask"][1, 2:] = 0
+        grpo_tests.pad_rl_batch(batch)
     g = torch.Generator().manual_seed(0)
     old, adv = batch[old_key], batch["advantages"]
     batch[old_key] = old + torch.randn(old.shape, generator=g).to(old.device)

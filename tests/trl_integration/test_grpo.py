@@ -75,6 +75,15 @@ def _batch(trainer, seed=0):
     return batch
 
 
+def pad_rl_batch(batch):
+    """``batch`` with padding for the pad-free path to drop: a left-padded prompt (row 2) and two completions
+    ending early (rows 0 and 1); in place, returned."""
+    batch["prompt_mask"][2, 0] = 0
+    batch["completion_mask"][0, 5:] = 0
+    batch["completion_mask"][1, 2:] = 0
+    return batch
+
+
 def _step0(trainer, batch):
     """Loss and logged metrics of one compute_loss call (metrics cleared; the accumulation steps the
     Trainer sets in train() default to the config's)."""
@@ -121,10 +130,7 @@ def test_step0_parity_pad_free(tok, tmp_path, monkeypatch, cfg):
     CPU's reference attention): loss, metrics and gradients equal TRL's padded step (rel <= 1e-4)."""
     monkeypatch.setenv("LIGER_LOSSES_PAD_FREE", "1")
     theirs, ours = _pair(tok, tmp_path, **cfg)
-    batch = _batch(theirs)
-    batch["prompt_mask"][2, 0] = 0  # a left-padded prompt, completions ending early: padding to drop
-    batch["completion_mask"][0, 5:] = 0
-    batch["completion_mask"][1, 2:] = 0
+    batch = pad_rl_batch(_batch(theirs))
     calls = varlen_call_count()
     _check(theirs, ours, batch)
     assert varlen_call_count() - calls == ours.model.config.num_hidden_layers

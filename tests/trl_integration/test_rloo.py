@@ -14,7 +14,7 @@ trl = pytest.importorskip("trl")
 from liger_losses.patching.pad_free import varlen_call_count  # noqa: E402
 from liger_losses.trl_integration import RLOOTrainer  # noqa: E402
 
-from .test_grpo import _assert_logs_match, _dataset, _reward_len, _step0  # noqa: E402
+from .test_grpo import _assert_logs_match, _dataset, _reward_len, _step0, pad_rl_batch  # noqa: E402
 from .utils import assert_grads_match, assert_metrics_match, build_tiny_model, rel, trl_config  # noqa: E402
 
 TOL = 1e-4
@@ -58,10 +58,7 @@ def test_step0_parity_pad_free(tok, tmp_path, monkeypatch):
     theirs, ours = _pair(tok, tmp_path, epsilon_high=0.28)
     torch.manual_seed(0)
     theirs.model.train()
-    batch = theirs._prepare_inputs(next(iter(theirs.get_train_dataloader())))
-    batch["prompt_mask"][2, 0] = 0
-    batch["completion_mask"][0, 5:] = 0
-    batch["completion_mask"][1, 2:] = 0
+    batch = pad_rl_batch(theirs._prepare_inputs(next(iter(theirs.get_train_dataloader()))))
     calls = varlen_call_count()
     loss_t, m_t = _step0(theirs, batch)
     loss_o, m_o = _step0(ours, batch)
