@@ -41,9 +41,16 @@ from torch import nn
 from ..kernels.utils import env_switch
 from ..kernels.varlen_attention import flash_supported, varlen_causal_attention
 
-# model types whose decoder layers pass their keywords to transformers' attention function and whose
-# attention is plain causal attention (no softcap, no attention sinks, no bias beyond RoPE)
-PAD_FREE_MODEL_TYPES = frozenset({"llama", "mistral", "qwen2", "qwen3"})
+# model types whose decoder layers pass their keywords to transformers' attention function, whose attention is
+# plain causal attention (no softcap, no attention sinks, no bias beyond RoPE) and whose other layers act on each
+# token alone (MoE routing included): each one's packed call equals its padded one in tests/patching/test_pad_free.py.
+# Not here: Gemma-2 and GPT-OSS (a softcap / sinks; transformers gives them no SDPA), Llama-4 (chunked attention,
+# and an attention temperature that reads the call's cache positions), DeepSeek-V3 (MLA: value heads narrower than
+# the query/key heads).
+PAD_FREE_MODEL_TYPES = frozenset({
+    "llama", "mistral", "ministral", "qwen2", "qwen3", "gemma", "gemma3_text", "phi3", "olmo2", "olmo3", "glm4",
+    "granite", "smollm3", "exaone4", "mixtral", "qwen2_moe", "qwen3_moe",
+})
 _PLAIN_KEYS = frozenset({"input_ids", "attention_mask", "position_ids", "use_cache", "return_dict"})
 
 
@@ -60,12 +67,17 @@ def _routed(sdpa):
         max_seqlen = kwargs.pop("liger_max_seqlen", None)
         if cu_seqlens is None:
             return sdpa(module, query, key, value, attention_mask, *args, **kwargs)
-        window = kwargs.get("sliding_window")
+        # what transformers' SDPA function reads of its keywords (it ignores the rest, so the padded call does too):
+        # the varlen attention serves dropout and scaling, not a position bias, a softcap or non-causal attention;
+        # a sliding window lives in the padded call's mask, so the packed row must not reach it
+        window, causal = kwargs.get("sliding_window"), kwargs.get("is_causal")
+        causal = getattr(module, "is_causal", True) if causal is None else causal
         if (args or attention_mask is not None or query.shape[0] != 1 or kwargs.get("softcap") is not None
-                or not getattr(module, "is_causal", True) or (window is not None and window < max_seqlen)):
+                or kwargs.get("position_bias") is not None or not causal
+                or (window is not None and window < max_seqlen)):
             raise RuntimeError(f"{type(module).__name__}: the packed (pad-free) call reached an attention it cannot "
-                               "serve (a mask, a softcap, a sliding window or non-causal attention); set "
-                               "LIGER_LOSSES_PAD_FREE=0")
+                               "serve (a mask, a position bias, a softcap, a sliding window or non-causal attention); "
+                               "set LIGER_LOSSES_PAD_FREE=0")
         device = query.device.type
         if torch.is_autocast_enabled(device):  # as SDPA runs under autocast: in the autocast dtype
             dtype = torch.get_autocast_dtype(device)

@@ -20,6 +20,7 @@ from typing import Any, Dict, Optional, Tuple
 import torch
 from torch import nn
 
+from ..patching.pad_free import pack_batch
 from .base import unwrap_causal_lm
 
 # where a family keeps its expert count and top-k: the causal LM's own attributes (what its forward passes to the
@@ -70,13 +71,19 @@ def router_aux_loss(model: nn.Module, router_logits, attention_mask) -> torch.Te
     return load_balancing_loss_func(router_logits, experts, top_k, attention_mask)
 
 
-def backbone_hidden_and_router_aux(model: nn.Module, backbone: nn.Module,
-                                   model_kwargs: Dict[str, Any]) -> Tuple[torch.Tensor, torch.Tensor]:
+def backbone_hidden_and_router_aux(model: nn.Module, backbone: nn.Module, model_kwargs: Dict[str, Any],
+                                   read_mask: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, torch.Tensor]:
     """``(last hidden states [B, T, H], aux_loss)`` of ``backbone`` -- ``model``'s, as the trainer calls it
-    (``LigerTrainerMixin._liger_backbone``: compiled when the model is) -- run with its router logits."""
-    outputs = backbone(**model_kwargs, output_router_logits=True)
-    aux = router_aux_loss(model, outputs.router_logits, model_kwargs.get("attention_mask"))
-    return outputs.last_hidden_state, aux
+    (``LigerTrainerMixin._liger_backbone``: compiled when the model is) -- run with its router logits; on the
+    attended tokens alone where ``read_mask [B, T]`` (what the loss reads) lets
+    :func:`~..patching.pad_free.pack_batch` pack them. Packed, the router logits are the attended tokens' and
+    the packed row's mask is all ones, so the balance is over the tokens the padded call's mask counts."""
+    packed = None if read_mask is None else pack_batch(backbone, model_kwargs, read_mask)
+    kwargs = model_kwargs if packed is None else packed.kwargs
+    outputs = backbone(**kwargs, output_router_logits=True)
+    aux = router_aux_loss(model, outputs.router_logits, kwargs.get("attention_mask"))
+    hidden = outputs.last_hidden_state
+    return (hidden if packed is None else packed.unpack(hidden)), aux
 
 
 def policy_hidden_and_router_aux(trainer, model: nn.Module, model_kwargs: Dict[str, Any], *,
@@ -84,13 +91,13 @@ def policy_hidden_and_router_aux(trainer, model: nn.Module, model_kwargs: Dict[s
                                  ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
     """``(last hidden states [B, T, H], aux_loss or None)``: with the router logits when the aux loss is
     served (``enabled``, default TRL's rule ``trainer.aux_loss_enabled``), else the trainer's plain backbone
-    forward (no router logits asked for; pad-free where ``read_mask``, the positions the loss reads, allows:
-    ``LigerTrainerMixin._liger_backbone_hidden``)."""
+    forward (no router logits asked for: ``LigerTrainerMixin._liger_backbone_hidden``); either pad-free where
+    ``read_mask``, the positions the loss reads, allows."""
     if trainer.aux_loss_enabled if enabled is None else enabled:
         trainer._liger_check_logits(model, model_kwargs)
         # torch's checkpoint form here, not the lean one: transformers collects the router logits with forward hooks
         # inside the layers, and a layer run under no grad would hand the aux loss logits without a graph
-        return backbone_hidden_and_router_aux(model, trainer._liger_backbone(model), model_kwargs)
+        return backbone_hidden_and_router_aux(model, trainer._liger_backbone(model), model_kwargs, read_mask)
     return trainer._liger_backbone_hidden(model, model_kwargs, read_mask), None
 
 

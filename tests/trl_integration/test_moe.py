@@ -15,9 +15,10 @@ numbers within 1e-3 (the issue's bar for trainer parity).
 import pytest
 import torch
 
+from liger_losses.patching.pad_free import varlen_call_count
 from liger_losses.trl_integration import DPOTrainer, GRPOTrainer, KTOTrainer, RLOOTrainer, SFTTrainer
 
-from .test_grpo import _assert_logs_match, _batch, _config, _dataset, _reward_len, _step0
+from .test_grpo import _assert_logs_match, _batch, _config, _dataset, _reward_len, _step0, pad_rl_batch
 from .test_kto import kto_config, unpaired_dataset
 from .utils import (
     PAIRS,
@@ -191,6 +192,34 @@ def test_grpo_step0_parity_with_router_aux_loss(tok, tmp_path, cfg):
         t.current_gradient_accumulation_steps = 2
     m_t, loss_t = _check_rl_step(theirs, ours, _batch(theirs))
     assert AUX_COEF * m_t["aux_loss"] / 2 > 1e-3 * max(abs(float(loss_t.detach())), 1.0)  # the aux term shows
+
+
+def test_grpo_step0_parity_pad_free_with_router_aux_loss(tok, tmp_path, monkeypatch):
+    """Forced pad-free (the CPU's reference attention) with the aux loss: the policy's call packed, so its router
+    logits are the attended tokens' alone and the balance counts the tokens TRL's padding mask counts; loss, every
+    metric (aux_loss included) and every gradient equal TRL's padded step (rel <= 1e-4)."""
+    monkeypatch.setenv("LIGER_LOSSES_PAD_FREE", "1")
+    theirs, ours = _rl_pair(GRPOTrainer, tok, tmp_path, lambda d: _config(d, loss_type="grpo", beta=0.04))
+    batch = pad_rl_batch(_batch(theirs))
+    calls = varlen_call_count()
+    m_t, _ = _check_rl_step(theirs, ours, batch)
+    assert varlen_call_count() - calls == ours.model.config.num_hidden_layers
+    assert m_t["aux_loss"] > 0
+
+
+def test_dpo_step0_parity_pad_free_with_router_aux_loss(tok, tmp_path, monkeypatch):
+    """Forced pad-free DPO with a reference model and the aux loss: the policy's and the reference's calls packed;
+    loss, every metric (aux_loss included) and every gradient equal TRL's padded step (rel <= 1e-4)."""
+    monkeypatch.setenv("LIGER_LOSSES_PAD_FREE", "1")
+    models = [tiny_moe(tok, seed=0), tiny_moe(tok, seed=1)]
+    theirs, ours = make_pair(DPOTrainer, models, lambda d: dpo_config(d), tmp_path,
+                             lambda: preference_dataset(PAIRS), processing_class=tok)
+    batch = first_batch(theirs)
+    assert not batch["attention_mask"].bool().all()  # padding to skip
+    calls = varlen_call_count()
+    m_t, _ = check_compute_loss(theirs, ours, TOL, batch=batch)
+    assert varlen_call_count() - calls == 2 * ours.model.config.num_hidden_layers  # policy and reference
+    assert m_t["aux_loss"] > 0
 
 
 def test_grpo_training_parity_with_router_aux_loss(tok, tmp_path):
