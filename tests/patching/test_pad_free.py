@@ -24,6 +24,7 @@ from liger_losses.patching.pad_free import (  # noqa: E402
     pad_free_reason,
     varlen_call_count,
 )
+from tests.helpers import rel_err  # noqa: E402
 
 from .tiny_models import randomize_, tiny_config  # noqa: E402
 
@@ -66,7 +67,7 @@ def _batch(vocab, seed=0):
 
 def _loss(hidden, mask, seed=1):
     g = torch.Generator().manual_seed(seed)
-    probe = torch.randn(hidden.shape, generator=g, dtype=hidden.dtype)
+    probe = torch.randn(hidden.shape, generator=g, dtype=hidden.dtype).to(hidden.device)
     return (hidden * probe * mask[..., None]).sum()
 
 
@@ -105,6 +106,37 @@ def test_packed_call_equals_the_padded_call(model_type, variant):
     assert got.keys() == want.keys()
     for name in want:
         assert (got[name] - want[name]).abs().max() <= tol * max(1.0, want[name].abs().max()), name
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("model_type", FAMILIES)
+def test_packed_call_flash_cuda_bf16(model_type, monkeypatch):
+    """On CUDA in bf16, pad-free by default: the packed call takes the flash varlen kernel (never the reference
+    attention) and its hidden states and parameter gradients are within 2e-2 of the padded call's (two bf16
+    attention kernels and bf16 layers in another summation order)."""
+    if not torch.cuda.is_available():
+        pytest.skip("the flash varlen attention needs CUDA")
+    from liger_losses.kernels import varlen_attention
+
+    monkeypatch.delenv("LIGER_LOSSES_PAD_FREE")
+
+    def no_reference(*args, **kwargs):
+        raise AssertionError("the packed call took the reference attention, not the flash kernel")
+
+    monkeypatch.setattr(varlen_attention, "reference_varlen_attention", no_reference)
+    model = _model(model_type).to("cuda", torch.bfloat16)
+    kwargs = {k: v.cuda() if torch.is_tensor(v) else v for k, v in _batch(model.config.vocab_size).items()}
+    mask = kwargs["attention_mask"].bool()
+    padded = model.model(**kwargs).last_hidden_state
+    want = _grads(model, _loss(padded.float(), mask))
+    packed = pack_batch(model.model, kwargs, mask)
+    assert packed is not None
+    hidden = packed.unpack(model.model(**packed.kwargs).last_hidden_state)
+    got = _grads(model, _loss(hidden.float(), mask))
+    assert rel_err(hidden[mask], padded[mask]) <= 2e-2
+    assert got.keys() == want.keys()
+    for name in want:
+        assert rel_err(got[name], want[name]) <= 2e-2, name
 
 
 def test_explicit_position_ids_are_gathered():
