@@ -1,12 +1,14 @@
 """Causal attention over packed sequences of different lengths (variable-length, "varlen").
 
-``varlen_causal_attention(query, key, value, cu_seqlens, max_seqlen, *, scale=None, dropout_p=0.0)``:
+``varlen_causal_attention(query, key, value, cu_seqlens, max_seqlen, *, scale=None, dropout_p=0.0, window=None)``:
 ``query [N, Hq, D]``, ``key``/``value [N, Hkv, D]`` with ``Hq % Hkv == 0`` (grouped-query attention: query
 head ``h`` reads key/value head ``h // (Hq // Hkv)``), the ``N`` tokens of ``S`` sequences laid end to end;
 ``cu_seqlens`` int32 ``[S + 1]``, the sequences' start offsets and ``N`` last (``cu_seqlens[s]`` to
 ``cu_seqlens[s + 1]`` is sequence ``s``; an empty one is allowed); ``max_seqlen``, an upper bound of their
 lengths. Returns ``[N, Hq, D]`` in the query's dtype: every token attends causally to the earlier tokens of
-its own sequence only, ``softmax(scale * q k^T) v`` (``scale`` defaults to ``D ** -0.5``). Differentiable.
+its own sequence only, ``softmax(scale * q k^T) v`` (``scale`` defaults to ``D ** -0.5``); with ``window``
+(a positive int) only the ``window`` latest of them, itself included (key ``j`` of query ``i`` when
+``i - window < j <= i``: transformers' sliding window). Differentiable.
 
 Why: a padded batch run this way attends without a mask, so the key/value heads are read as they are (the
 masked form copies them out ``Hq / Hkv`` times for the memory-efficient kernel) and the padding is not
@@ -25,7 +27,7 @@ import torch.nn.functional as F
 
 
 def _check(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cu_seqlens: torch.Tensor,
-           max_seqlen: int) -> None:
+           max_seqlen: int, window) -> None:
     if query.dim() != 3 or key.dim() != 3 or value.dim() != 3:
         raise ValueError(f"query, key and value must be [N, heads, D], got {tuple(query.shape)}, "
                          f"{tuple(key.shape)}, {tuple(value.shape)}")
@@ -40,6 +42,8 @@ def _check(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cu_seqle
                          f"{tuple(cu_seqlens.shape)}")
     if not isinstance(max_seqlen, int) or max_seqlen < 1:
         raise ValueError(f"max_seqlen must be a positive int, got {max_seqlen!r}")
+    if window is not None and (not isinstance(window, int) or isinstance(window, bool) or window < 1):
+        raise ValueError(f"window must be None or a positive int, got {window!r}")
 
 
 def flash_supported(device: torch.device, dtype: torch.dtype, head_dim: int) -> bool:
@@ -62,9 +66,10 @@ def flash_usable(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) ->
 
 def reference_varlen_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                                cu_seqlens: torch.Tensor, *, scale=None, dropout_p: float = 0.0,
-                               max_seqlen=None) -> torch.Tensor:
-    """The reference path: one causal ``scaled_dot_product_attention`` per sequence (key/value heads repeated);
-    ``cu_seqlens`` read on the host once, checked (and against ``max_seqlen`` when given)."""
+                               max_seqlen=None, window=None) -> torch.Tensor:
+    """The reference path: one causal ``scaled_dot_product_attention`` per sequence (key/value heads repeated;
+    a sequence longer than ``window`` with the window's mask); ``cu_seqlens`` read on the host once, checked (and
+    against ``max_seqlen`` when given)."""
     group = query.shape[1] // key.shape[1]
     bounds = cu_seqlens.tolist()
     if bounds[0] != 0 or bounds[-1] != query.shape[0] or any(b < a for a, b in zip(bounds, bounds[1:])):
@@ -79,20 +84,30 @@ def reference_varlen_attention(query: torch.Tensor, key: torch.Tensor, value: to
         q, k, v = (t[start:end].transpose(0, 1) for t in (query, key, value))
         if group > 1:
             k, v = k.repeat_interleave(group, dim=0), v.repeat_interleave(group, dim=0)
-        out = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True, scale=scale)
+        if window is not None and end - start > window:
+            steps = torch.arange(end - start, device=q.device)
+            back = steps[:, None] - steps[None, :]  # query index - key index
+            mask = (back >= 0) & (back < window)
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p, scale=scale)
+        else:
+            out = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True, scale=scale)
         outputs.append(out.transpose(0, 1))
     return torch.cat(outputs) if outputs else query.new_zeros(query.shape)
 
 
 def varlen_causal_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cu_seqlens: torch.Tensor,
-                            max_seqlen: int, *, scale=None, dropout_p: float = 0.0) -> torch.Tensor:
+                            max_seqlen: int, *, scale=None, dropout_p: float = 0.0, window=None) -> torch.Tensor:
     """See the module docstring."""
-    _check(query, key, value, cu_seqlens, max_seqlen)
+    _check(query, key, value, cu_seqlens, max_seqlen, window)
+    if window is not None and window >= max_seqlen:
+        window = None  # no sequence is longer: plain causal attention
     if flash_usable(query, key, value):  # the kernel trusts cu_seqlens and max_seqlen: the caller's contract
         cu_seqlens = cu_seqlens.to(query.device)
-        # positional: the schema's leading arguments are the same from torch 2.1 to 2.13
+        # positional: the schema's leading arguments are the same from torch 2.1 to 2.13; the window's keywords
+        # (keys i - left .. i + right of query i) are in it since torch 2.5
+        sides = {} if window is None else dict(window_size_left=window - 1, window_size_right=0)
         return torch.ops.aten._flash_attention_forward(
             query, key, value, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, dropout_p, True, False,
-            scale=scale)[0]
+            scale=scale, **sides)[0]
     return reference_varlen_attention(query, key, value, cu_seqlens, scale=scale, dropout_p=dropout_p,
-                                      max_seqlen=max_seqlen)
+                                      max_seqlen=max_seqlen, window=window)

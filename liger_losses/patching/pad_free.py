@@ -24,7 +24,10 @@ that does not pass the keywords would have attended across sequences).
 ``LIGER_LOSSES_PAD_FREE``: unset, on where torch's flash varlen kernel serves the step (CUDA sm80+, bf16/fp16
 compute dtype, head size a multiple of 8 up to 256); ``0`` off; ``1`` on wherever the model qualifies (on the
 CPU with the reference attention: how the tests run it). Refused also for dynamic/longrope RoPE (their
-frequencies follow the call's largest position) and where the packed row would reach a sliding window.
+frequencies follow the call's largest position), dropout or router noise in training, bidirectional attention,
+and where the packed row would reach a sliding window, unless the model takes a per-layer-type mask map
+(:func:`serves_window`: Gemma-3, OLMo-3, Ministral, EXAONE-4, SmolLM3, Qwen2/3) and every row's attended tokens
+are contiguous: then the packed row gets no mask and the varlen kernel serves the window.
 """
 
 from __future__ import annotations
@@ -54,8 +57,15 @@ PAD_FREE_MODEL_TYPES = frozenset({
 _PLAIN_KEYS = frozenset({"input_ids", "attention_mask", "position_ids", "use_cache", "return_dict"})
 
 
+# model types whose backbone takes a per-layer-type mask map (``{"full_attention": None, "sliding_attention":
+# None}`` builds no mask) and whose sliding layers hand the attention their ``sliding_window``: a window the packed
+# row reaches is served by the varlen kernel (Qwen2-MoE's sliding layers do not pass the window: not here)
+_WINDOW_MODEL_TYPES = frozenset({"gemma3_text", "olmo3", "ministral", "exaone4", "smollm3", "qwen2", "qwen3"})
+
+
 class _Route(threading.local):
     varlen_calls = 0  # attention calls that took the varlen path (unpack checks the count)
+    windowed_calls = 0  # of which with a sliding window
 
 
 _ROUTE = _Route()
@@ -69,23 +79,23 @@ def _routed(sdpa):
             return sdpa(module, query, key, value, attention_mask, *args, **kwargs)
         # what transformers' SDPA function reads of its keywords (it ignores the rest, so the padded call does too):
         # the varlen attention serves dropout and scaling, not a position bias, a softcap or non-causal attention;
-        # a sliding window lives in the padded call's mask, so the packed row must not reach it
+        # a sliding window, which the padded call's mask holds, is the varlen kernel's (pack_batch decides when)
         window, causal = kwargs.get("sliding_window"), kwargs.get("is_causal")
         causal = getattr(module, "is_causal", True) if causal is None else causal
         if (args or attention_mask is not None or query.shape[0] != 1 or kwargs.get("softcap") is not None
-                or kwargs.get("position_bias") is not None or not causal
-                or (window is not None and window < max_seqlen)):
+                or kwargs.get("position_bias") is not None or not causal):
             raise RuntimeError(f"{type(module).__name__}: the packed (pad-free) call reached an attention it cannot "
-                               "serve (a mask, a position bias, a softcap, a sliding window or non-causal attention); "
+                               "serve (a mask, a position bias, a softcap or non-causal attention); "
                                "set LIGER_LOSSES_PAD_FREE=0")
         device = query.device.type
         if torch.is_autocast_enabled(device):  # as SDPA runs under autocast: in the autocast dtype
             dtype = torch.get_autocast_dtype(device)
             query, key, value = query.to(dtype), key.to(dtype), value.to(dtype)
         _ROUTE.varlen_calls += 1
+        _ROUTE.windowed_calls += window is not None
         q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))  # [N, heads, D]
         out = varlen_causal_attention(q, k, v, cu_seqlens, max_seqlen, scale=kwargs.get("scaling"),
-                                      dropout_p=kwargs.get("dropout", 0.0))
+                                      dropout_p=kwargs.get("dropout", 0.0), window=window)
         return out.unsqueeze(0), None  # [1, N, Hq, D], as transformers' attention functions return
 
     attention.liger_sdpa = sdpa
@@ -127,12 +137,15 @@ def pad_free_reason(backbone: nn.Module, model_kwargs: Dict[str, Any]) -> str:
             or mask.shape != ids.shape or model_kwargs.get("use_cache"):
         return "not input_ids [B, T] with a 2-D attention_mask of its shape and no cache"
     window = sliding_window(config)
-    if window is not None and window <= ids.shape[1]:
+    if window is not None and window <= ids.shape[1] and not serves_window(config):
         return f"a sliding window ({window}) no longer than the batch ({ids.shape[1]} tokens)"
+    if getattr(config, "use_bidirectional_attention", False):
+        return "bidirectional attention"
     if backbone.training and _has_dropout(backbone):
-        return "dropout in training (the packed call would draw other random numbers than the padded one)"
+        return "dropout or router noise in training (the packed call would draw other random numbers than the padded)"
     rope = getattr(getattr(backbone, "rotary_emb", None), "rope_type", "") or ""
-    if "dynamic" in rope or "longrope" in rope:  # their frequencies follow the largest position in the call
+    kinds = rope.values() if isinstance(rope, dict) else (rope,)  # Gemma-3, OLMo-3: one type per layer type
+    if any("dynamic" in kind or "longrope" in kind for kind in kinds):  # frequencies follow the call's largest position
         return f"RoPE type {rope!r}"
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     if mode is None and not flash_supported(ids.device, _compute_dtype(backbone, ids.device), head_dim):
@@ -145,18 +158,29 @@ _DROPOUT = weakref.WeakKeyDictionary()  # backbone -> whether its layers drop ou
 
 
 def _has_dropout(backbone: nn.Module) -> bool:
-    """Whether ``backbone`` holds a dropout with p > 0 (an ``nn.Dropout``, e.g. PEFT's ``lora_dropout``) or an
-    attention with ``attention_dropout > 0``; decided at its first packed step."""
+    """Whether ``backbone`` holds a dropout with p > 0 (an ``nn.Dropout``, e.g. PEFT's ``lora_dropout``), an
+    attention with ``attention_dropout > 0`` or an MoE block with router ``jitter_noise > 0`` (Mixtral's, drawn in the
+    call's shape); decided at its first packed step."""
     if backbone not in _DROPOUT:
         _DROPOUT[backbone] = any(
             (isinstance(m, nn.Dropout) and m.p > 0) or float(getattr(m, "attention_dropout", 0.0) or 0.0) > 0
-            for m in backbone.modules())
+            or float(getattr(m, "jitter_noise", 0.0) or 0.0) > 0 for m in backbone.modules())
     return _DROPOUT[backbone]
 
 
 def sliding_window(config) -> Optional[int]:
     """The attention window of ``config`` (None: full attention; Qwen's ``use_sliding_window=False`` too)."""
     return getattr(config, "sliding_window", None) if getattr(config, "use_sliding_window", True) else None
+
+
+def _sliding_layers(config) -> int:
+    return sum(kind == "sliding_attention" for kind in (getattr(config, "layer_types", None) or ()))
+
+
+def serves_window(config) -> bool:
+    """Whether a packed call of ``config``'s model serves its sliding window in the varlen kernel (a mask map, and
+    layer types that say which layers slide), so that a packed row may reach the window."""
+    return getattr(config, "model_type", None) in _WINDOW_MODEL_TYPES and _sliding_layers(config) > 0
 
 
 @dataclasses.dataclass
@@ -168,15 +192,20 @@ class PackedBatch:
     order: torch.Tensor
     shape: Tuple[int, int]
     layers: int
-    calls_before: int
+    calls_before: Tuple[int, int]  # the route's (varlen, windowed) counts before the call
+    sliding_layers: Optional[int] = None  # where the varlen kernel serves the window: the layers that must take it
 
     def unpack(self, hidden: torch.Tensor) -> torch.Tensor:
         """``hidden [1, N, H]`` of the packed call -> ``[B, T, H]``, zeros at the padding (differentiable)."""
-        calls = _ROUTE.varlen_calls - self.calls_before
+        calls = _ROUTE.varlen_calls - self.calls_before[0]
         if calls != self.layers:
             raise RuntimeError(f"the packed (pad-free) call ran {calls} varlen attention calls for {self.layers} "
                                "layers: the model did not pass the packing to every attention; set "
                                "LIGER_LOSSES_PAD_FREE=0")
+        windowed = _ROUTE.windowed_calls - self.calls_before[1]
+        if self.sliding_layers is not None and windowed != self.sliding_layers:
+            raise RuntimeError(f"the packed (pad-free) call ran {windowed} windowed attention calls for "
+                               f"{self.sliding_layers} sliding layers: set LIGER_LOSSES_PAD_FREE=0")
         batch, length = self.shape
         full = hidden.new_zeros(batch * length, hidden.shape[-1]).index_copy(0, self.order, hidden[0])
         return full.view(batch, length, hidden.shape[-1])
@@ -191,23 +220,35 @@ def pack_batch(backbone: nn.Module, model_kwargs: Dict[str, Any],
     if read_mask.shape != mask.shape:
         raise ValueError(f"read_mask must be [B, T] = {tuple(mask.shape)}, got {tuple(read_mask.shape)}")
     keep, read_mask = mask.bool(), read_mask.to(mask.device)
+    batch, length = ids.shape
     counts = keep.sum(1, dtype=torch.int32)
-    total, longest, unattended_reads = torch.stack(  # one host read
-        [counts.sum(dtype=torch.int32), counts.max(), (read_mask.bool() & ~keep).sum(dtype=torch.int32)]).tolist()
-    window = sliding_window(backbone.config)  # transformers builds an [N, N] mask for a window the packed row reaches
-    if total in (0, keep.numel()) or unattended_reads or (window is not None and window <= total):
+    steps = torch.arange(length, device=keep.device, dtype=torch.int32)
+    spans = (torch.where(keep, steps, -1).amax(1) - torch.where(keep, steps, length).amin(1) + 1).clamp(min=0)
+    total, longest, unattended_reads, holes = torch.stack(  # one host read
+        [counts.sum(dtype=torch.int32), counts.max(), (read_mask.bool() & ~keep).sum(dtype=torch.int32),
+         (spans - counts).sum(dtype=torch.int32)]).tolist()
+    if total in (0, keep.numel()) or unattended_reads:
+        return None
+    config = backbone.config
+    window = sliding_window(config)
+    windowed = window is not None and window <= total
+    # a window the packed row reaches: transformers would build the row an [N, N] windowed mask, so the varlen kernel
+    # serves it instead, where the model takes a mask map; the padded call's window counts padded positions, so a
+    # row's attended tokens must be contiguous (left or right padding, no holes) for the windows to be the same
+    if windowed and (not serves_window(config) or holes):
         return None
     install()
-    batch, length = ids.shape
     order = torch.sort((~keep).flatten().to(torch.uint8), stable=True).indices[:total]  # attended, row-major
     positions = model_kwargs.get("position_ids")
     if positions is None:
         positions = torch.arange(length, device=ids.device)
     positions = positions.expand(batch, length).flatten()[order]
+    packed_mask = {"full_attention": None, "sliding_attention": None} if windowed else mask.new_ones(1, total)
     kwargs = dict(model_kwargs, input_ids=ids.flatten()[order][None], position_ids=positions[None],
-                  attention_mask=mask.new_ones(1, total), liger_max_seqlen=int(longest),
+                  attention_mask=packed_mask, liger_max_seqlen=int(longest),
                   liger_cu_seqlens=F.pad(counts.cumsum(0, dtype=torch.int32), (1, 0)))
-    return PackedBatch(kwargs, order, (batch, length), int(backbone.config.num_hidden_layers), _ROUTE.varlen_calls)
+    return PackedBatch(kwargs, order, (batch, length), int(config.num_hidden_layers),
+                       (_ROUTE.varlen_calls, _ROUTE.windowed_calls), _sliding_layers(config) if windowed else None)
 
 
 def completion_read_mask(attention_mask: torch.Tensor, start: int, labels: torch.Tensor,

@@ -76,12 +76,12 @@ def backbone_hidden_and_router_aux(model: nn.Module, backbone: nn.Module, model_
     """``(last hidden states [B, T, H], aux_loss)`` of ``backbone`` -- ``model``'s, as the trainer calls it
     (``LigerTrainerMixin._liger_backbone``: compiled when the model is) -- run with its router logits; on the
     attended tokens alone where ``read_mask [B, T]`` (what the loss reads) lets
-    :func:`~..patching.pad_free.pack_batch` pack them. Packed, the router logits are the attended tokens' and
-    the packed row's mask is all ones, so the balance is over the tokens the padded call's mask counts."""
+    :func:`~..patching.pad_free.pack_batch` pack them. Packed, the router logits are the attended tokens' alone
+    (no mask: each counts), so the balance is over the tokens the padded call's mask counts."""
     packed = None if read_mask is None else pack_batch(backbone, model_kwargs, read_mask)
     kwargs = model_kwargs if packed is None else packed.kwargs
     outputs = backbone(**kwargs, output_router_logits=True)
-    aux = router_aux_loss(model, outputs.router_logits, kwargs.get("attention_mask"))
+    aux = router_aux_loss(model, outputs.router_logits, model_kwargs.get("attention_mask") if packed is None else None)
     hidden = outputs.last_hidden_state
     return (hidden if packed is None else packed.unpack(hidden)), aux
 

@@ -1,8 +1,9 @@
 """``kernels/varlen_attention.py``: causal attention over packed sequences against a float64 formula.
 
 The formula is the masked one a padded batch uses: one ``[N, N]`` score matrix per head with every
-pair outside "same sequence, key not after query" set to -inf, then softmax and the value sum, with
-each query head reading key/value head ``h // group``. The reference path (per-sequence SDPA) must
+pair outside "same sequence, key not after query" (and, with a sliding window ``w``, "query - key < w",
+transformers' window) set to -inf, then softmax and the value sum, with each query head reading
+key/value head ``h // group``. The reference path (per-sequence SDPA) must
 match it to 1e-12 in float64 (the same math in another order), forward and every input gradient.
 On the GPU (``-m gpu``) the flash varlen path in bf16 must match the float64 formula to 1e-2
 relative (bf16's 8 bits of mantissa in the inputs and the output), gradients included.
@@ -19,7 +20,7 @@ from liger_losses.kernels.varlen_attention import (
 from tests.helpers import rel_err
 
 
-def _formula(query, key, value, cu_seqlens, scale):
+def _formula(query, key, value, cu_seqlens, scale, window=None):
     n, heads, dim = query.shape
     group = heads // key.shape[1]
     seq = torch.zeros(n, dtype=torch.long)
@@ -27,6 +28,8 @@ def _formula(query, key, value, cu_seqlens, scale):
         seq[a:b] = s
     idx = torch.arange(n)
     allowed = (seq[:, None] == seq[None, :]) & (idx[None, :] <= idx[:, None])
+    if window is not None:
+        allowed &= idx[:, None] - idx[None, :] < window
     k = key.repeat_interleave(group, dim=1)
     v = value.repeat_interleave(group, dim=1)
     scores = torch.einsum("qhd,khd->hqk", query, k) * (dim ** -0.5 if scale is None else scale)
@@ -42,15 +45,18 @@ def _inputs(lengths, heads=4, kv_heads=2, dim=16, dtype=torch.float64, device="c
     return [t.to(device=device, dtype=dtype).requires_grad_() for t in tensors], cu
 
 
-@pytest.mark.parametrize("lengths,heads,kv_heads,scale", [
-    ([5, 1, 7], 4, 2, None),
-    ([3, 0, 6, 2], 6, 1, 0.3),  # an empty sequence, multi-query
-    ([9], 2, 2, None),          # one sequence, no grouping
+@pytest.mark.parametrize("lengths,heads,kv_heads,scale,window", [
+    ([5, 1, 7], 4, 2, None, None),
+    ([3, 0, 6, 2], 6, 1, 0.3, None),  # an empty sequence, multi-query
+    ([9], 2, 2, None, None),          # one sequence, no grouping
+    ([5, 1, 7], 4, 2, None, 3),       # a sliding window shorter than two sequences
+    ([3, 0, 6, 2], 6, 1, 0.3, 1),     # a window of one: each token attends to itself
+    ([5, 2], 4, 2, None, 5),          # a window no sequence exceeds: plain causal
 ])
-def test_reference_equals_the_masked_formula(lengths, heads, kv_heads, scale):
+def test_reference_equals_the_masked_formula(lengths, heads, kv_heads, scale, window):
     (q, k, v), cu = _inputs(lengths, heads, kv_heads)
-    out = varlen_causal_attention(q, k, v, cu, max(lengths), scale=scale)
-    ref = _formula(q, k, v, cu, scale)
+    out = varlen_causal_attention(q, k, v, cu, max(lengths), scale=scale, window=window)
+    ref = _formula(q, k, v, cu, scale, window)
     assert rel_err(out, ref) <= 1e-12
     grad = torch.randn_like(out)
     got = torch.autograd.grad(out, (q, k, v), grad)
@@ -77,6 +83,9 @@ def test_bad_inputs_raise_naming_the_argument():
         varlen_causal_attention(q, k, v, torch.tensor([0, 6, 2, 8], dtype=torch.int32), 6)
     with pytest.raises(ValueError, match=r"max_seqlen \(3\) is below the longest sequence \(4\)"):
         varlen_causal_attention(q, k, v, cu, 3)
+    for window in (0, 2.0, True):
+        with pytest.raises(ValueError, match="window must be None or a positive int"):
+            varlen_causal_attention(q, k, v, cu, 4, window=window)
 
 
 def test_no_tokens_attend_to_nothing():
@@ -94,15 +103,15 @@ def test_cpu_takes_the_reference_path():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("heads,kv_heads,dim", [(12, 2, 128), (8, 8, 64)])
-def test_flash_path_matches_the_formula(heads, kv_heads, dim):
+@pytest.mark.parametrize("heads,kv_heads,dim,window", [(12, 2, 128, None), (8, 8, 64, None), (8, 4, 256, 300)])
+def test_flash_path_matches_the_formula(heads, kv_heads, dim, window):
     lengths = [700, 1, 0, 333, 1024]
     (q, k, v), cu = _inputs(lengths, heads, kv_heads, dim, dtype=torch.bfloat16, device="cuda")
     assert flash_usable(q, k, v)
-    out = varlen_causal_attention(q, k, v, cu.cuda(), max(lengths))
+    out = varlen_causal_attention(q, k, v, cu.cuda(), max(lengths), window=window)
     assert out.dtype == torch.bfloat16
     q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
-    ref = _formula(q64, k64, v64, cu, None)
+    ref = _formula(q64, k64, v64, cu, None, window)
     assert rel_err(out, ref) <= 1e-2
     grad = torch.randn_like(ref)
     got = torch.autograd.grad(out, (q, k, v), grad.to(out.dtype))

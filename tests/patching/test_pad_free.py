@@ -108,12 +108,18 @@ def test_packed_call_equals_the_padded_call(model_type, variant):
         assert (got[name] - want[name]).abs().max() <= tol * max(1.0, want[name].abs().max()), name
 
 
+def _no_hole(kwargs):
+    kwargs["attention_mask"][2] = torch.tensor([1, 1, 1, 1, 1, 1, 1, 0, 0])  # row 2 right-padded instead
+    return kwargs
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("model_type", FAMILIES)
-def test_packed_call_flash_cuda_bf16(model_type, monkeypatch):
+@pytest.mark.parametrize("model_type,window", [(f, None) for f in FAMILIES] + [("gemma3_text", 4), ("qwen2", 4)])
+def test_packed_call_flash_cuda_bf16(model_type, window, monkeypatch):
     """On CUDA in bf16, pad-free by default: the packed call takes the flash varlen kernel (never the reference
-    attention) and its hidden states and parameter gradients are within 2e-2 of the padded call's (two bf16
-    attention kernels and bf16 layers in another summation order)."""
+    attention; with ``window``, a sliding window the packed row reaches, served by the kernel) and its hidden
+    states and parameter gradients are within 2e-2 of the padded call's (two bf16 attention kernels and bf16
+    layers in another summation order)."""
     if not torch.cuda.is_available():
         pytest.skip("the flash varlen attention needs CUDA")
     from liger_losses.kernels import varlen_attention
@@ -124,19 +130,69 @@ def test_packed_call_flash_cuda_bf16(model_type, monkeypatch):
         raise AssertionError("the packed call took the reference attention, not the flash kernel")
 
     monkeypatch.setattr(varlen_attention, "reference_varlen_attention", no_reference)
-    model = _model(model_type).to("cuda", torch.bfloat16)
-    kwargs = {k: v.cuda() if torch.is_tensor(v) else v for k, v in _batch(model.config.vocab_size).items()}
+    overrides = {} if window is None else dict(WINDOWED[model_type], sliding_window=window)
+    model = _model(model_type, **overrides).to("cuda", torch.bfloat16)
+    kwargs = _batch(model.config.vocab_size) if window is None else _no_hole(_batch(model.config.vocab_size))
+    kwargs = {k: v.cuda() if torch.is_tensor(v) else v for k, v in kwargs.items()}
     mask = kwargs["attention_mask"].bool()
     padded = model.model(**kwargs).last_hidden_state
     want = _grads(model, _loss(padded.float(), mask))
     packed = pack_batch(model.model, kwargs, mask)
-    assert packed is not None
+    assert packed is not None and (window is None) == (packed.sliding_layers is None)
     hidden = packed.unpack(model.model(**packed.kwargs).last_hidden_state)
     got = _grads(model, _loss(hidden.float(), mask))
     assert rel_err(hidden[mask], padded[mask]) <= 2e-2
     assert got.keys() == want.keys()
     for name in want:
         assert rel_err(got[name], want[name]) <= 2e-2, name
+
+
+WINDOWED = {  # families whose packed call serves a sliding window (window 4: rows of 6 and 7 tokens reach it)
+    "gemma3_text": {}, "olmo3": {}, "ministral": {}, "exaone4": {},
+    "smollm3": dict(use_sliding_window=True, sliding_window=4, layer_types=["sliding_attention", "full_attention"]),
+    "qwen2": dict(use_sliding_window=True, sliding_window=4, max_window_layers=1),
+    "qwen3": dict(use_sliding_window=True, sliding_window=4, max_window_layers=1),
+}
+
+
+@pytest.mark.parametrize("model_type", sorted(WINDOWED))
+def test_sliding_window_served_packed(model_type):
+    """A window the packed row reaches, in a family that takes a mask map: the packed row gets no mask and the
+    varlen kernel serves the window (every sliding layer's call windowed); equal to the padded call (its windowed
+    mask) as in the test above. A row with a hole is refused: the padded window counts the hole's positions."""
+    overrides = dict(WINDOWED[model_type])
+    overrides.setdefault("sliding_window", 4)
+    model = _model(model_type, **overrides)
+    assert 0 < sum(kind == "sliding_attention" for kind in model.config.layer_types) < model.config.num_hidden_layers
+    backbone, kwargs = model.model, _no_hole(_batch(model.config.vocab_size))
+    mask = kwargs["attention_mask"].bool()
+    assert pad_free_reason(backbone, kwargs) == ""
+    padded = backbone(**kwargs).last_hidden_state
+    want = _grads(model, _loss(padded, mask))
+    packed = pack_batch(backbone, kwargs, mask)
+    assert isinstance(packed.kwargs["attention_mask"], dict) and packed.sliding_layers > 0
+    hidden = packed.unpack(backbone(**packed.kwargs).last_hidden_state)
+    tol = _tolerance(model_type, False)
+    assert (hidden[mask] - padded[mask]).abs().max() <= tol * max(1.0, padded[mask].abs().max())
+    got = _grads(model, _loss(hidden, mask))
+    for name in want:
+        assert (got[name] - want[name]).abs().max() <= tol * max(1.0, want[name].abs().max()), name
+    holed = _batch(model.config.vocab_size)  # row 2 has a hole
+    assert pack_batch(backbone, holed, holed["attention_mask"].bool()) is None
+
+
+def test_a_sliding_layer_that_drops_its_window_raises():
+    """Where the varlen kernel serves the window, a sliding layer whose call carries no window would attend past it:
+    the packed call raises."""
+    model = _model("ministral", sliding_window=4)
+    kwargs = _no_hole(_batch(model.config.vocab_size))
+    sliding = next(layer.self_attn for layer, kind in zip(model.model.layers, model.config.layer_types)
+                   if kind == "sliding_attention")
+    sliding.sliding_window = None
+    packed = pack_batch(model.model, kwargs, kwargs["attention_mask"].bool())
+    hidden = model.model(**packed.kwargs).last_hidden_state
+    with pytest.raises(RuntimeError, match="0 windowed attention calls for 1 sliding layers"):
+        packed.unpack(hidden)
 
 
 def test_explicit_position_ids_are_gathered():
@@ -165,14 +221,23 @@ def test_refusals_keep_the_padded_call(monkeypatch):
     assert "'eager'" in pad_free_reason(_model("llama", attn="eager").model, kwargs)
     assert "sliding" in pad_free_reason(_model("mistral", sliding_window=4).model, kwargs)
     assert "model type 'llama4_text'" in pad_free_reason(_model("llama4_text").model, kwargs)
-    assert "dropout in training" in pad_free_reason(_model("llama", attention_dropout=0.1).model, kwargs)
+    assert "in training" in pad_free_reason(_model("llama", attention_dropout=0.1).model, kwargs)
     assert pad_free_reason(_model("llama", attention_dropout=0.1).model.eval(), kwargs) == ""
     dropping = _model("llama")
     mlp = dropping.model.layers[0].mlp
     mlp.up_proj = torch.nn.Sequential(torch.nn.Dropout(0.05), mlp.up_proj)
-    assert "dropout in training" in pad_free_reason(dropping.model, kwargs)  # e.g. PEFT's lora_dropout
+    assert "in training" in pad_free_reason(dropping.model, kwargs)  # e.g. PEFT's lora_dropout
+    jitter = _model("mixtral", router_jitter_noise=0.1)  # noise drawn in the call's shape
+    assert "router noise in training" in pad_free_reason(jitter.model, kwargs)
+    assert pad_free_reason(jitter.model.eval(), kwargs) == ""
+    for family in ("gemma", "gemma3_text"):
+        assert "bidirectional" in pad_free_reason(_model(family, use_bidirectional_attention=True).model, kwargs)
     dynamic = _model("llama", rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0})
     assert "RoPE type 'dynamic'" in pad_free_reason(dynamic.model, kwargs)
+    per_layer = _model("gemma3_text", rope_parameters={  # one RoPE per layer type, the global one dynamic
+        "full_attention": {"rope_type": "dynamic", "factor": 4.0, "rope_theta": 10000.0},
+        "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}})
+    assert "'dynamic'" in pad_free_reason(per_layer.model, kwargs)
     # a window longer than the padded rows but reached by the packed row (19 tokens): transformers would build
     # the packed row a windowed [N, N] mask, so the padded call runs
     windowed = _model("mistral", sliding_window=12)
