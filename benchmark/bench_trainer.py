@@ -12,6 +12,8 @@ three *providers*:
   ``ours-bf16-accum`` (only when named in ``--providers``) ``ours`` with the head's weight gradient
                  accumulated in the weight's dtype, the default before fp32 accumulation
                  (``engine_config(half_weight_accum_dtype=None)``): what that default costs in time and memory.
+  ``ours-padded`` (only when named) ``ours`` with ``LIGER_LOSSES_PAD_FREE=0``: every backbone call padded, as
+                 TRL's, to A/B the pad-free calls in one run.
 
 Cases (``--list`` prints them; ``--cases`` picks some by name or glob over the full list; the name says family, task,
 full/LoRA, sequences x tokens, and ``-L<n>`` where the depth is cut, ``-fp32w`` for fp32 weights). Default matrix:
@@ -117,6 +119,7 @@ import traceback
 import warnings
 from dataclasses import dataclass, field
 from typing import Optional
+from unittest import mock
 
 import torch
 
@@ -126,7 +129,9 @@ from liger_losses.chunked.config import engine_config
 
 PROVIDERS = ("trl", "trl+liger", "ours")
 # our trainers under other engine knobs, run when named in --providers (not in the default matrix)
-OURS_VARIANTS = {"ours": {}, "ours-bf16-accum": dict(half_weight_accum_dtype=None)}
+OURS_VARIANTS = {"ours": {}, "ours-bf16-accum": dict(half_weight_accum_dtype=None), "ours-padded": {}}
+# our trainers under other environment switches: "ours-padded" runs every backbone call padded, as TRL's
+OURS_ENV = {"ours-padded": {"LIGER_LOSSES_PAD_FREE": "0"}}
 TASKS = ("sft", "dpo", "orpo", "grpo")
 PAIRED = ("dpo", "orpo")
 GRPO_GENERATIONS = 4  # completions per prompt in the GRPO case (TRL's num_generations)
@@ -771,7 +776,8 @@ def run_one(case: Case, provider: str, bank: WeightBank, *, rnd: int, warmup: in
             from liger_losses.kernels.launch import launch_stats
 
             launch_stats(reset=True)
-            with engine_config(**OURS_VARIANTS.get(provider, {})):
+            env = mock.patch.dict(os.environ, OURS_ENV.get(provider, {}))
+            with engine_config(**OURS_VARIANTS.get(provider, {})), env:
                 out = trainer.train()
             # Triton launches of our kernels over the whole run: compiled-launcher hits vs JITFunction.run
             stats = launch_stats(reset=True)

@@ -57,10 +57,11 @@ PAD_FREE_MODEL_TYPES = frozenset({
 _PLAIN_KEYS = frozenset({"input_ids", "attention_mask", "position_ids", "use_cache", "return_dict"})
 
 
-# model types whose backbone takes a per-layer-type mask map (``{"full_attention": None, "sliding_attention":
-# None}`` builds no mask) and whose sliding layers hand the attention their ``sliding_window``: a window the packed
-# row reaches is served by the varlen kernel (Qwen2-MoE's sliding layers do not pass the window: not here)
-_WINDOW_MODEL_TYPES = frozenset({"gemma3_text", "olmo3", "ministral", "exaone4", "smollm3", "qwen2", "qwen3"})
+# model types whose backbone takes a per-layer-type mask map and whose sliding layers hand the attention their
+# ``sliding_window``: their packed row gets ``{"full_attention": None, "sliding_attention": None}``, so transformers
+# builds no mask (nor reads the all-ones one on the host) and a window the packed row reaches is served by the
+# varlen kernel (Qwen2-MoE's sliding layers do not pass the window: not here)
+_MASK_MAP_MODEL_TYPES = frozenset({"gemma3_text", "olmo3", "ministral", "exaone4", "smollm3", "qwen2", "qwen3"})
 
 
 class _Route(threading.local):
@@ -180,7 +181,7 @@ def _sliding_layers(config) -> int:
 def serves_window(config) -> bool:
     """Whether a packed call of ``config``'s model serves its sliding window in the varlen kernel (a mask map, and
     layer types that say which layers slide), so that a packed row may reach the window."""
-    return getattr(config, "model_type", None) in _WINDOW_MODEL_TYPES and _sliding_layers(config) > 0
+    return getattr(config, "model_type", None) in _MASK_MAP_MODEL_TYPES and _sliding_layers(config) > 0
 
 
 @dataclasses.dataclass
@@ -243,7 +244,8 @@ def pack_batch(backbone: nn.Module, model_kwargs: Dict[str, Any],
     if positions is None:
         positions = torch.arange(length, device=ids.device)
     positions = positions.expand(batch, length).flatten()[order]
-    packed_mask = {"full_attention": None, "sliding_attention": None} if windowed else mask.new_ones(1, total)
+    mask_map = getattr(config, "model_type", None) in _MASK_MAP_MODEL_TYPES
+    packed_mask = {"full_attention": None, "sliding_attention": None} if mask_map else mask.new_ones(1, total)
     kwargs = dict(model_kwargs, input_ids=ids.flatten()[order][None], position_ids=positions[None],
                   attention_mask=packed_mask, liger_max_seqlen=int(longest),
                   liger_cu_seqlens=F.pad(counts.cumsum(0, dtype=torch.int32), (1, 0)))
