@@ -232,11 +232,14 @@ def pack_batch(backbone: nn.Module, model_kwargs: Dict[str, Any],
         return None
     config = backbone.config
     window = sliding_window(config)
-    windowed = window is not None and window <= total
+    # the padded call's window counts positions, a hole's included: with a hole a row's window reaches back over
+    # fewer of its tokens than the packed row's, wherever the window is shorter than the padded row
+    if window is not None and window <= length and holes:
+        return None
     # a window the packed row reaches: transformers would build the row an [N, N] windowed mask, so the varlen kernel
-    # serves it instead, where the model takes a mask map; the padded call's window counts padded positions, so a
-    # row's attended tokens must be contiguous (left or right padding, no holes) for the windows to be the same
-    if windowed and (not serves_window(config) or holes):
+    # serves it instead, where the model takes a mask map
+    windowed = window is not None and window <= total
+    if windowed and not serves_window(config):
         return None
     install()
     order = torch.sort((~keep).flatten().to(torch.uint8), stable=True).indices[:total]  # attended, row-major

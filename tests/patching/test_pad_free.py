@@ -179,6 +179,12 @@ def test_sliding_window_served_packed(model_type):
         assert (got[name] - want[name]).abs().max() <= tol * max(1.0, want[name].abs().max()), name
     holed = _batch(model.config.vocab_size)  # row 2 has a hole
     assert pack_batch(backbone, holed, holed["attention_mask"].bool()) is None
+    # one row of 7 tokens spread over 9 positions, a window of 8: the packed row (7) does not reach it, the padded
+    # row's last query does (its window starts after position 0)
+    wide = _model(model_type, **dict(overrides, sliding_window=8))
+    single = {k: v[2:3] if torch.is_tensor(v) else v for k, v in holed.items()}
+    assert pad_free_reason(wide.model, single) == ""
+    assert pack_batch(wide.model, single, single["attention_mask"].bool()) is None
 
 
 def test_a_sliding_layer_that_drops_its_window_raises():
