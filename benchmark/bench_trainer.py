@@ -37,8 +37,8 @@ full/LoRA, sequences x tokens, and ``-L<n>`` where the depth is cut, ``-fp32w`` 
 single-shape benchmark's cases, ``trainer_b8.csv``), llama1b_sft_lora_8x2048, gemma2b_dpo_lora_4x1024,
 llama8b_sft_lora_2x4096 (the full 32-layer 8B), llama8b-L8_grpo_full_16x1024 (GRPO's step at the 8B
 widths) and qwen1.5b_dpo_full_4x1024_sampled (completions of lengths drawn in [C/2, C]: the padded batch that
-pad-free DPO skips; its tokens/s counts the nominal 2 x 4 x 1024 positions) -- and 2 warm-up + 5 timed steps per
-run instead of 1 + 3.
+pad-free DPO skips; its tokens/s counts the nominal 2 x 4 x 1024 positions) and gemma3-1b_grpo_full_16x1024 (pad-free
+GRPO through sliding-window layers) -- and 2 warm-up + 5 timed steps per run instead of 1 + 3.
 
 Economy: each model is built (random init, seed 0) once per (family, depth, dtype) and its weights kept as a
 pinned CPU copy (``benchmark.trainer_data.snapshot_weights``); every run loads that copy into a skeleton
@@ -191,6 +191,8 @@ FULL_EXTRA_CASES = (
     Case("llama8b-L8_grpo_full_16x1024", "llama3-8b", "grpo", 16, 1024, layers=8),
     # pad-free's DPO case: completions of sampled lengths, so a batch is padded to its longest row
     Case("qwen1.5b_dpo_full_4x1024_sampled", "qwen2.5-1.5b", "dpo", 4, 1024, sampled_lengths=True),
+    # pad-free with a sliding window the packed row reaches (Gemma-3's 512), served by the flash kernel's window
+    Case("gemma3-1b_grpo_full_16x1024", "gemma3-1b", "grpo", 16, 1024),
 )
 ALL_CASES = {c.name: c for c in DEFAULT_CASES + FULL_EXTRA_CASES}
 
@@ -1019,7 +1021,7 @@ def run_matrix(cases: list[Case], providers: list[str], *, rounds: int, warmup: 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--tiny", action="store_true", help="CPU smoke run: tiny models of each family, seq 64, 2 rounds")
-    ap.add_argument("--full", action="store_true", help="every case (15), 2 warm-up + 5 timed steps")
+    ap.add_argument("--full", action="store_true", help="every case (20), 2 warm-up + 5 timed steps")
     ap.add_argument("--cases", nargs="+", default=None, help="case names or globs (from the full list)")
     ap.add_argument("--list", action="store_true", help="print the cases and exit")
     ap.add_argument("--providers", nargs="+", choices=PROVIDERS + tuple(OURS_VARIANTS)[1:], default=list(PROVIDERS))
