@@ -17,9 +17,10 @@ grouped-query attention copies the key/value heads out for the masked kernel. Pa
 How the attention gets there: transformers' decoder layers pass their keywords on to the attention
 function; :func:`install` wraps transformers' ``"sdpa"`` attention so that a call carrying
 ``liger_cu_seqlens`` (the sequences' offsets) and ``liger_max_seqlen`` runs the varlen attention and every
-other call is transformers' own, untouched. The packed row's ``attention_mask`` is all ones, so the model
-builds no mask. ``unpack`` checks that every attention layer took the varlen path (else it raises: a model
-that does not pass the keywords would have attended across sequences).
+other call is transformers' own, untouched. The packed row's ``attention_mask`` is all ones (or, where the
+model takes one, a mask map of ``None``), so the model builds no mask. ``unpack`` checks that every attention
+layer took the varlen path (else it raises: a model that does not pass the keywords would have attended across
+sequences) and, where the kernel serves a sliding window, that every sliding layer passed it.
 
 ``LIGER_LOSSES_PAD_FREE``: unset, on where torch's flash varlen kernel serves the step (CUDA sm80+, bf16/fp16
 compute dtype, head size a multiple of 8 up to 256); ``0`` off; ``1`` on wherever the model qualifies (on the
@@ -76,6 +77,7 @@ def _routed(sdpa):
     def attention(module, query, key, value, attention_mask, *args, **kwargs):
         cu_seqlens = kwargs.pop("liger_cu_seqlens", None)
         max_seqlen = kwargs.pop("liger_max_seqlen", None)
+        expected_window = kwargs.pop("liger_window", None)
         if cu_seqlens is None:
             return sdpa(module, query, key, value, attention_mask, *args, **kwargs)
         # what transformers' SDPA function reads of its keywords (it ignores the rest, so the padded call does too):
@@ -88,6 +90,9 @@ def _routed(sdpa):
             raise RuntimeError(f"{type(module).__name__}: the packed (pad-free) call reached an attention it cannot "
                                "serve (a mask, a position bias, a softcap or non-causal attention); "
                                "set LIGER_LOSSES_PAD_FREE=0")
+        if window is not None and expected_window is not None and window != expected_window:
+            raise RuntimeError(f"{type(module).__name__}: a sliding window of {window} where the model's config (which "
+                               f"the padded call's mask follows) says {expected_window}; set LIGER_LOSSES_PAD_FREE=0")
         device = query.device.type
         if torch.is_autocast_enabled(device):  # as SDPA runs under autocast: in the autocast dtype
             dtype = torch.get_autocast_dtype(device)
@@ -140,8 +145,11 @@ def pad_free_reason(backbone: nn.Module, model_kwargs: Dict[str, Any]) -> str:
     window = sliding_window(config)
     if window is not None and window <= ids.shape[1] and not serves_window(config):
         return f"a sliding window ({window}) no longer than the batch ({ids.shape[1]} tokens)"
-    if getattr(config, "use_bidirectional_attention", False):
+    if getattr(config, "use_bidirectional_attention", False) or getattr(config, "is_causal", True) is False:
         return "bidirectional attention"
+    if serves_window(config) and not getattr(config, "use_sliding_window", True):
+        # SmolLM3: the model windows its sliding layer types, its layers pass no window without the flag
+        return "sliding layers with use_sliding_window=False"
     if backbone.training and _has_dropout(backbone):
         return "dropout or router noise in training (the packed call would draw other random numbers than the padded)"
     rope = getattr(getattr(backbone, "rotary_emb", None), "rope_type", "") or ""
@@ -170,8 +178,12 @@ def _has_dropout(backbone: nn.Module) -> bool:
 
 
 def sliding_window(config) -> Optional[int]:
-    """The attention window of ``config`` (None: full attention; Qwen's ``use_sliding_window=False`` too)."""
-    return getattr(config, "sliding_window", None) if getattr(config, "use_sliding_window", True) else None
+    """The attention window of ``config`` (None: full attention): a mask-map family windows exactly its layers of
+    type ``"sliding_attention"`` (none: no window); elsewhere ``sliding_window`` unless ``use_sliding_window=False``."""
+    window = getattr(config, "sliding_window", None)
+    if getattr(config, "model_type", None) in _MASK_MAP_MODEL_TYPES:
+        return window if _sliding_layers(config) else None
+    return window if getattr(config, "use_sliding_window", True) else None
 
 
 def _sliding_layers(config) -> int:
@@ -223,18 +235,17 @@ def pack_batch(backbone: nn.Module, model_kwargs: Dict[str, Any],
     keep, read_mask = mask.bool(), read_mask.to(mask.device)
     batch, length = ids.shape
     counts = keep.sum(1, dtype=torch.int32)
-    steps = torch.arange(length, device=keep.device, dtype=torch.int32)
-    spans = (torch.where(keep, steps, -1).amax(1) - torch.where(keep, steps, length).amin(1) + 1).clamp(min=0)
-    total, longest, unattended_reads, holes = torch.stack(  # one host read
-        [counts.sum(dtype=torch.int32), counts.max(), (read_mask.bool() & ~keep).sum(dtype=torch.int32),
-         (spans - counts).sum(dtype=torch.int32)]).tolist()
-    if total in (0, keep.numel()) or unattended_reads:
-        return None
     config = backbone.config
     window = sliding_window(config)
-    # the padded call's window counts positions, a hole's included: with a hole a row's window reaches back over
-    # fewer of its tokens than the packed row's, wherever the window is shorter than the padded row
-    if window is not None and window <= length and holes:
+    steps = torch.arange(length, device=keep.device, dtype=torch.int32)
+    spans = (torch.where(keep, steps, -1).amax(1) - torch.where(keep, steps, length).amin(1) + 1).clamp(min=0)
+    # the padded call's window counts positions, a hole's included: a row with a hole whose span exceeds the window
+    # reaches back over fewer of its tokens than the packed row would
+    holed = (spans > counts) & (spans > (length if window is None else window))
+    total, longest, unattended_reads, holed_rows = torch.stack(  # one host read
+        [counts.sum(dtype=torch.int32), counts.max(), (read_mask.bool() & ~keep).sum(dtype=torch.int32),
+         holed.sum(dtype=torch.int32)]).tolist()
+    if total in (0, keep.numel()) or unattended_reads or holed_rows:
         return None
     # a window the packed row reaches: transformers would build the row an [N, N] windowed mask, so the varlen kernel
     # serves it instead, where the model takes a mask map
@@ -250,7 +261,7 @@ def pack_batch(backbone: nn.Module, model_kwargs: Dict[str, Any],
     mask_map = getattr(config, "model_type", None) in _MASK_MAP_MODEL_TYPES
     packed_mask = {"full_attention": None, "sliding_attention": None} if mask_map else mask.new_ones(1, total)
     kwargs = dict(model_kwargs, input_ids=ids.flatten()[order][None], position_ids=positions[None],
-                  attention_mask=packed_mask, liger_max_seqlen=int(longest),
+                  attention_mask=packed_mask, liger_max_seqlen=int(longest), liger_window=window,
                   liger_cu_seqlens=F.pad(counts.cumsum(0, dtype=torch.int32), (1, 0)))
     return PackedBatch(kwargs, order, (batch, length), int(config.num_hidden_layers),
                        (_ROUTE.varlen_calls, _ROUTE.windowed_calls), _sliding_layers(config) if windowed else None)

@@ -185,6 +185,32 @@ def test_sliding_window_served_packed(model_type):
     single = {k: v[2:3] if torch.is_tensor(v) else v for k, v in holed.items()}
     assert pad_free_reason(wide.model, single) == ""
     assert pack_batch(wide.model, single, single["attention_mask"].bool()) is None
+    # a window of 9 covers the row's whole span: its hole changes nothing, so it packs, equal to the padded call
+    wider = _model(model_type, **dict(overrides, sliding_window=9))
+    keep = single["attention_mask"].bool()
+    packed = pack_batch(wider.model, single, keep)
+    hidden = packed.unpack(wider.model(**packed.kwargs).last_hidden_state)
+    assert (hidden[keep] - wider.model(**single).last_hidden_state[keep]).abs().max() <= tol
+
+
+def test_sliding_configs_that_packing_reads_as_the_model_does():
+    """Qwen2 with a window but no layer of type "sliding_attention" (``max_window_layers`` >= the layers) windows no
+    layer: it packs whatever the window. SmolLM3 with sliding layer types but ``use_sliding_window=False`` windows
+    them in its mask and its layers pass no window: refused. A layer passing another window than the config's (which
+    the padded call's mask follows) raises."""
+    kwargs = _no_hole(_batch(128))
+    unwindowed = _model("qwen2", use_sliding_window=True, sliding_window=4, max_window_layers=2)
+    assert "sliding_attention" not in unwindowed.config.layer_types
+    assert pad_free_reason(unwindowed.model, kwargs) == ""
+    assert pack_batch(unwindowed.model, kwargs, kwargs["attention_mask"].bool()).sliding_layers is None
+    odd = _model("smollm3", use_sliding_window=False, sliding_window=4,
+                 layer_types=["sliding_attention", "full_attention"])
+    assert "use_sliding_window=False" in pad_free_reason(odd.model, kwargs)
+    model = _model("ministral", sliding_window=4)
+    model.config.sliding_window = 3  # changed after the layers read it
+    packed = pack_batch(model.model, kwargs, kwargs["attention_mask"].bool())
+    with pytest.raises(RuntimeError, match="a sliding window of 4 where the model's config"):
+        model.model(**packed.kwargs)
 
 
 def test_a_sliding_layer_that_drops_its_window_raises():
@@ -238,6 +264,9 @@ def test_refusals_keep_the_padded_call(monkeypatch):
     assert pad_free_reason(jitter.model.eval(), kwargs) == ""
     for family in ("gemma", "gemma3_text"):
         assert "bidirectional" in pad_free_reason(_model(family, use_bidirectional_attention=True).model, kwargs)
+    non_causal = _model("llama")
+    non_causal.config.is_causal = False  # transformers passes it to the attention: refused before the call
+    assert "bidirectional" in pad_free_reason(non_causal.model, kwargs)
     dynamic = _model("llama", rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0})
     assert "RoPE type 'dynamic'" in pad_free_reason(dynamic.model, kwargs)
     per_layer = _model("gemma3_text", rope_parameters={  # one RoPE per layer type, the global one dynamic
