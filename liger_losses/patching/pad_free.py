@@ -27,8 +27,9 @@ compute dtype, head size a multiple of 8 up to 256); ``0`` off; ``1`` on whereve
 CPU with the reference attention: how the tests run it). Refused also for dynamic/longrope RoPE (their
 frequencies follow the call's largest position), dropout or router noise in training, bidirectional attention,
 and where the packed row would reach a sliding window, unless the model takes a per-layer-type mask map
-(:func:`serves_window`: Gemma-3, OLMo-3, Ministral, EXAONE-4, SmolLM3, Qwen2/3) and every row's attended tokens
-are contiguous: then the packed row gets no mask and the varlen kernel serves the window.
+(:func:`serves_window`: Gemma-3, OLMo-3, Ministral, EXAONE-4, SmolLM3, Qwen2/3); and wherever a row with a hole
+spans more positions than the window. A mask-map family's packed row gets no mask and the varlen kernel serves
+its window.
 """
 
 from __future__ import annotations
