@@ -6,9 +6,11 @@ hidden states at the attended positions, and every parameter's gradient of a los
 padded call's: to 1e-10 in float64 (the same math; only the summation order differs), 1e-6 where Gemma's
 own norms compute in float32, and 2e-5 for the MoE families, which run in float32 (transformers' grouped
 expert GEMM has no float64). Masks cover left padding, right padding, a hole inside a row and an
-all-padding row. Refusals (``None``) keep the padded call: a model or input it cannot serve, no padding, a
-read position that is padding. A model whose attention did not take the packing, or hands it a keyword that
-transformers' SDPA acts on and the packing does not serve, raises.
+all-padding row. Sliding windows the packed row reaches (mask-map families) must equal the padded call's windowed
+mask to the same tolerances, a hole inside the window keeping the padded call. Refusals (``None``) keep the padded
+call: a model or input it cannot serve, no padding, a read position that is padding. A model whose attention did not
+take the packing or its window, or hands it a keyword that transformers' SDPA acts on and the packing does not
+serve, raises. On CUDA (``-m gpu``) every family's packed call takes the flash kernel, within 2e-2 in bf16.
 """
 
 import pytest
