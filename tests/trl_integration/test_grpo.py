@@ -49,11 +49,11 @@ def _config(tmp_path, **overrides):
     return trl_config(trl.GRPOConfig, tmp_path, **kwargs)
 
 
-def _pair(tok, tmp_path, liger_kwargs=None, peft_config=None, **cfg):
-    """(TRL's trainer, ours) on the same tiny model, saved and passed by path (TRL builds the
-    reference model of beta != 0 from the policy's path)."""
+def _pair(tok, tmp_path, liger_kwargs=None, peft_config=None, model=None, **cfg):
+    """(TRL's trainer, ours) on the same tiny model (``model``, default :func:`build_tiny_model`'s Llama), saved
+    and passed by path (TRL builds the reference model of beta != 0 from the policy's path)."""
     path = tmp_path / "tiny"
-    build_tiny_model(tok, seed=0).save_pretrained(path)
+    (build_tiny_model(tok, seed=0) if model is None else model).save_pretrained(path)
     out = []
     for use_liger in (False, True):
         kwargs = {"liger_patch_model": False, **(liger_kwargs or {})} if use_liger else {}
@@ -130,6 +130,27 @@ def test_step0_parity_pad_free(tok, tmp_path, monkeypatch, cfg):
     CPU's reference attention): loss, metrics and gradients equal TRL's padded step (rel <= 1e-4)."""
     monkeypatch.setenv("LIGER_LOSSES_PAD_FREE", "1")
     theirs, ours = _pair(tok, tmp_path, **cfg)
+    batch = pad_rl_batch(_batch(theirs))
+    calls = varlen_call_count()
+    _check(theirs, ours, batch)
+    assert varlen_call_count() - calls == ours.model.config.num_hidden_layers
+
+
+def test_step0_parity_pad_free_sliding_window(tok, tmp_path, monkeypatch):
+    """Forced pad-free on a tiny Gemma-3 whose sliding layer's window (4) is shorter than the rows: the model takes
+    a mask map, so the packed row gets no mask and the varlen attention serves the window. Loss, metrics and
+    gradients equal TRL's padded step, whose mask holds the window (rel <= 1e-4)."""
+    from transformers import AutoModelForCausalLM
+
+    from tests.patching.tiny_models import randomize_, tiny_config
+
+    monkeypatch.setenv("LIGER_LOSSES_PAD_FREE", "1")
+    config = tiny_config("gemma3_text", vocab_size=len(tok), sliding_window=4, pad_token_id=tok.pad_token_id,
+                         eos_token_id=tok.eos_token_id, bos_token_id=None)
+    torch.manual_seed(0)
+    model = randomize_(AutoModelForCausalLM.from_config(config, attn_implementation="sdpa"))
+    theirs, ours = _pair(tok, tmp_path, model=model, loss_type="dapo")
+    assert "sliding_attention" in ours.model.config.layer_types
     batch = pad_rl_batch(_batch(theirs))
     calls = varlen_call_count()
     _check(theirs, ours, batch)
