@@ -43,7 +43,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..kernels.utils import env_switch
+from ..kernels.utils import autocast_dtype, env_switch
 from ..kernels.varlen_attention import flash_supported, varlen_causal_attention
 
 # model types whose decoder layers pass their keywords to transformers' attention function, whose attention is
@@ -94,9 +94,8 @@ def _routed(sdpa):
         if window is not None and expected_window is not None and window != expected_window:
             raise RuntimeError(f"{type(module).__name__}: a sliding window of {window} where the model's config (which "
                                f"the padded call's mask follows) says {expected_window}; set LIGER_LOSSES_PAD_FREE=0")
-        device = query.device.type
-        if torch.is_autocast_enabled(device):  # as SDPA runs under autocast: in the autocast dtype
-            dtype = torch.get_autocast_dtype(device)
+        dtype = autocast_dtype(query, None)
+        if dtype is not None:  # as SDPA runs under autocast: in the autocast dtype
             query, key, value = query.to(dtype), key.to(dtype), value.to(dtype)
         _ROUTE.varlen_calls += 1
         _ROUTE.windowed_calls += window is not None
@@ -116,12 +115,6 @@ def install() -> None:
     current = ALL_ATTENTION_FUNCTIONS["sdpa"]
     if getattr(current, "liger_sdpa", None) is None:
         ALL_ATTENTION_FUNCTIONS["sdpa"] = _routed(current)
-
-
-def _compute_dtype(backbone: nn.Module, device: torch.device) -> torch.dtype:
-    if torch.is_autocast_enabled(device.type):
-        return torch.get_autocast_dtype(device.type)
-    return next(backbone.parameters()).dtype
 
 
 def pad_free_reason(backbone: nn.Module, model_kwargs: Dict[str, Any]) -> str:
@@ -158,7 +151,8 @@ def pad_free_reason(backbone: nn.Module, model_kwargs: Dict[str, Any]) -> str:
     if any("dynamic" in kind or "longrope" in kind for kind in kinds):  # frequencies follow the call's largest position
         return f"RoPE type {rope!r}"
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    if mode is None and not flash_supported(ids.device, _compute_dtype(backbone, ids.device), head_dim):
+    compute = autocast_dtype(ids, next(backbone.parameters()).dtype)  # the layers' dtype, as F.linear picks it
+    if mode is None and not flash_supported(ids.device, compute, head_dim):
         return "not a step torch's flash varlen kernel serves (CUDA sm80+, bf16/fp16, head size a multiple of 8 " \
                "up to 256; LIGER_LOSSES_PAD_FREE=1 packs anyway, with the reference attention)"
     return ""
@@ -226,9 +220,9 @@ class PackedBatch:
 
 
 def pack_batch(backbone: nn.Module, model_kwargs: Dict[str, Any],
-               read_mask: torch.Tensor) -> Optional[PackedBatch]:
-    """See the module docstring."""
-    if pad_free_reason(backbone, model_kwargs):
+               read_mask: Optional[torch.Tensor]) -> Optional[PackedBatch]:
+    """See the module docstring (``read_mask`` None: nothing known of what the loss reads, so ``None``)."""
+    if read_mask is None or pad_free_reason(backbone, model_kwargs):
         return None
     ids, mask = model_kwargs["input_ids"], model_kwargs["attention_mask"]
     if read_mask.shape != mask.shape:
@@ -238,14 +232,16 @@ def pack_batch(backbone: nn.Module, model_kwargs: Dict[str, Any],
     counts = keep.sum(1, dtype=torch.int32)
     config = backbone.config
     window = sliding_window(config)
-    steps = torch.arange(length, device=keep.device, dtype=torch.int32)
-    spans = (torch.where(keep, steps, -1).amax(1) - torch.where(keep, steps, length).amin(1) + 1).clamp(min=0)
     # the padded call's window counts positions, a hole's included: a row with a hole whose span exceeds the window
-    # reaches back over fewer of its tokens than the packed row would
-    holed = (spans > counts) & (spans > (length if window is None else window))
+    # reaches back over fewer of its tokens than the packed row would (a span never exceeds the row's length)
+    holed_rows = counts.new_zeros(())
+    if window is not None and window < length:
+        steps = torch.arange(length, device=keep.device, dtype=torch.int32)
+        spans = (torch.where(keep, steps, -1).amax(1) - torch.where(keep, steps, length).amin(1) + 1).clamp(min=0)
+        holed_rows = ((spans > counts) & (spans > window)).sum(dtype=torch.int32)
     total, longest, unattended_reads, holed_rows = torch.stack(  # one host read
         [counts.sum(dtype=torch.int32), counts.max(), (read_mask.bool() & ~keep).sum(dtype=torch.int32),
-         holed.sum(dtype=torch.int32)]).tolist()
+         holed_rows]).tolist()
     if total in (0, keep.numel()) or unattended_reads or holed_rows:
         return None
     # a window the packed row reaches: transformers would build the row an [N, N] windowed mask, so the varlen kernel

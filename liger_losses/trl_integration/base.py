@@ -426,7 +426,7 @@ class LigerTrainerMixin:
         reads), on the attended tokens alone where :func:`~..patching.pad_free.pack_batch` packs them."""
         self._liger_check_logits(model, model_kwargs)
         backbone = self._liger_backbone(model)
-        packed = None if read_mask is None else pack_batch(backbone, model_kwargs, read_mask)
+        packed = pack_batch(backbone, model_kwargs, read_mask)
         kwargs = model_kwargs if packed is None else packed.kwargs
         with self._liger_lean_checkpointing(model, backbone, kwargs):
             hidden = backbone(**kwargs).last_hidden_state

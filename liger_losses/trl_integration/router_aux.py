@@ -78,7 +78,7 @@ def backbone_hidden_and_router_aux(model: nn.Module, backbone: nn.Module, model_
     attended tokens alone where ``read_mask [B, T]`` (what the loss reads) lets
     :func:`~..patching.pad_free.pack_batch` pack them. Packed, the router logits are the attended tokens' alone
     (no mask: each counts), so the balance is over the tokens the padded call's mask counts."""
-    packed = None if read_mask is None else pack_batch(backbone, model_kwargs, read_mask)
+    packed = pack_batch(backbone, model_kwargs, read_mask)
     kwargs = model_kwargs if packed is None else packed.kwargs
     outputs = backbone(**kwargs, output_router_logits=True)
     aux = router_aux_loss(model, outputs.router_logits, model_kwargs.get("attention_mask") if packed is None else None)

@@ -73,6 +73,11 @@ def _loss(hidden, mask, seed=1):
     return (hidden * probe * mask[..., None]).sum()
 
 
+def _assert_within(got, want, tol, what=""):
+    """The largest difference within ``tol`` of ``want``'s largest entry (at least 1)."""
+    assert (got - want).abs().max() <= tol * max(1.0, want.abs().max()), what
+
+
 def _grads(model, loss):
     model.zero_grad()
     loss.backward()
@@ -103,11 +108,11 @@ def test_packed_call_equals_the_padded_call(model_type, variant):
     hidden = packed.unpack(backbone(**packed.kwargs).last_hidden_state)
     assert varlen_call_count() - calls == model.config.num_hidden_layers
     assert hidden.shape == padded.shape and not hidden[~mask].any()
-    assert (hidden[mask] - padded[mask]).abs().max() <= tol * max(1.0, padded[mask].abs().max())
+    _assert_within(hidden[mask], padded[mask], tol)
     got = _grads(model, _loss(hidden, mask))
     assert got.keys() == want.keys()
     for name in want:
-        assert (got[name] - want[name]).abs().max() <= tol * max(1.0, want[name].abs().max()), name
+        _assert_within(got[name], want[name], tol, name)
 
 
 def _no_hole(kwargs):
@@ -175,10 +180,10 @@ def test_sliding_window_served_packed(model_type):
     assert isinstance(packed.kwargs["attention_mask"], dict) and packed.sliding_layers > 0
     hidden = packed.unpack(backbone(**packed.kwargs).last_hidden_state)
     tol = _tolerance(model_type, False)
-    assert (hidden[mask] - padded[mask]).abs().max() <= tol * max(1.0, padded[mask].abs().max())
+    _assert_within(hidden[mask], padded[mask], tol)
     got = _grads(model, _loss(hidden, mask))
     for name in want:
-        assert (got[name] - want[name]).abs().max() <= tol * max(1.0, want[name].abs().max()), name
+        _assert_within(got[name], want[name], tol, name)
     holed = _batch(model.config.vocab_size)  # row 2 has a hole
     assert pack_batch(backbone, holed, holed["attention_mask"].bool()) is None
     # one row of 7 tokens spread over 9 positions, a window of 8: the packed row (7) does not reach it, the padded
