@@ -94,7 +94,6 @@ class EngineConfig:
     frozen_head_online: bool = True
     frozen_budget_bytes: int = 24 * 1024 * 1024
     frozen_block_columns: int = 16384
-    frozen_overlap: bool = False
     half_weight_accum_dtype: Optional[torch.dtype] = torch.float32
 
     def __post_init__(self):
@@ -110,7 +109,7 @@ class EngineConfig:
         if self.half_weight_accum_dtype not in (None, torch.float32, torch.float64):
             raise ValueError("half_weight_accum_dtype must be None, torch.float32 or torch.float64, got "
                              f"{self.half_weight_accum_dtype!r}")
-        for name in ("device_scale", "speculative_first_chunk", "frozen_head_online", "frozen_overlap"):
+        for name in ("device_scale", "speculative_first_chunk", "frozen_head_online"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name} must be a bool, got {getattr(self, name)!r}")
 

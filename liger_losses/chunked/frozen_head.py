@@ -62,17 +62,10 @@ def vocab_blocks(V: int) -> list[tuple[int, int]]:
     return chunk_bounds(V, 1, budget_bytes=get_engine_config().frozen_block_columns, itemsize=1)
 
 
-def _block_buffers() -> int:
-    """Logits blocks a chunk holds at once: two when the block kernel overlaps the next block's
-    logits GEMM (``EngineConfig.frozen_overlap``), else one."""
-    return 2 if get_engine_config().frozen_overlap else 1
-
-
 def _per_token_bytes(V: int, H: int, itemsize: int) -> int:
-    """Transient bytes per token of a chunk: a row of each logits block buffer and of the fp32
-    accumulator."""
+    """Transient bytes per token of a chunk: a row of the logits block and of the fp32 accumulator."""
     cols = vocab_blocks(V)[0][1] if V else 1
-    return _block_buffers() * cols * itemsize + H * 4
+    return cols * itemsize + H * 4
 
 
 def online_token_chunks(V: int, H: int, itemsize: int, num_tokens: int) -> list[tuple[int, int]]:
@@ -112,11 +105,7 @@ class OnlinePass:
         self.head_blocks = [(v0, weight[v0:v1], None if bias is None else bias[v0:v1].to(weight.dtype))
                             for v0, v1 in blocks]
         cols, dev = max(v1 - v0 for v0, v1 in blocks), weight.device
-        self.bufs = [torch.empty(rows * cols, dtype=weight.dtype, device=dev) for _ in range(_block_buffers())]
-        # the overlapped order's block kernels run on a side stream (on the CPU: in issue order)
-        self.side = torch.cuda.Stream(dev) if len(self.bufs) == 2 and dev.type == "cuda" else None
-        if self.side is not None:
-            self.main_done, self.side_done = torch.cuda.Event(), torch.cuda.Event()
+        self.buf = torch.empty(rows * cols, dtype=weight.dtype, device=dev)
         self.acc_buf = torch.empty(rows * H, dtype=self.stats_dtype, device=dev)
         self.state_buf = OnlineState.uninitialized(rows, dev, self.stats_dtype)
 
@@ -131,67 +120,27 @@ class OnlinePass:
     def chunk(self, h: Tensor, labels: Tensor, scale, out: Tensor, out_rows: Optional[Tensor], stats: dict) -> None:
         """One chunk of ``n`` tokens ``h [n, H]`` with ``labels [n]`` (in ``[0, V)``) and upstream
         ``scale`` (a float or a tensor of one entry or ``n``): per vocabulary block three launches (the
-        logits GEMM into a reused block buffer, the block kernel, the GEMM accumulating into the
+        logits GEMM into the reused block buffer, the block kernel, the GEMM accumulating into the
         fp32 rows), then :func:`~liger_losses.kernels.online_finish.online_finish` writing ``stats``
-        (``[n]`` outputs) and the gradient rows into ``out`` (at ``out_rows``, when given).
-
-        With two block buffers (``EngineConfig.frozen_overlap``) the GEMMs are issued in the order
-        ``L0 L1 A0 L2 A1 ...`` (``L`` a block's logits, ``A`` its accumulation) and each block
-        kernel ``K_b`` on a side stream after ``A_{b-1}`` (it may rescale ``acc``) and before
-        ``A_b``, so that ``K_b`` runs beside ``L_{b+1}``: the same launches and values in another
-        order."""
+        (``[n]`` outputs) and the gradient rows into ``out`` (at ``out_rows``, when given)."""
         n, H = h.shape[0], self.H
         w = self.weight
         state, acc = self.state_buf.rows(n), self.acc_buf[: n * H].view(n, H)
-        blocks, bufs = self.head_blocks, self.bufs
         with torch.autocast(device_type=w.device.type, enabled=False):  # the operands are in the compute dtype
             if h.dtype != w.dtype:
                 h = h.to(w.dtype)
-
-            def logits(b: int) -> Tensor:
-                _, w_block, b_block = blocks[b]
-                tile = bufs[b % len(bufs)][: n * w_block.shape[0]].view(n, w_block.shape[0])
+            for b, (v0, w_block, b_block) in enumerate(self.head_blocks):
+                tile = self.buf[: n * w_block.shape[0]].view(n, w_block.shape[0])
                 if b_block is None:
                     torch.mm(h, w_block.t(), out=tile)
                 else:
                     torch.addmm(b_block, h, w_block.t(), out=tile)
-                return tile
-
-            def block(b: int, tile: Tensor) -> None:
-                online_block(tile, labels, blocks[b][0], state, acc, first=b == 0, need_zexp=self.need_entropy,
+                online_block(tile, labels, v0, state, acc, first=b == 0, need_zexp=self.need_entropy,
                              need_zsum=self.eps > 0.0, impl=self.impl, **self.transform)
-
-            if len(bufs) == 1:
-                for b in range(len(blocks)):
-                    tile = logits(b)
-                    block(b, tile)
-                    mm_into(acc, tile, blocks[b][1], accumulate=b > 0)
-            else:
-                tiles = [logits(0)]
-                self._on_side(block, 0, tiles[0])
-                for b in range(len(blocks)):
-                    if b + 1 < len(blocks):
-                        tiles.append(logits(b + 1))
-                    if self.side is not None:
-                        torch.cuda.current_stream(w.device).wait_event(self.side_done)
-                    mm_into(acc, tiles[b], blocks[b][1], accumulate=b > 0)
-                    if b + 1 < len(blocks):
-                        self._on_side(block, b + 1, tiles[b + 1])
+                mm_into(acc, tile, w_block, accumulate=b > 0)
             online_finish(state, acc, w, labels, mode=self.mode, scale=scale, out=out, out_rows=out_rows,
                           stats=stats, label_smoothing=self.eps, z_loss_weight=self.z_loss_weight,
                           dz_dx=self.dz_dx, w_mean=self.w_mean, impl=self.impl)
-
-    def _on_side(self, fn, *args) -> None:
-        """``fn(*args)`` on the side stream after everything issued so far on the current one (in
-        place on the CPU); ``side_done`` marks its end."""
-        if self.side is None:
-            fn(*args)
-            return
-        self.main_done.record(torch.cuda.current_stream(self.weight.device))
-        self.side.wait_event(self.main_done)
-        with torch.cuda.stream(self.side):
-            fn(*args)
-        self.side_done.record(self.side)
 
 
 def run_online_chunks(weight: Tensor, rows: RowGather, labels_valid: Tensor, bias: Optional[Tensor],

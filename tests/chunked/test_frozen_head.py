@@ -94,47 +94,6 @@ def test_cross_entropy_matches_float64(name, jump):
         assert float(online[3]) == pytest.approx(float(ref[3]), abs=1e-6)
 
 
-@pytest.mark.parametrize("impl", ["torch", "triton"])
-@pytest.mark.parametrize("name", ["plain", "label_smoothing", "z_loss"])
-def test_overlapped_block_order_is_bitwise_the_plain_order(name, impl, monkeypatch):
-    """``frozen_overlap`` (two block buffers, ``L0 L1 A0 L2 A1 ...``, the block kernels on a side
-    stream) runs the same launches on the same values in another order: bitwise the one-buffer
-    path's loss, metrics and gradient at the same token chunks, with a reference that moves (the
-    block kernel rescales the accumulator the previous block's GEMM wrote)."""
-    if impl == "triton":
-        pytest.importorskip("triton")
-        monkeypatch.setenv("TRITON_INTERPRET", "1")
-    dtype = torch.float32 if impl == "triton" else torch.float64
-    w, h, b, y = _inputs(seed=4, dtype=dtype, jump=True)
-    size = w.element_size()
-    cols = SMALL["frozen_block_columns"]
-    with engine_config(frozen_overlap=True, **SMALL):
-        chunks, blocks = online_token_chunks(V, H, size, N), vocab_blocks(V)
-    rows = max(e - s for s, e in chunks)
-    assert len(chunks) > 1 and len(blocks) > 2  # several chunks, an L_{b+1} beside each K_b
-    # the one-buffer run at the same chunks: a budget of one block row per token fewer
-    same = dict(frozen_block_columns=cols, frozen_budget_bytes=rows * (cols * size + H * 4))
-    with engine_config(**same):
-        assert online_token_chunks(V, H, size, N) == chunks
-    with engine_config(frozen_overlap=True, **SMALL):
-        got = _run_configured(w, h, b, y, impl, **CASES[name])
-    with engine_config(**same):
-        want = _run_configured(w, h, b, y, impl, **CASES[name])
-    for a, e in zip(got, want):
-        assert torch.equal(a, e)
-    if dtype == torch.float64:
-        ref = _reference(w, h, b, y, **CASES[name])
-        assert rel_err(got[1], ref[1]) <= TOL
-
-
-def _run_configured(w, h, b, y, impl, **opts):
-    """:func:`_run`'s outputs under the engine configuration in force."""
-    out = fused_linear_cross_entropy(w, h, y, bias=b, impl=impl, return_entropy=True,
-                                     return_token_accuracy=True, **opts)
-    (gh,) = torch.autograd.grad(out.loss, h)
-    return out.loss.detach(), gh, out.metrics["entropy"], out.metrics["token_accuracy"]
-
-
 @pytest.mark.parametrize("name", ["plain", "softcap_scale", "label_smoothing"])
 def test_triton_interpreter_matches_torch(name, monkeypatch):
     """The Triton block kernel (interpreter, fp32) against the PyTorch path: 2e-6 (fp32 summation
@@ -336,30 +295,6 @@ def test_gpu_frozen_head_peak_and_accuracy():
             (g,) = torch.autograd.grad(fused_linear_cross_entropy(w, x, y[:1024]), x)
         errs[online] = rel_err(g, ref)
     assert errs[True] <= errs[False] * 1.1 + 1e-4, errs
-
-
-@pytest.mark.gpu
-def test_gpu_overlapped_block_order_is_bitwise_the_plain_order():
-    """On CUDA the overlapped order's block kernels run on a side stream, ordered by events: bf16,
-    a moving reference, 1000 tokens in several chunks of 8 blocks; loss, metrics and hidden
-    gradient bitwise the one-buffer call at the same chunks (a missing wait would read a block
-    before its GEMM wrote it, or rescale an accumulator row a GEMM is still adding to)."""
-    g = torch.Generator(device="cuda").manual_seed(7)
-    v, hdim, n, cols = 8000, 512, 1000, 1024
-    w = (torch.randn(v, hdim, device="cuda", generator=g) * 0.05).bfloat16()
-    b = torch.zeros(v, device="cuda").bfloat16()
-    b[-500:] += 3 * TAU  # the last block's logits far above the first's: the reference moves
-    h = torch.randn(n, hdim, device="cuda", generator=g).bfloat16().requires_grad_()
-    y = torch.randint(0, v, (n,), device="cuda", generator=g)
-    overlap = dict(frozen_overlap=True, frozen_block_columns=cols, frozen_budget_bytes=256 * (2 * cols * 2 + hdim * 4))
-    same = dict(frozen_block_columns=cols, frozen_budget_bytes=256 * (cols * 2 + hdim * 4))
-    results = []
-    for cfg in (overlap, same):
-        with engine_config(**cfg):
-            assert len(online_token_chunks(v, hdim, 2, n)) == 4
-            results.append(_run_configured(w, h, b, y, "auto"))
-    for a, e in zip(*results):
-        assert torch.equal(a, e)
 
 
 @pytest.mark.gpu
