@@ -17,19 +17,21 @@ grouped-query attention copies the key/value heads out for the masked kernel. Pa
 How the attention gets there: transformers' decoder layers pass their keywords on to the attention
 function; :func:`install` wraps transformers' ``"sdpa"`` attention so that a call carrying
 ``liger_cu_seqlens`` (the sequences' offsets) and ``liger_max_seqlen`` runs the varlen attention and every
-other call is transformers' own, untouched. The packed row's ``attention_mask`` is all ones (or, where the
-model takes one, a mask map of ``None``), so the model builds no mask. ``unpack`` checks that every attention
-layer took the varlen path (else it raises: a model that does not pass the keywords would have attended across
-sequences) and, where the kernel serves a sliding window, that every sliding layer passed it.
+other call is transformers' own, untouched. The packed row's ``attention_mask`` is an empty 4-D marker
+``[1, 1, 0, 0]`` (or, where the model takes one, a mask map of ``None``): transformers hands a 4-D mask to the
+layers as it is, so it builds no mask and reads nothing on the host, and the marker, which the route accepts,
+fails on any attention that would apply it. ``unpack`` checks that every attention layer took the varlen path
+(else it raises: a model that does not pass the keywords would have attended across sequences) and, where the
+kernel serves a sliding window, that every sliding layer passed it.
 
 ``LIGER_LOSSES_PAD_FREE``: unset, on where torch's flash varlen kernel serves the step (CUDA sm80+, bf16/fp16
 compute dtype, head size a multiple of 8 up to 256); ``0`` off; ``1`` on wherever the model qualifies (on the
 CPU with the reference attention: how the tests run it). Refused also for dynamic/longrope RoPE (their
 frequencies follow the call's largest position), dropout or router noise in training, bidirectional attention,
-and where the packed row would reach a sliding window, unless the model takes a per-layer-type mask map
-(:func:`serves_window`: Gemma-3, OLMo-3, Ministral, EXAONE-4, SmolLM3, Qwen2/3); and wherever a row with a hole
-spans more positions than the window. A mask-map family's packed row gets no mask and the varlen kernel serves
-its window.
+and where the packed row would reach a sliding window the model's layers do not hand their attention
+(:func:`serves_window`: served for Gemma-3, OLMo-3, Ministral, EXAONE-4, SmolLM3, Qwen2/3, whose sliding layer
+types say which layers slide, and Mistral, Mixtral and Phi-3, whose every layer slides; not for Qwen2-MoE); and
+wherever a row with a hole spans more positions than the window. The varlen kernel serves the window.
 """
 
 from __future__ import annotations
@@ -61,9 +63,23 @@ _PLAIN_KEYS = frozenset({"input_ids", "attention_mask", "position_ids", "use_cac
 
 # model types whose backbone takes a per-layer-type mask map and whose sliding layers hand the attention their
 # ``sliding_window``: their packed row gets ``{"full_attention": None, "sliding_attention": None}``, so transformers
-# builds no mask (nor reads the all-ones one on the host) and a window the packed row reaches is served by the
-# varlen kernel (Qwen2-MoE's sliding layers do not pass the window: not here)
+# builds no mask and a window the packed row reaches is served by the varlen kernel (Qwen2-MoE's sliding layers do
+# not pass the window: not here)
 _MASK_MAP_MODEL_TYPES = frozenset({"gemma3_text", "olmo3", "ministral", "exaone4", "smollm3", "qwen2", "qwen3"})
+# model types whose every decoder layer slides when the config has a window, each handing the attention the config's
+# ``sliding_window`` (transformers builds them one windowed mask for all layers)
+_ALL_SLIDING_MODEL_TYPES = frozenset({"mistral", "mixtral", "phi3"})
+
+
+def _packed_mask(device) -> torch.Tensor:
+    """The packed row's ``attention_mask`` outside the mask-map families: an empty 4-D bool tensor, which
+    transformers' mask functions return as it is (a 4-D mask is taken as prepared) and which fails to broadcast in any
+    attention that would apply it to a row of ``N > 0`` tokens."""
+    return torch.zeros((1, 1, 0, 0), dtype=torch.bool, device=device)
+
+
+def _is_packed_mask(mask) -> bool:
+    return isinstance(mask, torch.Tensor) and mask.dim() == 4 and mask.numel() == 0
 
 
 class _Route(threading.local):
@@ -80,13 +96,17 @@ def _routed(sdpa):
         max_seqlen = kwargs.pop("liger_max_seqlen", None)
         expected_window = kwargs.pop("liger_window", None)
         if cu_seqlens is None:
+            if _is_packed_mask(attention_mask):  # a packed row reached an attention without its offsets
+                raise RuntimeError(f"{type(module).__name__}: the packed (pad-free) call reached an attention that did "
+                                   "not get the packing (its layer dropped the keywords); set LIGER_LOSSES_PAD_FREE=0")
             return sdpa(module, query, key, value, attention_mask, *args, **kwargs)
         # what transformers' SDPA function reads of its keywords (it ignores the rest, so the padded call does too):
         # the varlen attention serves dropout and scaling, not a position bias, a softcap or non-causal attention;
         # a sliding window, which the padded call's mask holds, is the varlen kernel's (pack_batch decides when)
         window, causal = kwargs.get("sliding_window"), kwargs.get("is_causal")
         causal = getattr(module, "is_causal", True) if causal is None else causal
-        if (args or attention_mask is not None or query.shape[0] != 1 or kwargs.get("softcap") is not None
+        masked = attention_mask is not None and not _is_packed_mask(attention_mask)
+        if (args or masked or query.shape[0] != 1 or kwargs.get("softcap") is not None
                 or kwargs.get("position_bias") is not None or not causal):
             raise RuntimeError(f"{type(module).__name__}: the packed (pad-free) call reached an attention it cannot "
                                "serve (a mask, a position bias, a softcap or non-causal attention); "
@@ -182,13 +202,20 @@ def sliding_window(config) -> Optional[int]:
 
 
 def _sliding_layers(config) -> int:
-    return sum(kind == "sliding_attention" for kind in (getattr(config, "layer_types", None) or ()))
+    """The layers that slide: those of type ``"sliding_attention"`` in a mask-map family; every layer of a family in
+    ``_ALL_SLIDING_MODEL_TYPES`` with a window; elsewhere 0 (not served)."""
+    model_type = getattr(config, "model_type", None)
+    if model_type in _MASK_MAP_MODEL_TYPES:
+        return sum(kind == "sliding_attention" for kind in (getattr(config, "layer_types", None) or ()))
+    if model_type in _ALL_SLIDING_MODEL_TYPES and sliding_window(config) is not None:
+        return int(config.num_hidden_layers)
+    return 0
 
 
 def serves_window(config) -> bool:
-    """Whether a packed call of ``config``'s model serves its sliding window in the varlen kernel (a mask map, and
-    layer types that say which layers slide), so that a packed row may reach the window."""
-    return getattr(config, "model_type", None) in _MASK_MAP_MODEL_TYPES and _sliding_layers(config) > 0
+    """Whether a packed call of ``config``'s model serves its sliding window in the varlen kernel (its sliding layers
+    known and each handing the attention its window), so that a packed row may reach the window."""
+    return _sliding_layers(config) > 0
 
 
 @dataclasses.dataclass
@@ -244,8 +271,7 @@ def pack_batch(backbone: nn.Module, model_kwargs: Dict[str, Any],
          holed_rows]).tolist()
     if total in (0, keep.numel()) or unattended_reads or holed_rows:
         return None
-    # a window the packed row reaches: transformers would build the row an [N, N] windowed mask, so the varlen kernel
-    # serves it instead, where the model takes a mask map
+    # a window the packed row reaches: served by the varlen kernel where every sliding layer hands it the window
     windowed = window is not None and window <= total
     if windowed and not serves_window(config):
         return None
@@ -256,7 +282,7 @@ def pack_batch(backbone: nn.Module, model_kwargs: Dict[str, Any],
         positions = torch.arange(length, device=ids.device)
     positions = positions.expand(batch, length).flatten()[order]
     mask_map = getattr(config, "model_type", None) in _MASK_MAP_MODEL_TYPES
-    packed_mask = {"full_attention": None, "sliding_attention": None} if mask_map else mask.new_ones(1, total)
+    packed_mask = {"full_attention": None, "sliding_attention": None} if mask_map else _packed_mask(ids.device)
     kwargs = dict(model_kwargs, input_ids=ids.flatten()[order][None], position_ids=positions[None],
                   attention_mask=packed_mask, liger_max_seqlen=int(longest), liger_window=window,
                   liger_cu_seqlens=F.pad(counts.cumsum(0, dtype=torch.int32), (1, 0)))

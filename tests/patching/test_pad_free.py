@@ -6,11 +6,12 @@ hidden states at the attended positions, and every parameter's gradient of a los
 padded call's: to 1e-10 in float64 (the same math; only the summation order differs), 1e-6 where Gemma's
 own norms compute in float32, and 2e-5 for the MoE families, which run in float32 (transformers' grouped
 expert GEMM has no float64). Masks cover left padding, right padding, a hole inside a row and an
-all-padding row. Sliding windows the packed row reaches (mask-map families) must equal the padded call's windowed
-mask to the same tolerances, a hole inside the window keeping the padded call. Refusals (``None``) keep the padded
-call: a model or input it cannot serve, no padding, a read position that is padding. A model whose attention did not
-take the packing or its window, or hands it a keyword that transformers' SDPA acts on and the packing does not
-serve, raises. On CUDA (``-m gpu``) every family's packed call takes the flash kernel, within 2e-2 in bf16.
+all-padding row. Sliding windows the packed row reaches (families whose sliding layers pass their window) must
+equal the padded call's windowed mask to the same tolerances, a hole inside the window keeping the padded call.
+Refusals (``None``) keep the padded call: a model or input it cannot serve, no padding, a read position that is
+padding. A model whose attention did not take the packing or its window, or hands it a keyword that transformers'
+SDPA acts on and the packing does not serve, raises. On CUDA (``-m gpu``) every family's packed call takes the
+flash kernel, within 2e-2 in bf16.
 """
 
 import pytest
@@ -121,7 +122,8 @@ def _no_hole(kwargs):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("model_type,window", [(f, None) for f in FAMILIES] + [("gemma3_text", 4), ("qwen2", 4)])
+@pytest.mark.parametrize("model_type,window",
+                         [(f, None) for f in FAMILIES] + [("gemma3_text", 4), ("qwen2", 4), ("phi3", 4)])
 def test_packed_call_flash_cuda_bf16(model_type, window, monkeypatch):
     """On CUDA in bf16, pad-free by default: the packed call takes the flash varlen kernel (never the reference
     attention; with ``window``, a sliding window the packed row reaches, served by the kernel) and its hidden
@@ -155,7 +157,7 @@ def test_packed_call_flash_cuda_bf16(model_type, window, monkeypatch):
 
 
 WINDOWED = {  # families whose packed call serves a sliding window (window 4: rows of 6 and 7 tokens reach it)
-    "gemma3_text": {}, "olmo3": {}, "ministral": {}, "exaone4": {},
+    "gemma3_text": {}, "olmo3": {}, "ministral": {}, "exaone4": {}, "mistral": {}, "mixtral": {}, "phi3": {},
     "smollm3": dict(use_sliding_window=True, sliding_window=4, layer_types=["sliding_attention", "full_attention"]),
     "qwen2": dict(use_sliding_window=True, sliding_window=4, max_window_layers=1),
     "qwen3": dict(use_sliding_window=True, sliding_window=4, max_window_layers=1),
@@ -164,20 +166,26 @@ WINDOWED = {  # families whose packed call serves a sliding window (window 4: ro
 
 @pytest.mark.parametrize("model_type", sorted(WINDOWED))
 def test_sliding_window_served_packed(model_type):
-    """A window the packed row reaches, in a family that takes a mask map: the packed row gets no mask and the
-    varlen kernel serves the window (every sliding layer's call windowed); equal to the padded call (its windowed
-    mask) as in the test above. A row with a hole is refused: the padded window counts the hole's positions."""
+    """A window the packed row reaches, in a family whose sliding layers hand the attention their window (a
+    mask-map family's sliding layer types, or every layer of Mistral, Mixtral, Phi-3): the packed row gets no mask
+    and the varlen kernel serves the window (every sliding layer's call windowed); equal to the padded call (its
+    windowed mask) as in the test above. A row with a hole is refused: the padded window counts the hole's
+    positions."""
     overrides = dict(WINDOWED[model_type])
     overrides.setdefault("sliding_window", 4)
     model = _model(model_type, **overrides)
-    assert 0 < sum(kind == "sliding_attention" for kind in model.config.layer_types) < model.config.num_hidden_layers
+    layers = model.config.num_hidden_layers
+    sliding = sum(kind == "sliding_attention" for kind in (getattr(model.config, "layer_types", None) or ()))
     backbone, kwargs = model.model, _no_hole(_batch(model.config.vocab_size))
     mask = kwargs["attention_mask"].bool()
     assert pad_free_reason(backbone, kwargs) == ""
     padded = backbone(**kwargs).last_hidden_state
     want = _grads(model, _loss(padded, mask))
     packed = pack_batch(backbone, kwargs, mask)
-    assert isinstance(packed.kwargs["attention_mask"], dict) and packed.sliding_layers > 0
+    if isinstance(packed.kwargs["attention_mask"], dict):  # a mask map: some layers slide
+        assert 0 < sliding < layers and packed.sliding_layers == sliding
+    else:  # every layer slides; the packed row's mask is the empty 4-D marker
+        assert packed.kwargs["attention_mask"].shape == (1, 1, 0, 0) and packed.sliding_layers == layers
     hidden = packed.unpack(backbone(**packed.kwargs).last_hidden_state)
     tol = _tolerance(model_type, False)
     _assert_within(hidden[mask], padded[mask], tol)
@@ -258,7 +266,8 @@ def test_refusals_keep_the_padded_call(monkeypatch):
     assert "model inputs other than" in pad_free_reason(model.model, dict(kwargs, token_type_ids=mask.long()))
     assert "no cache" in pad_free_reason(model.model, dict(kwargs, use_cache=True))
     assert "'eager'" in pad_free_reason(_model("llama", attn="eager").model, kwargs)
-    assert "sliding" in pad_free_reason(_model("mistral", sliding_window=4).model, kwargs)
+    unserved = dict(use_sliding_window=True, max_window_layers=2)  # Qwen2-MoE: its sliding layers pass no window
+    assert "sliding" in pad_free_reason(_model("qwen2_moe", sliding_window=4, **unserved).model, kwargs)
     assert "model type 'llama4_text'" in pad_free_reason(_model("llama4_text").model, kwargs)
     assert "in training" in pad_free_reason(_model("llama", attention_dropout=0.1).model, kwargs)
     assert pad_free_reason(_model("llama", attention_dropout=0.1).model.eval(), kwargs) == ""
@@ -280,12 +289,12 @@ def test_refusals_keep_the_padded_call(monkeypatch):
         "full_attention": {"rope_type": "dynamic", "factor": 4.0, "rope_theta": 10000.0},
         "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}})
     assert "'dynamic'" in pad_free_reason(per_layer.model, kwargs)
-    # a window longer than the padded rows but reached by the packed row (19 tokens): transformers would build
-    # the packed row a windowed [N, N] mask, so the padded call runs
-    windowed = _model("mistral", sliding_window=12)
+    # a window longer than the padded rows but reached by the packed row (19 tokens), in a family whose layers do
+    # not hand the attention the window: the padded call runs
+    windowed = _model("qwen2_moe", sliding_window=12, **unserved)
     assert pad_free_reason(windowed.model, kwargs) == ""
     assert pack_batch(windowed.model, kwargs, mask) is None
-    assert pack_batch(_model("mistral", sliding_window=20).model, kwargs, mask) is not None
+    assert pack_batch(_model("qwen2_moe", sliding_window=20, **unserved).model, kwargs, mask) is not None
     compiled = _model("llama")
     compiled.model.layers[0].compile()
     assert "compiled" in pad_free_reason(compiled.model, kwargs)
@@ -301,17 +310,46 @@ def test_an_attention_that_missed_the_packing_raises():
     model = _model("llama")
     kwargs = _batch(model.config.vocab_size)
     attention = model.model.layers[1].self_attn
-    forward = attention.forward
-
-    def dropping(*args, **kw):  # a layer that does not pass its keywords on
-        kw = {k: v for k, v in kw.items() if not k.startswith("liger_")}
-        return forward(*args, **kw)
-
-    attention.forward = dropping
+    attention.forward = _dropping_packing(attention.forward)
     packed = pack_batch(model.model, kwargs, kwargs["attention_mask"].bool())
-    hidden = model.model(**packed.kwargs).last_hidden_state
+    with pytest.raises(RuntimeError, match="reached an attention that did not get the packing"):
+        model.model(**packed.kwargs)  # the packed row's mask marker, without the offsets
+    mapped = _model("qwen2")  # a mask map of None: the call runs, and unpack counts the layer that missed the packing
+    mapped.model.layers[1].self_attn.forward = _dropping_packing(mapped.model.layers[1].self_attn.forward)
+    packed = pack_batch(mapped.model, kwargs, kwargs["attention_mask"].bool())
+    hidden = mapped.model(**packed.kwargs).last_hidden_state
     with pytest.raises(RuntimeError, match="1 varlen attention calls for 2 layers"):
         packed.unpack(hidden)
+
+
+def _dropping_packing(forward):
+    """``forward`` of an attention whose layer does not pass the packing keywords on."""
+    def dropping(*args, **kw):
+        return forward(*args, **{k: v for k, v in kw.items() if not k.startswith("liger_")})
+    return dropping
+
+
+@pytest.mark.parametrize("model_type", ["llama", "mistral", "phi3", "qwen2_moe"])
+def test_the_packed_row_mask_is_the_marker_and_fails_where_applied(model_type):
+    """Outside the mask-map families the packed row's ``attention_mask`` is the empty 4-D marker, which
+    transformers hands the layers as it is (no mask built, no host read: a built mask would raise in the route,
+    and the packed call runs). An attention that would apply the marker instead (transformers' SDPA or eager
+    function, reached by a call without the packing keywords) fails to broadcast it: never a silently unmasked row."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    from transformers.models.llama.modeling_llama import eager_attention_forward
+
+    model = _model(model_type)
+    kwargs = _batch(model.config.vocab_size)
+    packed = pack_batch(model.model, kwargs, kwargs["attention_mask"].bool())
+    marker = packed.kwargs["attention_mask"]
+    assert marker.shape == (1, 1, 0, 0) and marker.dtype == torch.bool
+    packed.unpack(model.model(**packed.kwargs).last_hidden_state)
+    attention = model.model.layers[0].self_attn
+    q = torch.randn(1, model.config.num_attention_heads, 5, attention.head_dim, dtype=torch.float64)
+    k = v = torch.randn(1, model.config.num_key_value_heads, 5, attention.head_dim, dtype=torch.float64)
+    for function in (sdpa_attention_forward, eager_attention_forward):
+        with pytest.raises(RuntimeError):
+            function(attention, q, k, v, marker, scaling=attention.scaling, dropout=0.0)
 
 
 @pytest.mark.parametrize("keywords", [dict(position_bias=1.0), dict(softcap=30.0), dict(is_causal=False)],
