@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from liger_losses.kernels.gated_down import gated_down_proj, gated_down_proj_packed
@@ -134,8 +135,11 @@ class LigerSwiGLUMLP(nn.Module):
 
     ``forward(x) = down_proj(swiglu(gate_proj(x), up_proj(x)))``, ``x: [..., hidden_size]``, through
     :func:`mlp_tail`. The gradients of the (private) gate/up projections' outputs are written in
-    place.
+    place. ``residual_dropout`` (0 unless set; Seed-OSS's MLP drops out its output in training): the
+    output's dropout, drawn as the Hugging Face MLP draws it.
     """
+
+    residual_dropout: float = 0.0
 
     def __init__(self, config, *, impl: str = "auto"):
         super().__init__()
@@ -150,7 +154,10 @@ class LigerSwiGLUMLP(nn.Module):
         self.impl = impl
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return mlp_tail(self.down_proj, self.gate_proj(x), self.up_proj(x), activation="silu", impl=self.impl)
+        out = mlp_tail(self.down_proj, self.gate_proj(x), self.up_proj(x), activation="silu", impl=self.impl)
+        if self.residual_dropout:
+            out = F.dropout(out, p=self.residual_dropout, training=self.training)
+        return out
 
 
 class LigerPhi3SwiGLUMLP(nn.Module):

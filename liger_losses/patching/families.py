@@ -126,3 +126,28 @@ apply_liger_kernels_to_llama4_text = _patcher(
     "Patch a Llama-4 text model (or its modeling module): norms, dense and shared-expert MLPs, the loss; "
     "its complex-number RoPE, L2 q/k norms and routed experts stay transformers' (``rope`` is ignored).",
 )
+apply_liger_kernels_to_ministral3 = _patcher(
+    "ministral3",
+    "Patch a Ministral-3 text model (or its modeling module); its position-scaled queries stay transformers'.",
+)
+apply_liger_kernels_to_seed_oss = _patcher(
+    "seed_oss", "Patch a Seed-OSS model (or, with ``model=None``, the Seed-OSS modeling module)."
+)
+apply_liger_kernels_to_hunyuan_v1_dense = _patcher(
+    "hunyuan_v1_dense", "Patch a Hunyuan dense (v1) model (or its modeling module); q/k norms too."
+)
+apply_liger_kernels_to_olmoe = _patcher(
+    "olmoe",
+    "Patch an OLMoE model (or its modeling module): norms (full-width q/k too), RoPE, the loss with the router "
+    "aux loss; the experts stay transformers' (``swiglu`` is accepted: there is no dense MLP).",
+)
+apply_liger_kernels_to_glm4_moe = _patcher(
+    "glm4_moe",
+    "Patch a GLM-4-MoE model (or its modeling module): norms, dense and shared-expert MLPs, its partial "
+    "rotate-half RoPE, the loss; the router and routed experts stay transformers'.",
+)
+apply_liger_kernels_to_dots1 = _patcher(
+    "dots1",
+    "Patch a dots.llm1 model (or its modeling module): norms (q/k too), dense and shared-expert MLPs, RoPE, "
+    "the loss; the router and routed experts stay transformers'.",
+)

@@ -29,6 +29,12 @@ left to transformers:
 | gpt_oss     | olmo                  | none           | HF (3)     | + aux loss       | sinks, clamped experts  |
 | llama4_text | llama                 | shared + dense | HF (4)     |                  | L2 q/k norms, experts   |
 | deepseek_v3 | llama, MLA LoRA norms | shared + dense | kernel (5) |                  | MLA, router, experts    |
+| ministral3  | llama                 | SwiGLU         | kernel     |                  | position-scaled queries |
+| seed_oss    | llama                 | SwiGLU         | kernel     |                  |                         |
+| hunyuan_v1_dense | llama, q/k per head | SwiGLU       | kernel     |                  |                         |
+| olmoe       | llama, q/k full       | none           | kernel     | + aux loss       | router, experts         |
+| glm4_moe    | llama, q/k per head   | shared + dense | kernel (6) |                  | router, experts         |
+| dots1       | llama, q/k per head   | shared + dense | kernel     |                  | router, experts         |
 
 Why left to transformers: multipliers (Granite's embedding/residual/attention), sliding-window masks,
 scaled embeddings and softcaps inside attention are elementwise or mask work with no kernel of ours;
@@ -37,10 +43,12 @@ Phi-3's partial rotary is the kernel's (it rotates the first R features); (1) GL
 dispatched by transformers' expert backends (top-k routing), not ``nn.Linear`` MLPs, so their
 activation stays; (3) gpt-oss rotates with half-width tables (not ``cat(freqs, freqs)``); (4) Llama-4
 rotates complex numbers; (5) DeepSeek-V3 with ``rope_interleave=True`` (the default) calls
-``apply_rotary_pos_emb_interleave``, which is not patched: only non-interleaved configs use our kernel.
+``apply_rotary_pos_emb_interleave``, which is not patched: only non-interleaved configs use our kernel;
+(6) GLM-4-MoE's rotary is partial but rotate-half (unlike GLM-4's), so the kernel's, as Phi-3's.
+Ministral-3's position-dependent query scale (``llama_4_scaling_beta``) stays in its attention.
 "head / loss": ``softcap`` = ``final_logit_softcapping``; ``1/logits_scaling`` = the loss's logit
-scale; ``+ aux loss`` = the router load-balancing loss added as transformers adds it. DeepSeek-V3
-and Llama-4 add none (transformers' forwards have none).
+scale; ``+ aux loss`` = the router load-balancing loss added as transformers adds it. DeepSeek-V3,
+Llama-4, GLM-4-MoE and dots1 add none (transformers' forwards have none).
 
 Norm kinds: ``llama`` ``w * x_hat.to(dtype)``; ``gemma`` ``(x_hat * (1 + w)).to(dtype)`` in fp32;
 ``olmo`` ``(w * x_hat).to(dtype)`` with the product in fp32. "kernel" RoPE: the modeling module's
@@ -126,6 +134,12 @@ FAMILIES: Dict[str, FamilySpec] = {
         _spec("qwen3_moe", "Qwen3Moe", moe=True),
         _spec("gpt_oss", "GptOss", "olmo", mlp=None, rope=False, moe=True),
         _spec("deepseek_v3", "DeepseekV3"),
+        _spec("ministral3", "Ministral3"),
+        _spec("seed_oss", "SeedOss"),
+        _spec("hunyuan_v1_dense", "HunYuanDenseV1"),
+        _spec("olmoe", "Olmoe", mlp=None, moe=True),
+        _spec("glm4_moe", "Glm4Moe"),
+        _spec("dots1", "Dots1"),
         FamilySpec(model_type="llama4_text", module="transformers.models.llama4.modeling_llama4",
                    causal_lm="Llama4ForCausalLM", rms_norm="Llama4TextRMSNorm", norm_kind="llama",
                    mlp="Llama4TextMLP", mlp_kind="swiglu", rope=False),

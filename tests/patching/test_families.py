@@ -114,6 +114,24 @@ def test_patched_family_matches_unpatched(model_type, kernel_impl):
     assert_close_rel(eval_logits(model, batch), ref_logits, FP32, "logits")
 
 
+def test_seed_oss_dropout_is_kept():
+    """Seed-OSS drops out its attention and MLP outputs in training (``residual_dropout``, default 0.1):
+    the patched MLP draws its output's dropout as transformers' does, so under one seed the patched model's
+    loss and gradients equal the unpatched model's (1e-5, fp32), and without the dropout they would not."""
+    ref = tiny_model("seed_oss", attention_dropout=0.3, residual_dropout=0.3)
+    model = copy.deepcopy(ref)
+    batch = tiny_batch(ref.config)
+    torch.manual_seed(5)
+    ref_out, ref_grads = loss_and_grads(ref, batch)
+    apply_liger_kernels(model)
+    assert all(m.residual_dropout == 0.3 for m in model.modules() if type(m).__name__ == "LigerSwiGLUMLP")
+    torch.manual_seed(5)
+    out, grads = loss_and_grads(model, batch)
+    assert_loss_and_grads(out, grads, ref_out.loss, ref_grads)
+    torch.manual_seed(6)  # another draw: another loss (the dropout is live)
+    assert not torch.allclose(loss_and_grads(model, batch)[0].loss, out.loss)
+
+
 def test_qwen3_qk_norms_swapped():
     """Qwen3's per-head q_norm/k_norm are RMSNorms too and must be swapped (they hold weights)."""
     from liger_losses.kernels.rms_norm import LigerRMSNorm

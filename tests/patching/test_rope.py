@@ -103,7 +103,9 @@ def test_family_tables_repeat_their_first_half(model_type, rope_type):
     if rope_type == "longrope":
         base = tiny_config(model_type)
         head_dim = getattr(base, "head_dim", None) or base.hidden_size // base.num_attention_heads
-        n_freqs = int(head_dim * getattr(base, "partial_rotary_factor", 1.0)) // 2
+        partial = getattr(base, "partial_rotary_factor", None)  # GLM-4-MoE keeps it in rope_parameters
+        partial = partial or (getattr(base, "rope_parameters", None) or {}).get("partial_rotary_factor", 1.0)
+        n_freqs = int(head_dim * partial) // 2
         overrides["rope_scaling"].update(short_factor=[1.0 + i for i in range(n_freqs)],
                                          long_factor=[2.0 + 3 * i for i in range(n_freqs)])
     try:

@@ -23,8 +23,9 @@ DENSE_FAMILIES = (
     "llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "phi3",
     "gemma3_text", "olmo2", "olmo3", "glm4", "granite", "smollm3", "ministral", "exaone4",
 )
-MOE_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "gpt_oss")
-OTHER_FAMILIES = ("deepseek_v3", "llama4_text")  # MoE without an aux loss
+DENSE_FAMILIES += ("ministral3", "seed_oss", "hunyuan_v1_dense")
+MOE_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "gpt_oss", "olmoe")
+OTHER_FAMILIES = ("deepseek_v3", "llama4_text", "glm4_moe", "dots1")  # MoE without an aux loss
 FAMILIES = DENSE_FAMILIES + MOE_FAMILIES + OTHER_FAMILIES
 
 _COMMON = dict(
@@ -65,6 +66,19 @@ _PER_FAMILY = {
     # layer 0 MoE (4 experts, top-1, a shared expert), layer 1 dense; layer 1 without RoPE
     "llama4_text": dict(num_local_experts=4, num_experts_per_tok=1, intermediate_size_mlp=128,
                         interleave_moe_layer_step=2, moe_layers=[0], no_rope_layers=[1, 0]),
+    # YaRN from 4 positions to 64 (factor 16, as the config's default): the llama-4 query scale then varies
+    # over the batches' 8 positions
+    "ministral3": dict(rope_parameters=dict(rope_type="yarn", rope_theta=1e6, factor=16.0,
+                                            original_max_position_embeddings=4, beta_fast=32.0, beta_slow=1.0,
+                                            mscale_all_dim=1.0, mscale=1.0, llama_4_scaling_beta=0.1)),
+    "seed_oss": dict(attention_dropout=0.0, residual_dropout=0.0),  # its defaults drop out (0.1): a test of its own
+    "olmoe": dict(num_experts=4, **_MOE),
+    # layer 0 dense, layer 1 MoE (4 routed experts in 2 groups + a shared one); GLM-4-MoE with its partial
+    # rotary (factor 0.5) and q/k norms
+    "glm4_moe": dict(n_routed_experts=4, num_experts_per_tok=2, n_group=2, topk_group=1, moe_intermediate_size=32,
+                     n_shared_experts=1, first_k_dense_replace=1, partial_rotary_factor=0.5, use_qk_norm=True),
+    "dots1": dict(n_routed_experts=4, num_experts_per_tok=2, n_group=2, topk_group=1, moe_intermediate_size=32,
+                  n_shared_experts=1, first_k_dense_replace=1),
     "deepseek_v3": dict(num_key_value_heads=4, n_routed_experts=4, num_experts_per_tok=2, n_group=2, topk_group=1,
                         moe_intermediate_size=32, n_shared_experts=1, first_k_dense_replace=1,
                         q_lora_rank=32, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8,
