@@ -29,8 +29,8 @@ compute dtype, head size a multiple of 8 up to 256); ``0`` off; ``1`` on whereve
 CPU with the reference attention: how the tests run it). Refused also for dynamic/longrope RoPE (their
 frequencies follow the call's largest position), dropout or router noise in training, bidirectional attention,
 and where the packed row would reach a sliding window the model's layers do not hand their attention
-(:func:`serves_window`: served for Gemma-3, OLMo-3, Ministral, EXAONE-4, SmolLM3, Qwen2/3, whose sliding layer
-types say which layers slide, and Mistral, Mixtral and Phi-3, whose every layer slides; not for Qwen2-MoE); and
+(:func:`serves_window`: served for Gemma-3, OLMo-3, Ministral, EXAONE-4, SmolLM3, Qwen2/3 and dots1, whose sliding
+layer types say which layers slide, and Mistral, Mixtral and Phi-3, whose every layer slides; not for Qwen2-MoE); and
 wherever a row with a hole spans more positions than the window. The varlen kernel serves the window.
 """
 
@@ -57,6 +57,7 @@ from ..kernels.varlen_attention import flash_supported, varlen_causal_attention
 PAD_FREE_MODEL_TYPES = frozenset({
     "llama", "mistral", "ministral", "qwen2", "qwen3", "gemma", "gemma3_text", "phi3", "olmo2", "olmo3", "glm4",
     "granite", "smollm3", "exaone4", "mixtral", "qwen2_moe", "qwen3_moe",
+    "ministral3", "seed_oss", "hunyuan_v1_dense", "olmoe", "glm4_moe", "dots1",
 })
 _PLAIN_KEYS = frozenset({"input_ids", "attention_mask", "position_ids", "use_cache", "return_dict"})
 
@@ -65,7 +66,8 @@ _PLAIN_KEYS = frozenset({"input_ids", "attention_mask", "position_ids", "use_cac
 # ``sliding_window``: their packed row gets ``{"full_attention": None, "sliding_attention": None}``, so transformers
 # builds no mask and a window the packed row reaches is served by the varlen kernel (Qwen2-MoE's sliding layers do
 # not pass the window: not here)
-_MASK_MAP_MODEL_TYPES = frozenset({"gemma3_text", "olmo3", "ministral", "exaone4", "smollm3", "qwen2", "qwen3"})
+_MASK_MAP_MODEL_TYPES = frozenset({"gemma3_text", "olmo3", "ministral", "exaone4", "smollm3", "qwen2", "qwen3",
+                                   "dots1"})
 # model types whose every decoder layer slides when the config has a window, each handing the attention the config's
 # ``sliding_window`` (transformers builds them one windowed mask for all layers)
 _ALL_SLIDING_MODEL_TYPES = frozenset({"mistral", "mixtral", "phi3"})
@@ -178,17 +180,20 @@ def pad_free_reason(backbone: nn.Module, model_kwargs: Dict[str, Any]) -> str:
     return ""
 
 
+# module attributes that are a dropout probability or a noise scale drawn in the call's shape: attention dropout,
+# Seed-OSS's output dropout of its attention and MLP, Mixtral's router jitter
+_DROPOUT_ATTRIBUTES = ("attention_dropout", "residual_dropout", "jitter_noise")
 _DROPOUT = weakref.WeakKeyDictionary()  # backbone -> whether its layers drop out (read once: a walk of every module)
 
 
 def _has_dropout(backbone: nn.Module) -> bool:
-    """Whether ``backbone`` holds a dropout with p > 0 (an ``nn.Dropout``, e.g. PEFT's ``lora_dropout``), an
-    attention with ``attention_dropout > 0`` or an MoE block with router ``jitter_noise > 0`` (Mixtral's, drawn in the
-    call's shape); decided at its first packed step."""
+    """Whether ``backbone`` holds a dropout with p > 0 (an ``nn.Dropout``, e.g. PEFT's ``lora_dropout``), a module
+    with ``attention_dropout`` or ``residual_dropout`` > 0 or an MoE block with router ``jitter_noise > 0`` (Mixtral's,
+    drawn in the call's shape); decided at its first packed step."""
     if backbone not in _DROPOUT:
         _DROPOUT[backbone] = any(
-            (isinstance(m, nn.Dropout) and m.p > 0) or float(getattr(m, "attention_dropout", 0.0) or 0.0) > 0
-            or float(getattr(m, "jitter_noise", 0.0) or 0.0) > 0 for m in backbone.modules())
+            (isinstance(m, nn.Dropout) and m.p > 0)
+            or any(float(getattr(m, name, 0.0) or 0.0) > 0 for name in _DROPOUT_ATTRIBUTES) for m in backbone.modules())
     return _DROPOUT[backbone]
 
 

@@ -32,7 +32,7 @@ from tests.helpers import rel_err  # noqa: E402
 from .tiny_models import randomize_, tiny_config  # noqa: E402
 
 FAMILIES = sorted(PAD_FREE_MODEL_TYPES)
-MOE = ("mixtral", "qwen2_moe", "qwen3_moe")
+MOE = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "glm4_moe", "dots1")
 
 
 @pytest.fixture(autouse=True)
@@ -161,6 +161,7 @@ WINDOWED = {  # families whose packed call serves a sliding window (window 4: ro
     "smollm3": dict(use_sliding_window=True, sliding_window=4, layer_types=["sliding_attention", "full_attention"]),
     "qwen2": dict(use_sliding_window=True, sliding_window=4, max_window_layers=1),
     "qwen3": dict(use_sliding_window=True, sliding_window=4, max_window_layers=1),
+    "dots1": dict(sliding_window=4, max_window_layers=1),  # layer 1 slides
 }
 
 
@@ -275,6 +276,8 @@ def test_refusals_keep_the_padded_call(monkeypatch):
     mlp = dropping.model.layers[0].mlp
     mlp.up_proj = torch.nn.Sequential(torch.nn.Dropout(0.05), mlp.up_proj)
     assert "in training" in pad_free_reason(dropping.model, kwargs)  # e.g. PEFT's lora_dropout
+    seed_oss = _model("seed_oss", residual_dropout=0.1)  # its attention's and MLP's output dropout
+    assert "in training" in pad_free_reason(seed_oss.model, kwargs)
     jitter = _model("mixtral", router_jitter_noise=0.1)  # noise drawn in the call's shape
     assert "router noise in training" in pad_free_reason(jitter.model, kwargs)
     assert pad_free_reason(jitter.model.eval(), kwargs) == ""

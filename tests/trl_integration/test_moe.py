@@ -40,19 +40,21 @@ TOL = 1e-4
 AUX_COEF = 0.5
 
 
-def tiny_moe(tok, *, seed):
-    """A seeded random ``Qwen3MoeForCausalLM`` for ``tok`` (hidden 64, 4 experts of 32, top-2)."""
-    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+def tiny_moe(tok, *, seed, family="qwen3_moe"):
+    """A seeded random ``Qwen3MoeForCausalLM`` for ``tok`` (hidden 64, 4 experts of 32, top-2); ``family="olmoe"``:
+    an ``OlmoeForCausalLM`` of the same sizes (experts of 128)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
 
-    config = Qwen3MoeConfig(
-        vocab_size=len(tok), hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
+    sizes = dict(moe_intermediate_size=32) if family == "qwen3_moe" else {}
+    config = AutoConfig.for_model(
+        family, vocab_size=len(tok), hidden_size=64, intermediate_size=128, **sizes,
         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
         num_experts=4, num_experts_per_tok=2, router_aux_loss_coef=AUX_COEF, max_position_embeddings=128,
         pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id, bos_token_id=None,
         tie_word_embeddings=False,
     )
     generator = torch.Generator().manual_seed(seed)
-    model = Qwen3MoeForCausalLM(config)
+    model = AutoModelForCausalLM.from_config(config)
     with torch.no_grad():  # router weights are zeros at init: draw them so the routing is not uniform
         for p in model.parameters():
             p.copy_(torch.randn(p.shape, generator=generator) * 0.1 + (1.0 if p.dim() == 1 else 0.0))
@@ -207,11 +209,13 @@ def test_grpo_step0_parity_pad_free_with_router_aux_loss(tok, tmp_path, monkeypa
     assert m_t["aux_loss"] > 0
 
 
-def test_dpo_step0_parity_pad_free_with_router_aux_loss(tok, tmp_path, monkeypatch):
+@pytest.mark.parametrize("family", ["qwen3_moe", "olmoe"])
+def test_dpo_step0_parity_pad_free_with_router_aux_loss(tok, tmp_path, monkeypatch, family):
     """Forced pad-free DPO with a reference model and the aux loss: the policy's and the reference's calls packed;
-    loss, every metric (aux_loss included) and every gradient equal TRL's padded step (rel <= 1e-4)."""
+    loss, every metric (aux_loss included) and every gradient equal TRL's padded step (rel <= 1e-4); OLMoE (its
+    own load-balancing function in transformers, its full-width q/k norms) as Qwen3-MoE."""
     monkeypatch.setenv("LIGER_LOSSES_PAD_FREE", "1")
-    models = [tiny_moe(tok, seed=0), tiny_moe(tok, seed=1)]
+    models = [tiny_moe(tok, seed=0, family=family), tiny_moe(tok, seed=1, family=family)]
     theirs, ours = make_pair(DPOTrainer, models, lambda d: dpo_config(d), tmp_path,
                              lambda: preference_dataset(PAIRS), processing_class=tok)
     batch = first_batch(theirs)
