@@ -39,6 +39,11 @@ def test_bf16_patched_model_on_cuda(model_type):
         overrides.pop("head_dim")  # derived (Phi-3: hidden / heads; DeepSeek-V3: qk_rope_head_dim)
     if model_type == "deepseek_v3":
         overrides["num_key_value_heads"] = overrides["num_attention_heads"]  # MLA: one k per head
+    if model_type == "olmoe":
+        # every expert chosen: at this random init OLMoE's bf16 top-2 routing flips near-ties, and transformers'
+        # own bf16 gradients were 2-20% off fp64 (ours alike, CPU bf16, 3 seeds), a coin flip for the 2x bar;
+        # with no discrete choice both are 2-5% off and the test measures our layers, not the flips
+        overrides["num_experts_per_tok"] = 4
     # the fp64 reference runs on the CPU with eager experts: the MoE families' default grouped-GEMM experts
     # take fp32/bf16/fp16 only
     ref64 = tiny_model(model_type, dtype=torch.float64, device="cpu", **overrides)
