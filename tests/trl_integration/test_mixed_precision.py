@@ -166,8 +166,18 @@ def test_forward_autocast_follows_accelerate_wrapper():
     """``forward_autocast`` is accelerate's autocast exactly when ``prepare_model`` wrapped the module's forward
     (under DDP-style ``.module`` wrappers too), and a null context otherwise."""
     from accelerate import Accelerator
+    from accelerate.state import AcceleratorState
 
-    accelerator = Accelerator(cpu=True, mixed_precision="bf16")
+    # a state another test of this process left (its own mixed precision) would refuse this one's bf16; and this
+    # one's is not left to the next
+    AcceleratorState._reset_state(reset_partial_state=True)
+    try:
+        _check_forward_autocast(Accelerator(cpu=True, mixed_precision="bf16"))
+    finally:
+        AcceleratorState._reset_state(reset_partial_state=True)
+
+
+def _check_forward_autocast(accelerator):
     model = torch.nn.Linear(4, 4)
     with forward_autocast(model, accelerator):
         assert not torch.is_autocast_enabled("cpu")
