@@ -135,18 +135,19 @@ class LigerSwiGLUMLP(nn.Module):
 
     ``forward(x) = down_proj(swiglu(gate_proj(x), up_proj(x)))``, ``x: [..., hidden_size]``, through
     :func:`mlp_tail`. The gradients of the (private) gate/up projections' outputs are written in
-    place. ``residual_dropout`` (0 unless set; Seed-OSS's MLP drops out its output in training): the
-    output's dropout, drawn as the Hugging Face MLP draws it.
+    place. ``residual_dropout`` (``config.residual_dropout``, 0 when absent; Seed-OSS's MLP drops out its
+    output in training): the output's dropout, drawn as the Hugging Face MLP draws it.
+    ``intermediate_size`` (default ``config.intermediate_size``): MoE shared-expert and dense MLPs are
+    built with their own width, as the Hugging Face classes are.
     """
 
-    residual_dropout: float = 0.0
-
-    def __init__(self, config, *, impl: str = "auto"):
+    def __init__(self, config, intermediate_size: Optional[int] = None, *, impl: str = "auto"):
         super().__init__()
         _check_silu(config)
         self.config = config
         self.hidden_size = config.hidden_size
-        self.intermediate_size = config.intermediate_size
+        self.intermediate_size = intermediate_size or config.intermediate_size
+        self.residual_dropout = float(getattr(config, "residual_dropout", 0.0) or 0.0)
         bias = getattr(config, "mlp_bias", False)
         self.gate_proj = nn.Linear(self.hidden_size, self.intermediate_size, bias=bias)
         self.up_proj = nn.Linear(self.hidden_size, self.intermediate_size, bias=bias)
@@ -163,12 +164,13 @@ class LigerSwiGLUMLP(nn.Module):
 class LigerPhi3SwiGLUMLP(nn.Module):
     """Drop-in for ``Phi3MLP``: ``gate_up_proj`` (hidden -> 2I, no bias) and ``down_proj`` (I -> hidden)."""
 
-    def __init__(self, config, *, impl: str = "auto"):
+    def __init__(self, config, intermediate_size: Optional[int] = None, *, impl: str = "auto"):
         super().__init__()
         _check_silu(config)
         self.config = config
-        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+        self.intermediate_size = intermediate_size or config.intermediate_size
+        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * self.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(self.intermediate_size, config.hidden_size, bias=False)
         self.impl = impl
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
@@ -183,7 +185,7 @@ class LigerGEGLUMLP(nn.Module):
     default, through :func:`mlp_tail`.
     """
 
-    def __init__(self, config, *, impl: str = "auto"):
+    def __init__(self, config, intermediate_size: Optional[int] = None, *, impl: str = "auto"):
         super().__init__()
         act = getattr(config, "hidden_act", None) or getattr(config, "hidden_activation", None)
         act = act or "gelu_pytorch_tanh"
@@ -193,7 +195,7 @@ class LigerGEGLUMLP(nn.Module):
             )
         self.config = config
         self.hidden_size = config.hidden_size
-        self.intermediate_size = config.intermediate_size
+        self.intermediate_size = intermediate_size or config.intermediate_size
         self.gate_proj = nn.Linear(self.hidden_size, self.intermediate_size, bias=False)
         self.up_proj = nn.Linear(self.hidden_size, self.intermediate_size, bias=False)
         self.down_proj = nn.Linear(self.intermediate_size, self.hidden_size, bias=False)

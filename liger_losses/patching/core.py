@@ -159,7 +159,7 @@ def _make_mlp(kind: str, config):
         if float(getattr(old, "residual_dropout", 0.0) or 0.0) > 0.0:  # Seed-OSS: its output's dropout
             if not hasattr(new, "residual_dropout"):
                 raise RuntimeError(f"{type(old).__name__} drops out its output; {cls.__name__} does not")
-            new.residual_dropout = float(old.residual_dropout)
+            new.residual_dropout = float(old.residual_dropout)  # the module's, should it differ from the config's
         _check_materialised(new, cls.__name__)
         return new.train(old.training)
 

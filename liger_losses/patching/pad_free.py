@@ -30,7 +30,8 @@ CPU with the reference attention: how the tests run it). Refused also for dynami
 frequencies follow the call's largest position), dropout or router noise in training, bidirectional attention,
 and where the packed row would reach a sliding window the model's layers do not hand their attention
 (:func:`serves_window`: served for Gemma-3, OLMo-3, Ministral, EXAONE-4, SmolLM3, Qwen2/3 and dots1, whose sliding
-layer types say which layers slide, and Mistral, Mixtral and Phi-3, whose every layer slides; not for Qwen2-MoE); and
+layer types say which layers slide, and Mistral, Mixtral, Phi-3 and Ministral-3, whose every layer slides; not for
+Qwen2-MoE or OLMoE); and
 wherever a row with a hole spans more positions than the window. The varlen kernel serves the window.
 """
 
@@ -70,7 +71,7 @@ _MASK_MAP_MODEL_TYPES = frozenset({"gemma3_text", "olmo3", "ministral", "exaone4
                                    "dots1"})
 # model types whose every decoder layer slides when the config has a window, each handing the attention the config's
 # ``sliding_window`` (transformers builds them one windowed mask for all layers)
-_ALL_SLIDING_MODEL_TYPES = frozenset({"mistral", "mixtral", "phi3"})
+_ALL_SLIDING_MODEL_TYPES = frozenset({"mistral", "mixtral", "phi3", "ministral3"})
 
 
 def _packed_mask(device) -> torch.Tensor:
@@ -113,7 +114,7 @@ def _routed(sdpa):
             raise RuntimeError(f"{type(module).__name__}: the packed (pad-free) call reached an attention it cannot "
                                "serve (a mask, a position bias, a softcap or non-causal attention); "
                                "set LIGER_LOSSES_PAD_FREE=0")
-        if window is not None and expected_window is not None and window != expected_window:
+        if window is not None and window != expected_window:  # the config read as no window, or another one
             raise RuntimeError(f"{type(module).__name__}: a sliding window of {window} where the model's config (which "
                                f"the padded call's mask follows) says {expected_window}; set LIGER_LOSSES_PAD_FREE=0")
         dtype = autocast_dtype(query, None)
@@ -163,7 +164,8 @@ def pad_free_reason(backbone: nn.Module, model_kwargs: Dict[str, Any]) -> str:
         return f"a sliding window ({window}) no longer than the batch ({ids.shape[1]} tokens)"
     if getattr(config, "use_bidirectional_attention", False) or getattr(config, "is_causal", True) is False:
         return "bidirectional attention"
-    if serves_window(config) and not getattr(config, "use_sliding_window", True):
+    if (getattr(config, "model_type", None) in _MASK_MAP_MODEL_TYPES and serves_window(config)
+            and not getattr(config, "use_sliding_window", True)):
         # SmolLM3: the model windows its sliding layer types, its layers pass no window without the flag
         return "sliding layers with use_sliding_window=False"
     if backbone.training and _has_dropout(backbone):
@@ -199,11 +201,13 @@ def _has_dropout(backbone: nn.Module) -> bool:
 
 def sliding_window(config) -> Optional[int]:
     """The attention window of ``config`` (None: full attention): a mask-map family windows exactly its layers of
-    type ``"sliding_attention"`` (none: no window); elsewhere ``sliding_window`` unless ``use_sliding_window=False``."""
-    window = getattr(config, "sliding_window", None)
+    type ``"sliding_attention"`` (none: no window); elsewhere ``sliding_window`` (0 read as none), whatever
+    ``use_sliding_window`` says: Mistral, Mixtral, Phi-3, Ministral-3 and OLMoE never read that flag, their layers
+    hand the attention the config's window (Qwen2-MoE's config zeroes its window itself)."""
+    window = getattr(config, "sliding_window", None) or None
     if getattr(config, "model_type", None) in _MASK_MAP_MODEL_TYPES:
         return window if _sliding_layers(config) else None
-    return window if getattr(config, "use_sliding_window", True) else None
+    return window
 
 
 def _sliding_layers(config) -> int:

@@ -17,8 +17,9 @@ from liger_losses.patching import (
 )
 from liger_losses.patching.causal_lm import is_liger_forward
 from liger_losses.patching.core import is_rope_patched
+from liger_losses.patching.specs import FAMILIES as SPECS
 from tests.helpers import TOL, assert_close_rel
-from tests.patching.tiny_models import loss_and_grads, tiny_batch, tiny_config, tiny_model
+from tests.patching.tiny_models import FAMILIES, loss_and_grads, tiny_batch, tiny_config, tiny_model
 
 FP32 = TOL[torch.float32]
 
@@ -62,6 +63,54 @@ def test_class_level_model_matches_hf():
     model.load_state_dict(ref.state_dict())
     out, grads = loss_and_grads(model.train(), batch)
     assert out.logits is None
+    assert_close_rel(out.loss, ref_out.loss, FP32, "loss")
+    for name, g in ref_grads.items():
+        assert_close_rel(grads[name], g, FP32, f"grad {name}")
+
+
+@pytest.mark.parametrize("model_type", FAMILIES)
+def test_class_level_patch_of_every_family_matches_hf(model_type):
+    """Each family patched at class level (``apply_liger_kernels_to_<family>()``, no model) builds its models with
+    our modules -- MoE shared-expert and dense MLPs too, which transformers constructs with their own
+    ``intermediate_size`` -- and a model so built gives the unpatched model's loss and gradients of the same weights
+    (1e-5, fp32)."""
+    from transformers import AutoModelForCausalLM
+
+    import liger_losses.patching as patching
+
+    ref = tiny_model(model_type)
+    batch = tiny_batch(ref.config)
+    ref_out, ref_grads = loss_and_grads(ref, batch)
+    getattr(patching, f"apply_liger_kernels_to_{model_type}")()
+    model = AutoModelForCausalLM.from_config(ref.config, attn_implementation="eager")
+    model.load_state_dict(ref.state_dict())
+    spec = SPECS[model_type]
+    assert any(type(m).__name__.startswith("Liger") and "RMSNorm" in type(m).__name__ for m in model.modules())
+    if spec.mlp is not None and any(type(m).__name__ == spec.mlp for m in ref.modules()):
+        assert not any(type(m).__name__ == spec.mlp for m in model.modules())  # every HF MLP is ours
+    out, grads = loss_and_grads(model.train(), batch)
+    assert_close_rel(out.loss, ref_out.loss, FP32, "loss")
+    for name, g in ref_grads.items():
+        assert_close_rel(grads[name], g, FP32, f"grad {name}")
+
+
+def test_class_level_seed_oss_keeps_its_mlp_dropout():
+    """Seed-OSS patched at class level: our MLP reads ``config.residual_dropout`` as transformers' does, so under one
+    seed the loss equals the unpatched model's (1e-5, fp32) with both dropouts live."""
+    from transformers import AutoModelForCausalLM
+
+    from liger_losses.patching import apply_liger_kernels_to_seed_oss
+
+    ref = tiny_model("seed_oss", attention_dropout=0.3, residual_dropout=0.3)
+    batch = tiny_batch(ref.config)
+    torch.manual_seed(5)
+    ref_out, ref_grads = loss_and_grads(ref, batch)
+    apply_liger_kernels_to_seed_oss()
+    model = AutoModelForCausalLM.from_config(ref.config, attn_implementation="eager")
+    model.load_state_dict(ref.state_dict())
+    assert {m.residual_dropout for m in model.modules() if type(m).__name__ == "LigerSwiGLUMLP"} == {0.3}
+    torch.manual_seed(5)
+    out, grads = loss_and_grads(model.train(), batch)
     assert_close_rel(out.loss, ref_out.loss, FP32, "loss")
     for name, g in ref_grads.items():
         assert_close_rel(grads[name], g, FP32, f"grad {name}")

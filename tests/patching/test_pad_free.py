@@ -158,6 +158,7 @@ def test_packed_call_flash_cuda_bf16(model_type, window, monkeypatch):
 
 WINDOWED = {  # families whose packed call serves a sliding window (window 4: rows of 6 and 7 tokens reach it)
     "gemma3_text": {}, "olmo3": {}, "ministral": {}, "exaone4": {}, "mistral": {}, "mixtral": {}, "phi3": {},
+    "ministral3": {},
     "smollm3": dict(use_sliding_window=True, sliding_window=4, layer_types=["sliding_attention", "full_attention"]),
     "qwen2": dict(use_sliding_window=True, sliding_window=4, max_window_layers=1),
     "qwen3": dict(use_sliding_window=True, sliding_window=4, max_window_layers=1),
@@ -168,9 +169,9 @@ WINDOWED = {  # families whose packed call serves a sliding window (window 4: ro
 @pytest.mark.parametrize("model_type", sorted(WINDOWED))
 def test_sliding_window_served_packed(model_type):
     """A window the packed row reaches, in a family whose sliding layers hand the attention their window (a
-    mask-map family's sliding layer types, or every layer of Mistral, Mixtral, Phi-3): the packed row gets no mask
-    and the varlen kernel serves the window (every sliding layer's call windowed); equal to the padded call (its
-    windowed mask) as in the test above. A row with a hole is refused: the padded window counts the hole's
+    mask-map family's sliding layer types, or every layer of Mistral, Mixtral, Phi-3, Ministral-3): the packed row
+    gets no mask and the varlen kernel serves the window (every sliding layer's call windowed); equal to the padded
+    call (its windowed mask) as in the test above. A row with a hole is refused: the padded window counts the hole's
     positions."""
     overrides = dict(WINDOWED[model_type])
     overrides.setdefault("sliding_window", 4)
@@ -224,6 +225,40 @@ def test_sliding_configs_that_packing_reads_as_the_model_does():
     assert "use_sliding_window=False" in pad_free_reason(odd.model, kwargs)
     model = _model("ministral", sliding_window=4)
     model.config.sliding_window = 3  # changed after the layers read it
+    packed = pack_batch(model.model, kwargs, kwargs["attention_mask"].bool())
+    with pytest.raises(RuntimeError, match="a sliding window of 4 where the model's config"):
+        model.model(**packed.kwargs)
+
+
+@pytest.mark.parametrize("model_type", ["mistral", "phi3", "ministral3", "olmoe"])
+def test_a_window_is_read_as_the_layers_apply_it(model_type):
+    """Mistral, Phi-3, Ministral-3 and OLMoE never read ``use_sliding_window``: their layers hand the attention the
+    config's window whatever it says, so packing reads the window from ``sliding_window`` alone. A row with a hole
+    inside the window keeps the padded call; Mistral-style families without one pack, equal to the padded call (its
+    windowed mask); OLMoE, whose padded call windows nothing while its layers pass the window, keeps the padded call
+    wherever the packed row reaches it. Read as no window (the flag honoured), the packed calls were 0.8-1.8 off."""
+    model = _model(model_type, sliding_window=4, use_sliding_window=False)
+    holed = _batch(model.config.vocab_size)
+    assert pack_batch(model.model, holed, holed["attention_mask"].bool()) is None
+    kwargs = _no_hole(holed)
+    mask = kwargs["attention_mask"].bool()
+    packed = pack_batch(model.model, kwargs, mask)
+    if model_type == "olmoe":
+        assert packed is None
+        return
+    padded = model.model(**kwargs).last_hidden_state
+    hidden = packed.unpack(model.model(**packed.kwargs).last_hidden_state)
+    _assert_within(hidden[mask], padded[mask], _tolerance(model_type, False))
+
+
+def test_a_layer_window_the_config_does_not_have_raises():
+    """A layer handing the attention a window where the config reads none (the padded call's mask has none): the
+    packed call raises rather than window it."""
+    model = _model("llama")
+    kwargs = _no_hole(_batch(model.config.vocab_size))
+    attention = model.model.layers[0].self_attn
+    forward = attention.forward
+    attention.forward = lambda *args, **kw: forward(*args, sliding_window=4, **kw)
     packed = pack_batch(model.model, kwargs, kwargs["attention_mask"].bool())
     with pytest.raises(RuntimeError, match="a sliding window of 4 where the model's config"):
         model.model(**packed.kwargs)
