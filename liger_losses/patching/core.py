@@ -156,10 +156,11 @@ def _make_mlp(kind: str, config):
             setattr(new, part, getattr(old, part))
         if hasattr(old, "intermediate_size"):  # MoE shared/dense MLPs are not config-sized
             new.intermediate_size = old.intermediate_size
-        if float(getattr(old, "residual_dropout", 0.0) or 0.0) > 0.0:  # Seed-OSS: its output's dropout
-            if not hasattr(new, "residual_dropout"):
-                raise RuntimeError(f"{type(old).__name__} drops out its output; {cls.__name__} does not")
-            new.residual_dropout = float(old.residual_dropout)  # the module's, should it differ from the config's
+        dropout = float(getattr(old, "residual_dropout", 0.0) or 0.0)  # Seed-OSS: its output's dropout
+        if hasattr(new, "residual_dropout"):
+            new.residual_dropout = dropout  # the module's, which may differ from the config's
+        elif dropout > 0.0:
+            raise RuntimeError(f"{type(old).__name__} drops out its output; {cls.__name__} does not")
         _check_materialised(new, cls.__name__)
         return new.train(old.training)
 
