@@ -4,7 +4,9 @@
 intermediate 128, vocab 128, eager attention; each family's own features switched on so that they
 matter at this scale: Phi-3 partial rotary (factor 0.5), Gemma-2/3 a final-logit softcap of 1.0,
 one sliding-window layer (window 4) for Gemma-3, OLMo-3, Ministral and EXAONE-4, Granite's
-multipliers and ``logits_scaling=4``, a SmolLM3 layer without RoPE; MoE families 4 experts, top-2,
+multipliers and ``logits_scaling=4``, a SmolLM3 layer without RoPE, Ministral-3's YaRN with its
+position-dependent query scale varying over the batch, GLM-4-MoE's partial rotary and q/k norms, Seed-OSS
+without its default dropouts (a test of their own); MoE families 4 experts, top-2,
 ``output_router_logits=True`` with ``router_aux_loss_coef=0.1``, and (Qwen MoE) layer 1 dense.
 ``tiny_model(model_type, *, dtype=torch.float32, device="cpu", **overrides)``: that model with
 every weight drawn afresh (matrices N(0, 0.1^2); norm weights = their init value + N(0, 0.1^2), so
@@ -22,8 +24,8 @@ import torch
 DENSE_FAMILIES = (
     "llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "phi3",
     "gemma3_text", "olmo2", "olmo3", "glm4", "granite", "smollm3", "ministral", "exaone4",
+    "ministral3", "seed_oss", "hunyuan_v1_dense",
 )
-DENSE_FAMILIES += ("ministral3", "seed_oss", "hunyuan_v1_dense")
 MOE_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "gpt_oss", "olmoe")
 OTHER_FAMILIES = ("deepseek_v3", "llama4_text", "glm4_moe", "dots1")  # MoE without an aux loss
 FAMILIES = DENSE_FAMILIES + MOE_FAMILIES + OTHER_FAMILIES
