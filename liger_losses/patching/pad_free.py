@@ -31,8 +31,8 @@ frequencies follow the call's largest position), dropout or router noise in trai
 and where the packed row would reach a sliding window the model's layers do not hand their attention
 (:func:`serves_window`: served for Gemma-3, OLMo-3, Ministral, EXAONE-4, SmolLM3, Qwen2/3 and dots1, whose sliding
 layer types say which layers slide, and Mistral, Mixtral, Phi-3 and Ministral-3, whose every layer slides; not for
-Qwen2-MoE or OLMoE); and
-wherever a row with a hole spans more positions than the window. The varlen kernel serves the window.
+Qwen2-MoE or OLMoE); and wherever a row with a hole spans more positions than the window. The varlen kernel serves
+the window.
 """
 
 from __future__ import annotations
@@ -216,7 +216,7 @@ def _sliding_layers(config) -> int:
     model_type = getattr(config, "model_type", None)
     if model_type in _MASK_MAP_MODEL_TYPES:
         return sum(kind == "sliding_attention" for kind in (getattr(config, "layer_types", None) or ()))
-    if model_type in _ALL_SLIDING_MODEL_TYPES and sliding_window(config) is not None:
+    if model_type in _ALL_SLIDING_MODEL_TYPES and getattr(config, "sliding_window", None):
         return int(config.num_hidden_layers)
     return 0
 
