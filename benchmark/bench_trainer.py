@@ -37,8 +37,9 @@ full/LoRA, sequences x tokens, and ``-L<n>`` where the depth is cut, ``-fp32w`` 
 single-shape benchmark's cases, ``trainer_b8.csv``), llama1b_sft_lora_8x2048, gemma2b_dpo_lora_4x1024,
 llama8b_sft_lora_2x4096 (the full 32-layer 8B), llama8b-L8_grpo_full_16x1024 (GRPO's step at the 8B
 widths) and qwen1.5b_dpo_full_4x1024_sampled (completions of lengths drawn in [C/2, C]: the padded batch that
-pad-free DPO skips; its tokens/s counts the nominal 2 x 4 x 1024 positions) and gemma3-1b_grpo_full_16x1024 (pad-free
-GRPO through sliding-window layers) -- and 2 warm-up + 5 timed steps per run instead of 1 + 3.
+pad-free DPO skips; its tokens/s counts the nominal 2 x 4 x 1024 positions), gemma3-1b_grpo_full_16x1024 (pad-free
+GRPO through sliding-window layers) and qwen1.5b_grpo_lora_16x1024_dropout (GRPO with LoRA r=16 and its
+``lora_dropout=0.05`` drawn in training, pad-free) -- and 2 warm-up + 5 timed steps per run instead of 1 + 3.
 
 Economy: each model is built (random init, seed 0) once per (family, depth, dtype) and its weights kept as a
 pinned CPU copy (``benchmark.trainer_data.snapshot_weights``); every run loads that copy into a skeleton
@@ -53,7 +54,8 @@ CSV is rewritten after every run (a command killed from outside keeps what ran) 
 Training settings (all providers): bf16=True (autocast), gradient_checkpointing=True
 (``use_reentrant=False``), ``optim="adamw_torch_fused"``, lr 1e-6 constant, gradient accumulation 1, no
 eval/saving/logging, one process; LoRA: PEFT ``LoraConfig(r=16, lora_alpha=32, lora_dropout=0,
-target_modules="all-linear")`` passed as ``peft_config`` (TRL wraps the model; adapters fp32 under autocast).
+target_modules="all-linear")`` (the dropout case: ``lora_dropout=0.05``) passed as ``peft_config`` (TRL wraps the
+model; adapters fp32 under autocast).
 The transformers modeling modules are restored after every run (liger-kernel and our patching swap module
 and class attributes).
 
@@ -153,6 +155,7 @@ class Case:
     fp32_weights: bool = False  # fp32 weights (master weights) trained with bf16=True autocast
     layers: Optional[int] = None  # cut depth (None: the family's own)
     sampled_lengths: bool = False  # DPO: each completion's length drawn in [C/2, C] (padding, as real data has)
+    lora_dropout: float = 0.0  # the adapters' dropout (GRPO keeps it in training: TRL's disable_dropout=False)
 
     @property
     def tokens_per_step(self) -> int:
@@ -165,7 +168,7 @@ class Case:
     def tiny(self) -> "Case":
         """The CPU smoke version: the family's tiny shape, 2 layers, batch 2 (GRPO 4), seq 64."""
         return Case(self.name, self.family, self.task, 4 if self.task == "grpo" else 2, 64, self.lora,
-                    self.fp32_weights, None, self.sampled_lengths)
+                    self.fp32_weights, None, self.sampled_lengths, self.lora_dropout)
 
 
 DEFAULT_CASES = (
@@ -193,6 +196,8 @@ FULL_EXTRA_CASES = (
     Case("qwen1.5b_dpo_full_4x1024_sampled", "qwen2.5-1.5b", "dpo", 4, 1024, sampled_lengths=True),
     # pad-free with a sliding window the packed row reaches (Gemma-3's 512), served by the flash kernel's window
     Case("gemma3-1b_grpo_full_16x1024", "gemma3-1b", "grpo", 16, 1024),
+    # pad-free with LoRA's dropout drawn in training (GRPO keeps dropout on by default)
+    Case("qwen1.5b_grpo_lora_16x1024_dropout", "qwen2.5-1.5b", "grpo", 16, 1024, lora=True, lora_dropout=0.05),
 )
 ALL_CASES = {c.name: c for c in DEFAULT_CASES + FULL_EXTRA_CASES}
 
@@ -758,8 +763,8 @@ def run_one(case: Case, provider: str, bank: WeightBank, *, rnd: int, warmup: in
             if case.lora:
                 from peft import LoraConfig
 
-                peft_config = LoraConfig(r=16, lora_alpha=32, lora_dropout=0.0, target_modules="all-linear",
-                                         task_type="CAUSAL_LM")
+                peft_config = LoraConfig(r=16, lora_alpha=32, lora_dropout=case.lora_dropout,
+                                         target_modules="all-linear", task_type="CAUSAL_LM")
             elif case.task == "dpo":  # full fine-tuning: a separate frozen reference (LoRA: the adapter off)
                 ref_model = bank.model(case, device).eval().requires_grad_(False)
             grpo_inputs = None

@@ -25,21 +25,25 @@ fails on any attention that would apply it. ``unpack`` checks that every attenti
 kernel serves a sliding window, that every sliding layer passed it.
 
 ``LIGER_LOSSES_PAD_FREE``: unset, on where torch's flash varlen kernel serves the step (CUDA sm80+, bf16/fp16
-compute dtype, head size a multiple of 8 up to 256); ``0`` off; ``1`` on wherever the model qualifies (on the
-CPU with the reference attention: how the tests run it). Refused also for dynamic/longrope RoPE (their
-frequencies follow the call's largest position), dropout or router noise in training, bidirectional attention,
-and where the packed row would reach a sliding window the model's layers do not hand their attention
-(:func:`serves_window`: served for Gemma-3, OLMo-3, Ministral, EXAONE-4, SmolLM3, Qwen2/3 and dots1, whose sliding
-layer types say which layers slide, and Mistral, Mixtral, Phi-3 and Ministral-3, whose every layer slides; not for
-Qwen2-MoE or OLMoE); and wherever a row with a hole spans more positions than the window. The varlen kernel serves
-the window.
+compute dtype, head size a multiple of 8 up to 256); ``0`` off; ``1`` on wherever the model qualifies (on the CPU
+with the reference attention: how the tests run it). Refused also for dynamic/longrope RoPE (their frequencies
+follow the call's largest position), bidirectional attention, and where the packed row would reach a sliding window
+the model's layers do not hand their attention (:func:`serves_window`: served for Gemma-3, OLMo-3, Ministral,
+EXAONE-4, SmolLM3, Qwen2/3 and dots1, whose sliding layer types say which layers slide, and Mistral, Mixtral, Phi-3
+and Ministral-3, whose every layer slides; not for Qwen2-MoE or OLMoE); and wherever a row with a hole spans more
+positions than the window. The varlen kernel serves the window.
+
+Dropout and router noise in training (attention dropout, PEFT's ``lora_dropout``, Seed-OSS's output dropout,
+Mixtral's router jitter) are drawn on the packed row: other random numbers than the padded call draws, from the same
+distribution for every attended token, since each is drawn per element (per attention weight, per activation) and
+the padded call's draws at the padding reach no attended token. So a seeded run's masks are not TRL's padded ones
+(``LIGER_LOSSES_PAD_FREE=0`` gives those), as a packed SFT batch's are not a padded one's.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import threading
-import weakref
 from typing import Any, Dict, Optional, Tuple
 
 import torch
@@ -168,8 +172,6 @@ def pad_free_reason(backbone: nn.Module, model_kwargs: Dict[str, Any]) -> str:
             and not getattr(config, "use_sliding_window", True)):
         # SmolLM3: the model windows its sliding layer types, its layers pass no window without the flag
         return "sliding layers with use_sliding_window=False"
-    if backbone.training and _has_dropout(backbone):
-        return "dropout or router noise in training (the packed call would draw other random numbers than the padded)"
     rope = getattr(getattr(backbone, "rotary_emb", None), "rope_type", "") or ""
     kinds = rope.values() if isinstance(rope, dict) else (rope,)  # Gemma-3, OLMo-3: one type per layer type
     if any("dynamic" in kind or "longrope" in kind for kind in kinds):  # frequencies follow the call's largest position
@@ -180,23 +182,6 @@ def pad_free_reason(backbone: nn.Module, model_kwargs: Dict[str, Any]) -> str:
         return "not a step torch's flash varlen kernel serves (CUDA sm80+, bf16/fp16, head size a multiple of 8 " \
                "up to 256; LIGER_LOSSES_PAD_FREE=1 packs anyway, with the reference attention)"
     return ""
-
-
-# module attributes that are a dropout probability or a noise scale drawn in the call's shape: attention dropout,
-# Seed-OSS's output dropout of its attention and MLP, Mixtral's router jitter
-_DROPOUT_ATTRIBUTES = ("attention_dropout", "residual_dropout", "jitter_noise")
-_DROPOUT = weakref.WeakKeyDictionary()  # backbone -> whether its layers drop out (read once: a walk of every module)
-
-
-def _has_dropout(backbone: nn.Module) -> bool:
-    """Whether ``backbone`` holds a dropout with p > 0 (an ``nn.Dropout``, e.g. PEFT's ``lora_dropout``), a module
-    with ``attention_dropout`` or ``residual_dropout`` > 0 or an MoE block with router ``jitter_noise > 0`` (Mixtral's,
-    drawn in the call's shape); decided at its first packed step."""
-    if backbone not in _DROPOUT:
-        _DROPOUT[backbone] = any(
-            (isinstance(m, nn.Dropout) and m.p > 0)
-            or any(float(getattr(m, name, 0.0) or 0.0) > 0 for name in _DROPOUT_ATTRIBUTES) for m in backbone.modules())
-    return _DROPOUT[backbone]
 
 
 def sliding_window(config) -> Optional[int]:

@@ -10,8 +10,10 @@ all-padding row. Sliding windows the packed row reaches (families whose sliding 
 equal the padded call's windowed mask to the same tolerances, a hole inside the window keeping the padded call.
 Refusals (``None``) keep the padded call: a model or input it cannot serve, no padding, a read position that is
 padding. A model whose attention did not take the packing or its window, or hands it a keyword that transformers'
-SDPA acts on and the packing does not serve, raises. On CUDA (``-m gpu``) every family's packed call takes the
-flash kernel, within 2e-2 in bf16.
+SDPA acts on and the packing does not serve, raises. Dropout and router noise in training are drawn on the packed
+row: held to the padded call's distribution (per-element variance and mean over seeded calls), and a checkpointed
+packed call to the uncheckpointed one under one seed. On CUDA (``-m gpu``) every family's packed call takes the
+flash kernel, within 2e-2 in bf16, and its dropout is the flash kernel's.
 """
 
 import pytest
@@ -305,17 +307,6 @@ def test_refusals_keep_the_padded_call(monkeypatch):
     unserved = dict(use_sliding_window=True, max_window_layers=2)  # Qwen2-MoE: its sliding layers pass no window
     assert "sliding" in pad_free_reason(_model("qwen2_moe", sliding_window=4, **unserved).model, kwargs)
     assert "model type 'llama4_text'" in pad_free_reason(_model("llama4_text").model, kwargs)
-    assert "in training" in pad_free_reason(_model("llama", attention_dropout=0.1).model, kwargs)
-    assert pad_free_reason(_model("llama", attention_dropout=0.1).model.eval(), kwargs) == ""
-    dropping = _model("llama")
-    mlp = dropping.model.layers[0].mlp
-    mlp.up_proj = torch.nn.Sequential(torch.nn.Dropout(0.05), mlp.up_proj)
-    assert "in training" in pad_free_reason(dropping.model, kwargs)  # e.g. PEFT's lora_dropout
-    seed_oss = _model("seed_oss", residual_dropout=0.1)  # its attention's and MLP's output dropout
-    assert "in training" in pad_free_reason(seed_oss.model, kwargs)
-    jitter = _model("mixtral", router_jitter_noise=0.1)  # noise drawn in the call's shape
-    assert "router noise in training" in pad_free_reason(jitter.model, kwargs)
-    assert pad_free_reason(jitter.model.eval(), kwargs) == ""
     for family in ("gemma", "gemma3_text"):
         assert "bidirectional" in pad_free_reason(_model(family, use_bidirectional_attention=True).model, kwargs)
     non_causal = _model("llama")
@@ -342,6 +333,105 @@ def test_refusals_keep_the_padded_call(monkeypatch):
     assert pad_free_reason(model.model, kwargs) == "LIGER_LOSSES_PAD_FREE=0"
     monkeypatch.delenv("LIGER_LOSSES_PAD_FREE")
     assert "flash varlen kernel" in pad_free_reason(model.model, kwargs)  # unset: where flash serves the step
+
+
+# Dropout and router noise in training, served packed: attention dropout, an ``nn.Dropout`` on a projection's
+# input (PEFT's ``lora_dropout``), Seed-OSS's output dropout, Mixtral's router jitter.
+DROPPING = {
+    "attention": ("llama", dict(attention_dropout=0.3)),
+    "lora": ("llama", {}),
+    "seed_oss": ("seed_oss", dict(attention_dropout=0.2, residual_dropout=0.2)),
+    "jitter": ("mixtral", dict(router_jitter_noise=0.3)),
+}
+
+
+def _dropping(case):
+    model_type, overrides = DROPPING[case]
+    model = _model(model_type, **overrides)
+    if case == "lora":
+        for layer in model.model.layers:
+            layer.mlp.up_proj = torch.nn.Sequential(torch.nn.Dropout(0.3), layer.mlp.up_proj)
+    return model
+
+
+def _draws(backbone, kwargs, mask, packed, count):
+    """The attended positions' hidden states ``[count, tokens, H]`` of ``count`` seeded calls."""
+    out = []
+    for seed in range(count):
+        torch.manual_seed(100 + seed)
+        with torch.no_grad():
+            if packed:
+                batch = pack_batch(backbone, kwargs, mask)
+                hidden = batch.unpack(backbone(**batch.kwargs).last_hidden_state)
+            else:
+                hidden = backbone(**kwargs).last_hidden_state
+        out.append(hidden[mask].double())
+    return torch.stack(out)
+
+
+@pytest.mark.parametrize("case,device", [(c, "cpu") for c in sorted(DROPPING)]
+                         + [pytest.param(c, "cuda", marks=pytest.mark.gpu) for c in ("attention", "lora")])
+def test_dropout_in_training_is_drawn_packed_from_the_padded_calls_distribution(case, device, monkeypatch):
+    """Dropout and router noise in training are served packed. The draws are other random numbers than the padded
+    call's, so the test is of the distribution: over 48 seeded calls of each, the per-element variance of the attended
+    hidden states must be the padded call's (summed over elements: within 15%; with no dropout drawn it would be 0)
+    and their means must differ by no more than the draws' noise (the squared distance of the two sample means
+    against its expectation ``sum (var_a + var_b) / 48``: below 2.5, about 1 when the distributions agree; a packed row
+    whose sequences leaked into each other, or kept dropout's rescaling off, is far beyond). On CUDA in bf16 the packed
+    call's attention dropout is the flash kernel's (pad-free by default), the padded call's SDPA's."""
+    model = _dropping(case)
+    kwargs = _batch(model.config.vocab_size)
+    if device == "cuda":
+        if not torch.cuda.is_available():
+            pytest.skip("the flash varlen attention needs CUDA")
+        from liger_losses.kernels import varlen_attention
+
+        monkeypatch.delenv("LIGER_LOSSES_PAD_FREE")
+        monkeypatch.setattr(varlen_attention, "reference_varlen_attention", None)  # the flash kernel or a failure
+        model = model.to("cuda", torch.bfloat16)
+        kwargs = {k: v.cuda() if torch.is_tensor(v) else v for k, v in kwargs.items()}
+    backbone = model.model
+    mask = kwargs["attention_mask"].bool()
+    assert pad_free_reason(backbone, kwargs) == ""
+    count = 48
+    calls = varlen_call_count()
+    packed = _draws(backbone, kwargs, mask, True, count)
+    assert varlen_call_count() - calls == count * model.config.num_hidden_layers
+    padded = _draws(backbone, kwargs, mask, False, count)
+    var_packed, var_padded = packed.var(0).sum(), padded.var(0).sum()
+    assert var_padded > 0
+    assert abs(float(var_packed / var_padded) - 1.0) <= 0.15, (float(var_packed), float(var_padded))
+    distance = (packed.mean(0) - padded.mean(0)).pow(2).sum()
+    noise = (packed.var(0) + padded.var(0)).sum() / count
+    assert float(distance / noise) <= 2.5, float(distance / noise)
+
+
+@pytest.mark.parametrize("case", sorted(DROPPING))
+def test_a_checkpointed_packed_call_replays_its_dropout(case):
+    """Under one seed a packed call with dropout under transformers' checkpointing (torch's non-reentrant form, whose
+    recompute restores the RNG state) equals the packed call without it, hidden states and every gradient (1e-10
+    in float64, 2e-5 for Mixtral in float32): the backward's recompute draws the forward's masks."""
+    model = _dropping(case)
+    tol = _tolerance(DROPPING[case][0], False)
+    backbone, kwargs = model.model, _batch(model.config.vocab_size)
+    mask = kwargs["attention_mask"].bool()
+    results = []
+    for checkpointed in (False, True):
+        if checkpointed:
+            model.gradient_checkpointing_enable({"use_reentrant": False})
+        torch.manual_seed(7)
+        batch = pack_batch(backbone, kwargs, mask)
+        hidden = batch.unpack(backbone(**batch.kwargs).last_hidden_state)
+        results.append((hidden.detach(), _grads(model, _loss(hidden, mask))))
+    (plain, want), (hidden, got) = results
+    _assert_within(hidden[mask], plain[mask], tol)
+    assert got.keys() == want.keys()
+    for name in want:
+        _assert_within(got[name], want[name], tol, name)
+    torch.manual_seed(8)  # and the draws are live: another seed, other hidden states
+    batch = pack_batch(backbone, kwargs, mask)
+    other = batch.unpack(backbone(**batch.kwargs).last_hidden_state)
+    assert (other[mask] - plain[mask]).abs().max() > 1e-3
 
 
 def test_an_attention_that_missed_the_packing_raises():

@@ -89,9 +89,11 @@ def test_pad_free_parity(tok, tmp_path, monkeypatch, data):
     assert varlen_call_count() - calls == ours.model.config.num_hidden_layers
 
 
-def test_pad_free_refused_under_lora_dropout(tok, tmp_path, monkeypatch):
-    """LoRA with dropout 0.1, pad-free forced: the padded call runs (a packed one would draw other dropout masks
-    than TRL's), and seeded alike the step equals TRL's (rel <= 1e-4)."""
+def test_pad_free_under_lora_dropout(tok, tmp_path, monkeypatch):
+    """LoRA with dropout 0.1, pad-free forced: the packed call runs (its dropout masks are other draws than TRL's
+    padded call's), and over 24 seeds its loss has TRL's distribution: the means within 4 standard errors of their
+    difference, which is ~1% of the loss here; the losses vary from seed to seed (dropout drawn). The per-element
+    distribution is held in ``tests/patching/test_pad_free.py``."""
     from .utils import lora_config
 
     monkeypatch.setenv("LIGER_LOSSES_PAD_FREE", "1")
@@ -100,13 +102,18 @@ def test_pad_free_refused_under_lora_dropout(tok, tmp_path, monkeypatch):
     theirs, ours = make_pair(SFTTrainer, [build_tiny_model(tok, seed=0)], lambda run_dir: sft_config(run_dir),
                              tmp_path, sft_dataset, processing_class=tok, peft_config=config)
     batch = first_batch(theirs)
+    losses = {"theirs": [], "ours": []}
     calls = varlen_call_count()
-    torch.manual_seed(5)
-    loss_t = theirs.compute_loss(theirs.model, dict(batch))
-    torch.manual_seed(5)
-    loss_o = ours.compute_loss(ours.model, dict(batch))
-    assert varlen_call_count() == calls
-    assert rel(loss_o.detach(), loss_t.detach()) <= TOL
+    with torch.no_grad():
+        for seed in range(24):
+            for name, trainer in (("theirs", theirs), ("ours", ours)):
+                torch.manual_seed(seed)
+                losses[name].append(float(trainer.compute_loss(trainer.model, dict(batch))))
+    assert varlen_call_count() - calls == 24 * ours.model.config.num_hidden_layers
+    t, o = torch.tensor(losses["theirs"]), torch.tensor(losses["ours"])
+    assert t.std() > 0 and o.std() > 0
+    error = ((t.var() + o.var()) / len(t)).sqrt()
+    assert (o.mean() - t.mean()).abs() <= 4 * error, (float(o.mean()), float(t.mean()), float(error))
 
 
 def test_num_items_in_batch_parity(tok, tmp_path):
