@@ -781,11 +781,15 @@ def run_one(case: Case, provider: str, bank: WeightBank, *, rnd: int, warmup: in
                                    peft_config=peft_config, grpo_inputs=grpo_inputs,
                                    chunk_tokens=diag.get("chunk_tokens"))
             from liger_losses.kernels.launch import launch_stats
+            from liger_losses.patching.pad_free import varlen_call_count
 
             launch_stats(reset=True)
+            packed_before = varlen_call_count()
             env = mock.patch.dict(os.environ, OURS_ENV.get(provider, {}))
             with engine_config(**OURS_VARIANTS.get(provider, {})), env:
                 out = trainer.train()
+            if varlen_call_count() > packed_before:  # pad-free: attention calls on packed rows over the run
+                res.notes.append(f"pad-free: {varlen_call_count() - packed_before} packed attention calls")
             # Triton launches of our kernels over the whole run: compiled-launcher hits vs JITFunction.run
             stats = launch_stats(reset=True)
             res.launches = (stats["fast"], stats["slow"])
