@@ -17,15 +17,15 @@ liger_chunk_tokens=None)`` takes every argument of ``trl.GRPOTrainer`` plus thre
   (``aux_loss_enabled``, TRL's rule): the same backbone forward returns the router logits and, as TRL,
   ``router_aux_loss_coef * aux_loss`` (divided by the accumulation steps in training) is added to the
   loss and ``aux_loss`` logged (``router_aux.py``). Without router logits the backbone runs pad-free where it
-  can: the attended tokens alone, packed (``patching/pad_free.py``; ``LIGER_LOSSES_PAD_FREE``).
-  ``liger_patch_model=True`` also swaps the model's layers for our kernels.
+  can: the attended tokens alone, packed (``patching/pad_free.py``; ``LIGER_LOSSES_PAD_FREE``). A
+  vision-language model's backbone gets the batch's images as TRL's policy forward does (``multimodal.py``; such a
+  call runs padded). ``liger_patch_model=True`` also swaps the model's layers for our kernels.
 
 Metrics are reduced over processes as TRL reduces them (:func:`log_rl_metrics`): token (or
 sequence) means weighted by each process's count, ``*_min`` / ``*_max`` over all processes.
 
 Options TRL supports that use_liger=True cannot serve raise ``ValueError`` at construction, naming the
-option: ``use_adaptive_entropy``, ``cast_lm_head_to_fp32``, vision-language models, PEFT prompt
-learning.
+option: ``use_adaptive_entropy``, ``cast_lm_head_to_fp32``, PEFT prompt learning.
 """
 
 from __future__ import annotations
@@ -46,9 +46,9 @@ from .base import (
     gathered_params,
     head_logit_options,
     reject,
-    reject_vision,
     unwrap_causal_lm,
 )
+from .multimodal import rl_multimodal_inputs
 from .router_aux import log_router_aux_loss, policy_hidden_and_router_aux
 
 # metrics TRL takes over all processes' sequences (nanmin / nanmax of the gathered values)
@@ -119,10 +119,6 @@ class GRPOTrainer(LigerTrainerMixin, trl.GRPOTrainer):
         super().__init__(model, reward_funcs, args, *trl_args, **trl_kwargs)
         if use_liger:
             self._liger_check_config(self.args)
-            from transformers import ProcessorMixin
-
-            if isinstance(self.processing_class, ProcessorMixin):
-                reject_vision(self.processing_class)
             grpo_options(self)  # the loss options, validated now rather than at the first step
             self._liger_after_init(self.model, self.ref_model, trl_kwargs=trl_kwargs)
 
@@ -153,7 +149,8 @@ class GRPOTrainer(LigerTrainerMixin, trl.GRPOTrainer):
         completion_ids, completion_mask = inputs["completion_ids"], inputs["completion_mask"]
         mask = completion_mask if "tool_mask" not in inputs else completion_mask * inputs["tool_mask"]
         model_kwargs = {"input_ids": torch.cat([prompt_ids, completion_ids], dim=1),
-                        "attention_mask": torch.cat([prompt_mask, completion_mask], dim=1), "use_cache": False}
+                        "attention_mask": torch.cat([prompt_mask, completion_mask], dim=1), "use_cache": False,
+                        **rl_multimodal_inputs(inputs)}  # a vision-language model's images, as TRL passes them
         labels = self._liger_scan_ahead(model, completion_ids.masked_fill(mask == 0, IGNORE_INDEX))
         start = prompt_ids.size(1) - 1  # the position predicting the first completion token
         read = completion_read_mask(model_kwargs["attention_mask"], start, labels, IGNORE_INDEX)

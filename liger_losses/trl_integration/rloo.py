@@ -14,10 +14,11 @@ liger_chunk_tokens=None)`` takes every argument of ``trl.RLOOTrainer`` plus thre
   MoE models (``aux_loss_enabled``, TRL's rule): the same backbone forward returns the router logits
   and, as TRL, ``router_aux_loss_coef * aux_loss`` is added to the (unscaled) loss and ``aux_loss``
   logged (``router_aux.py``). Without router logits the backbone runs pad-free where it can: the attended
-  tokens alone, packed (``patching/pad_free.py``; ``LIGER_LOSSES_PAD_FREE``).
+  tokens alone, packed (``patching/pad_free.py``; ``LIGER_LOSSES_PAD_FREE``). A vision-language model's backbone
+  gets the batch's images as TRL's policy forward does (``multimodal.py``; such a call runs padded).
 
 Options TRL supports that use_liger=True cannot serve raise ``ValueError`` at construction, naming the
-option: ``cast_lm_head_to_fp32``, vision-language models, PEFT prompt learning.
+option: ``cast_lm_head_to_fp32``, PEFT prompt learning.
 """
 
 from __future__ import annotations
@@ -35,10 +36,10 @@ from .base import (
     gathered_params,
     head_logit_options,
     reject,
-    reject_vision,
     unwrap_causal_lm,
 )
 from .grpo import log_rl_metrics
+from .multimodal import rl_multimodal_inputs
 from .router_aux import log_router_aux_loss, policy_hidden_and_router_aux
 
 
@@ -53,10 +54,6 @@ class RLOOTrainer(LigerTrainerMixin, trl.RLOOTrainer):
             reject("cast_lm_head_to_fp32", True, "the fused loss runs the head in the compute dtype")
         super().__init__(model, reward_funcs, args, *trl_args, **trl_kwargs)
         if use_liger:
-            from transformers import ProcessorMixin
-
-            if isinstance(self.processing_class, ProcessorMixin):
-                reject_vision(self.processing_class)
             self._liger_after_init(self.model, self.ref_model, trl_kwargs=trl_kwargs)
 
     def _compute_loss(self, model, inputs):
@@ -66,7 +63,8 @@ class RLOOTrainer(LigerTrainerMixin, trl.RLOOTrainer):
         prompt_ids, prompt_mask = inputs["prompt_ids"], inputs["prompt_mask"]
         completion_ids, completion_mask = inputs["completion_ids"], inputs["completion_mask"]
         model_kwargs = {"input_ids": torch.cat([prompt_ids, completion_ids], dim=1),
-                        "attention_mask": torch.cat([prompt_mask, completion_mask], dim=1), "use_cache": False}
+                        "attention_mask": torch.cat([prompt_mask, completion_mask], dim=1), "use_cache": False,
+                        **rl_multimodal_inputs(inputs)}  # a vision-language model's images, as TRL passes them
         labels = self._liger_scan_ahead(model, completion_ids.masked_fill(completion_mask == 0, IGNORE_INDEX))
         start = prompt_ids.size(1) - 1  # the position predicting the first completion token
         read = completion_read_mask(model_kwargs["attention_mask"], start, labels, IGNORE_INDEX)

@@ -97,7 +97,8 @@ def policy_hidden_and_router_aux(trainer, model: nn.Module, model_kwargs: Dict[s
         trainer._liger_check_logits(model, model_kwargs)
         # torch's checkpoint form here, not the lean one: transformers collects the router logits with forward hooks
         # inside the layers, and a layer run under no grad would hand the aux loss logits without a graph
-        return backbone_hidden_and_router_aux(model, trainer._liger_backbone(model), model_kwargs, read_mask)
+        return backbone_hidden_and_router_aux(model, trainer._liger_backbone(model, model_kwargs), model_kwargs,
+                                             read_mask)
     return trainer._liger_backbone_hidden(model, model_kwargs, read_mask), None
 
 

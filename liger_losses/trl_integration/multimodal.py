@@ -1,0 +1,67 @@
+"""The image inputs of a vision-language model's policy forward in the RL trainers (GRPO, RLOO).
+
+TRL 1.16's GRPO and RLOO steps pass the batch's image fields to the policy beside ``input_ids`` and
+``attention_mask`` (``_get_per_token_logps_and_entropies``); our trainers run the policy's backbone on the same
+inputs. :func:`rl_multimodal_inputs` picks them from the step's ``inputs`` as TRL does for one chunk holding the whole
+batch (its ``batch_size=None`` call), so the two forwards see the same images:
+
+* ``pixel_values`` (any shape: ``[patches, C*T*P*P]`` for Qwen2/2.5/3-VL, ``[images, C, H, W]`` for Llava or
+  Gemma-3, ``[tiles, ...]`` for InternVL or LFM2-VL), with its index of the first kind present: ``image_grid_thw
+  [images, 3]`` (Qwen-VL), else ``image_position_ids`` (per image), else ``spatial_shapes`` with
+  ``pixel_attention_mask`` (LFM2-VL, per tile);
+* ``pixel_attention_mask`` without ``spatial_shapes`` (Idefics-style, per row), ``image_sizes`` (Llava-NeXT,
+  per image), ``token_type_ids`` and ``mm_token_type_ids`` (``[B, T]``: Gemma-3, Qwen-VL's M-RoPE).
+
+``num_images`` and ``num_tiles`` only slice the batch in TRL's chunked calls and are not model inputs. A batch
+without images gives ``{}``.
+
+The backbone of a call with images (:func:`carries_images`) is :func:`multimodal_backbone_of`: the model's base model
+(``LlavaModel``, ``Qwen2VLModel``...: the vision tower, the projector and the language model), which TRL's fused head
+runs too, not the language model alone, which ``get_decoder()`` gives and which would skip the images.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Dict, Mapping, Optional
+
+from torch import nn
+
+# the fields TRL passes through whatever the image layout, when present
+_PER_ROW_FIELDS = ("image_sizes", "token_type_ids", "mm_token_type_ids")
+
+
+def rl_multimodal_inputs(inputs: Mapping[str, Any]) -> Dict[str, Any]:
+    """The image keywords of the policy's forward on the whole batch ``inputs`` (see the module docstring)."""
+    out: Dict[str, Any] = {}
+    pixel_values = inputs.get("pixel_values")
+    spatial_shapes = inputs.get("spatial_shapes")
+    if pixel_values is not None:
+        out["pixel_values"] = pixel_values
+        if inputs.get("image_grid_thw") is not None:
+            out["image_grid_thw"] = inputs["image_grid_thw"]
+        elif inputs.get("image_position_ids") is not None:
+            out["image_position_ids"] = inputs["image_position_ids"]
+        elif spatial_shapes is not None:
+            out["pixel_attention_mask"] = inputs.get("pixel_attention_mask")
+            out["spatial_shapes"] = spatial_shapes
+    if inputs.get("pixel_attention_mask") is not None and spatial_shapes is None:
+        out["pixel_attention_mask"] = inputs["pixel_attention_mask"]
+    for name in _PER_ROW_FIELDS:
+        if inputs.get(name) is not None:
+            out[name] = inputs[name]
+    return out
+
+
+def carries_images(model_kwargs: Optional[Mapping[str, Any]]) -> bool:
+    """Whether a forward's keywords hold pixels (``pixel_values`` or ``pixel_values_videos``)."""
+    return bool(model_kwargs) and any(model_kwargs.get(k) is not None for k in ("pixel_values", "pixel_values_videos"))
+
+
+def multimodal_backbone_of(causal_lm: nn.Module) -> nn.Module:
+    """The module a vision-language ``causal_lm`` runs before its LM head on images: its ``base_model`` (transformers
+    5's ``base_model_prefix``, as TRL's fused head reads it), which returns ``last_hidden_state [B, T, H]``."""
+    base = getattr(causal_lm, "base_model", None)
+    if not isinstance(base, nn.Module) or base is causal_lm:
+        raise ValueError(f"{type(causal_lm).__name__} got images but has no base model to run them through; pass "
+                         "use_liger=False to train with the model's own forward")
+    return base

@@ -1,0 +1,235 @@
+"""Vision-language models in the RL trainers (``trl_integration/multimodal.py``, GRPO and RLOO).
+
+1. The image keywords our policy forward gets equal, key for key and tensor for tensor, what TRL 1.16's own
+   ``_get_per_token_logps_and_entropies`` hands the model for the whole batch, for every image layout its code
+   knows (Qwen-VL's patch grid, per-image pixels, Llava-NeXT's image sizes, Gemma-3's token types, LFM2-VL's and
+   InternVL's tiles, Idefics' pixel mask, per-image position ids) and for a text batch (none).
+2. On a tiny Qwen2-VL (vision tower, M-RoPE; built offline with its processor, which the trainers accept), a step
+   on a batch with one image per prompt: loss, every logged metric and every gradient, the vision tower's included,
+   equal TRL's (rel <= 1e-4: the same fp32 math in another order), and the vision tower's gradient is not zero
+   (the images reach the loss).
+"""
+
+import contextlib
+import types
+
+import pytest
+import torch
+
+trl = pytest.importorskip("trl")
+transformers = pytest.importorskip("transformers")
+
+from liger_losses.trl_integration.grpo import GRPOTrainer  # noqa: E402
+from liger_losses.trl_integration.multimodal import rl_multimodal_inputs  # noqa: E402
+from liger_losses.trl_integration.rloo import RLOOTrainer  # noqa: E402
+
+from .utils import assert_metrics_match, build_tokenizer, grads_of, rel, trl_config  # noqa: E402
+
+TOL = 1e-4
+B, T = 2, 7
+
+
+def _layouts():
+    g = torch.Generator().manual_seed(0)
+
+    def r(*shape):
+        return torch.randn(*shape, generator=g)
+
+    ids = torch.zeros(B, T, dtype=torch.long)
+    return {
+        "qwen-vl grid": dict(pixel_values=r(8, 12), image_grid_thw=torch.tensor([[1, 2, 2], [1, 2, 2]]),
+                             num_images=[1, 1], mm_token_type_ids=ids + 1),
+        "per image": dict(pixel_values=r(2, 3, 4, 4), num_images=[1, 1]),
+        "image sizes": dict(pixel_values=r(2, 5, 3, 4, 4), image_sizes=torch.tensor([[4, 4], [4, 4]]),
+                            num_images=[1, 1]),
+        "token types": dict(pixel_values=r(2, 3, 4, 4), token_type_ids=ids + 1, num_images=[1, 1]),
+        "lfm2-vl tiles": dict(pixel_values=r(3, 16, 12), spatial_shapes=torch.tensor([[4, 4]] * 3),
+                              pixel_attention_mask=torch.ones(3, 16, dtype=torch.bool), num_tiles=[2, 1],
+                              num_images=[1, 1]),
+        "internvl tiles": dict(pixel_values=r(3, 3, 4, 4), num_tiles=[2, 1], num_images=[1, 1]),
+        "pixel mask": dict(pixel_values=r(2, 1, 3, 4, 4), pixel_attention_mask=torch.ones(2, 1, 4, 4),
+                           num_images=[1, 1]),
+        "position ids": dict(pixel_values=r(2, 6, 12), image_position_ids=torch.arange(12).view(2, 6),
+                             num_images=[1, 1]),
+        "text only": {},
+    }
+
+
+@pytest.mark.parametrize("trainer_cls", [trl.GRPOTrainer, trl.RLOOTrainer], ids=["grpo", "rloo"])
+@pytest.mark.parametrize("layout", sorted(_layouts()))
+def test_image_inputs_are_trls(trainer_cls, layout):
+    """Our forward's image keywords are exactly those TRL's own policy forward passes (a recording model)."""
+    fields = _layouts()[layout]
+    seen = {}
+
+    def model(**kwargs):
+        seen.update(kwargs)
+        return types.SimpleNamespace(log_probs=torch.zeros(B, T), entropy=torch.zeros(B, T), aux_loss=None)
+
+    stub = types.SimpleNamespace(accelerator=types.SimpleNamespace(autocast=contextlib.nullcontext))
+    forward = trainer_cls._get_per_token_logps_and_entropies
+    getattr(forward, "__wrapped__", forward)(  # under TRL's profiling decorator
+        stub, model, torch.zeros(B, T, dtype=torch.long), torch.ones(B, T, dtype=torch.long), 3,
+        compute_entropy=True, **{k: fields.get(k) for k in (
+            "pixel_values", "image_grid_thw", "num_images", "pixel_attention_mask", "spatial_shapes", "num_tiles",
+            "image_sizes", "token_type_ids", "mm_token_type_ids", "image_position_ids")})
+    want = {k: v for k, v in seen.items() if k not in ("input_ids", "attention_mask", "labels", "fused_lm_head")}
+    got = rl_multimodal_inputs(fields)
+    assert got.keys() == want.keys()
+    for k in want:
+        assert torch.equal(got[k], want[k]), k
+
+
+# --------------------------------------------------------------------------- tiny vision-language models
+
+
+def _tokenizer(*image_tokens):
+    tok = build_tokenizer()
+    tok.add_special_tokens({"additional_special_tokens": list(image_tokens)})
+    return tok
+
+
+def _qwen2_vl(tmp_path):
+    """A tiny Qwen2-VL (2 text layers of width 64, M-RoPE; a one-block vision tower merging 2 x 2 patches of 14)
+    saved under ``tmp_path``, with our character tokenizer plus its three image tokens as the processing class (its
+    processor needs torchvision). Returns (path, tokenizer, a batch maker)."""
+    tok = _tokenizer("<|image_pad|>", "<|vision_start|>", "<|vision_end|>")
+    image_pad, start, end = tok.convert_tokens_to_ids(["<|image_pad|>", "<|vision_start|>", "<|vision_end|>"])
+    text = dict(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256, tie_word_embeddings=False,
+                rope_parameters={"rope_type": "default", "mrope_section": [2, 3, 3], "rope_theta": 10000.0},
+                pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id, bos_token_id=None)
+    vision = dict(depth=1, embed_dim=32, hidden_size=64, num_heads=2, in_chans=3, patch_size=14, spatial_merge_size=2,
+                  temporal_patch_size=2, mlp_ratio=2)
+    config = transformers.Qwen2VLConfig(text_config=text, vision_config=vision, image_token_id=image_pad,
+                                        vision_start_token_id=start, vision_end_token_id=end)
+    torch.manual_seed(0)
+    path = tmp_path / "tiny-qwen2-vl"
+    transformers.Qwen2VLForConditionalGeneration(config).float().save_pretrained(path)
+
+    def images(prompt, g):  # one 2 x 2-patch image per prompt: one merged token between the vision markers
+        n = prompt.shape[0]
+        prompt[:, 2], prompt[:, 3], prompt[:, 4] = start, image_pad, end
+        return dict(pixel_values=torch.randn(n * 4, 3 * 2 * 14 * 14, generator=g),
+                    image_grid_thw=torch.tensor([[1, 2, 2]] * n), num_images=[1] * n)
+
+    return str(path), tok, images
+
+
+def _llava(tmp_path):
+    """A tiny Llava (2 Llama layers of width 64; a one-layer CLIP tower on 28 x 28 images, 4 image tokens) saved
+    under ``tmp_path``, with its ``LlavaProcessor`` (our character tokenizer plus ``<image>``) as the processing
+    class."""
+    tok = _tokenizer("<image>")
+    image = tok.convert_tokens_to_ids("<image>")
+    text = dict(model_type="llama", vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256, tie_word_embeddings=False,
+                pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id, bos_token_id=None)
+    vision = dict(model_type="clip_vision_model", hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                  num_attention_heads=2, image_size=28, patch_size=14, projection_dim=32)
+    config = transformers.LlavaConfig(text_config=text, vision_config=vision, image_token_index=image,
+                                      vision_feature_layer=-1, vision_feature_select_strategy="default")
+    torch.manual_seed(0)
+    path = tmp_path / "tiny-llava"
+    transformers.LlavaForConditionalGeneration(config).float().save_pretrained(path)
+    processor = transformers.LlavaProcessor(
+        image_processor=transformers.CLIPImageProcessor(size={"shortest_edge": 28}, crop_size=28), tokenizer=tok,
+        patch_size=14, vision_feature_select_strategy="default", num_additional_image_tokens=1)
+
+    def images(prompt, g):  # one image per prompt: four image tokens
+        n = prompt.shape[0]
+        prompt[:, 1:5] = image
+        return dict(pixel_values=torch.randn(n, 3, 28, 28, generator=g), num_images=[1] * n)
+
+    return str(path), processor, images
+
+
+MODELS = {"qwen2_vl": _qwen2_vl, "llava": _llava}
+
+
+def _vl_batch(trainer, images, seed=0):
+    """A batch of 4 prompts of 7 tokens with one image each (``images`` writes its tokens and gives its fields),
+    completions of 5 tokens (one ending early, one prompt left-padded), random advantages, and old log-probs: TRL's
+    own (with the images) moved by N(0, 0.3), per token for GRPO, summed per sequence for RLOO."""
+    n = 4
+    g = torch.Generator().manual_seed(seed)
+    prompt = torch.randint(3, 40, (n, 7), generator=g)
+    fields = images(prompt, g)
+    prompt_mask = torch.ones(n, 7, dtype=torch.long)
+    prompt_mask[2, 0] = 0
+    completion = torch.randint(3, 40, (n, 5), generator=g)
+    completion_mask = torch.ones(n, 5, dtype=torch.long)
+    completion_mask[0, 3:] = 0
+    ids = torch.cat([prompt, completion], 1)
+    if "image_grid_thw" in fields:  # Qwen-VL's M-RoPE reads which tokens are image tokens
+        fields["mm_token_type_ids"] = (ids == trainer.model.config.image_token_id).long()
+    batch = dict(prompt_ids=prompt, prompt_mask=prompt_mask, completion_ids=completion,
+                 completion_mask=completion_mask, advantages=torch.randn(n, generator=g),
+                 num_items_in_batch=completion_mask.sum().float(), **fields)
+    with torch.no_grad():
+        logps = trainer._get_per_token_logps_and_entropies(
+            trainer.model, ids, torch.cat([prompt_mask, completion_mask], 1), 5, **fields)[0]
+    old = logps + 0.3 * torch.randn(logps.shape, generator=g)
+    if isinstance(trainer, trl.RLOOTrainer):
+        batch["old_logps"] = (old * completion_mask).sum(1)
+    else:
+        batch["old_per_token_logps"] = old
+    return batch
+
+
+def _step(trainer, batch):
+    trainer.current_gradient_accumulation_steps = trainer.args.gradient_accumulation_steps
+    trainer._metrics["train"].clear()
+    trainer.model.train()
+    loss = trainer.compute_loss(trainer.model, dict(batch))
+    return loss, {k: v[-1] for k, v in trainer._metrics["train"].items()}
+
+
+def _reward(completions, **kwargs):
+    return [0.0] * len(completions)
+
+
+def _assert_grads_match(loss_t, loss_o, theirs, ours):
+    """Every parameter's gradient equal to TRL's to ``TOL`` relative (Frobenius) error, where a gradient that is zero
+    in exact arithmetic (an attention key projection's bias: a shift of every score of a query, which its softmax
+    cancels; CLIP's keys have one) is held to ``TOL`` of the largest gradient instead: it is rounding noise in both."""
+    loss_t.backward()
+    loss_o.backward()
+    g_t, g_o = grads_of(theirs.model), grads_of(ours.model)
+    assert g_t.keys() == g_o.keys() and g_t
+    scale = max(float(g.norm()) for g in g_t.values())
+    for name, g in g_t.items():
+        floor = scale if name.endswith("k_proj.bias") else 1e-30
+        err = float((g_o[name] - g).norm()) / max(float(g.norm()), floor)
+        assert err <= TOL, f"grad {name}: rel err {err:.2e}"
+
+
+def _vision_tower(model):
+    tower = getattr(model.model, "visual", None) or model.model.vision_tower
+    return next(p for p in tower.parameters() if p.dim() > 1)
+
+
+@pytest.mark.parametrize("trainer_name", ["grpo", "rloo"])
+@pytest.mark.parametrize("family", sorted(MODELS))
+def test_vision_language_step_parity(tmp_path, trainer_name, family):
+    from datasets import Dataset
+
+    path, processing_class, images = MODELS[family](tmp_path)
+    ours_cls, config_cls = (GRPOTrainer, trl.GRPOConfig) if trainer_name == "grpo" else (RLOOTrainer, trl.RLOOConfig)
+    extra = dict(num_iterations=2, loss_type="dapo", beta=0.0) if trainer_name == "grpo" else dict(epsilon_high=0.28)
+    data = Dataset.from_list([{"prompt": p} for p in ("abc", "hello", "xyz", "the cat")])
+    theirs, ours = (
+        ours_cls(path, _reward, trl_config(config_cls, tmp_path / str(use), per_device_train_batch_size=4,
+                                           num_generations=2, max_completion_length=8, max_steps=1, **extra),
+                 train_dataset=data, processing_class=processing_class, use_liger=use,
+                 **({"liger_patch_model": False} if use else {}))
+        for use in (False, True))
+    assert ours.use_liger
+    batch = _vl_batch(theirs, images)
+    loss_t, m_t = _step(theirs, batch)
+    loss_o, m_o = _step(ours, batch)
+    assert rel(loss_o, loss_t) <= TOL, (float(loss_o), float(loss_t))
+    assert_metrics_match(m_o, m_t, TOL)
+    _assert_grads_match(loss_t, loss_o, theirs, ours)
+    vision = _vision_tower(ours.model).grad
+    assert vision is not None and vision.abs().sum() > 0
