@@ -97,9 +97,10 @@ def reject(option: str, value: Any, why: str) -> None:
 
 
 def reject_vision(processing_class: Any) -> None:
-    """:func:`reject` a vision-language model's ``processing_class`` (the adapters serve text-only causal LMs)."""
+    """:func:`reject` a vision-language model's ``processing_class`` (the preference and distillation adapters
+    serve text-only causal LMs; SFT, GRPO and RLOO serve vision-language models too)."""
     reject("processing_class", type(processing_class).__name__,
-           "vision-language models are not supported (text-only causal LMs)")
+           "vision-language models are not supported by this trainer (SFT, GRPO and RLOO serve them)")
 
 
 # --------------------------------------------------------------------------- sharded heads

@@ -12,7 +12,8 @@ takes every argument of ``trl.SFTTrainer`` plus three keywords:
   token mean of the NLL (``sum / num_items_in_batch`` when the Trainer gives the count, as TRL does).
   Logged like TRL: ``entropy`` and ``mean_token_accuracy`` (over the scored tokens), ``num_tokens``.
   A padded batch whose scored positions are all attended runs the backbone pad-free: the attended
-  tokens alone, packed (``patching/pad_free.py``).
+  tokens alone, packed (``patching/pad_free.py``). A vision-language model's batch with images runs its base
+  model on them (the vision tower included, as TRL's forward; ``multimodal.py``), padded.
 
 How: by default one call of the chunked engine
 (:func:`liger_losses.chunked.sequence.fused_linear_sequence_objective`, one unit per sequence, the
@@ -23,7 +24,7 @@ engine recomputes tiles in backward.) With ``label_smoothing_factor > 0`` the lo
 and the entropy from its own tiles too.
 
 Options TRL supports that use_liger=True cannot serve raise ``ValueError`` at construction, naming the
-option: ``loss_type="dft"``, ``compute_loss_func``, vision-language models, PEFT prompt learning,
+option: ``loss_type="dft"``, ``compute_loss_func``, PEFT prompt learning,
 DeepSpeed sequence parallelism. MoE models: the router load-balancing loss of the same backbone
 forward is added as TRL adds it (``router_aux.py``) and logged as ``aux_loss``. One deliberate
 difference: with ``label_smoothing_factor > 0`` TRL 1.16's SFT step leaves the aux loss out of the
@@ -45,7 +46,6 @@ from .base import (
     gathered_params,
     head_logit_options,
     reject,
-    reject_vision,
     unwrap_causal_lm,
 )
 from .router_aux import log_router_aux_loss, policy_hidden_and_router_aux
@@ -98,8 +98,6 @@ class SFTTrainer(LigerTrainerMixin, trl.SFTTrainer):
             reject("SFTConfig.loss_type", self.args.loss_type, "only the 'nll' loss is implemented")
         if self.compute_loss_func is not None:
             reject("compute_loss_func", self.compute_loss_func, "a custom loss needs the full logits")
-        if self._is_vlm:
-            reject_vision(self.processing_class)
         pc = self.accelerator.parallelism_config
         if pc is not None and getattr(pc, "sp_enabled", False) and getattr(pc, "sp_backend", None) == "deepspeed":
             reject("parallelism_config.sp_backend", "deepspeed",

@@ -4,10 +4,14 @@
    ``_get_per_token_logps_and_entropies`` hands the model for the whole batch, for every image layout its code
    knows (Qwen-VL's patch grid, per-image pixels, Llava-NeXT's image sizes, Gemma-3's token types, LFM2-VL's and
    InternVL's tiles, Idefics' pixel mask, per-image position ids) and for a text batch (none).
-2. On a tiny Qwen2-VL (vision tower, M-RoPE; built offline with its processor, which the trainers accept), a step
-   on a batch with one image per prompt: loss, every logged metric and every gradient, the vision tower's included,
-   equal TRL's (rel <= 1e-4: the same fp32 math in another order), and the vision tower's gradient is not zero
-   (the images reach the loss).
+2. On tiny Qwen2-VL (patch grid, M-RoPE) and Llava (per-image pixels, with its processor) models built offline, a
+   GRPO and an RLOO step on a batch with one image per prompt: loss, every logged metric and every gradient, the
+   vision tower's included, equal TRL's (rel <= 1e-4: the same fp32 math in another order), and the vision tower's
+   gradient is not zero (the images reach the loss).
+3. GRPO trained end to end on an image dataset (TRL generating from the processor's prompts with images): two
+   steps log the loss, grad norm, reward and entropy TRL logs (rel <= 1e-4).
+4. SFT on a conversational image dataset (TRL's vision collator, Llava): loss, logged metrics and every gradient
+   equal TRL's (rel <= 1e-4), the vision tower's gradient not zero.
 """
 
 import contextlib
@@ -22,8 +26,17 @@ transformers = pytest.importorskip("transformers")
 from liger_losses.trl_integration.grpo import GRPOTrainer  # noqa: E402
 from liger_losses.trl_integration.multimodal import rl_multimodal_inputs  # noqa: E402
 from liger_losses.trl_integration.rloo import RLOOTrainer  # noqa: E402
+from liger_losses.trl_integration.sft import SFTTrainer  # noqa: E402
 
-from .utils import assert_metrics_match, build_tokenizer, grads_of, rel, trl_config  # noqa: E402
+from .utils import (  # noqa: E402
+    assert_metrics_match,
+    build_tokenizer,
+    first_batch,
+    grads_of,
+    rel,
+    sft_config,
+    trl_config,
+)
 
 TOL = 1e-4
 B, T = 2, 7
@@ -231,5 +244,79 @@ def test_vision_language_step_parity(tmp_path, trainer_name, family):
     assert rel(loss_o, loss_t) <= TOL, (float(loss_o), float(loss_t))
     assert_metrics_match(m_o, m_t, TOL)
     _assert_grads_match(loss_t, loss_o, theirs, ours)
+    vision = _vision_tower(ours.model).grad
+    assert vision is not None and vision.abs().sum() > 0
+
+
+# Llava's processor renders a message's image parts as its image token (expanded to the image's four tokens), an
+# assistant turn ending in the end-of-sequence token
+CHAT_TEMPLATE = ("{% for m in messages %}{% for c in m['content'] %}{% if c['type'] == 'image' %}<image>"
+                 "{% else %}{{ c['text'] }}{% endif %}{% endfor %}"
+                 "{% if m['role'] == 'assistant' %}{{ eos_token }}{% endif %}{% endfor %}")
+
+
+def _images(count):
+    import numpy as np
+    from PIL import Image
+
+    rng = np.random.default_rng(0)
+    return [Image.fromarray(rng.integers(0, 255, (28, 28, 3), dtype=np.uint8)) for _ in range(count)]
+
+
+def test_vision_language_training_parity(tmp_path):
+    from datasets import Dataset
+
+    path, processor, _ = _llava(tmp_path)
+    processor.chat_template = CHAT_TEMPLATE
+    data = Dataset.from_list([
+        {"prompt": [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": text}]}],
+         "image": image} for text, image in zip(("abc", "hello", "xyz", "the cat"), _images(4))])
+
+    def reward(completions, **kwargs):
+        return [len(str(c)) / 10 for c in completions]
+
+    logs = []
+    for use in (False, True):
+        torch.manual_seed(0)
+        trainer = GRPOTrainer(path, reward, trl_config(trl.GRPOConfig, tmp_path / f"run{use}",
+                                                       per_device_train_batch_size=4, num_generations=2,
+                                                       max_completion_length=8, max_steps=2, loss_type="dapo"),
+                              train_dataset=data, processing_class=processor, use_liger=use,
+                              **({"liger_patch_model": False} if use else {}))
+        trainer.train()
+        logs.append([h for h in trainer.state.log_history if "loss" in h])
+    theirs, ours = logs
+    assert len(theirs) == len(ours) == 2
+    for t, o in zip(theirs, ours):
+        for key in ("loss", "grad_norm", "reward", "entropy"):
+            err = abs(o[key] - t[key]) if abs(t[key]) < 1e-4 else abs(o[key] - t[key]) / abs(t[key])
+            assert err <= TOL, (key, o[key], t[key])
+
+
+def test_vision_language_sft_parity(tmp_path):
+    from datasets import Dataset
+
+    path, processor, _ = _llava(tmp_path)
+    processor.chat_template = CHAT_TEMPLATE
+    pairs = (("abc", "de"), ("hello", "world"), ("xyz", "q"), ("the cat", "sat"))
+    data = Dataset.from_list([
+        {"messages": [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": prompt}]},
+                      {"role": "assistant", "content": [{"type": "text", "text": answer}]}],
+         "images": [image]} for (prompt, answer), image in zip(pairs, _images(4))])
+    theirs, ours = (SFTTrainer(path, sft_config(tmp_path / f"run{use}", max_length=None), train_dataset=data,
+                               processing_class=processor, use_liger=use,
+                               **({"liger_patch_model": False} if use else {}))
+                    for use in (False, True))
+    batch = first_batch(theirs)
+    assert batch["pixel_values"].shape[0] == 4
+    losses, metrics = [], []
+    for trainer in (theirs, ours):
+        trainer._metrics["train"].clear()
+        trainer.model.train()
+        losses.append(trainer.compute_loss(trainer.model, dict(batch)))
+        metrics.append({k: v[-1] for k, v in trainer._metrics["train"].items()})
+    assert rel(losses[1], losses[0]) <= TOL, [float(x) for x in losses]
+    assert_metrics_match(metrics[1], metrics[0], TOL)
+    _assert_grads_match(*losses, theirs, ours)
     vision = _vision_tower(ours.model).grad
     assert vision is not None and vision.abs().sum() > 0
