@@ -98,9 +98,9 @@ def reject(option: str, value: Any, why: str) -> None:
 
 def reject_vision(processing_class: Any) -> None:
     """:func:`reject` a vision-language model's ``processing_class`` (the preference and distillation adapters
-    serve text-only causal LMs; SFT, GRPO and RLOO serve vision-language models too)."""
+    serve text-only causal LMs; SFT, DPO, GRPO and RLOO serve vision-language models too)."""
     reject("processing_class", type(processing_class).__name__,
-           "vision-language models are not supported by this trainer (SFT, GRPO and RLOO serve them)")
+           "vision-language models are not supported by this trainer (SFT, DPO, GRPO and RLOO serve them)")
 
 
 # --------------------------------------------------------------------------- sharded heads

@@ -15,12 +15,14 @@ liger_chunk_tokens=None)`` takes every argument of ``trl.DPOTrainer`` plus three
   via :meth:`DPOTrainer.compute_ref_log_probs`). Every metric TRL logs is logged under TRL's name.
   ``liger_patch_model=True`` also swaps the models' layers for our kernels (``apply_liger_kernels``).
   ``liger_chunk_tokens`` fixes the tokens per logits tile (default: sized from a memory budget). The
-  backbone calls run pad-free where they can: the attended tokens alone, packed (``patching/pad_free.py``).
+  backbone calls run pad-free where they can: the attended tokens alone, packed (``patching/pad_free.py``). A
+  vision-language model's batch with images runs the policy's and the reference's base models on them (the vision
+  tower included, as TRL's forward; ``multimodal.py``), padded.
 
-Options TRL supports that use_liger=True cannot serve raise ``ValueError`` at construction, naming the
-option: ``use_weighting`` (WPO), ``ld_alpha`` with an ``"sft"`` loss term, vision-language models,
-PEFT prompt learning. MoE models: ``router_aux_loss_coef * aux_loss`` of the policy's own backbone
-forward is added to the loss and logged as ``aux_loss``, as TRL does (``router_aux.py``).
+Options TRL supports that use_liger=True cannot serve raise ``ValueError`` at construction, naming the option:
+``use_weighting`` (WPO), ``ld_alpha`` with an ``"sft"`` loss term, PEFT prompt learning. MoE models:
+``router_aux_loss_coef * aux_loss`` of the policy's own backbone forward is added to the loss and logged as
+``aux_loss``, as TRL does (``router_aux.py``).
 """
 
 from __future__ import annotations
@@ -76,6 +78,7 @@ class DPOTrainer(LigerReferenceTrainerMixin, trl.DPOTrainer):
     _liger_config_cls = trl.DPOConfig
     _liger_build_loss = staticmethod(build_dpo_loss)
     _liger_serves_router_aux_loss = True  # TRL 1.16's DPO: loss + router_aux_loss_coef * aux_loss
+    _liger_serves_vision = True  # the images reach the policy and the reference through their base models
 
     # ------------------------------------------------------------------ reference
 

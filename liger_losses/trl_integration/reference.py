@@ -4,8 +4,10 @@
 
 * construction: :meth:`~LigerReferenceTrainerMixin._liger_before_trl_init` (TRL's default config when
   ``args`` is None, the loss built from it so option checks fail fast, a vision-language processor
-  rejected) and :meth:`~LigerReferenceTrainerMixin._liger_after_trl_init` (vision data / MoE auxiliary loss
-  rejected, the loss rebuilt with the head's softcap / logit scale, layer patching of policy and reference).
+  rejected unless the subclass serves one, ``_liger_serves_vision``: DPO) and
+  :meth:`~LigerReferenceTrainerMixin._liger_after_trl_init` (vision data likewise, an MoE auxiliary loss
+  rejected where not served, the loss rebuilt with the head's softcap / logit scale, layer patching of policy and
+  reference).
   A subclass names its config class and loss builder in ``_liger_config_cls`` / ``_liger_build_loss``.
 * the reference: :meth:`~LigerReferenceTrainerMixin._liger_reference_scope` (no grad, gradient
   checkpointing off, the PEFT policy switched to its reference adapter when it is the reference),
@@ -51,6 +53,7 @@ class LigerReferenceTrainerMixin(LigerTrainerMixin):
     _liger_build_loss: ClassVar[Callable[..., nn.Module]]  # (args, *, chunk_tokens, softcap, logit_scale) -> loss
     # True where the trainer adds the MoE router aux loss to its policy loss as TRL does (DPO, KTO); else rejected
     _liger_serves_router_aux_loss: ClassVar[bool] = False
+    _liger_serves_vision: ClassVar[bool] = False  # a vision-language model with its processor and image data
 
     # ------------------------------------------------------------------ construction
 
@@ -89,14 +92,14 @@ class LigerReferenceTrainerMixin(LigerTrainerMixin):
             processing_class = trl_args[3]
         from transformers import ProcessorMixin
 
-        if isinstance(processing_class, ProcessorMixin):
+        if isinstance(processing_class, ProcessorMixin) and not self._liger_serves_vision:
             reject_vision(processing_class)
         return args
 
     def _liger_after_trl_init(self, trl_kwargs: Mapping[str, Any]) -> None:
         """Checks that need TRL's built trainer, the loss with the head's logit transform, layer patching."""
-        if self._is_vision_dataset:
-            reject("train_dataset", "<vision dataset>", "vision-language data is not supported")
+        if self._is_vision_dataset and not self._liger_serves_vision:
+            reject("train_dataset", "<vision dataset>", "vision-language data is not supported by this trainer")
         if self.aux_loss_enabled and not self._liger_serves_router_aux_loss:
             reject("router_aux_loss_coef", self.router_aux_loss_coef,
                    "the MoE load-balancing loss needs the router logits of TRL's forward")

@@ -10,8 +10,9 @@
    gradient is not zero (the images reach the loss).
 3. GRPO trained end to end on an image dataset (TRL generating from the processor's prompts with images): two
    steps log the loss, grad norm, reward and entropy TRL logs (rel <= 1e-4).
-4. SFT on a conversational image dataset (TRL's vision collator, Llava): loss, logged metrics and every gradient
-   equal TRL's (rel <= 1e-4), the vision tower's gradient not zero.
+4. SFT on a conversational image dataset (TRL's vision collator, Llava), and DPO on image preference pairs against
+   a reference Llava of other weights: loss, logged metrics and every gradient equal TRL's (rel <= 1e-4), the
+   vision tower's gradient not zero.
 """
 
 import contextlib
@@ -23,6 +24,7 @@ import torch
 trl = pytest.importorskip("trl")
 transformers = pytest.importorskip("transformers")
 
+from liger_losses.trl_integration.dpo import DPOTrainer  # noqa: E402
 from liger_losses.trl_integration.grpo import GRPOTrainer  # noqa: E402
 from liger_losses.trl_integration.multimodal import rl_multimodal_inputs  # noqa: E402
 from liger_losses.trl_integration.rloo import RLOOTrainer  # noqa: E402
@@ -31,6 +33,7 @@ from liger_losses.trl_integration.sft import SFTTrainer  # noqa: E402
 from .utils import (  # noqa: E402
     assert_metrics_match,
     build_tokenizer,
+    dpo_config,
     first_batch,
     grads_of,
     rel,
@@ -129,7 +132,7 @@ def _qwen2_vl(tmp_path):
     return str(path), tok, images
 
 
-def _llava(tmp_path):
+def _llava(tmp_path, seed=0):
     """A tiny Llava (2 Llama layers of width 64; a one-layer CLIP tower on 28 x 28 images, 4 image tokens) saved
     under ``tmp_path``, with its ``LlavaProcessor`` (our character tokenizer plus ``<image>``) as the processing
     class."""
@@ -142,8 +145,8 @@ def _llava(tmp_path):
                   num_attention_heads=2, image_size=28, patch_size=14, projection_dim=32)
     config = transformers.LlavaConfig(text_config=text, vision_config=vision, image_token_index=image,
                                       vision_feature_layer=-1, vision_feature_select_strategy="default")
-    torch.manual_seed(0)
-    path = tmp_path / "tiny-llava"
+    torch.manual_seed(seed)
+    path = tmp_path / f"tiny-llava-{seed}"
     transformers.LlavaForConditionalGeneration(config).float().save_pretrained(path)
     processor = transformers.LlavaProcessor(
         image_processor=transformers.CLIPImageProcessor(size={"shortest_edge": 28}, crop_size=28), tokenizer=tok,
@@ -315,6 +318,39 @@ def test_vision_language_sft_parity(tmp_path):
         trainer.model.train()
         losses.append(trainer.compute_loss(trainer.model, dict(batch)))
         metrics.append({k: v[-1] for k, v in trainer._metrics["train"].items()})
+    assert rel(losses[1], losses[0]) <= TOL, [float(x) for x in losses]
+    assert_metrics_match(metrics[1], metrics[0], TOL)
+    _assert_grads_match(*losses, theirs, ours)
+    vision = _vision_tower(ours.model).grad
+    assert vision is not None and vision.abs().sum() > 0
+
+
+def test_vision_language_dpo_parity(tmp_path):
+    from datasets import Dataset
+
+    path, processor, _ = _llava(tmp_path)
+    ref_path = _llava(tmp_path, seed=1)[0]
+    processor.chat_template = CHAT_TEMPLATE
+    triples = (("abc", "de", "xy"), ("hello", "world", "w"), ("xyz", "q", "rr"), ("the cat", "sat", "ran"))
+    data = Dataset.from_list([
+        {"prompt": [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": prompt}]}],
+         "chosen": [{"role": "assistant", "content": [{"type": "text", "text": chosen}]}],
+         "rejected": [{"role": "assistant", "content": [{"type": "text", "text": rejected}]}],
+         "images": [image]} for (prompt, chosen, rejected), image in zip(triples, _images(4))])
+    theirs, ours = (DPOTrainer(path, transformers.LlavaForConditionalGeneration.from_pretrained(ref_path),
+                               dpo_config(tmp_path / f"run{use}", max_length=None), train_dataset=data,
+                               processing_class=processor, use_liger=use,
+                               **({"liger_patch_model": False} if use else {}))
+                    for use in (False, True))
+    batch = first_batch(theirs)
+    assert batch["pixel_values"].shape[0] == 8  # the prompt's image for the chosen and the rejected rows
+    losses, metrics = [], []
+    for trainer in (theirs, ours):
+        trainer._metrics["train"].clear()
+        trainer.model.train()
+        losses.append(trainer.compute_loss(trainer.model, dict(batch)))
+        metrics.append({k: v[-1] for k, v in trainer._metrics["train"].items()})
+    assert metrics[0]["rewards/margins"] != 0  # the reference differs: a live preference loss
     assert rel(losses[1], losses[0]) <= TOL, [float(x) for x in losses]
     assert_metrics_match(metrics[1], metrics[0], TOL)
     _assert_grads_match(*losses, theirs, ours)
