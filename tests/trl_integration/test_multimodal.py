@@ -24,6 +24,7 @@ import torch
 trl = pytest.importorskip("trl")
 transformers = pytest.importorskip("transformers")
 
+from liger_losses.patching import revert_liger_kernels  # noqa: E402
 from liger_losses.trl_integration.dpo import DPOTrainer  # noqa: E402
 from liger_losses.trl_integration.grpo import GRPOTrainer  # noqa: E402
 from liger_losses.trl_integration.multimodal import rl_multimodal_inputs  # noqa: E402
@@ -266,8 +267,17 @@ def _images(count):
     return [Image.fromarray(rng.integers(0, 255, (28, 28, 3), dtype=np.uint8)) for _ in range(count)]
 
 
-def test_vision_language_training_parity(tmp_path):
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_vision_language_training_parity(tmp_path, device, monkeypatch):
+    """On the CPU with transformers' layers; on CUDA (fp32, TF32 off) with ours patched into Llava's language model,
+    our Triton kernels against transformers' layers in TRL's run."""
     from datasets import Dataset
+
+    if device == "cuda":
+        if not torch.cuda.is_available():
+            pytest.skip("CUDA")
+        monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
+        monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)
 
     path, processor, _ = _llava(tmp_path)
     processor.chat_template = CHAT_TEMPLATE
@@ -283,10 +293,14 @@ def test_vision_language_training_parity(tmp_path):
         torch.manual_seed(0)
         trainer = GRPOTrainer(path, reward, trl_config(trl.GRPOConfig, tmp_path / f"run{use}",
                                                        per_device_train_batch_size=4, num_generations=2,
-                                                       max_completion_length=8, max_steps=2, loss_type="dapo"),
+                                                       max_completion_length=8, max_steps=2, loss_type="dapo",
+                                                       use_cpu=device == "cpu"),
                               train_dataset=data, processing_class=processor, use_liger=use,
-                              **({"liger_patch_model": False} if use else {}))
-        trainer.train()
+                              **({"liger_patch_model": device == "cuda"} if use else {}))
+        try:
+            trainer.train()
+        finally:
+            revert_liger_kernels()
         logs.append([h for h in trainer.state.log_history if "loss" in h])
     theirs, ours = logs
     assert len(theirs) == len(ours) == 2
