@@ -39,7 +39,7 @@ This module gives those pieces, each usable on its own:
 * :func:`reference_adapter` -- the PEFT reference: the "ref" adapter when TRL created one (re-training
   an existing adapter), else all adapters disabled (``model.disable_adapter()``).
 * :func:`reject` -- the one way an adapter says "TRL supports this option, use_liger=True does not":
-  a ``ValueError`` naming the option, raised at construction (:func:`reject_vision` for a VLM processor).
+  a ``ValueError`` naming the option, raised at construction (``multimodal.reject_vision`` for a VLM processor).
 * :func:`build_loss` / :func:`build_config_loss` -- the loss module of a TRL config: each config field
   mapped to a loss keyword, the adapter's options added, what the loss cannot serve rejected.
 
@@ -94,13 +94,6 @@ def reject(option: str, value: Any, why: str) -> None:
     """Raise the ``ValueError`` an adapter gives for a TRL option it cannot serve with use_liger=True."""
     raise ValueError(f"use_liger=True does not support {option}={value!r}: {why}. "
                      f"Unset {option}, or pass use_liger=False to use TRL's own loss.")
-
-
-def reject_vision(processing_class: Any) -> None:
-    """:func:`reject` a vision-language model's ``processing_class`` (the preference and distillation adapters
-    serve text-only causal LMs; SFT, DPO, GRPO and RLOO serve vision-language models too)."""
-    reject("processing_class", type(processing_class).__name__,
-           "vision-language models are not supported by this trainer (SFT, DPO, GRPO and RLOO serve them)")
 
 
 # --------------------------------------------------------------------------- sharded heads

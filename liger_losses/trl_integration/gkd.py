@@ -36,9 +36,9 @@ from .base import (
     gathered_params,
     head_logit_options,
     reject,
-    reject_vision,
     unwrap_causal_lm,
 )
+from .multimodal import reject_vision
 
 
 def shared_head_transform(student, teacher) -> dict:

@@ -1,4 +1,10 @@
-"""The image inputs of a vision-language model's policy forward in the RL trainers (GRPO, RLOO).
+"""Vision-language models in the trainers: the backbone a call with images runs, and the RL steps' image inputs.
+
+The backbone of a call with images (:func:`carries_images`) is :func:`multimodal_backbone_of`: the model's base model
+(``LlavaModel``, ``Qwen2VLModel``...: the vision tower, the projector and the language model), which TRL's fused head
+runs too, not the language model alone, which ``get_decoder()`` gives and which would skip the images. SFT and DPO
+hand the backbone their batch's keywords as TRL hands them to the model; the trainers that serve no images refuse a
+vision-language processor (:func:`reject_vision`).
 
 TRL 1.16's GRPO and RLOO steps pass the batch's image fields to the policy beside ``input_ids`` and
 ``attention_mask`` (``_get_per_token_logps_and_entropies``); our trainers run the policy's backbone on the same
@@ -14,10 +20,6 @@ batch (its ``batch_size=None`` call), so the two forwards see the same images:
 
 ``num_images`` and ``num_tiles`` only slice the batch in TRL's chunked calls and are not model inputs. A batch
 without images gives ``{}``.
-
-The backbone of a call with images (:func:`carries_images`) is :func:`multimodal_backbone_of`: the model's base model
-(``LlavaModel``, ``Qwen2VLModel``...: the vision tower, the projector and the language model), which TRL's fused head
-runs too, not the language model alone, which ``get_decoder()`` gives and which would skip the images.
 """
 
 from __future__ import annotations
@@ -65,3 +67,12 @@ def multimodal_backbone_of(causal_lm: nn.Module) -> nn.Module:
         raise ValueError(f"{type(causal_lm).__name__} got images but has no base model to run them through; pass "
                          "use_liger=False to train with the model's own forward")
     return base
+
+
+def reject_vision(processing_class: Any) -> None:
+    """:func:`reject` a vision-language model's ``processing_class`` (the preference and distillation adapters
+    serve text-only causal LMs; SFT, DPO, GRPO and RLOO serve vision-language models too)."""
+    from .base import reject  # base imports this module
+
+    reject("processing_class", type(processing_class).__name__,
+           "vision-language models are not supported by this trainer (SFT, DPO, GRPO and RLOO serve them)")

@@ -40,9 +40,9 @@ from .base import (
     is_peft_model,
     reference_adapter,
     reject,
-    reject_vision,
     unwrap_causal_lm,
 )
+from .multimodal import reject_vision
 from .router_aux import log_router_aux_loss, policy_hidden_and_router_aux
 
 
