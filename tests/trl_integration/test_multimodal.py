@@ -221,9 +221,18 @@ def _assert_grads_match(loss_t, loss_o, theirs, ours):
         assert err <= TOL, f"grad {name}: rel err {err:.2e}"
 
 
-def _vision_tower(model):
-    tower = getattr(model.model, "visual", None) or model.model.vision_tower
-    return next(p for p in tower.parameters() if p.dim() > 1)
+def _assert_step_parity(theirs, ours, batch):
+    """One loss step of each trainer on ``batch``: the loss, every metric TRL logs and every gradient equal TRL's, and
+    the vision tower's gradient is not zero (the images reached the loss). Returns TRL's metrics."""
+    loss_t, m_t = _step(theirs, batch)
+    loss_o, m_o = _step(ours, batch)
+    assert rel(loss_o, loss_t) <= TOL, (float(loss_o), float(loss_t))
+    assert_metrics_match(m_o, m_t, TOL)
+    _assert_grads_match(loss_t, loss_o, theirs, ours)
+    tower = getattr(ours.model.model, "visual", None) or ours.model.model.vision_tower
+    vision = next(p for p in tower.parameters() if p.dim() > 1).grad
+    assert vision is not None and vision.abs().sum() > 0
+    return m_t
 
 
 @pytest.mark.parametrize("trainer_name", ["grpo", "rloo"])
@@ -242,14 +251,7 @@ def test_vision_language_step_parity(tmp_path, trainer_name, family):
                  **({"liger_patch_model": False} if use else {}))
         for use in (False, True))
     assert ours.use_liger
-    batch = _vl_batch(theirs, images)
-    loss_t, m_t = _step(theirs, batch)
-    loss_o, m_o = _step(ours, batch)
-    assert rel(loss_o, loss_t) <= TOL, (float(loss_o), float(loss_t))
-    assert_metrics_match(m_o, m_t, TOL)
-    _assert_grads_match(loss_t, loss_o, theirs, ours)
-    vision = _vision_tower(ours.model).grad
-    assert vision is not None and vision.abs().sum() > 0
+    _assert_step_parity(theirs, ours, _vl_batch(theirs, images))
 
 
 # Llava's processor renders a message's image parts as its image token (expanded to the image's four tokens), an
@@ -326,17 +328,7 @@ def test_vision_language_sft_parity(tmp_path):
                     for use in (False, True))
     batch = first_batch(theirs)
     assert batch["pixel_values"].shape[0] == 4
-    losses, metrics = [], []
-    for trainer in (theirs, ours):
-        trainer._metrics["train"].clear()
-        trainer.model.train()
-        losses.append(trainer.compute_loss(trainer.model, dict(batch)))
-        metrics.append({k: v[-1] for k, v in trainer._metrics["train"].items()})
-    assert rel(losses[1], losses[0]) <= TOL, [float(x) for x in losses]
-    assert_metrics_match(metrics[1], metrics[0], TOL)
-    _assert_grads_match(*losses, theirs, ours)
-    vision = _vision_tower(ours.model).grad
-    assert vision is not None and vision.abs().sum() > 0
+    _assert_step_parity(theirs, ours, batch)
 
 
 def test_vision_language_dpo_parity(tmp_path):
@@ -358,15 +350,5 @@ def test_vision_language_dpo_parity(tmp_path):
                     for use in (False, True))
     batch = first_batch(theirs)
     assert batch["pixel_values"].shape[0] == 8  # the prompt's image for the chosen and the rejected rows
-    losses, metrics = [], []
-    for trainer in (theirs, ours):
-        trainer._metrics["train"].clear()
-        trainer.model.train()
-        losses.append(trainer.compute_loss(trainer.model, dict(batch)))
-        metrics.append({k: v[-1] for k, v in trainer._metrics["train"].items()})
-    assert metrics[0]["rewards/margins"] != 0  # the reference differs: a live preference loss
-    assert rel(losses[1], losses[0]) <= TOL, [float(x) for x in losses]
-    assert_metrics_match(metrics[1], metrics[0], TOL)
-    _assert_grads_match(*losses, theirs, ours)
-    vision = _vision_tower(ours.model).grad
-    assert vision is not None and vision.abs().sum() > 0
+    metrics = _assert_step_parity(theirs, ours, batch)
+    assert metrics["rewards/margins"] != 0  # the reference differs: a live preference loss
