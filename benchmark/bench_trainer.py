@@ -1030,7 +1030,7 @@ def run_matrix(cases: list[Case], providers: list[str], *, rounds: int, warmup: 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--tiny", action="store_true", help="CPU smoke run: tiny models of each family, seq 64, 2 rounds")
-    ap.add_argument("--full", action="store_true", help="every case (20), 2 warm-up + 5 timed steps")
+    ap.add_argument("--full", action="store_true", help=f"every case ({len(ALL_CASES)}), 2 warm-up + 5 timed steps")
     ap.add_argument("--cases", nargs="+", default=None, help="case names or globs (from the full list)")
     ap.add_argument("--list", action="store_true", help="print the cases and exit")
     ap.add_argument("--providers", nargs="+", choices=PROVIDERS + tuple(OURS_VARIANTS)[1:], default=list(PROVIDERS))
