@@ -35,9 +35,11 @@ positions than the window. The varlen kernel serves the window.
 
 Dropout and router noise in training (attention dropout, PEFT's ``lora_dropout``, Seed-OSS's output dropout,
 Mixtral's router jitter) are drawn on the packed row: other random numbers than the padded call draws, from the same
-distribution for every attended token, since each is drawn per element (per attention weight, per activation) and
-the padded call's draws at the padding reach no attended token. So a seeded run's masks are not TRL's padded ones
-(``LIGER_LOSSES_PAD_FREE=0`` gives those), as a packed SFT batch's are not a padded one's.
+distribution for every attended token, since each is drawn per element (per attention weight, per activation) at a
+scale the call's shape does not set, and the padded call's draws at the padding reach no attended token. So a seeded
+run's masks are not TRL's padded ones (``LIGER_LOSSES_PAD_FREE=0`` gives those), as a packed SFT batch's are not a
+padded one's. NEFTune's embedding noise, whose scale is ``alpha / sqrt(T * H)`` of the call's row length ``T``, keeps
+the padded call.
 """
 
 from __future__ import annotations
@@ -172,6 +174,9 @@ def pad_free_reason(backbone: nn.Module, model_kwargs: Dict[str, Any]) -> str:
             and not getattr(config, "use_sliding_window", True)):
         # SmolLM3: the model windows its sliding layer types, its layers pass no window without the flag
         return "sliding layers with use_sliding_window=False"
+    embed = backbone.get_input_embeddings() if callable(getattr(backbone, "get_input_embeddings", None)) else None
+    if getattr(embed, "training", False) and getattr(embed, "neftune_noise_alpha", None):
+        return "NEFTune noise in training (its scale reads the call's sequence length: alpha / sqrt(T * H))"
     rope = getattr(getattr(backbone, "rotary_emb", None), "rope_type", "") or ""
     kinds = rope.values() if isinstance(rope, dict) else (rope,)  # Gemma-3, OLMo-3: one type per layer type
     if any("dynamic" in kind or "longrope" in kind for kind in kinds):  # frequencies follow the call's largest position

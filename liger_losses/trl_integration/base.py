@@ -82,7 +82,7 @@ from .checkpointing import lean_allowed, lean_checkpointing
 from .logit_check import check_model_logits
 from .metrics import DeferredMetrics
 from .metrics import install as install_resolving_store
-from .multimodal import carries_images, multimodal_backbone_of
+from .multimodal import multimodal_backbone_of, runs_base_model
 
 IGNORE_INDEX = -100
 
@@ -402,14 +402,15 @@ class LigerTrainerMixin:
     # -- running the model
 
     def _liger_backbone(self, model: nn.Module, model_kwargs: Optional[Dict[str, Any]] = None) -> nn.Module:
-        """``model``'s backbone, to be called (on ``model_kwargs``: a call with images runs a vision-language model's
-        base model, :func:`~.multimodal.multimodal_backbone_of`). When the trainer compiled ``model``
+        """``model``'s backbone, to be called (on ``model_kwargs``: a composite model's call with images or audio runs
+        its base model, :func:`~.multimodal.runs_base_model`). When the trainer compiled ``model``
         (``torch_compile=True``: accelerate wraps the prepared model in ``torch.compile``), the backbone is compiled
         under the same Dynamo context (:func:`compiled_like`), once per backbone. TRL's step then runs a compiled
         model, and ours a compiled backbone with the fused loss eagerly after it. Calling the wrapper's inner
         module alone would run eagerly."""
         causal_lm = unwrap_causal_lm(model)
-        backbone = multimodal_backbone_of(causal_lm) if carries_images(model_kwargs) else backbone_of(causal_lm)
+        base = runs_base_model(causal_lm, model_kwargs)
+        backbone = multimodal_backbone_of(causal_lm) if base else backbone_of(causal_lm)
         wrapper = compiled_module(model)
         if wrapper is None:
             return backbone
@@ -425,9 +426,9 @@ class LigerTrainerMixin:
         backbone = self._liger_backbone(model, model_kwargs)
         packed = pack_batch(backbone, model_kwargs, read_mask)
         kwargs = model_kwargs if packed is None else packed.kwargs
-        # the lean form is read for the language layers we patch, not a vision tower's: torch's form with images
-        lean = contextlib.nullcontext() if carries_images(kwargs) else self._liger_lean_checkpointing(model, backbone,
-                                                                                                        kwargs)
+        # the lean form is read for the language layers we patch, not an encoder's: torch's form through a base model
+        lean = (contextlib.nullcontext() if runs_base_model(unwrap_causal_lm(model), model_kwargs)
+                else self._liger_lean_checkpointing(model, backbone, kwargs))
         with lean:
             hidden = backbone(**kwargs).last_hidden_state
         return hidden if packed is None else packed.unpack(hidden)

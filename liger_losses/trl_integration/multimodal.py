@@ -1,10 +1,12 @@
-"""Vision-language models in the trainers: the backbone a call with images runs, and the RL steps' image inputs.
+"""Multimodal models in the trainers: the backbone a call with images (or audio) runs, and the RL steps' image inputs.
 
-The backbone of a call with images (:func:`carries_images`) is :func:`multimodal_backbone_of`: the model's base model
-(``LlavaModel``, ``Qwen2VLModel``...: the vision tower, the projector and the language model), which TRL's fused head
-runs too, not the language model alone, which ``get_decoder()`` gives and which would skip the images. SFT and DPO
-hand the backbone their batch's keywords as TRL hands them to the model; the trainers that serve no images refuse a
-vision-language processor (:func:`reject_vision`).
+A call of a composite model (a vision-language or audio model: its config holds a text config) with keywords beyond
+the text ones (pixels, audio features, token types...) runs the model's base model (:func:`runs_base_model`,
+:func:`multimodal_backbone_of`: ``LlavaModel``, ``Qwen2VLModel``, ``Gemma4Model``...: the encoders, the projectors and
+the language model), as TRL's fused head runs every call; ``get_decoder()`` gives the language model alone, which
+takes those keywords through its ``**kwargs`` and ignores them. A text-only call keeps the language model (and
+pad-free). SFT and DPO hand the backbone their batch's keywords as TRL hands them to the model; the trainers that serve
+no images refuse a vision-language processor (:func:`reject_vision`).
 
 TRL 1.16's GRPO and RLOO steps pass the batch's image fields to the policy beside ``input_ids`` and
 ``attention_mask`` (``_get_per_token_logps_and_entropies``); our trainers run the policy's backbone on the same
@@ -18,8 +20,8 @@ batch (its ``batch_size=None`` call), so the two forwards see the same images:
 * ``pixel_attention_mask`` without ``spatial_shapes`` (Idefics-style, per row), ``image_sizes`` (Llava-NeXT,
   per image), ``token_type_ids`` and ``mm_token_type_ids`` (``[B, T]``: Gemma-3, Qwen-VL's M-RoPE).
 
-``num_images`` and ``num_tiles`` only slice the batch in TRL's chunked calls and are not model inputs. A batch
-without images gives ``{}``.
+``num_images`` and ``num_tiles`` only slice the batch in TRL's chunked calls and are not model inputs. A text batch
+gives ``{}`` (or only its token types, where TRL keeps them).
 """
 
 from __future__ import annotations
@@ -54,18 +56,29 @@ def rl_multimodal_inputs(inputs: Mapping[str, Any]) -> Dict[str, Any]:
     return out
 
 
-def carries_images(model_kwargs: Optional[Mapping[str, Any]]) -> bool:
-    """Whether a forward's keywords hold pixels (``pixel_values`` or ``pixel_values_videos``)."""
-    return bool(model_kwargs) and any(model_kwargs.get(k) is not None for k in ("pixel_values", "pixel_values_videos"))
+# the keywords of a text-only call, which a composite model's language model serves alone
+_TEXT_KEYS = frozenset({"input_ids", "attention_mask", "position_ids", "use_cache", "return_dict",
+                        "output_router_logits"})
+
+
+def runs_base_model(causal_lm: nn.Module, model_kwargs: Optional[Mapping[str, Any]]) -> bool:
+    """Whether a call of ``causal_lm`` on ``model_kwargs`` runs its base model: a composite model's call (its config's
+    text config is another) with a keyword beyond the text ones."""
+    config = getattr(causal_lm, "config", None)
+    text_config = getattr(config, "get_text_config", None)
+    if not model_kwargs or not callable(text_config) or text_config() is config:
+        return False
+    return any(value is not None and key not in _TEXT_KEYS for key, value in model_kwargs.items())
 
 
 def multimodal_backbone_of(causal_lm: nn.Module) -> nn.Module:
-    """The module a vision-language ``causal_lm`` runs before its LM head on images: its ``base_model`` (transformers
-    5's ``base_model_prefix``, as TRL's fused head reads it), which returns ``last_hidden_state [B, T, H]``."""
+    """The module a composite ``causal_lm`` runs before its LM head on images or audio: its ``base_model``
+    (transformers 5's ``base_model_prefix``, as TRL's fused head reads it), which returns ``last_hidden_state [B, T,
+    H]``."""
     base = getattr(causal_lm, "base_model", None)
     if not isinstance(base, nn.Module) or base is causal_lm:
-        raise ValueError(f"{type(causal_lm).__name__} got images but has no base model to run them through; pass "
-                         "use_liger=False to train with the model's own forward")
+        raise ValueError(f"{type(causal_lm).__name__} got multimodal inputs but has no base model to run them "
+                         "through; pass use_liger=False to train with the model's own forward")
     return base
 
 

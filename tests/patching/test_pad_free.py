@@ -307,6 +307,10 @@ def test_refusals_keep_the_padded_call(monkeypatch):
     unserved = dict(use_sliding_window=True, max_window_layers=2)  # Qwen2-MoE: its sliding layers pass no window
     assert "sliding" in pad_free_reason(_model("qwen2_moe", sliding_window=4, **unserved).model, kwargs)
     assert "model type 'llama4_text'" in pad_free_reason(_model("llama4_text").model, kwargs)
+    neftune = _model("llama")
+    neftune.model.embed_tokens.neftune_noise_alpha = 5.0  # as transformers' activate_neftune sets it
+    assert "NEFTune" in pad_free_reason(neftune.model, kwargs)  # its noise scales with the row's length
+    assert pad_free_reason(neftune.model.eval(), kwargs) == ""
     for family in ("gemma", "gemma3_text"):
         assert "bidirectional" in pad_free_reason(_model(family, use_bidirectional_attention=True).model, kwargs)
     non_causal = _model("llama")

@@ -1,5 +1,7 @@
 """Vision-language models in the RL trainers (``trl_integration/multimodal.py``, GRPO and RLOO).
 
+0. A composite model's call beyond the text keywords (images, audio, token types) runs its base model, a text-only
+   call its language model.
 1. The image keywords our policy forward gets equal, key for key and tensor for tensor, what TRL 1.16's own
    ``_get_per_token_logps_and_entropies`` hands the model for the whole batch, for every image layout its code
    knows (Qwen-VL's patch grid, per-image pixels, Llava-NeXT's image sizes, Gemma-3's token types, LFM2-VL's and
@@ -27,7 +29,11 @@ transformers = pytest.importorskip("transformers")
 from liger_losses.patching import revert_liger_kernels  # noqa: E402
 from liger_losses.trl_integration.dpo import DPOTrainer  # noqa: E402
 from liger_losses.trl_integration.grpo import GRPOTrainer  # noqa: E402
-from liger_losses.trl_integration.multimodal import rl_multimodal_inputs  # noqa: E402
+from liger_losses.trl_integration.multimodal import (  # noqa: E402
+    multimodal_backbone_of,
+    rl_multimodal_inputs,
+    runs_base_model,
+)
 from liger_losses.trl_integration.rloo import RLOOTrainer  # noqa: E402
 from liger_losses.trl_integration.sft import SFTTrainer  # noqa: E402
 
@@ -95,6 +101,22 @@ def test_image_inputs_are_trls(trainer_cls, layout):
     assert got.keys() == want.keys()
     for k in want:
         assert torch.equal(got[k], want[k]), k
+
+
+def test_a_composite_models_call_beyond_text_runs_its_base_model(tmp_path):
+    """A composite model's call with images, audio features or token types runs its base model (its language model
+    alone would take them through ``**kwargs`` and ignore them); a text-only call, or any call of a text model, the
+    language model (which pad-free can pack)."""
+    from .utils import build_tiny_model
+
+    llava = transformers.LlavaForConditionalGeneration.from_pretrained(_llava(tmp_path)[0])
+    text = dict(input_ids=torch.zeros(1, 4, dtype=torch.long), attention_mask=torch.ones(1, 4), use_cache=False)
+    assert not runs_base_model(llava, text)
+    assert not runs_base_model(llava, dict(text, pixel_values=None))
+    for extra in ("pixel_values", "input_features", "token_type_ids", "image_grid_thw"):
+        assert runs_base_model(llava, dict(text, **{extra: torch.zeros(1)})), extra
+    assert multimodal_backbone_of(llava) is llava.model
+    assert not runs_base_model(build_tiny_model(build_tokenizer()), dict(text, pixel_values=torch.zeros(1)))
 
 
 # --------------------------------------------------------------------------- tiny vision-language models
@@ -229,25 +251,34 @@ def _assert_step_parity(theirs, ours, batch):
     assert rel(loss_o, loss_t) <= TOL, (float(loss_o), float(loss_t))
     assert_metrics_match(m_o, m_t, TOL)
     _assert_grads_match(loss_t, loss_o, theirs, ours)
-    tower = getattr(ours.model.model, "visual", None) or ours.model.model.vision_tower
-    vision = next(p for p in tower.parameters() if p.dim() > 1).grad
+    causal_lm = ours.model.get_base_model() if hasattr(ours.model, "get_base_model") else ours.model
+    tower = getattr(causal_lm.model, "visual", None) or causal_lm.model.vision_tower
+    vision = next(p for p in tower.parameters() if p.dim() > 1 and p.requires_grad).grad  # a LoRA factor under PEFT
     assert vision is not None and vision.abs().sum() > 0
     return m_t
 
 
+@pytest.mark.parametrize("variant", ["plain", "lora-checkpointed"])
 @pytest.mark.parametrize("trainer_name", ["grpo", "rloo"])
 @pytest.mark.parametrize("family", sorted(MODELS))
-def test_vision_language_step_parity(tmp_path, trainer_name, family):
+def test_vision_language_step_parity(tmp_path, trainer_name, family, variant):
+    """``lora-checkpointed``: PEFT LoRA on every linear layer (the vision tower's too) and transformers' activation
+    checkpointing, as users train these models."""
     from datasets import Dataset
 
     path, processing_class, images = MODELS[family](tmp_path)
     ours_cls, config_cls = (GRPOTrainer, trl.GRPOConfig) if trainer_name == "grpo" else (RLOOTrainer, trl.RLOOConfig)
     extra = dict(num_iterations=2, loss_type="dapo", beta=0.0) if trainer_name == "grpo" else dict(epsilon_high=0.28)
+    peft_config = None
+    if variant == "lora-checkpointed":
+        peft = pytest.importorskip("peft")
+        peft_config = peft.LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", init_lora_weights=False)
+        extra["gradient_checkpointing"] = True
     data = Dataset.from_list([{"prompt": p} for p in ("abc", "hello", "xyz", "the cat")])
     theirs, ours = (
         ours_cls(path, _reward, trl_config(config_cls, tmp_path / str(use), per_device_train_batch_size=4,
                                            num_generations=2, max_completion_length=8, max_steps=1, **extra),
-                 train_dataset=data, processing_class=processing_class, use_liger=use,
+                 train_dataset=data, processing_class=processing_class, use_liger=use, peft_config=peft_config,
                  **({"liger_patch_model": False} if use else {}))
         for use in (False, True))
     assert ours.use_liger

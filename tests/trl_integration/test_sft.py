@@ -116,6 +116,24 @@ def test_pad_free_under_lora_dropout(tok, tmp_path, monkeypatch):
     assert (o.mean() - t.mean()).abs() <= 4 * error, (float(o.mean()), float(t.mean()), float(error))
 
 
+def test_pad_free_refused_under_neftune(tok, tmp_path, monkeypatch):
+    """NEFTune (``neftune_noise_alpha=5``) scales its embedding noise by the call's row length, so pad-free (forced)
+    keeps the padded call: no packed attention, and each run seeded alike (the Trainer does not reseed at ``train()``,
+    and TRL's run draws noise), two training steps log TRL's losses (rel <= 1e-4)."""
+    monkeypatch.setenv("LIGER_LOSSES_PAD_FREE", "1")
+    theirs, ours = _pair(tok, tmp_path, sft_dataset(), neftune_noise_alpha=5.0, max_steps=2)
+    calls = varlen_call_count()
+    losses = []
+    for trainer in (theirs, ours):
+        torch.manual_seed(0)
+        trainer.train()
+        losses.append([h["loss"] for h in trainer.state.log_history if "loss" in h])
+    assert varlen_call_count() == calls
+    assert len(losses[0]) == len(losses[1]) == 2
+    for a, b in zip(*losses):
+        assert rel(b, a) <= TOL, (b, a)
+
+
 def test_num_items_in_batch_parity(tok, tmp_path):
     """With the Trainer's num_items_in_batch (gradient accumulation count) the loss is sum / count,
     as TRL's; loss, metrics, grads match."""
