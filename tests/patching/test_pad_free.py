@@ -410,14 +410,27 @@ def test_dropout_in_training_is_drawn_packed_from_the_padded_calls_distribution(
     assert float(distance / noise) <= 2.5, float(distance / noise)
 
 
-@pytest.mark.parametrize("case", sorted(DROPPING))
-def test_a_checkpointed_packed_call_replays_its_dropout(case):
+@pytest.mark.parametrize("case,device", [(c, "cpu") for c in sorted(DROPPING)]
+                         + [pytest.param("attention", "cuda", marks=pytest.mark.gpu)])
+def test_a_checkpointed_packed_call_replays_its_dropout(case, device, monkeypatch):
     """Under one seed a packed call with dropout under transformers' checkpointing (torch's non-reentrant form, whose
     recompute restores the RNG state) equals the packed call without it, hidden states and every gradient (1e-10
-    in float64, 2e-5 for Mixtral in float32): the backward's recompute draws the forward's masks."""
+    in float64, 2e-5 for Mixtral in float32; on CUDA in bf16 through the flash kernel, whose dropout is drawn from
+    the generator's philox offset, 2e-2: the same masks, bf16 rounding in the backward's accumulation order): the
+    backward's recompute draws the forward's masks."""
     model = _dropping(case)
     tol = _tolerance(DROPPING[case][0], False)
-    backbone, kwargs = model.model, _batch(model.config.vocab_size)
+    kwargs = _batch(model.config.vocab_size)
+    if device == "cuda":
+        if not torch.cuda.is_available():
+            pytest.skip("the flash varlen attention needs CUDA")
+        from liger_losses.kernels import varlen_attention
+
+        monkeypatch.delenv("LIGER_LOSSES_PAD_FREE")
+        monkeypatch.setattr(varlen_attention, "reference_varlen_attention", None)  # the flash kernel or a failure
+        model, tol = model.to("cuda", torch.bfloat16), 2e-2
+        kwargs = {k: v.cuda() if torch.is_tensor(v) else v for k, v in kwargs.items()}
+    backbone = model.model
     mask = kwargs["attention_mask"].bool()
     results = []
     for checkpointed in (False, True):
@@ -428,10 +441,10 @@ def test_a_checkpointed_packed_call_replays_its_dropout(case):
         hidden = batch.unpack(backbone(**batch.kwargs).last_hidden_state)
         results.append((hidden.detach(), _grads(model, _loss(hidden, mask))))
     (plain, want), (hidden, got) = results
-    _assert_within(hidden[mask], plain[mask], tol)
+    _assert_within(hidden[mask].double(), plain[mask].double(), tol)
     assert got.keys() == want.keys()
     for name in want:
-        _assert_within(got[name], want[name], tol, name)
+        _assert_within(got[name].double(), want[name].double(), tol, name)
     torch.manual_seed(8)  # and the draws are live: another seed, other hidden states
     batch = pack_batch(backbone, kwargs, mask)
     other = batch.unpack(backbone(**batch.kwargs).last_hidden_state)
