@@ -20,10 +20,12 @@ liger_chunk_tokens=None)`` takes every argument of ``trl.KTOTrainer`` plus three
   tokens per logits tile. MoE models (``aux_loss_enabled``, TRL's rule): the policy's forward on the batch
   returns the router logits and, as TRL, ``router_aux_loss_coef * aux_loss`` is added to the loss and
   ``aux_loss`` logged (``router_aux.py``; the KL and reference forwards take none, as TRL's). The backbone
-  calls run pad-free where they can: the attended tokens alone, packed (``patching/pad_free.py``).
+  calls run pad-free where they can: the attended tokens alone, packed (``patching/pad_free.py``). A
+  vision-language model's batch with images runs the base models on them (policy, reference and the KL
+  completions, which reuse the prompts' images; ``multimodal.py``), padded.
 
 Options TRL supports that use_liger=True cannot serve raise ``ValueError`` at construction, naming the option:
-vision-language models / datasets, PEFT prompt learning.
+PEFT prompt learning.
 """
 
 from __future__ import annotations
@@ -64,6 +66,7 @@ class KTOTrainer(LigerReferenceTrainerMixin, trl.KTOTrainer):
     _liger_config_cls = trl.KTOConfig
     _liger_build_loss = staticmethod(build_kto_loss)
     _liger_serves_router_aux_loss = True  # TRL 1.16's KTO: loss + router_aux_loss_coef * aux_loss
+    _liger_serves_vision = True  # the policy's, the reference's and the KL completions' calls through base models
 
     # ------------------------------------------------------------------ helpers
 

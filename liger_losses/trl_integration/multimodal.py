@@ -5,8 +5,8 @@ the text ones (pixels, audio features, token types...) runs the model's base mod
 :func:`multimodal_backbone_of`: ``LlavaModel``, ``Qwen2VLModel``, ``Gemma4Model``...: the encoders, the projectors and
 the language model), as TRL's fused head runs every call; ``get_decoder()`` gives the language model alone, which
 takes those keywords through its ``**kwargs`` and ignores them. A text-only call keeps the language model (and
-pad-free). SFT and DPO hand the backbone their batch's keywords as TRL hands them to the model; the trainers that serve
-no images refuse a vision-language processor (:func:`reject_vision`).
+pad-free). SFT, DPO and KTO hand the backbone their batch's keywords as TRL hands them to the model; the trainers that
+serve no images refuse a vision-language processor (:func:`reject_vision`).
 
 TRL 1.16's GRPO and RLOO steps pass the batch's image fields to the policy beside ``input_ids`` and
 ``attention_mask`` (``_get_per_token_logps_and_entropies``); our trainers run the policy's backbone on the same
@@ -84,8 +84,8 @@ def multimodal_backbone_of(causal_lm: nn.Module) -> nn.Module:
 
 def reject_vision(processing_class: Any) -> None:
     """:func:`reject` a vision-language model's ``processing_class`` (the preference and distillation adapters
-    serve text-only causal LMs; SFT, DPO, GRPO and RLOO serve vision-language models too)."""
+    serve text-only causal LMs; SFT, DPO, KTO, GRPO and RLOO serve vision-language models too)."""
     from .base import reject  # base imports this module
 
     reject("processing_class", type(processing_class).__name__,
-           "vision-language models are not supported by this trainer (SFT, DPO, GRPO and RLOO serve them)")
+           "vision-language models are not supported by this trainer (SFT, DPO, KTO, GRPO and RLOO serve them)")

@@ -4,7 +4,7 @@
 
 * construction: :meth:`~LigerReferenceTrainerMixin._liger_before_trl_init` (TRL's default config when
   ``args`` is None, the loss built from it so option checks fail fast, a vision-language processor
-  rejected unless the subclass serves one, ``_liger_serves_vision``: DPO) and
+  rejected unless the subclass serves one, ``_liger_serves_vision``: DPO, KTO) and
   :meth:`~LigerReferenceTrainerMixin._liger_after_trl_init` (vision data likewise, an MoE auxiliary loss
   rejected where not served, the loss rebuilt with the head's softcap / logit scale, layer patching of policy and
   reference).

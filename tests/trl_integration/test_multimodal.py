@@ -12,9 +12,9 @@
    gradient is not zero (the images reach the loss).
 3. GRPO trained end to end on an image dataset (TRL generating from the processor's prompts with images): two
    steps log the loss, grad norm, reward and entropy TRL logs (rel <= 1e-4).
-4. SFT on a conversational image dataset (TRL's vision collator, Llava), and DPO on image preference pairs against
-   a reference Llava of other weights: loss, logged metrics and every gradient equal TRL's (rel <= 1e-4), the
-   vision tower's gradient not zero.
+4. SFT on a conversational image dataset (TRL's vision collator, Llava), DPO on image preference pairs and KTO on
+   unpaired image completions (with its KL completions) against a reference Llava of other weights: loss, logged
+   metrics and every gradient equal TRL's (rel <= 1e-4), the vision tower's gradient not zero.
 """
 
 import contextlib
@@ -29,6 +29,7 @@ transformers = pytest.importorskip("transformers")
 from liger_losses.patching import revert_liger_kernels  # noqa: E402
 from liger_losses.trl_integration.dpo import DPOTrainer  # noqa: E402
 from liger_losses.trl_integration.grpo import GRPOTrainer  # noqa: E402
+from liger_losses.trl_integration.kto import KTOTrainer  # noqa: E402
 from liger_losses.trl_integration.multimodal import (  # noqa: E402
     multimodal_backbone_of,
     rl_multimodal_inputs,
@@ -383,3 +384,25 @@ def test_vision_language_dpo_parity(tmp_path):
     assert batch["pixel_values"].shape[0] == 8  # the prompt's image for the chosen and the rejected rows
     metrics = _assert_step_parity(theirs, ours, batch)
     assert metrics["rewards/margins"] != 0  # the reference differs: a live preference loss
+
+
+def test_vision_language_kto_parity(tmp_path):
+    from datasets import Dataset
+
+    path, processor, _ = _llava(tmp_path)
+    ref_path = _llava(tmp_path, seed=1)[0]
+    processor.chat_template = CHAT_TEMPLATE
+    rows = (("abc", "de", True), ("hello", "world", False), ("xyz", "q", True), ("the cat", "sat", False))
+    data = Dataset.from_list([
+        {"prompt": [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": prompt}]}],
+         "completion": [{"role": "assistant", "content": [{"type": "text", "text": completion}]}], "label": label,
+         "images": [image]} for (prompt, completion, label), image in zip(rows, _images(4))])
+    theirs, ours = (KTOTrainer(path, transformers.LlavaForConditionalGeneration.from_pretrained(ref_path),
+                               trl_config(trl.KTOConfig, tmp_path / f"run{use}", max_length=None), train_dataset=data,
+                               processing_class=processor, use_liger=use,
+                               **({"liger_patch_model": False} if use else {}))
+                    for use in (False, True))
+    batch = first_batch(theirs)
+    assert "KL_input_ids" in batch and batch["pixel_values"].shape[0] == 4  # the KL completions reuse the images
+    metrics = _assert_step_parity(theirs, ours, batch)
+    assert metrics["rewards/chosen"] != 0  # the reference differs: live rewards (the KL estimate clamps at 0 here)
