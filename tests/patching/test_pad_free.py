@@ -358,6 +358,23 @@ def _dropping(case):
     return model
 
 
+def _dropping_on(case, device, monkeypatch):
+    """(the model of ``case``, the test batch) on ``device``: on CUDA in bf16, pad-free by default and the packed
+    attention the flash kernel's (the reference attention made to fail)."""
+    model = _dropping(case)
+    kwargs = _batch(model.config.vocab_size)
+    if device == "cuda":
+        if not torch.cuda.is_available():
+            pytest.skip("the flash varlen attention needs CUDA")
+        from liger_losses.kernels import varlen_attention
+
+        monkeypatch.delenv("LIGER_LOSSES_PAD_FREE")
+        monkeypatch.setattr(varlen_attention, "reference_varlen_attention", None)
+        model = model.to("cuda", torch.bfloat16)
+        kwargs = {k: v.cuda() if torch.is_tensor(v) else v for k, v in kwargs.items()}
+    return model, kwargs
+
+
 def _draws(backbone, kwargs, mask, packed, count):
     """The attended positions' hidden states ``[count, tokens, H]`` of ``count`` seeded calls."""
     out = []
@@ -383,17 +400,7 @@ def test_dropout_in_training_is_drawn_packed_from_the_padded_calls_distribution(
     against its expectation ``sum (var_a + var_b) / 48``: below 2.5, about 1 when the distributions agree; a packed row
     whose sequences leaked into each other, or kept dropout's rescaling off, is far beyond). On CUDA in bf16 the packed
     call's attention dropout is the flash kernel's (pad-free by default), the padded call's SDPA's."""
-    model = _dropping(case)
-    kwargs = _batch(model.config.vocab_size)
-    if device == "cuda":
-        if not torch.cuda.is_available():
-            pytest.skip("the flash varlen attention needs CUDA")
-        from liger_losses.kernels import varlen_attention
-
-        monkeypatch.delenv("LIGER_LOSSES_PAD_FREE")
-        monkeypatch.setattr(varlen_attention, "reference_varlen_attention", None)  # the flash kernel or a failure
-        model = model.to("cuda", torch.bfloat16)
-        kwargs = {k: v.cuda() if torch.is_tensor(v) else v for k, v in kwargs.items()}
+    model, kwargs = _dropping_on(case, device, monkeypatch)
     backbone = model.model
     mask = kwargs["attention_mask"].bool()
     assert pad_free_reason(backbone, kwargs) == ""
@@ -418,18 +425,8 @@ def test_a_checkpointed_packed_call_replays_its_dropout(case, device, monkeypatc
     in float64, 2e-5 for Mixtral in float32; on CUDA in bf16 through the flash kernel, whose dropout is drawn from
     the generator's philox offset, 2e-2: the same masks, bf16 rounding in the backward's accumulation order): the
     backward's recompute draws the forward's masks."""
-    model = _dropping(case)
-    tol = _tolerance(DROPPING[case][0], False)
-    kwargs = _batch(model.config.vocab_size)
-    if device == "cuda":
-        if not torch.cuda.is_available():
-            pytest.skip("the flash varlen attention needs CUDA")
-        from liger_losses.kernels import varlen_attention
-
-        monkeypatch.delenv("LIGER_LOSSES_PAD_FREE")
-        monkeypatch.setattr(varlen_attention, "reference_varlen_attention", None)  # the flash kernel or a failure
-        model, tol = model.to("cuda", torch.bfloat16), 2e-2
-        kwargs = {k: v.cuda() if torch.is_tensor(v) else v for k, v in kwargs.items()}
+    model, kwargs = _dropping_on(case, device, monkeypatch)
+    tol = 2e-2 if device == "cuda" else _tolerance(DROPPING[case][0], False)
     backbone = model.model
     mask = kwargs["attention_mask"].bool()
     results = []
