@@ -151,11 +151,10 @@ def _make_mlp(kind: str, config):
     cls = mlp_class(kind)
 
     def make(old: nn.Module) -> nn.Module:
-        new = _on_meta(lambda: cls(config))
+        # MoE shared/dense MLPs are not config-sized: the module's own width
+        new = _on_meta(lambda: cls(config, getattr(old, "intermediate_size", None)))
         for part in mlp_parts(kind):
             setattr(new, part, getattr(old, part))
-        if hasattr(old, "intermediate_size"):  # MoE shared/dense MLPs are not config-sized
-            new.intermediate_size = old.intermediate_size
         dropout = float(getattr(old, "residual_dropout", 0.0) or 0.0)  # Seed-OSS: its output's dropout
         if hasattr(new, "residual_dropout"):
             new.residual_dropout = dropout  # the module's, which may differ from the config's

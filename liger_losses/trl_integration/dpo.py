@@ -78,7 +78,6 @@ class DPOTrainer(LigerReferenceTrainerMixin, trl.DPOTrainer):
     _liger_config_cls = trl.DPOConfig
     _liger_build_loss = staticmethod(build_dpo_loss)
     _liger_serves_router_aux_loss = True  # TRL 1.16's DPO: loss + router_aux_loss_coef * aux_loss
-    _liger_serves_vision = True  # the images reach the policy and the reference through their base models
 
     # ------------------------------------------------------------------ reference
 

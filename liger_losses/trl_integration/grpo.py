@@ -48,7 +48,7 @@ from .base import (
     reject,
     unwrap_causal_lm,
 )
-from .multimodal import rl_multimodal_inputs
+from .multimodal import rl_policy_inputs
 from .router_aux import log_router_aux_loss, policy_hidden_and_router_aux
 
 # metrics TRL takes over all processes' sequences (nanmin / nanmax of the gathered values)
@@ -145,12 +145,10 @@ class GRPOTrainer(LigerTrainerMixin, trl.GRPOTrainer):
         if not self.use_liger:
             return super()._compute_loss(model, inputs)
         mode = "train" if self.model.training else "eval"
-        prompt_ids, prompt_mask = inputs["prompt_ids"], inputs["prompt_mask"]
+        prompt_ids = inputs["prompt_ids"]
         completion_ids, completion_mask = inputs["completion_ids"], inputs["completion_mask"]
         mask = completion_mask if "tool_mask" not in inputs else completion_mask * inputs["tool_mask"]
-        model_kwargs = {"input_ids": torch.cat([prompt_ids, completion_ids], dim=1),
-                        "attention_mask": torch.cat([prompt_mask, completion_mask], dim=1), "use_cache": False,
-                        **rl_multimodal_inputs(inputs)}  # a vision-language model's images, as TRL passes them
+        model_kwargs = rl_policy_inputs(inputs)  # a vision-language model's images too, as TRL passes them
         labels = self._liger_scan_ahead(model, completion_ids.masked_fill(mask == 0, IGNORE_INDEX))
         start = prompt_ids.size(1) - 1  # the position predicting the first completion token
         read = completion_read_mask(model_kwargs["attention_mask"], start, labels, IGNORE_INDEX)

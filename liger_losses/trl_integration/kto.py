@@ -66,7 +66,6 @@ class KTOTrainer(LigerReferenceTrainerMixin, trl.KTOTrainer):
     _liger_config_cls = trl.KTOConfig
     _liger_build_loss = staticmethod(build_kto_loss)
     _liger_serves_router_aux_loss = True  # TRL 1.16's KTO: loss + router_aux_loss_coef * aux_loss
-    _liger_serves_vision = True  # the policy's, the reference's and the KL completions' calls through base models
 
     # ------------------------------------------------------------------ helpers
 

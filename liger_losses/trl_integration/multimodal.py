@@ -28,6 +28,7 @@ from __future__ import annotations
 
 from typing import Any, Dict, Mapping, Optional
 
+import torch
 from torch import nn
 
 # the fields TRL passes through whatever the image layout, when present
@@ -54,6 +55,14 @@ def rl_multimodal_inputs(inputs: Mapping[str, Any]) -> Dict[str, Any]:
         if inputs.get(name) is not None:
             out[name] = inputs[name]
     return out
+
+
+def rl_policy_inputs(inputs: Mapping[str, Any]) -> Dict[str, Any]:
+    """The policy forward's keywords of a GRPO / RLOO step: ``input_ids`` and ``attention_mask`` of prompt +
+    completion ``[B, P + C]``, no cache, and the batch's image fields (:func:`rl_multimodal_inputs`)."""
+    return {"input_ids": torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], dim=1),
+            "attention_mask": torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], dim=1),
+            "use_cache": False, **rl_multimodal_inputs(inputs)}
 
 
 # the keywords of a text-only call, which a composite model's language model serves alone

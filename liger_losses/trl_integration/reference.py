@@ -3,11 +3,10 @@
 :class:`LigerReferenceTrainerMixin` (a :class:`~liger_losses.trl_integration.base.LigerTrainerMixin`) gives them:
 
 * construction: :meth:`~LigerReferenceTrainerMixin._liger_before_trl_init` (TRL's default config when
-  ``args`` is None, the loss built from it so option checks fail fast, a vision-language processor
-  rejected unless the subclass serves one, ``_liger_serves_vision``: DPO, KTO) and
-  :meth:`~LigerReferenceTrainerMixin._liger_after_trl_init` (vision data likewise, an MoE auxiliary loss
-  rejected where not served, the loss rebuilt with the head's softcap / logit scale, layer patching of policy and
-  reference).
+  ``args`` is None, the loss built from it so option checks fail fast) and
+  :meth:`~LigerReferenceTrainerMixin._liger_after_trl_init` (an MoE auxiliary loss rejected where not served,
+  the loss rebuilt with the head's softcap / logit scale, layer patching of policy and reference). A
+  vision-language model's calls with images run through base models (``multimodal.py``).
   A subclass names its config class and loss builder in ``_liger_config_cls`` / ``_liger_build_loss``.
 * the reference: :meth:`~LigerReferenceTrainerMixin._liger_reference_scope` (no grad, gradient
   checkpointing off, the PEFT policy switched to its reference adapter when it is the reference),
@@ -42,7 +41,6 @@ from .base import (
     reject,
     unwrap_causal_lm,
 )
-from .multimodal import reject_vision
 from .router_aux import log_router_aux_loss, policy_hidden_and_router_aux
 
 
@@ -53,7 +51,6 @@ class LigerReferenceTrainerMixin(LigerTrainerMixin):
     _liger_build_loss: ClassVar[Callable[..., nn.Module]]  # (args, *, chunk_tokens, softcap, logit_scale) -> loss
     # True where the trainer adds the MoE router aux loss to its policy loss as TRL does (DPO, KTO); else rejected
     _liger_serves_router_aux_loss: ClassVar[bool] = False
-    _liger_serves_vision: ClassVar[bool] = False  # a vision-language model with its processor and image data
 
     # ------------------------------------------------------------------ construction
 
@@ -81,25 +78,16 @@ class LigerReferenceTrainerMixin(LigerTrainerMixin):
 
     def _liger_before_trl_init(self, model, args, trl_args: Sequence[Any], trl_kwargs: Mapping[str, Any]):
         """The ``args`` to hand TRL (its default ``<model name>-<DPO|KTO>`` config when None), after building
-        ``self.liger_loss`` from it and rejecting a vision-language ``processing_class``."""
+        ``self.liger_loss`` from it."""
         if args is None:
             name = model if isinstance(model, str) else getattr(model.config, "_name_or_path", "model")
             tag = self._liger_config_cls.__name__[: -len("Config")]
             args = self._liger_config_cls(f"{str(name).split('/')[-1] or 'model'}-{tag}")
         self.liger_loss = self._liger_build_loss(args, chunk_tokens=self.liger_chunk_tokens)  # fail fast
-        processing_class = trl_kwargs.get("processing_class")
-        if processing_class is None and len(trl_args) >= 4:
-            processing_class = trl_args[3]
-        from transformers import ProcessorMixin
-
-        if isinstance(processing_class, ProcessorMixin) and not self._liger_serves_vision:
-            reject_vision(processing_class)
         return args
 
     def _liger_after_trl_init(self, trl_kwargs: Mapping[str, Any]) -> None:
         """Checks that need TRL's built trainer, the loss with the head's logit transform, layer patching."""
-        if self._is_vision_dataset and not self._liger_serves_vision:
-            reject("train_dataset", "<vision dataset>", "vision-language data is not supported by this trainer")
         if self.aux_loss_enabled and not self._liger_serves_router_aux_loss:
             reject("router_aux_loss_coef", self.router_aux_loss_coef,
                    "the MoE load-balancing loss needs the router logits of TRL's forward")
