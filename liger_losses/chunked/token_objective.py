@@ -131,6 +131,7 @@ class TokenStats(NamedTuple):
     entropy: Optional[Tensor]
     ref_logps: Optional[Tensor]
     index: Tensor
+    correct: Tensor  # [N] bool: the label is the first maximal logit (the tile kernel's argmax rule)
 
 
 @dataclass(frozen=True)
@@ -205,7 +206,7 @@ class TokenDriver:
         self.H, self.itemsize = H, itemsize(self.cdt)
         self.budget = tile_budget(V, H, self.itemsize, wide_accum=self.grads.wide_accum)
         self.metric_sums: dict = {}
-        self.parts: dict = {"logps": [], "entropy": [], "ref_logps": []}
+        self.parts: dict = {"logps": [], "entropy": [], "ref_logps": [], "correct": []}
 
     # ------------------------------------------------------------------ planning
     def plan(self) -> Optional[list[tuple[int, int]]]:
@@ -275,10 +276,13 @@ class TokenDriver:
             self.metric_sums[k] = v if k not in self.metric_sums else self.metric_sums[k] + v
         return gl, ge
 
-    def keep(self, logps, entropy, ref):
-        self.parts["logps"].append(logps)
-        self.parts["entropy"].append(entropy)
+    def keep(self, st, ref):
+        """The chunk's statistics (tile ``st``, reference log-probs ``ref``) for the objective's
+        later calls and :meth:`stats`."""
+        self.parts["logps"].append(st.logp)
+        self.parts["entropy"].append(st.entropy)
         self.parts["ref_logps"].append(ref)
+        self.parts["correct"].append(st.correct)
 
     # ------------------------------------------------------------------ paths
     def execute(self):
@@ -306,7 +310,7 @@ class TokenDriver:
             fused = self.need_grad and not run.entropy_grad  # the kernel writes d logp / d logits now
             st = logits_tile(tile, labels, mode="logp", grad=fused, need_entropy=run.need_entropy,
                              need_logits_sum=False, **opts)
-            self.keep(st.logp, st.entropy, ref)
+            self.keep(st, ref)
             gl = ge = None
             if self.need_grad or not once:
                 gl, ge = self.call_objective(ts, te, st.logp, st.entropy, ref, self.need_grad, metrics=not once)
@@ -329,7 +333,7 @@ class TokenDriver:
             st = logits_tile(tile, self.labels[ts:te], mode="logp", grad=False, need_entropy=run.need_entropy,
                              need_logits_sum=False, **opts)
             del tile
-            self.keep(st.logp, st.entropy, ref)
+            self.keep(st, ref)
             lse_parts.append(st.lse)
         logps, entropy, ref = self.cat("logps"), self.cat("entropy"), self.cat("ref_logps")
         gl, ge = self.call_objective(0, self.N, logps, entropy, ref, self.need_grad)
@@ -357,9 +361,9 @@ class TokenDriver:
 
     def stats(self) -> TokenStats:
         e = torch.zeros(0, dtype=self.sdt, device=self.dev)
-        logps = self.cat("logps")
+        logps, correct = self.cat("logps"), self.cat("correct")
         return TokenStats(e if logps is None else logps.detach(), self.cat("entropy"), self.cat("ref_logps"),
-                          self.index)
+                          self.index, e.bool() if correct is None else correct)
 
 
 def check_reference_inputs(weight: Tensor, hidden: Tensor, ref_hidden: Optional[Tensor],

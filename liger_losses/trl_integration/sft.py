@@ -23,8 +23,14 @@ engine recomputes tiles in backward.) With ``label_smoothing_factor > 0`` the lo
 :func:`liger_losses.chunked.cross_entropy.fused_linear_cross_entropy`, which gives the token accuracy
 and the entropy from its own tiles too.
 
+``loss_type="dft"`` (Dynamic Fine-Tuning, TRL's rule: each token's NLL weighted by its detached
+probability, ``-sum(p_y.detach() * log p_y) / num_items_in_batch``; label smoothing does not apply
+to it, as in TRL) runs on the per-token engine
+(:func:`liger_losses.chunked.token_objective.run_token_objective`): one pass, the gradient of each
+tile written while it exists, accuracy and entropy from the same tiles.
+
 Options TRL supports that use_liger=True cannot serve raise ``ValueError`` at construction, naming the
-option: ``loss_type="dft"``, ``compute_loss_func``, PEFT prompt learning,
+option: ``compute_loss_func``, PEFT prompt learning,
 DeepSpeed sequence parallelism. MoE models: the router load-balancing loss of the same backbone
 forward is added as TRL adds it (``router_aux.py``) and logged as ``aux_loss``. One deliberate
 difference: with ``label_smoothing_factor > 0`` TRL 1.16's SFT step leaves the aux loss out of the
@@ -39,6 +45,8 @@ from typing import Any, Optional
 import torch
 import trl
 
+from ..chunked.options import HeadOptions
+from ..chunked.token_objective import TokenChunk, TokenObjective, run_token_objective
 from ..patching.pad_free import label_read_mask
 from .base import (
     IGNORE_INDEX,
@@ -70,6 +78,24 @@ class _TokenMeanNLL:
         return -stats.logps * scale, {}
 
 
+class _TokenMeanDFT(TokenObjective):
+    """Engine objective of ``loss_type="dft"``: a chunk's share ``-sum(logp * exp(logp).detach()) / denom``
+    (``denom`` a 0-d tensor: ``num_items_in_batch``, or the batch's scored-token count; at least 1, as
+    TRL clamps it). Per token, so one pass over chunks of any size."""
+
+    coupling = "token"
+
+    def __init__(self, denom: torch.Tensor):
+        self.denom = denom
+
+    def __call__(self, chunk: TokenChunk):
+        logps = chunk.logps
+        return -(logps * logps.detach().exp()).sum() / self.denom.to(logps.dtype), {}
+
+
+_SFT_LOSS_TYPES = ("nll", "dft")
+
+
 class SFTTrainer(LigerTrainerMixin, trl.SFTTrainer):
     """``trl.SFTTrainer`` with ``use_liger`` (see the module docstring)."""
 
@@ -86,16 +112,15 @@ class SFTTrainer(LigerTrainerMixin, trl.SFTTrainer):
         self._liger_setup(
             use_liger=use_liger, liger_patch_model=liger_patch_model, liger_chunk_tokens=liger_chunk_tokens
         )
-        if use_liger and args is not None:
-            if args.loss_type != "nll":
-                reject("SFTConfig.loss_type", args.loss_type, "only the 'nll' loss is implemented")
+        if use_liger and args is not None and args.loss_type not in _SFT_LOSS_TYPES:
+            reject("SFTConfig.loss_type", args.loss_type, "the 'nll' and 'dft' losses are implemented")
         if use_liger and trl_kwargs.get("compute_loss_func") is not None:
             reject("compute_loss_func", trl_kwargs["compute_loss_func"], "a custom loss needs the full logits")
         super().__init__(model, args, *trl_args, **trl_kwargs)
         if not use_liger:
             return
-        if self.args.loss_type != "nll":
-            reject("SFTConfig.loss_type", self.args.loss_type, "only the 'nll' loss is implemented")
+        if self.args.loss_type not in _SFT_LOSS_TYPES:
+            reject("SFTConfig.loss_type", self.args.loss_type, "the 'nll' and 'dft' losses are implemented")
         if self.compute_loss_func is not None:
             reject("compute_loss_func", self.compute_loss_func, "a custom loss needs the full logits")
         pc = self.accelerator.parallelism_config
@@ -126,6 +151,8 @@ class SFTTrainer(LigerTrainerMixin, trl.SFTTrainer):
             weight, bias = self._liger_head(model)
             lab = labels.to(hidden.device)
             with gathered_params(weight, bias):
+                if self.args.loss_type == "dft":  # TRL: label smoothing is the NLL's alone
+                    return (*self._liger_dft(weight, bias, hidden, lab, num_items_in_batch), aux)
                 if smoothing == 0.0:
                     return (*self._liger_nll(weight, bias, hidden, lab, num_items_in_batch), aux)
                 return (*self._liger_smoothed(weight, bias, hidden, lab, num_items_in_batch, smoothing), aux)
@@ -164,6 +191,16 @@ class SFTTrainer(LigerTrainerMixin, trl.SFTTrainer):
             **self._liger_logit_opts,
         )
         return loss, stats.num_tokens.sum(), stats.correct.sum(), stats.entropy_sum.sum()
+
+    def _liger_dft(self, weight, bias, hidden, labels, num_items_in_batch):
+        """Dynamic Fine-Tuning's loss (``_TokenMeanDFT``), token accuracy and entropy from the same tiles."""
+        scored = labels != IGNORE_INDEX
+        count = scored.sum() if num_items_in_batch is None else num_items_in_batch
+        denom = torch.as_tensor(count, device=hidden.device).to(torch.float32).clamp(min=1.0)
+        head = HeadOptions(ignore_index=IGNORE_INDEX, chunk_tokens=self.liger_chunk_tokens, need_entropy=True,
+                           **self._liger_logit_opts)
+        loss, _, stats = run_token_objective(weight, hidden, labels, _TokenMeanDFT(denom), head=head, bias=bias)
+        return loss, scored.sum(), stats.correct.sum(), stats.entropy.sum()
 
     def _liger_smoothed(self, weight, bias, hidden, labels, num_items_in_batch, smoothing):
         """Label-smoothed CE, token accuracy and entropy from the same tiles (one engine pass)."""

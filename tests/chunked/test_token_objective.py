@@ -94,9 +94,10 @@ def test_run_token_objective_needs_a_declared_objective():
 def test_each_coupling_matches_the_reference(coupling, path, monkeypatch):
     """The declared coupling picks the path (chunks of 4 tokens for "token", whole sequences for
     "sequence", two phases for "batch"); each gives the float64 reference's loss and gradients
-    within 1e-6 and the same additive metric sums (exact: token counts)."""
+    within 1e-6, the same additive metric sums (exact: token counts) and each token's accuracy."""
     taken = _paths(monkeypatch)
     w, h, labels = _case(1)
+    labels[0, :3] = (h[0, :3] @ w.T).argmax(-1)  # some tokens predicted right, for the accuracy check
     n = int((labels != -100).sum())
     wl, hl = w.clone().requires_grad_(), h.clone().requires_grad_()
     chunk_tokens = T if coupling == "sequence" else 4
@@ -108,6 +109,9 @@ def test_each_coupling_matches_the_reference(coupling, path, monkeypatch):
     wr, hr = w.clone().requires_grad_(), h.clone().requires_grad_()
     logp = torch.log_softmax(hr @ wr.T, -1)
     valid = labels != -100
+    # each kept token's accuracy, in batch order (exact: argmax of distinct float64 logits)
+    assert torch.equal(stats.correct, (logp.argmax(-1) == labels)[valid])
+    assert bool(stats.correct.any())
     want = -logp.gather(-1, labels.clamp(min=0)[..., None])[..., 0][valid].sum() / n
     want.backward()
     assert_close_rel(loss, want, TOL, "loss")

@@ -165,9 +165,38 @@ def test_token_accuracy_on_tied_logits_parity(tok, tmp_path):
         assert int(tied_late.sum()) >= 1
 
 
-def test_short_run_tracks_trl(tok, tmp_path):
+@pytest.mark.parametrize("case", ["chunked", "num-items", "label-smoothing", "pad-free"])
+def test_dft_parity(tok, tmp_path, monkeypatch, case):
+    """``loss_type="dft"`` (each token's NLL weighted by its detached probability) on the per-token engine:
+    loss, ``mean_token_accuracy``, ``entropy`` and grads equal TRL's (rel <= 1e-4) with 3-token tiles, with the
+    Trainer's ``num_items_in_batch``, with ``label_smoothing_factor=0.1`` (TRL smooths the NLL alone, so DFT
+    ignores it) and forced pad-free (packed: one varlen call per layer)."""
+    cfg = {"label_smoothing_factor": 0.1} if case == "label-smoothing" else {}
+    liger = {"liger_chunk_tokens": 3} if case == "chunked" else None
+    if case == "pad-free":
+        monkeypatch.setenv("LIGER_LOSSES_PAD_FREE", "1")
+    theirs, ours = _pair(tok, tmp_path, sft_dataset(), liger_kwargs=liger, loss_type="dft", **cfg)
+    calls = varlen_call_count()
+    _check(theirs, ours, num_items_in_batch=torch.tensor(57) if case == "num-items" else None)
+    assert varlen_call_count() - calls == (ours.model.config.num_hidden_layers if case == "pad-free" else 0)
+
+
+def test_dft_is_not_nll(tok, tmp_path):
+    """The case is live: on the same batch DFT's loss differs from the NLL's by more than 10x the parity
+    tolerance (each token's weight p_y < 1)."""
+    _, dft = _pair(tok, tmp_path / "dft", sft_dataset(), loss_type="dft")
+    _, nll = _pair(tok, tmp_path / "nll", sft_dataset())
+    batch = first_batch(nll)
+    with torch.no_grad():
+        a = float(dft.compute_loss(dft.model, dict(batch)))
+        b = float(nll.compute_loss(nll.model, dict(batch)))
+    assert abs(a - b) > 10 * TOL * abs(b), (a, b)
+
+
+@pytest.mark.parametrize("loss_type", ["nll", "dft"])
+def test_short_run_tracks_trl(tok, tmp_path, loss_type):
     """4 Adam steps: each logged loss, token accuracy and entropy track TRL's run (rel <= 1e-4)."""
-    theirs, ours = _pair(tok, tmp_path, sft_dataset(), max_steps=4, learning_rate=3e-3)
+    theirs, ours = _pair(tok, tmp_path, sft_dataset(), max_steps=4, learning_rate=3e-3, loss_type=loss_type)
     lo, lt = train_logs(theirs, ours, 4, same_names=False)
     for a, b in zip(lo, lt):
         for key in ("loss", "mean_token_accuracy", "entropy"):
@@ -177,7 +206,6 @@ def test_short_run_tracks_trl(tok, tmp_path):
 @pytest.mark.parametrize(
     "cfg, kwargs, option",
     [
-        (dict(loss_type="dft"), {}, "loss_type"),
         ({}, {"compute_loss_func": lambda outputs, labels, num_items_in_batch=None: outputs.loss},
          "compute_loss_func"),
     ],
