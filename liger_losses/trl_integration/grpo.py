@@ -20,16 +20,20 @@ liger_chunk_tokens=None)`` takes every argument of ``trl.GRPOTrainer`` plus thre
   can: the attended tokens alone, packed (``patching/pad_free.py``; ``LIGER_LOSSES_PAD_FREE``). A
   vision-language model's backbone gets the batch's images as TRL's policy forward does (``multimodal.py``; such a
   call runs padded). ``liger_patch_model=True`` also swaps the model's layers for our kernels.
+``cast_lm_head_to_fp32=True`` (ScaleRL's float32 head; TRL casts the head's weight to float32 at construction):
+the loss's GEMMs and tiles run in float32 outside autocast, as TRL's fused head runs them
+(:func:`head_precision`); the backbone keeps the trainer's autocast.
 
 Metrics are reduced over processes as TRL reduces them (:func:`log_rl_metrics`): token (or
 sequence) means weighted by each process's count, ``*_min`` / ``*_max`` over all processes.
 
 Options TRL supports that use_liger=True cannot serve raise ``ValueError`` at construction, naming the
-option: ``use_adaptive_entropy``, ``cast_lm_head_to_fp32``, PEFT prompt learning.
+option: ``use_adaptive_entropy``, PEFT prompt learning.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from typing import Any, Optional
 
@@ -50,6 +54,21 @@ from .base import (
 )
 from .multimodal import rl_policy_inputs
 from .router_aux import log_router_aux_loss, policy_hidden_and_router_aux
+
+
+@contextlib.contextmanager
+def head_precision(args, weight: torch.Tensor, bias: Optional[torch.Tensor]):
+    """The LM head the loss runs with, as ``(weight, bias)``, and the autocast around it: with
+    ``cast_lm_head_to_fp32`` (TRL 1.16's GRPO option; its fused head takes float32 hidden states and the head in
+    float32 outside autocast) the head in float32 (TRL casts it at construction; an engine that keeps its own
+    copy, DeepSpeed's in bf16, is cast here as TRL's head casts it) with autocast off, so the engine's compute
+    dtype is float32 and the hidden states are cast to it; else both as they are."""
+    if not getattr(args, "cast_lm_head_to_fp32", False):
+        yield weight, bias
+        return
+    with torch.autocast(device_type=weight.device.type, enabled=False):
+        yield weight.float(), None if bias is None else bias.float()
+
 
 # metrics TRL takes over all processes' sequences (nanmin / nanmax of the gathered values)
 _MIN_MAX = {"clip_ratio_low_min": "min", "clip_ratio_high_max": "max"}
@@ -126,8 +145,6 @@ class GRPOTrainer(LigerTrainerMixin, trl.GRPOTrainer):
     def _liger_check_config(args) -> None:
         if getattr(args, "use_adaptive_entropy", False):
             reject("use_adaptive_entropy", True, "the adaptive entropy controller is not ported")
-        if getattr(args, "cast_lm_head_to_fp32", False):
-            reject("cast_lm_head_to_fp32", True, "the fused loss runs the head in the compute dtype")
 
     def _liger_normalizers(self, mode: str, inputs):
         """``(num_items_in_batch or None, loss divisor, entropy_coef)`` of TRL's gradient-accumulation rule."""
@@ -165,7 +182,7 @@ class GRPOTrainer(LigerTrainerMixin, trl.GRPOTrainer):
             hidden, aux = policy_hidden_and_router_aux(self, model, model_kwargs, read_mask=read)
             hidden = hidden[:, start:start + labels.size(1)]
             weight, bias = self._liger_head(model)
-            with gathered_params(weight, bias):
+            with gathered_params(weight, bias), head_precision(self.args, weight, bias) as (weight, bias):
                 return aux, run_grpo(
                     weight, hidden, None, labels, head=head, options=options, bias=bias,
                     advantages=inputs["advantages"], old_logps=inputs.get("old_per_token_logps"),

@@ -107,6 +107,7 @@ def _sft_pair(tok, tmp_path, liger_kwargs, **cfg):
 CASES = {
     "dpo": (_kw_pair(dpo_tests), {}),
     "sft": (_sft_pair, {}),
+    "sft-dft": (_sft_pair, dict(loss_type="dft")),
     "cpo": (_kw_pair(cpo_tests), dict(loss_type="sigmoid")),
     "simpo": (_kw_pair(cpo_tests), dict(loss_type="simpo", cpo_alpha=0.0, beta=2.0, simpo_gamma=0.5)),
     "orpo": (_kw_pair(orpo_tests), {}),
@@ -142,7 +143,7 @@ def _check_placed(name, theirs, ours, patched):
 
 def _step0_check(name, theirs, ours):
     """The case's CPU step-0 check (loss, every metric TRL logs, every gradient; rel <= TOL); TRL's metrics."""
-    if name == "sft":  # TRL's SFT compute_loss writes into its inputs: test_sft's check hands each a copy
+    if name in ("sft", "sft-dft"):  # TRL's SFT compute_loss writes into its inputs: test_sft's check hands each a copy
         sft_tests._check(theirs, ours)
         return None
     if name in ("cpo", "simpo", "orpo"):  # TRL logs get_batch_loss_metrics' metrics
@@ -204,6 +205,13 @@ def test_step0_parity_cuda_fp32(name, tmp_path):
             assert abs(m_t["rewards/margins"]) > 0  # a real test: policy != reference
     finally:
         revert_liger_kernels()  # RoPE is patched module-wide: leave later tests unpatched
+
+
+def test_grpo_fp32_head_under_bf16_cuda(tmp_path):
+    """GRPO's ``cast_lm_head_to_fp32=True`` on a bf16 model under ``bf16=True`` on CUDA (our fp32 tiles and GEMMs, TF32
+    off): TRL's numbers as in the CPU test (``test_grpo.check_fp32_head_parity``: loss 1e-4, grads 1e-2, the bf16
+    head more than 10x further)."""
+    grpo_tests.check_fp32_head_parity(build_tokenizer(), tmp_path, use_cpu=USE_CPU)
 
 
 @pytest.mark.parametrize("name", ["grpo", "rloo"])
