@@ -61,7 +61,9 @@ each tile recomputed: ``8 N H V``). See
 :mod:`liger_losses.chunked.token_objective`.
 
 Returns ``LossOutput(loss, metrics)``: the 0-d loss and the 0-d metrics TRL logs
-(``TRL_METRIC_NAMES`` maps the keys to TRL's names), from per-token statistics (no extra GEMM).
+(``TRL_METRIC_NAMES`` maps the keys to TRL's names), from per-token statistics (no extra GEMM); with
+``top_entropy_quantile < 1`` also ``masked_entropy_sum`` and ``masked_entropy_tokens``: the entropy summed over
+the tokens the entropy mask keeps and their count (what TRL's adaptive entropy controller averages).
 """
 
 from __future__ import annotations

@@ -275,6 +275,9 @@ class GRPOObjective(TokenObjective):
         if not chunk.metrics:  # the gradient alone (metrics_once)
             return loss, {}
         sums = {"policy_loss": policy_loss.detach(), "entropy": chunk.entropy.detach().sum()}
+        if entropy_mask is not None:  # the tokens the entropy bonus acts on (TRL's adaptive controller reads them)
+            sums["masked_entropy"] = (chunk.entropy.detach() * entropy_mask).sum()
+            sums["masked_tokens"] = entropy_mask.sum().to(chunk.entropy.dtype)
         if kl is not None:
             sums["kl"] = kl.detach().sum()
         flags = _clip_flags(o, coef_1.detach(), adv)
@@ -319,6 +322,9 @@ def finish_metrics(objective: GRPOObjective, sums: dict) -> dict:
     n = bt.num_valid.clamp(min=1.0)
     zero = torch.zeros((), dtype=bt.lengths.dtype, device=bt.lengths.device)
     out = {"entropy": sums.get("entropy", zero) / n}
+    if o.top_entropy_quantile < 1.0:
+        out["masked_entropy_sum"] = sums.get("masked_entropy", zero)
+        out["masked_entropy_tokens"] = sums.get("masked_tokens", zero)
     if o.beta != 0.0:
         out["kl"] = sums.get("kl", zero) / n
     if o.entropy_coef != 0.0:

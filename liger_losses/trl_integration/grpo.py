@@ -27,8 +27,9 @@ the loss's GEMMs and tiles run in float32 outside autocast, as TRL's fused head 
 Metrics are reduced over processes as TRL reduces them (:func:`log_rl_metrics`): token (or
 sequence) means weighted by each process's count, ``*_min`` / ``*_max`` over all processes.
 
-Options TRL supports that use_liger=True cannot serve raise ``ValueError`` at construction, naming the
-option: ``use_adaptive_entropy``, PEFT prompt learning.
+The entropy bonus follows TRL's rules, ``use_adaptive_entropy``'s controller included (its coefficient moves at each
+optimizer step with the window's entropy over the tokens the bonus acts on, read from our loss's statistics).
+PEFT prompt learning raises ``ValueError`` at construction.
 """
 
 from __future__ import annotations
@@ -49,7 +50,6 @@ from .base import (
     gather_metric_tensor,
     gathered_params,
     head_logit_options,
-    reject,
     unwrap_causal_lm,
 )
 from .multimodal import rl_policy_inputs
@@ -133,23 +133,15 @@ class GRPOTrainer(LigerTrainerMixin, trl.GRPOTrainer):
                  liger_patch_model: bool = True, liger_chunk_tokens: Optional[int] = None, **trl_kwargs: Any):
         self._liger_setup(use_liger=use_liger, liger_patch_model=liger_patch_model,
                           liger_chunk_tokens=liger_chunk_tokens)
-        if use_liger and args is not None:
-            self._liger_check_config(args)
         super().__init__(model, reward_funcs, args, *trl_args, **trl_kwargs)
         if use_liger:
-            self._liger_check_config(self.args)
             grpo_options(self)  # the loss options, validated now rather than at the first step
             self._liger_after_init(self.model, self.ref_model, trl_kwargs=trl_kwargs)
-
-    @staticmethod
-    def _liger_check_config(args) -> None:
-        if getattr(args, "use_adaptive_entropy", False):
-            reject("use_adaptive_entropy", True, "the adaptive entropy controller is not ported")
 
     def _liger_normalizers(self, mode: str, inputs):
         """``(num_items_in_batch or None, loss divisor, entropy_coef)`` of TRL's gradient-accumulation rule."""
         accumulation = self.current_gradient_accumulation_steps if mode == "train" else 1.0
-        coef = float(self.entropy_coef)
+        coef = self._liger_applied_entropy_coef()
         if self.loss_type in TOKEN_COUNT_LOSS_TYPES:
             items = inputs["num_items_in_batch"].clamp(min=1.0) / self.accelerator.num_processes
             if mode == "train":
@@ -157,6 +149,39 @@ class GRPOTrainer(LigerTrainerMixin, trl.GRPOTrainer):
             # the policy term is already scaled by items; the entropy bonus is divided by the steps
             return items, 1.0, coef / accumulation
         return None, accumulation, coef
+
+    def _liger_applied_entropy_coef(self) -> float:
+        """The entropy bonus's coefficient this step (TRL's rule): the adaptive controller's coefficient while the
+        window entropy it last measured is at or below ``entropy_target``, else 0; the static one otherwise."""
+        if self.use_adaptive_entropy and self._last_world_entropy > self.args.entropy_target:
+            return 0.0
+        return float(self.entropy_coef)
+
+    def _liger_adapt_entropy(self, metrics, n_tokens) -> None:
+        """TRL's adaptive entropy controller, fed with this micro-batch's entropy over the tokens the bonus acts on
+        (all scored tokens, or the high-entropy ones under ``top_entropy_quantile < 1``): the sums of the
+        accumulation window, reduced over processes at the optimizer step (one host read, as TRL's), move
+        ``entropy_coef`` by ``entropy_coef_delta`` towards more entropy while the window's mean is at or below
+        ``entropy_target``, else towards less, within ``[entropy_coef_min, entropy_coef_max]``."""
+        if "masked_entropy_tokens" in metrics:
+            stats = torch.stack([metrics["masked_entropy_sum"], metrics["masked_entropy_tokens"]])
+        else:
+            n = n_tokens.to(metrics["entropy"].dtype)
+            stats = torch.stack([metrics["entropy"] * n, n])
+        stats = stats.detach().float()
+        window = self._entropy_window_stats
+        self._entropy_window_stats = stats if window is None else window + stats
+        if not self.accelerator.sync_gradients:
+            return
+        total = self.accelerator.reduce(self._entropy_window_stats, reduction="sum")
+        world_entropy = (total[0] / total[1].clamp(min=1.0)).item()
+        args = self.args
+        if world_entropy <= args.entropy_target:
+            self.entropy_coef = min(self.entropy_coef + args.entropy_coef_delta, args.entropy_coef_max)
+        else:
+            self.entropy_coef = max(self.entropy_coef - args.entropy_coef_delta, args.entropy_coef_min)
+        self._last_world_entropy = world_entropy
+        self._entropy_window_stats = None
 
     def _compute_loss(self, model, inputs):
         if not self.use_liger:
@@ -193,13 +218,19 @@ class GRPOTrainer(LigerTrainerMixin, trl.GRPOTrainer):
 
         with self.accelerator.autocast():
             aux, (loss, metrics) = self._liger_run(model, run)
+        n_tokens = mask.sum()
+        if self._entropy_bonus_enabled:
+            if "policy_loss" not in metrics:  # a coefficient of 0 this step: the loss is the policy's alone
+                metrics = {**metrics, "policy_loss": loss.detach()}
+            if self.use_adaptive_entropy and mode == "train":
+                self._liger_adapt_entropy(metrics, n_tokens)
         if divisor != 1.0:
             loss = loss / divisor
         if aux is not None:  # TRL: the policy loss is scaled for accumulation, so is the aux term
             steps = self.current_gradient_accumulation_steps if mode == "train" else 1.0
             loss = loss + self.router_aux_loss_coef * aux / steps
             log_router_aux_loss(self, mode, aux)
-        n_tokens, n_seqs = mask.sum(), torch.tensor(float(mask.size(0)), device=mask.device)
+        n_seqs = torch.tensor(float(mask.size(0)), device=mask.device)
         per_seq = inputs["advantages"].dim() == 1 and self.importance_sampling_level == "sequence"
         counts = {k: n_tokens for k in TRL_METRIC_NAMES}
         counts.pop("policy_loss")  # TRL: the mean over processes

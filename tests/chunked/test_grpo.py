@@ -394,6 +394,13 @@ def _trl_run(w, h, b, labels, advantages, temperature=1.0, **kw):
     lp, ent, mask = reference_logps(wd, hd, bd, labels, temperature)
     loss, metrics = harness.trl_grpo_loss(lp, ent, mask, advantages.double(), **kw)
     loss.backward()
+    quantile = kw.get("top_entropy_quantile", 1.0)
+    if quantile < 1.0:  # ours also returns the entropy over the tokens TRL's high-entropy mask keeps, and their count
+        ent = ent.detach()
+        threshold = torch.quantile(ent[mask.bool()].float(), 1.0 - quantile)
+        keep = (ent >= threshold) & mask.bool()
+        metrics = {**metrics, "masked_entropy_sum": float((ent * keep).sum()),
+                   "masked_entropy_tokens": float(keep.sum())}
     return loss.detach(), metrics, (wd.grad, hd.grad, bd.grad)
 
 
@@ -402,7 +409,7 @@ def _assert_matches_trl(out, grads, trl_out):
     assert_close_rel(out.loss, loss, F64, "loss")
     for name, got, want in zip(("grad_weight", "grad_hidden", "grad_bias"), grads, ref_grads):
         assert_close_rel(got, want, F64, name)
-    ours = {TRL_METRIC_NAMES[k]: float(v) for k, v in out.metrics.items()}
+    ours = {TRL_METRIC_NAMES.get(k, k): float(v) for k, v in out.metrics.items()}
     for k, v in trl_metrics.items():
         if k == "entropy_coef":  # TRL's controller state, not a loss statistic
             continue

@@ -208,10 +208,31 @@ def test_step0_parity_fp32_head_under_bf16(tok, tmp_path):
     check_fp32_head_parity(tok, tmp_path)
 
 
-def test_unsupported_option_raises(tok, tmp_path):
-    """An option use_liger=True cannot serve raises ValueError naming it, at construction."""
-    with pytest.raises(ValueError, match="use_adaptive_entropy"):
-        _pair(tok, tmp_path, use_adaptive_entropy=True)
+@pytest.mark.parametrize("target,quantile", [(100.0, 1.0), (0.0, 1.0), (100.0, 0.5)],
+                         ids=["below-target", "above-target", "high-entropy-tokens"])
+def test_adaptive_entropy_tracks_trl(tok, tmp_path, target, quantile):
+    """``use_adaptive_entropy=True`` over 2 optimizer steps of 2 accumulated micro-batches: TRL's controller fed with
+    our loss's entropy statistics. Every logged number (loss, ``entropy_coef``, ``policy_loss``, entropy...) equals
+    TRL's within 1e-4 at each step, and the coefficient moved as the target asks: up from 0.01 by 0.005 a step while
+    the entropy is below a target of 100 (the bonus applied), down to the minimum 0 above a target of 0 (the bonus
+    then gated off, the logged ``policy_loss`` the whole loss); the third case averages the high-entropy tokens
+    alone (``top_entropy_quantile=0.5``)."""
+    from transformers import set_seed
+
+    theirs, ours = _pair(tok, tmp_path, max_steps=2, learning_rate=5e-3, gradient_accumulation_steps=2,
+                         use_adaptive_entropy=True, entropy_coef=0.01, entropy_target=target,
+                         top_entropy_quantile=quantile, loss_type="grpo")
+    for trainer in (theirs, ours):
+        set_seed(0)  # the same sampling RNG for both runs: the same generations
+        trainer.train()
+    lt = [h for h in theirs.state.log_history if "loss" in h]
+    lo = [h for h in ours.state.log_history if "loss" in h]
+    assert len(lt) == 2
+    _assert_logs_match(lo, lt, TOL)
+    want = [0.015, 0.02] if target > 0 else [0.005, 0.0]
+    assert [round(h["entropy_coef"], 6) for h in lt] == want, [h["entropy_coef"] for h in lt]
+    assert ours.entropy_coef == theirs.entropy_coef and ours._last_world_entropy == pytest.approx(
+        theirs._last_world_entropy, rel=TOL)
 
 
 def test_use_liger_false_is_trl(tok, tmp_path):
