@@ -119,11 +119,11 @@ def _resources(cubin: bytes) -> dict:
 
 
 def _logits_case(block: int, warps: int, vec_sums: bool, **flags) -> dict:
-    pointers = {n: "*fp32" for n in ("SCALE", "CW", "LOSS", "LSE", "LOGP", "ENT", "LSUM")}
+    pointers = {n: "*fp32" for n in ("SCALE", "CW", "LOSS", "LSE", "LOGP", "ENT", "LSUM", "SQ")}
     pointers.update(X="*bf16", G="*bf16", LABELS="*i64", CORRECT="*i8")
     knobs = logits_tile.LOGITS_TILE_TUNING.current
     const = dict(MODE_CE=True, WRITE_GRAD=True, SCALE_PER_ROW=True, HAS_SOFTCAP=False, HAS_CW=False,
-                 NEED_ENT=False, NEED_LSUM=False, BLOCK=block, VEC_SUMS=vec_sums,
+                 NEED_ENT=False, NEED_LSUM=False, NEED_SQ=False, BLOCK=block, VEC_SUMS=vec_sums,
                  STAGES1=knobs.pass1_stages, STAGES2=knobs.pass2_stages, REVERSED=knobs.pass2_reversed)
     maxnreg = flags.pop("maxnreg", knobs.maxnreg)
     const.update(flags)

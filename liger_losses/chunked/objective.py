@@ -44,6 +44,8 @@ class SequenceStats:
     ref_logps: Optional[Tensor]  # reference sum log-probs (same token weights), or None
     batch_num_tokens: Tensor  # [B] valid tokens of every sequence of the whole batch
     index: Tensor  # [S] long: positions of these sequences in the whole batch
+    # sum over valid tokens of log p(label) - log sum_v p_v^2, unweighted (need_aligned_logps; WPO's weights)
+    aligned_logps: Optional[Tensor] = None
 
 
 class Objective(abc.ABC):

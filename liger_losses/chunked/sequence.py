@@ -193,7 +193,7 @@ def run_sequence_objective(
     weight: Tensor, hidden: Tensor, labels: Tensor, objective: Objective, head: HeadOptions, *,
     group_size: int = 1, bias: Optional[Tensor] = None, ref_hidden: Optional[Tensor] = None,
     ref_weight: Optional[Tensor] = None, ref_bias: Optional[Tensor] = None,
-    ref_logps: Optional[Tensor] = None, token_weights: Optional[Tensor] = None,
+    ref_logps: Optional[Tensor] = None, token_weights: Optional[Tensor] = None, need_aligned_logps: bool = False,
 ) -> tuple[Tensor, dict, SequenceStats]:
     """:func:`fused_linear_sequence_objective` for inputs already checked
     (:func:`check_sequence_inputs`) and an :class:`Objective`: what the preference losses call."""
@@ -202,6 +202,7 @@ def run_sequence_objective(
         compute_dtype=compute_dtype(weight), grad_enabled=torch.is_grad_enabled(),
         ref_hidden=_detached(ref_hidden), ref_weight=_detached(ref_weight), ref_bias=_detached(ref_bias),
         ref_logps=_detached(ref_logps), token_weights=_detached(token_weights),
+        need_aligned_logps=bool(need_aligned_logps),
     )
     result = SequenceResult()
     loss = _SequenceObjectiveFunction.apply(weight, hidden, bias, call, result)
@@ -228,6 +229,7 @@ def fused_linear_sequence_objective(
     softcap: Optional[float] = None,
     logit_scale: float = 1.0,
     need_entropy: bool = False,
+    need_aligned_logps: bool = False,
     chunk_tokens: Optional[int] = None,
     accum_dtype: Optional[torch.dtype] = None,
     impl: str = "auto",
@@ -249,6 +251,8 @@ def fused_linear_sequence_objective(
     means the reference shares the policy head: ``weight`` and, unless ``ref_bias`` is given,
     ``bias``; a given ``ref_weight`` without ``ref_bias`` has no bias.
     ``token_weights [B, T]`` weight each token's log-prob in ``logps`` (and ``ref_logps``).
+    ``need_aligned_logps`` adds ``stats.aligned_logps``: per sequence the unweighted sum of
+    ``log p(label) - log sum_v p_v^2`` (WPO's weights), detached.
     Shared options (``ignore_index`` ... ``impl``): :class:`~liger_losses.chunked.options.HeadOptions`.
 
     Separable objectives whose units fit the chunk budget run in one pass (gradients computed
@@ -270,4 +274,5 @@ def fused_linear_sequence_objective(
     return run_sequence_objective(
         weight, hidden, labels, objective, head, group_size=group_size, bias=bias, ref_hidden=ref_hidden,
         ref_weight=ref_weight, ref_bias=ref_bias, ref_logps=ref_logps, token_weights=token_weights,
+        need_aligned_logps=need_aligned_logps,
     )

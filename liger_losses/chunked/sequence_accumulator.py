@@ -6,10 +6,10 @@
 * the token layout: the labels' one host sync, the valid tokens in unit order (pairs interleaved
   ``c0, r0, c1, r1, ...``, :func:`~.planning.unit_order`), their rows (never copied) and the
   position (sequence in unit order) of every token;
-* the per-position statistics, one ``[6, B]`` float32 tensor (rows :data:`LOGPS` ...
-  :data:`NUM_TOKENS`): a chunk adds its sums in one kernel and the objective's inputs for a chunk
-  of units are gathered in one (the host issues a chunk's small ops faster, which is what bounds a
-  chunk at small models);
+* the per-position statistics, one ``[7, B]`` float32 tensor (rows :data:`LOGPS` ...
+  :data:`ALIGNED_LOGPS`): a chunk adds its sums in one kernel (two with ``need_aligned_logps``)
+  and the objective's inputs for a chunk of units are gathered in one (the host issues a chunk's
+  small ops faster, which is what bounds a chunk at small models);
 * the policy head (gathered, in the compute dtype), the reference head (when the reference
   log-probs are computed from ``ref_hidden``) and the :class:`~.gemm.HeadGrads` being filled;
 * the objective call on a range of positions (:meth:`call_objective`): the statistics reordered
@@ -50,10 +50,11 @@ class SequenceCall:
     ref_bias: Optional[Tensor] = None
     ref_logps: Optional[Tensor] = None
     token_weights: Optional[Tensor] = None
+    need_aligned_logps: bool = False
 
 
 # Rows of the per-position statistics.
-LOGPS, LOGITS_SUM, CORRECT, ENTROPY_SUM, REF_LOGPS, NUM_TOKENS = range(6)
+LOGPS, LOGITS_SUM, CORRECT, ENTROPY_SUM, REF_LOGPS, NUM_TOKENS, ALIGNED_LOGPS = range(7)
 
 
 class SequenceAccumulator:
@@ -69,6 +70,7 @@ class SequenceAccumulator:
         head = call.head
         self.kernel_opts = head.tile_options()
         self.need_entropy = head.need_entropy
+        self.need_aligned = call.need_aligned_logps
         w_full, self.weight = head_in_dtype(weight, call.compute_dtype)
         self.bias = bias
         V = self.vocab = self.weight.shape[0]
@@ -94,7 +96,7 @@ class SequenceAccumulator:
         self.token_weights = tw.reshape(-1).index_select(0, index).float() if tw is not None else None
         self._init_reference(bias)
 
-        self.acc = torch.zeros(6, B, dtype=torch.float32, device=dev)
+        self.acc = torch.zeros(7, B, dtype=torch.float32, device=dev)
         self.acc[NUM_TOKENS] = unit_counts
         if call.ref_logps is not None:
             self.acc[REF_LOGPS] = call.ref_logps.float().index_select(0, self.order_t)
@@ -137,7 +139,7 @@ class SequenceAccumulator:
             acc[REF_LOGPS, p0:p1].index_add_(0, seg, v.float())
         tile = project(self.rows(ts, te), self.weight, self.bias)
         st = logits_tile(tile, self.labels_valid[ts:te], mode="logp", grad=with_grad,
-                         need_entropy=self.need_entropy, **self.kernel_opts)
+                         need_entropy=self.need_entropy, need_log_sum_sq=self.need_aligned, **self.kernel_opts)
         v = st.logp if tw is None else st.logp * tw[ts:te]
         rows = [v, st.logits_sum / self.vocab, st.correct.float()]  # rows LOGPS, LOGITS_SUM, CORRECT
         if self.need_entropy:
@@ -145,6 +147,8 @@ class SequenceAccumulator:
         # summed straight into the accumulator's columns (a view): one kernel per chunk (the
         # statistics are float32 also for a float64 head, whose tile statistics are float64)
         acc[:len(rows), p0:p1].index_add_(1, seg, torch.stack(rows).to(acc.dtype))
+        if self.need_aligned:  # unweighted: WPO reads the plain log-probs whatever the token weights
+            acc[ALIGNED_LOGPS, p0:p1].index_add_(0, seg, (st.logp - st.log_sum_sq).to(acc.dtype))
         return tile, seg
 
     def gradient_tile(self, ts: int, te: int) -> Tensor:
@@ -218,7 +222,7 @@ class SequenceAccumulator:
             logits_sum=rows[LOGITS_SUM], correct=rows[CORRECT],
             entropy_sum=rows[ENTROPY_SUM] if self.need_entropy else None,
             ref_logps=rows[REF_LOGPS] if self.has_ref else None, batch_num_tokens=self.batch_num_tokens,
-            index=index,
+            index=index, aligned_logps=rows[ALIGNED_LOGPS] if self.need_aligned else None,
         )
 
     # ------------------------------------------------------------------ outputs

@@ -11,7 +11,8 @@ Each row is transformed ``y = logit_scale * x``; ``y = softcap * tanh(y / softca
   ``(1 - eps) * w[label] * (-logp) + eps / V * sum_v w[v] * (-log p_v) + z_loss_weight * lse**2``
   (``w`` = class weights, 1 when not given; ``eps`` = label smoothing), in ``mode="logp"``
   ``loss = logp`` (the objective the preference losses differentiate)
-* ``entropy = -sum_v p_v log p_v`` (only if ``need_entropy``), ``correct = argmax(z) == label``
+* ``entropy = -sum_v p_v log p_v`` (only if ``need_entropy``), ``log_sum_sq = log sum_v p_v^2`` (only if
+  ``need_log_sum_sq``: WPO's weights), ``correct = argmax(z) == label``
   (the first maximal index, as ``torch.argmax``: a label that ties the maximum after an earlier
   column is no hit), ``logits_sum = sum_v z_v``
 
@@ -62,6 +63,7 @@ class TileStats(NamedTuple):
     entropy: Optional[Tensor]
     correct: Tensor
     logits_sum: Optional[Tensor]  # None when not asked for (need_logits_sum=False)
+    log_sum_sq: Optional[Tensor] = None  # log sum_v p_v^2 (need_log_sum_sq), else None
 
 
 triton, tl = import_triton()
@@ -117,11 +119,11 @@ if triton is not None:
     @triton.jit
     def _logits_tile_kernel(
         X, stride_x, G, stride_g, LABELS, SCALE, scale_stride, scale_value, CW,
-        LOSS, LSE, LOGP, ENT, CORRECT, LSUM,
+        LOSS, LSE, LOGP, ENT, CORRECT, LSUM, SQ,
         V, ignore_index, logit_scale, inv_temp, softcap, eps, z_w,
         MODE_CE: tl.constexpr, WRITE_GRAD: tl.constexpr, SCALE_PER_ROW: tl.constexpr,
         HAS_SOFTCAP: tl.constexpr, HAS_CW: tl.constexpr, NEED_ENT: tl.constexpr,
-        NEED_LSUM: tl.constexpr, BLOCK: tl.constexpr, VEC_SUMS: tl.constexpr,
+        NEED_LSUM: tl.constexpr, NEED_SQ: tl.constexpr, BLOCK: tl.constexpr, VEC_SUMS: tl.constexpr,
         STAGES1: tl.constexpr, STAGES2: tl.constexpr, REVERSED: tl.constexpr,
     ):
         row = tl.program_id(0).to(tl.int64)
@@ -147,6 +149,7 @@ if triton is not None:
         before = float("-inf")
         d = acc_zero(BLOCK, VEC_SUMS)
         e = acc_zero(BLOCK, VEC_SUMS)
+        q = acc_zero(BLOCK, VEC_SUMS)
         s = acc_zero(BLOCK, VEC_SUMS)
         sw = acc_zero(BLOCK, VEC_SUMS)
         w_sum_acc = acc_zero(BLOCK, VEC_SUMS)
@@ -165,6 +168,8 @@ if triton is not None:
             d = d * alpha + keep_or_sum(p, VEC_SUMS)
             if NEED_ENT:
                 e = e * alpha + keep_or_sum(p * z, VEC_SUMS)
+            if NEED_SQ:  # sum of squared exponentials against the same running max
+                q = q * (alpha * alpha) + keep_or_sum(p * p, VEC_SUMS)
             m = m_new
             if NEED_LSUM:
                 s += keep_or_sum(z, VEC_SUMS)
@@ -212,6 +217,9 @@ if triton is not None:
         if NEED_ENT:
             ent = lse - e_tot / d
             tl.store(ENT + row, tl.where(valid, ent, 0.0))
+        if NEED_SQ:  # sum_v p_v^2 = q / d^2
+            q_tot = tl.where(valid, kept_total(q, VEC_SUMS), 1.0)
+            tl.store(SQ + row, tl.where(valid, tl.log(q_tot) - 2.0 * tl.log(d), 0.0))
 
         # pass 2: gradient d loss / d x, times the row scale, in place
         if WRITE_GRAD:
@@ -242,7 +250,7 @@ def transform_logits_torch(x: Tensor, logit_scale, temperature, softcap):
 
 def _logits_tile_torch(
     logits, labels, scale, ignore_index, logit_scale, temperature, softcap, eps, z_w,
-    class_weight, mode_ce, grad, need_entropy, out=None, need_logits_sum=True,
+    class_weight, mode_ce, grad, need_entropy, out=None, need_logits_sum=True, need_log_sum_sq=False,
 ) -> TileStats:
     n, V = logits.shape
     # out-of-range labels count as ignored, as in the Triton kernel (no out-of-bounds gather)
@@ -275,10 +283,13 @@ def _logits_tile_torch(
     # the first maximal index, as torch.argmax and TRL's accuracy; a label at -inf is never a hit (a row of
     # all -inf, whose argmax is 0, has a NaN loss; the kernel's maximum starts above -inf, so it agrees)
     correct = valid & (z.argmax(1) == safe) & (z_y > float("-inf"))
+    log_sum_sq = None
+    if need_log_sum_sq:  # log sum_v exp(2 (z_v - lse)), stable
+        log_sum_sq = torch.where(valid, torch.logsumexp(2.0 * (z - lse[:, None]), dim=1), zero)
     stats = TileStats(
         torch.where(valid, loss, zero), torch.where(valid, lse, zero),
         torch.where(valid, logp, zero), entropy, correct,
-        torch.where(valid, s, zero) if need_logits_sum else None,
+        torch.where(valid, s, zero) if need_logits_sum else None, log_sum_sq,
     )
     if grad:
         onehot = torch.zeros_like(z).scatter_(1, safe[:, None], 1.0)
@@ -373,6 +384,7 @@ def logits_tile(
     class_weight: Optional[Tensor] = None,
     need_entropy: bool = False,
     need_logits_sum: bool = True,
+    need_log_sum_sq: bool = False,
     out: Optional[Tensor] = None,
     impl: str = "auto",
 ) -> TileStats:
@@ -384,7 +396,8 @@ def logits_tile(
     ``grad_scale`` is a float, a 1-element tensor (every row's scale, left on the device) or a
     ``[n]`` tensor (cast to float32). ``class_weight [V]`` only
     applies to ``mode="ce"``. ``need_logits_sum=False`` skips the ``logits_sum`` statistic (a
-    running sum in the kernel's first pass) and returns it as ``None``. Returns
+    running sum in the kernel's first pass) and returns it as ``None``; ``need_log_sum_sq=True`` adds
+    ``log sum_v p_v^2`` (a running sum of squared exponentials beside the sum-exp). Returns
     :class:`TileStats`.
     """
     check_tensor("logits", logits, ndim=2, floating=True)
@@ -431,17 +444,17 @@ def logits_tile(
         return _logits_tile_torch(
             logits, labels, grad_scale, ignore_index, float(logit_scale), float(temperature),
             None if softcap is None else float(softcap), eps, z_w, cw, mode_ce, grad, need_entropy,
-            out, bool(need_logits_sum),
+            out, bool(need_logits_sum), bool(need_log_sum_sq),
         )
 
     x = logits if logits.stride(1) == 1 else logits.contiguous()
     lab = labels.contiguous()
     dev = logits.device
-    # the per-row statistics share one allocation (host time: one allocator call, not five), and
+    # the per-row statistics share one allocation (host time: one allocator call, not six), and
     # the argmax hits are written as bytes straight into a bool tensor (no conversion launch);
     # under torch.compile into int8, converted after the launch: Inductor cannot lower a bool
     # tensor's dtype view (InductorError "torch.bool is not supported by torch.iinfo" on the H200)
-    loss, lse, logp, lsum, ent = torch.empty((5, n), dtype=torch.float32, device=dev).unbind(0)
+    loss, lse, logp, lsum, ent, sq = torch.empty((6, n), dtype=torch.float32, device=dev).unbind(0)
     compiling = is_compiling()
     correct = torch.empty(n, dtype=torch.int8 if compiling else torch.bool, device=dev)
     hits = correct if compiling else correct.view(torch.int8)
@@ -454,14 +467,14 @@ def logits_tile(
     with device_ctx(x):  # Triton launches on the current GPU
         _logits_tile_kernel[(n,)](
             x, x.stride(0), g, g.stride(0), lab, scale_ptr, scale_stride, scale_value, cw_arg,
-            loss, lse, logp, ent, hits, lsum,
+            loss, lse, logp, ent, hits, lsum, sq,
             V, int(ignore_index), float(logit_scale), 1.0 / float(temperature),
             float(softcap) if softcap is not None else 1.0, eps, z_w,
             MODE_CE=mode_ce, WRITE_GRAD=bool(grad), SCALE_PER_ROW=per_row,
             HAS_SOFTCAP=softcap is not None, HAS_CW=cw is not None, NEED_ENT=bool(need_entropy),
-            NEED_LSUM=need_lsum, BLOCK=block, VEC_SUMS=block <= knobs.vec_sums_max_block,
+            NEED_LSUM=need_lsum, NEED_SQ=bool(need_log_sum_sq), BLOCK=block, VEC_SUMS=block <= knobs.vec_sums_max_block,
             STAGES1=knobs.pass1_stages, STAGES2=knobs.pass2_stages, REVERSED=knobs.pass2_reversed,
             num_warps=warps, **({} if knobs.maxnreg is None else {"maxnreg": knobs.maxnreg}),
         )
     return TileStats(loss, lse, logp, ent if need_entropy else None, correct.bool() if compiling else correct,
-                     lsum if need_logits_sum else None)
+                     lsum if need_logits_sum else None, sq if need_log_sum_sq else None)

@@ -19,8 +19,9 @@ liger_chunk_tokens=None)`` takes every argument of ``trl.DPOTrainer`` plus three
   vision-language model's batch with images runs the policy's and the reference's base models on them (the vision
   tower included, as TRL's forward; ``multimodal.py``), padded.
 
+``use_weighting`` (WPO) weights each pair with the statistic the loss takes from its own tiles (no extra GEMM).
 Options TRL supports that use_liger=True cannot serve raise ``ValueError`` at construction, naming the option:
-``use_weighting`` (WPO), ``ld_alpha`` with an ``"sft"`` loss term, PEFT prompt learning. MoE models:
+``ld_alpha`` with an ``"sft"`` loss term, PEFT prompt learning. MoE models:
 ``router_aux_loss_coef * aux_loss`` of the policy's own backbone forward is added to the loss and logged as
 ``aux_loss``, as TRL does (``router_aux.py``).
 """

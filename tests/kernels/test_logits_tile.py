@@ -21,7 +21,7 @@ OPTIONS = [
 
 def reference(x, labels, mode, grad_scale, *, logit_scale=1.0, softcap=None, temperature=1.0,
               label_smoothing=0.0, z_loss_weight=0.0, class_weight=None, ignore_index=-100):
-    """float64 per-row loss, lse, logp, entropy, logits_sum and d(sum scale*loss)/dx."""
+    """float64 per-row loss, lse, logp, entropy, log_sum_sq, logits_sum and d(sum scale*loss)/dx."""
     xd = x.detach().double().requires_grad_()
     y = xd * logit_scale
     if softcap is not None:
@@ -46,6 +46,7 @@ def reference(x, labels, mode, grad_scale, *, logit_scale=1.0, softcap=None, tem
     return dict(
         loss=loss.detach(), lse=torch.where(valid, lse, 0.0).detach(),
         logp=torch.where(valid, lpy, 0.0).detach(), entropy=ent.detach(),
+        log_sum_sq=torch.where(valid, (p * p).sum(1).log(), 0.0).detach(),
         logits_sum=torch.where(valid, z.sum(1), 0.0).detach(),
         correct=(z.argmax(1) == labels) & valid, grad=xd.grad,
     )
@@ -72,7 +73,7 @@ def vec_sums_max_block(request):
 @pytest.mark.parametrize("mode", ["ce", "logp"])
 @pytest.mark.parametrize("opt", range(len(OPTIONS)))
 def test_matches_fp64_reference(impl, mode, opt, vec_sums_max_block):
-    """Every statistic and the in-place gradient (with a per-row scale) match float64 within
+    """Every statistic (``log sum p^2`` included) and the in-place gradient (with a per-row scale) match float64 within
     1e-5 (fp32) for each option set, with either pass-1 sum path; ignored rows give zeros."""
     kw = dict(OPTIONS[opt])
     if kw.get("class_weight") == "rand":
@@ -81,8 +82,9 @@ def test_matches_fp64_reference(impl, mode, opt, vec_sums_max_block):
     scale = torch.rand(7)
     ref = reference(x, labels, mode, scale, **kw)
     tile = x.clone()
-    st = logits_tile(tile, labels, mode=mode, grad_scale=scale, need_entropy=True, impl=impl, **kw)
-    for k in ("loss", "lse", "logp", "entropy", "logits_sum"):
+    st = logits_tile(tile, labels, mode=mode, grad_scale=scale, need_entropy=True, need_log_sum_sq=True, impl=impl,
+                     **kw)
+    for k in ("loss", "lse", "logp", "entropy", "log_sum_sq", "logits_sum"):
         assert_close_rel(getattr(st, k), ref[k], TOL[torch.float32], k)
     assert torch.equal(st.correct, ref["correct"])
     assert_close_rel(tile, ref["grad"], TOL[torch.float32], "grad")
@@ -261,9 +263,10 @@ def test_gpu_large_vocab(dtype):
     ref = reference(x.float().cpu(), labels.cpu(), "ce", torch.ones(64), label_smoothing=0.1,
                     z_loss_weight=1e-4)
     tile = x.clone()
-    st = logits_tile(tile, labels, label_smoothing=0.1, z_loss_weight=1e-4, need_entropy=True)
+    st = logits_tile(tile, labels, label_smoothing=0.1, z_loss_weight=1e-4, need_entropy=True, need_log_sum_sq=True)
     assert_close_rel(st.loss.cpu(), ref["loss"], TOL[torch.float32], "loss")
     assert_close_rel(st.entropy.cpu(), ref["entropy"], TOL[torch.float32], "entropy")
+    assert_close_rel(st.log_sum_sq.cpu(), ref["log_sum_sq"], TOL[torch.float32], "log_sum_sq")
     assert_close_rel(tile.float().cpu(), ref["grad"], TOL[dtype], "grad")
 
 

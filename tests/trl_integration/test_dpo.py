@@ -46,8 +46,10 @@ def _pair(tok, tmp_path, *, ref=True, liger_kwargs=None, peft_config=None, **cfg
         dict(loss_type=["sigmoid", "bco_pair", "sft"], loss_weights=[0.8, 0.2, 1.0]),  # MPO mix
         dict(loss_type=["ipo"], beta=0.5),
         dict(loss_type=["sigmoid"], ld_alpha=0.5),
+        dict(loss_type=["sigmoid", "ipo"], use_weighting=True),
+        dict(loss_type=["sigmoid"], use_weighting=True, ld_alpha=0.5),
     ],
-    ids=["sigmoid", "mpo-weighted", "ipo", "ld_alpha"],
+    ids=["sigmoid", "mpo-weighted", "ipo", "ld_alpha", "wpo", "wpo-ld_alpha"],
 )
 def test_step0_parity_with_ref_model(tok, tmp_path, cfg):
     """Loss, every logged metric and every gradient equal TRL's (rel <= 1e-4); for "sigmoid" with
@@ -167,7 +169,6 @@ def test_use_liger_false_is_trl(tok, tmp_path):
 @pytest.mark.parametrize(
     "cfg, option",
     [
-        (dict(use_weighting=True), "use_weighting"),
         (dict(loss_type=["sigmoid", "sft"], ld_alpha=0.5), "ld_alpha"),
     ],
 )

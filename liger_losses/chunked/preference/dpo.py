@@ -17,9 +17,12 @@ statistics into per-pair losses exactly as TRL 1.16 does for every ``loss_type``
 lists of them), ``f_divergence_type``, ``label_smoothing``, ``discopop_tau``. The loss is the mean
 over pairs. Returns ``LossOutput(loss, metrics)`` with the 0-d means TRL logs (``TRL_METRIC_NAMES``).
 
-Not supported: ``use_weighting`` (WPO needs per-token ``log sum_v p_v^2``, which the engine does
-not compute) and ``ld_alpha`` together with an ``"sft"`` term (TRL's SFT term uses the unweighted
-log-probs, a second statistic the engine does not return); both raise ``NotImplementedError``.
+``use_weighting`` (WPO) multiplies every pair's loss by the detached weight ``w_chosen * w_rejected``,
+``w = exp(mean over the completion's tokens of log p(label) - log sum_v p_v^2)``: the engine takes
+``log sum_v p_v^2`` from the same tiles (``stats.aligned_logps``), no extra GEMM. Not supported, raising
+``NotImplementedError`` as TRL does or for want of a statistic: ``use_weighting`` with ``"aot"`` /
+``"aot_unpaired"`` (they sort the pairs) and ``ld_alpha`` together with an ``"sft"`` term (TRL's SFT term
+uses the unweighted log-probs, a second statistic the engine does not return).
 """
 
 from __future__ import annotations
@@ -110,6 +113,7 @@ def dpo_pair_losses(
     chosen_num_tokens: Optional[torch.Tensor] = None,
     rejected_num_tokens: Optional[torch.Tensor] = None,
     chosen_nll: Optional[torch.Tensor] = None,
+    pair_weights: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """Per-pair DPO-family losses ``[P]`` whose mean over the batch is TRL 1.16's loss.
 
@@ -118,7 +122,10 @@ def dpo_pair_losses(
     token-averaged NLL of the chosen tokens, see ``common.chosen_nll_per_unit``) by ``"sft"``.
     For several loss types the result is ``sum_k loss_weights[k] * losses_k``. ``"aot"`` and
     ``"aot_unpaired"`` sort over the given pairs, so their values are per rank, not per pair: only
-    their mean is meaningful, and they must see the whole batch at once.
+    their mean is meaningful, and they must see the whole batch at once. ``pair_weights [P]`` (WPO,
+    detached) multiply every term, as TRL multiplies each loss type's per-sequence loss; TRL's ``"sft"``
+    term is then its batch mean times each pair's weight, so with weights the given pairs must be the
+    whole batch.
     """
     types = [loss_type] if isinstance(loss_type, str) else list(loss_type)
     weights = [1.0] * len(types) if loss_weights is None else list(loss_weights)
@@ -187,12 +194,15 @@ def dpo_pair_losses(
         elif name == "sft":
             if chosen_nll is None:
                 raise ValueError("loss_type 'sft' needs chosen_nll")
-            losses = chosen_nll
+            # TRL: the batch's token-mean NLL expanded to every pair (only the mean is used unweighted)
+            losses = chosen_nll if pair_weights is None else chosen_nll.mean().expand_as(chosen_nll)
         elif name == "sigmoid_norm":
             c_len, r_len = need_lengths(name)
             losses = -F.logsigmoid(beta * (chosen_scores / c_len - rejected_scores / r_len))
         else:
             raise ValueError(f"loss_type entries must be in {DPO_LOSS_TYPES}, got {name!r}")
+        if pair_weights is not None:
+            losses = losses * pair_weights
         total = total + weight * losses
     return total
 
@@ -208,8 +218,8 @@ class DPOOptions:
     ``f_divergence_type`` in :data:`F_DIVERGENCE_TYPES` (not ``reverse_kl`` only for the types of
     :data:`F_DIVERGENCE_LOSS_TYPES`) with a finite ``f_alpha_divergence_coef``; ``discopop_tau``
     finite ``> 0``; ``ld_alpha`` None or in ``[0, 1]``; ``rpo_alpha`` (sugar for an ``"sft"``
-    term of that weight) None or finite; ``use_weighting`` must be False (WPO: not supported);
-    ``reference_free`` a bool. ``loss_types`` / ``term_weights``: the normalised terms."""
+    term of that weight) None or finite; ``use_weighting`` (WPO) a bool, not with ``"aot"`` /
+    ``"aot_unpaired"``; ``reference_free`` a bool. ``loss_types`` / ``term_weights``: the normalised terms."""
 
     beta: float = 0.1
     loss_type: str | Sequence[str] = "sigmoid"
@@ -262,13 +272,15 @@ class DPOOptions:
                     "ld_alpha together with an 'sft' term (or rpo_alpha) is not supported: TRL's SFT term uses the "
                     "unweighted log-probs, a second per-sequence statistic the chunked engine does not compute"
                 )
-        if check_flag("use_weighting", self.use_weighting):
+        use_weighting = check_flag("use_weighting", self.use_weighting)
+        if use_weighting and set(types) & SORTING_LOSS_TYPES:
             raise NotImplementedError(
-                "use_weighting (WPO) is not supported: its weights need the per-token log sum_v p_v^2, which the "
-                "chunked engine does not compute"
+                "use_weighting (WPO) is not implemented for 'aot' or 'aot_unpaired': those losses sort the pairs, "
+                "which would misalign the per-pair weights (as TRL)"
             )
         set_fields(self, loss_type=loss_type, loss_weights=loss_weights, loss_types=tuple(types),
-                   term_weights=tuple(weights), reference_free=check_flag("reference_free", self.reference_free))
+                   term_weights=tuple(weights), use_weighting=use_weighting,
+                   reference_free=check_flag("reference_free", self.reference_free))
 
 
 def _check_smoothing_for(types, label_smoothing: float) -> None:
@@ -321,8 +333,10 @@ class DPOObjective(Objective):
 
     @property
     def separable(self) -> bool:
-        """False when a loss type ranks over the whole batch (AOT)."""
-        return not (set(self.options.loss_types) & SORTING_LOSS_TYPES)
+        """False when a loss type ranks over the whole batch (AOT), or when WPO weights the ``"sft"`` term (TRL
+        multiplies the batch's NLL, a statistic of every pair, by each pair's weight)."""
+        types = set(self.options.loss_types)
+        return not (types & SORTING_LOSS_TYPES or (self.options.use_weighting and "sft" in types))
 
     def pair_gradient_ratio(self, chosen_tokens: int, rejected_tokens: int) -> Optional[float]:
         """``r`` with ``d loss / d rejected_logps = r * d loss / d chosen_logps`` for every pair of
@@ -354,12 +368,17 @@ class DPOObjective(Objective):
         lengths = stats.num_tokens if self.sequence_lengths is None else self.sequence_lengths[stats.index]
         c_len, r_len = split_pairs(lengths)
         nll = chosen_nll_per_unit(chosen, stats.batch_num_tokens) if "sft" in o.loss_types else None
+        pair_weights = None
+        if o.use_weighting:  # WPO: mean aligned log-prob over the completion's (label) tokens, detached
+            w = torch.exp(stats.aligned_logps / stats.num_tokens.clamp(min=1.0)).detach()
+            w_chosen, w_rejected = split_pairs(w)
+            pair_weights = w_chosen * w_rejected
         losses = dpo_pair_losses(
             chosen, rejected, ref_chosen, ref_rejected,
             beta=o.beta, loss_type=o.loss_types, loss_weights=o.term_weights,
             label_smoothing=o.label_smoothing, f_divergence_type=o.f_divergence_type,
             f_alpha_divergence_coef=o.f_alpha_divergence_coef, discopop_tau=o.discopop_tau,
-            chosen_num_tokens=c_len, rejected_num_tokens=r_len, chosen_nll=nll,
+            chosen_num_tokens=c_len, rejected_num_tokens=r_len, chosen_nll=nll, pair_weights=pair_weights,
         )
         return losses, {}
 
@@ -422,7 +441,7 @@ def run_dpo(weight, hidden, ref_hidden, labels, *, head: HeadOptions, options: D
     loss, _, stats = run_sequence_objective(
         weight, hidden, labels, DPOObjective(options, sequence_lengths), head, group_size=2, bias=bias,
         ref_hidden=None if ref_logps is not None else ref_hidden, ref_weight=ref_weight, ref_bias=ref_bias,
-        ref_logps=ref_logps, token_weights=token_weights,
+        ref_logps=ref_logps, token_weights=token_weights, need_aligned_logps=options.use_weighting,
     )
     return LossOutput(loss, dpo_metrics(stats, beta=options.beta))
 

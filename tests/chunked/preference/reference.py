@@ -74,7 +74,7 @@ def token_outputs64(weight, hidden, labels, bias=None, *, ignore_index=-100, tok
         logits=logits,
         mask=mask,
         aux_loss=None,
-        log_sum_sq_probs=None,
+        log_sum_sq_probs=torch.logsumexp(2.0 * logp, dim=-1).detach() * mask,
     )
 
 
@@ -105,7 +105,8 @@ def completion_inputs(mask):
 
 
 def trl_dpo(policy, ref, mask, *, beta=0.1, loss_type=("sigmoid",), loss_weights=None, label_smoothing=0.0,
-            f_divergence_type="reverse_kl", f_alpha_divergence_coef=0.5, discopop_tau=0.05, ld_alpha=None):
+            f_divergence_type="reverse_kl", f_alpha_divergence_coef=0.5, discopop_tau=0.05, ld_alpha=None,
+            use_weighting=False):
     """TRL 1.16 ``DPOTrainer._compute_loss`` on the given per-token outputs -> (loss, {trl name: value})."""
     from trl.trainer.dpo_trainer import DPOTrainer
 
@@ -123,7 +124,7 @@ def trl_dpo(policy, ref, mask, *, beta=0.1, loss_type=("sigmoid",), loss_weights
         f_divergence_type=f_divergence_type,
         f_alpha_divergence_coef=f_alpha_divergence_coef,
         label_smoothing=label_smoothing,
-        use_weighting=False,
+        use_weighting=use_weighting,
         args=SimpleNamespace(discopop_tau=discopop_tau, gradient_checkpointing_kwargs=None),
         _metrics={"train": defaultdict(list), "eval": defaultdict(list)},
         _total_train_tokens=0,

@@ -99,6 +99,43 @@ def test_every_loss_type_matches_trl(loss_type):
     run_vs_trl(dict(beta=0.2, loss_type=loss_type, **LOSS_OPTIONS.get(loss_type, {})))
 
 
+@pytest.mark.parametrize("loss_type", ["sigmoid", "ipo", "bco_pair"])
+@pytest.mark.parametrize("ld_alpha", [None, 0.5], ids=["plain", "ld"])
+def test_wpo_weighting_matches_trl(loss_type, ld_alpha):
+    """``use_weighting=True`` (WPO: each pair's loss times the detached ``w_chosen * w_rejected``, ``w`` the exp of
+    the completion's mean ``log p(label) - log sum_v p^2``), with LD-DPO's token weights too (WPO reads the
+    unweighted log-probs): loss, grads and metrics within 1e-5 of TRL's code in float64. The weights are live:
+    unweighted, the loss differs by more than 10x the bar."""
+    kw = dict(beta=0.2, loss_type=loss_type, ld_alpha=ld_alpha)
+    weighted = run_vs_trl(dict(kw, use_weighting=True), trl_kwargs=dict(kw, use_weighting=True))
+    plain = run_vs_trl(kw)
+    assert rel_err(weighted.loss, plain.loss) > 10 * TOL[torch.float32]
+
+
+def test_wpo_weighting_of_the_sft_term():
+    """WPO with an ``"sft"`` term (``rpo_alpha``): TRL 1.16 means the batch's chosen-token NLL times each pair's
+    weight (its code multiplies the expanded NLL in place and raises there), so the reference is TRL's weighted
+    sigmoid loss plus ``rpo_alpha * mean(w_chosen * w_rejected) * NLL``, in float64; ours takes the two-phase path
+    (the term needs every pair). Loss and grads within 1e-5."""
+    w, h, rh, lab, _ = make_inputs(**SHAPE)
+    w64, h64 = leaf64(w, h)
+    pol = token_outputs64(w64, h64, lab)
+    ref = token_outputs64(w64.detach(), rh.double(), lab)
+    sigmoid, _ = trl_dpo(pol, ref, pol.mask, beta=0.2, use_weighting=True)
+    mask = pol.mask.double()
+    with torch.no_grad():
+        seq = torch.exp(((pol.log_probs - pol.log_sum_sq_probs) * mask).sum(1) / mask.sum(1).clamp(min=1))
+    pairs = seq[: seq.shape[0] // 2] * seq[seq.shape[0] // 2:]
+    chosen = slice(0, seq.shape[0] // 2)
+    nll = -pol.log_probs[chosen].sum() / mask[chosen].sum()
+    want = sigmoid + 0.5 * pairs.mean() * nll
+    out = fused_linear_dpo_loss(w, h, rh, lab, beta=0.2, rpo_alpha=0.5, use_weighting=True, chunk_tokens=24,
+                                impl="torch")
+    assert rel_err(out.loss, want) <= TOL[torch.float32], (float(out.loss), float(want))
+    for name, got, ref_grad in zip(("hidden", "weight"), grads(out.loss, h, w), grads(want, h64, w64)):
+        assert rel_err(got, ref_grad) <= TOL[torch.float32], name
+
+
 @pytest.mark.parametrize(
     "f_div,coef,loss_type",
     [
@@ -158,9 +195,12 @@ def test_precomputed_reference_and_reference_free(ref_mode):
 @pytest.mark.parametrize("chunk_tokens", [5, 24])
 def test_triton_tiles_one_pass_and_two_phase(chunk_tokens):
     """Triton tile kernels (interpreter on CPU), bias, entropy metric: chunk_tokens=5 cuts pairs (two
-    phases, logits recomputed), 24 holds whole pairs (one pass). Both within 1e-5 of TRL."""
+    phases, logits recomputed), 24 holds whole pairs (one pass). Both within 1e-5 of TRL; so is WPO's
+    weighting on the Triton kernel's ``log sum p^2``."""
     run_vs_trl(dict(beta=0.1, loss_type=["sigmoid", "sft"]), impl="auto", chunk_tokens=chunk_tokens, bias=True,
                need_entropy=True)
+    wpo = dict(beta=0.1, loss_type="sigmoid", use_weighting=True)
+    run_vs_trl(wpo, impl="auto", chunk_tokens=chunk_tokens, bias=True, trl_kwargs=wpo)
 
 
 def test_whole_batch_objective_path_equals_one_pass():
@@ -224,7 +264,8 @@ def test_module_equals_functional():
         (dict(loss_type=["sigmoid", "sft"], loss_weights=[1.0]), ValueError, "loss_weights"),
         (dict(beta=0.0), ValueError, "beta"),
         (dict(ld_alpha=1.5), ValueError, "ld_alpha"),
-        (dict(use_weighting=True), NotImplementedError, "use_weighting"),
+        (dict(loss_type="aot", use_weighting=True), NotImplementedError, "use_weighting"),
+        (dict(loss_type=["sigmoid", "aot_unpaired"], use_weighting=True), NotImplementedError, "use_weighting"),
         (dict(ld_alpha=0.5, rpo_alpha=1.0), NotImplementedError, "ld_alpha"),
         (dict(loss_type="robust", label_smoothing=0.5), ValueError, "label_smoothing"),
     ],
