@@ -106,6 +106,7 @@ def _sft_pair(tok, tmp_path, liger_kwargs, **cfg):
 # name -> (pair(tok, tmp_path, liger_kwargs, **cfg) -> (TRL's trainer, ours), the case's own config)
 CASES = {
     "dpo": (_kw_pair(dpo_tests), {}),
+    "dpo-wpo": (_kw_pair(dpo_tests), dict(use_weighting=True)),
     "sft": (_sft_pair, {}),
     "sft-dft": (_sft_pair, dict(loss_type="dft")),
     "cpo": (_kw_pair(cpo_tests), dict(loss_type="sigmoid")),
@@ -126,7 +127,7 @@ def _pair(name, tmp_path, *, patch, **cfg):
 
 
 # the trainers' second model: a reference (DPO, KTO) or a teacher (GKD, distillation)
-COMPANION = {"dpo": "ref_model", "kto": "ref_model", "gkd": "teacher_model", "distillation": "teacher_model"}
+COMPANION = {"dpo": "ref_model", "dpo-wpo": "ref_model", "kto": "ref_model", "gkd": "teacher_model", "distillation": "teacher_model"}
 
 
 def _check_placed(name, theirs, ours, patched):
