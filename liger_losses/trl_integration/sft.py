@@ -35,11 +35,13 @@ DeepSpeed sequence parallelism. MoE models: the router load-balancing loss of th
 forward is added as TRL adds it (``router_aux.py``) and logged as ``aux_loss``. One deliberate
 difference: with ``label_smoothing_factor > 0`` TRL 1.16's SFT step leaves the aux loss out of the
 loss it back-propagates (its label-smoothing branch never weights it, though it still logs it); ours
-adds it there too, so the router is trained as ``router_aux_loss_coef`` asks whatever the smoothing.
+adds it there too, so the router is trained as ``router_aux_loss_coef`` asks whatever the smoothing (a
+``UserWarning`` at construction says so).
 """
 
 from __future__ import annotations
 
+import warnings
 from typing import Any, Optional
 
 import torch
@@ -127,6 +129,12 @@ class SFTTrainer(LigerTrainerMixin, trl.SFTTrainer):
         if pc is not None and getattr(pc, "sp_enabled", False) and getattr(pc, "sp_backend", None) == "deepspeed":
             reject("parallelism_config.sp_backend", "deepspeed",
                    "Ulysses sequence parallelism reduces the model's own loss across ranks")
+        if (self.args.label_smoothing_factor or 0.0) > 0.0 and self.args.loss_type == "nll" and self.aux_loss_enabled:
+            warnings.warn(
+                "use_liger=True with label_smoothing_factor > 0 on a model with a router aux loss adds "
+                "router_aux_loss_coef * aux_loss to the loss it back-propagates, as SFT does without smoothing; "
+                "TRL 1.16's label-smoothing step leaves it out (it only logs it), so the two train the router "
+                "differently. Set router_aux_loss_coef=0.0 for TRL's behaviour.", UserWarning, stacklevel=2)
         self._liger_logit_opts = head_logit_options(unwrap_causal_lm(self.model).config)
         self._liger_after_init(self.model, trl_kwargs=trl_kwargs)
 

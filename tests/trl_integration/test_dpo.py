@@ -26,16 +26,18 @@ from .utils import (
     preference_dataset,
     step0,
     train_logs,
+    uneven_preference_dataset,
 )
 
 TOL = 1e-4
 
 
-def _pair(tok, tmp_path, *, ref=True, liger_kwargs=None, peft_config=None, **cfg):
-    """(TRL trainer, our trainer) on copies of one policy (seed 0) and reference (seed 1)."""
+def _pair(tok, tmp_path, *, ref=True, liger_kwargs=None, peft_config=None, data=None, **cfg):
+    """(TRL trainer, our trainer) on copies of one policy (seed 0) and reference (seed 1); ``data`` a dataset
+    factory (default: the bundled pairs)."""
     models = [build_tiny_model(tok, seed=0), build_tiny_model(tok, seed=1) if ref else None]
     return make_pair(DPOTrainer, models, lambda run_dir: dpo_config(run_dir, **cfg), tmp_path,
-                     lambda: preference_dataset(PAIRS), liger_kwargs=liger_kwargs, processing_class=tok,
+                     data or (lambda: preference_dataset(PAIRS)), liger_kwargs=liger_kwargs, processing_class=tok,
                      peft_config=peft_config)
 
 
@@ -53,10 +55,16 @@ def _pair(tok, tmp_path, *, ref=True, liger_kwargs=None, peft_config=None, **cfg
 )
 def test_step0_parity_with_ref_model(tok, tmp_path, cfg):
     """Loss, every logged metric and every gradient equal TRL's (rel <= 1e-4); for "sigmoid" with
-    5-token tiles, so tiles cut through sequences and pairs (two-phase engine path)."""
+    5-token tiles, so tiles cut through sequences and pairs (two-phase engine path). The batch's chosen and
+    rejected completions differ in length within pairs (``UNEVEN_PAIRS``), so LD-DPO's down-weighted tail, the
+    length-normalised types' divisors and WPO's per-sequence means are all live."""
     chunk = 5 if cfg["loss_type"] == ["sigmoid"] and "ld_alpha" not in cfg else None
-    theirs, ours = _pair(tok, tmp_path, liger_kwargs={"liger_chunk_tokens": chunk}, **cfg)
-    m_t, _ = check_compute_loss(theirs, ours, TOL)
+    theirs, ours = _pair(tok, tmp_path, liger_kwargs={"liger_chunk_tokens": chunk}, data=uneven_preference_dataset,
+                         **cfg)
+    batch = first_batch(theirs)
+    chosen, rejected = batch["completion_mask"].sum(1).chunk(2)
+    assert bool((chosen != rejected).all())
+    m_t, _ = check_compute_loss(theirs, ours, TOL, batch)
     assert abs(m_t["rewards/margins"]) > 0  # a real test: policy != reference
 
 

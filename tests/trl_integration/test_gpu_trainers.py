@@ -127,7 +127,8 @@ def _pair(name, tmp_path, *, patch, **cfg):
 
 
 # the trainers' second model: a reference (DPO, KTO) or a teacher (GKD, distillation)
-COMPANION = {"dpo": "ref_model", "dpo-wpo": "ref_model", "kto": "ref_model", "gkd": "teacher_model", "distillation": "teacher_model"}
+COMPANION = {"dpo": "ref_model", "dpo-wpo": "ref_model", "kto": "ref_model", "gkd": "teacher_model",
+             "distillation": "teacher_model"}
 
 
 def _check_placed(name, theirs, ours, patched):

@@ -18,6 +18,27 @@ from liger_losses.demo import build_tiny_model, build_tokenizer, preference_data
 
 PAIRS = 8  # preference examples used by the tests
 
+# Preference rows whose chosen and rejected completions differ in length within each pair (the bundled set's pairs
+# are of one length): what LD-DPO's shared-length weights, the length-normalised types and WPO's per-sequence means
+# need to be tested at all.
+UNEVEN_PAIRS = [
+    {"prompt": "6+6=", "chosen": "12", "rejected": "6612"},
+    {"prompt": "qrst>", "chosen": "uvwxy", "rejected": "r"},
+    {"prompt": "ghc|", "chosen": "c", "rejected": "ghcab"},
+    {"prompt": "5+9=", "chosen": "14", "rejected": "1"},
+    {"prompt": "ab>", "chosen": "cdefg", "rejected": "cd"},
+    {"prompt": "eba|", "chosen": "abe", "rejected": "ebaeba"},
+    {"prompt": "4+8=", "chosen": "1", "rejected": "148"},
+    {"prompt": "efgh>", "chosen": "ijkl", "rejected": "fg"},
+]
+
+
+def uneven_preference_dataset():
+    """:data:`UNEVEN_PAIRS` as a ``datasets.Dataset``."""
+    from datasets import Dataset
+
+    return Dataset.from_list(UNEVEN_PAIRS)
+
 
 def trl_config(config_cls, tmp_path, **overrides):
     """A TRL ``config_cls`` for a short deterministic fp32 CPU run writing to ``tmp_path``; ``overrides`` win."""
@@ -214,7 +235,8 @@ def assert_autocast_records_match(seen_ours, seen_trl):
 
 
 __all__ = [
-    "PAIRS", "build_tiny_model", "build_tokenizer", "preference_dataset", "trl_config", "dpo_config", "sft_config",
+    "PAIRS", "UNEVEN_PAIRS", "uneven_preference_dataset", "build_tiny_model", "build_tokenizer", "preference_dataset",
+    "trl_config", "dpo_config", "sft_config",
     "make_pair", "policy_pair", "student_teacher", "sft_dataset", "first_batch", "step0", "rel",
     "assert_metrics_match", "grads_of", "assert_grads_match", "check_batch_loss_metrics", "check_compute_loss",
     "train_logs", "lora_config", "record_backbone_autocast", "assert_autocast_records_match", "copy", "torch",
