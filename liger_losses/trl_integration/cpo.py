@@ -26,6 +26,7 @@ does not log it). Also :func:`mean_logit_all_positions` / :func:`mean_logits_of_
 
 from __future__ import annotations
 
+import functools
 from typing import Any, List, Mapping, Optional, Sequence
 
 import torch
@@ -42,6 +43,7 @@ from .base import (
     reject,
     unwrap_causal_lm,
 )
+from .live_options import LiveLoss
 from .metrics import QueuedMetrics
 from .router_aux import policy_hidden_and_router_aux
 
@@ -171,7 +173,10 @@ class CPOTrainer(LigerTrainerMixin, DeferredStoreMixin, _TRLCPOTrainer):
             return
         check_paired_model(self)
         self._liger_logit_opts = head_logit_options(unwrap_causal_lm(self.model).config)
-        self.liger_loss = build_cpo_loss(self.args, chunk_tokens=liger_chunk_tokens, **self._liger_logit_opts)
+        build = functools.partial(build_cpo_loss, chunk_tokens=liger_chunk_tokens, **self._liger_logit_opts)
+        self.liger_loss = build(self.args)
+        # TRL reads these from the trainer at every step: a callback that sets trainer.beta changes both alike
+        self._liger_live = LiveLoss(self, {name: name for name in _CPO_OPTIONS}, build)
         self._liger_after_init(self.model, trl_kwargs=trl_kwargs)
 
     def _liger_padding_value(self) -> int:
@@ -181,6 +186,7 @@ class CPOTrainer(LigerTrainerMixin, DeferredStoreMixin, _TRLCPOTrainer):
         """``(loss, {TRL metric name: float})`` of one ``[chosen; rejected]`` batch."""
         if not self.use_liger:
             return super().get_batch_loss_metrics(model, batch, train_eval)
+        self._liger_live.refresh(self)
         cat = self.concatenated_inputs(
             batch, is_encoder_decoder=False, padding_value=self._liger_padding_value(),
             device=self.accelerator.device,

@@ -79,6 +79,11 @@ class DPOTrainer(LigerReferenceTrainerMixin, trl.DPOTrainer):
     _liger_config_cls = trl.DPOConfig
     _liger_build_loss = staticmethod(build_dpo_loss)
     _liger_serves_router_aux_loss = True  # TRL 1.16's DPO: loss + router_aux_loss_coef * aux_loss
+    _liger_live_fields = {
+        "beta": "beta", "loss_type": "loss_types", "loss_weights": "loss_weights", "label_smoothing": "label_smoothing",
+        "f_divergence_type": "f_divergence_type", "f_alpha_divergence_coef": "f_alpha_divergence_coef",
+        "discopop_tau": None, "ld_alpha": "ld_alpha", "use_weighting": "use_weighting",
+    }
 
     # ------------------------------------------------------------------ reference
 
@@ -100,6 +105,7 @@ class DPOTrainer(LigerReferenceTrainerMixin, trl.DPOTrainer):
     def _compute_loss(self, model, inputs, return_outputs):
         if not self.use_liger:
             return super()._compute_loss(model, inputs, return_outputs)
+        self._liger_live.refresh(self)  # options a callback set on the trainer (trainer.beta...), as TRL reads them
         mode = "train" if self.model.training else "eval"
         model_kwargs = {k: v for k, v in inputs.items() if k not in _NON_MODEL_KEYS}
         model_kwargs["use_cache"] = False

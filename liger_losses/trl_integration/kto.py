@@ -66,6 +66,8 @@ class KTOTrainer(LigerReferenceTrainerMixin, trl.KTOTrainer):
     _liger_config_cls = trl.KTOConfig
     _liger_build_loss = staticmethod(build_kto_loss)
     _liger_serves_router_aux_loss = True  # TRL 1.16's KTO: loss + router_aux_loss_coef * aux_loss
+    _liger_live_fields = {"beta": "beta", "loss_type": "loss_type", "desirable_weight": "desirable_weight",
+                          "undesirable_weight": "undesirable_weight"}
 
     # ------------------------------------------------------------------ helpers
 
@@ -104,6 +106,7 @@ class KTOTrainer(LigerReferenceTrainerMixin, trl.KTOTrainer):
     def _compute_loss(self, model, inputs, return_outputs):
         if not self.use_liger:
             return super()._compute_loss(model, inputs, return_outputs)
+        self._liger_live.refresh(self)  # options a callback set on the trainer (trainer.beta...), as TRL reads them
         mode = "train" if self.model.training else "eval"
         device = self.accelerator.device
         batch = {k: (v.to(device) if isinstance(v, torch.Tensor) else v) for k, v in inputs.items()}

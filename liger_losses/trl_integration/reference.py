@@ -5,7 +5,8 @@
 * construction: :meth:`~LigerReferenceTrainerMixin._liger_before_trl_init` (TRL's default config when
   ``args`` is None, the loss built from it so option checks fail fast) and
   :meth:`~LigerReferenceTrainerMixin._liger_after_trl_init` (an MoE auxiliary loss rejected where not served,
-  the loss rebuilt with the head's softcap / logit scale, layer patching of policy and reference). A
+  the loss rebuilt with the head's softcap / logit scale and kept following the trainer's option attributes
+  (``_liger_live_fields``, :class:`~.live_options.LiveLoss`), layer patching of policy and reference). A
   vision-language model's calls with images run through base models (``multimodal.py``).
   A subclass names its config class and loss builder in ``_liger_config_cls`` / ``_liger_build_loss``.
 * the reference: :meth:`~LigerReferenceTrainerMixin._liger_reference_scope` (no grad, gradient
@@ -23,6 +24,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 from typing import Any, Callable, ClassVar, Dict, Mapping, Optional, Sequence
 
 import torch
@@ -41,6 +43,7 @@ from .base import (
     reject,
     unwrap_causal_lm,
 )
+from .live_options import LiveLoss
 from .router_aux import log_router_aux_loss, policy_hidden_and_router_aux
 
 
@@ -51,6 +54,8 @@ class LigerReferenceTrainerMixin(LigerTrainerMixin):
     _liger_build_loss: ClassVar[Callable[..., nn.Module]]  # (args, *, chunk_tokens, softcap, logit_scale) -> loss
     # True where the trainer adds the MoE router aux loss to its policy loss as TRL does (DPO, KTO); else rejected
     _liger_serves_router_aux_loss: ClassVar[bool] = False
+    # config field -> the trainer attribute TRL's loss reads it from at every step (None: TRL reads the config)
+    _liger_live_fields: ClassVar[Mapping[str, Optional[str]]]
 
     # ------------------------------------------------------------------ construction
 
@@ -98,8 +103,10 @@ class LigerReferenceTrainerMixin(LigerTrainerMixin):
                 reject("ref_model", type(unwrap_causal_lm(self.ref_model)).__name__,
                        f"its head's logit transform {ref_opts} differs from the policy's {logit_opts}, and the fused "
                        "loss applies one to both (precompute_ref_log_probs=True computes the reference's with its own)")
+        build = functools.partial(self._liger_build_loss, chunk_tokens=self.liger_chunk_tokens, **logit_opts)
         if logit_opts["softcap"] is not None or logit_opts["logit_scale"] != 1.0:
-            self.liger_loss = self._liger_build_loss(self.args, chunk_tokens=self.liger_chunk_tokens, **logit_opts)
+            self.liger_loss = build(self.args)
+        self._liger_live = LiveLoss(self, self._liger_live_fields, build)
         self._liger_after_init(self.model, self.ref_model, trl_kwargs=trl_kwargs)
 
     # ------------------------------------------------------------------ reference
