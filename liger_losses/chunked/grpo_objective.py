@@ -276,8 +276,8 @@ class GRPOObjective(TokenObjective):
             return loss, {}
         sums = {"policy_loss": policy_loss.detach(), "entropy": chunk.entropy.detach().sum()}
         if entropy_mask is not None:  # the tokens the entropy bonus acts on (TRL's adaptive controller reads them)
-            sums["masked_entropy"] = (chunk.entropy.detach() * entropy_mask).sum()
-            sums["masked_tokens"] = entropy_mask.sum().to(chunk.entropy.dtype)
+            sums["masked_entropy_sum"] = (chunk.entropy.detach() * entropy_mask).sum()
+            sums["masked_entropy_tokens"] = entropy_mask.sum().to(chunk.entropy.dtype)
         if kl is not None:
             sums["kl"] = kl.detach().sum()
         flags = _clip_flags(o, coef_1.detach(), adv)
@@ -317,14 +317,15 @@ def _nanmax(x: Tensor) -> Tensor:
 
 
 def finish_metrics(objective: GRPOObjective, sums: dict) -> dict:
-    """The 0-d metrics TRL logs, from the objective's sums over all chunks (keys of ``TRL_METRIC_NAMES``)."""
+    """The 0-d metrics TRL logs, from the objective's sums over all chunks (keys of ``TRL_METRIC_NAMES``), and with
+    ``top_entropy_quantile < 1`` the high-entropy tokens' ``masked_entropy_sum`` and ``masked_entropy_tokens``."""
     o, bt = objective.opts, objective.batch
     n = bt.num_valid.clamp(min=1.0)
     zero = torch.zeros((), dtype=bt.lengths.dtype, device=bt.lengths.device)
     out = {"entropy": sums.get("entropy", zero) / n}
     if o.top_entropy_quantile < 1.0:
-        out["masked_entropy_sum"] = sums.get("masked_entropy", zero)
-        out["masked_entropy_tokens"] = sums.get("masked_tokens", zero)
+        out["masked_entropy_sum"] = sums.get("masked_entropy_sum", zero)
+        out["masked_entropy_tokens"] = sums.get("masked_entropy_tokens", zero)
     if o.beta != 0.0:
         out["kl"] = sums.get("kl", zero) / n
     if o.entropy_coef != 0.0:

@@ -59,10 +59,11 @@ from .router_aux import log_router_aux_loss, policy_hidden_and_router_aux
 @contextlib.contextmanager
 def head_precision(args, weight: torch.Tensor, bias: Optional[torch.Tensor]):
     """The LM head the loss runs with, as ``(weight, bias)``, and the autocast around it: with
-    ``cast_lm_head_to_fp32`` (TRL 1.16's GRPO option; its fused head takes float32 hidden states and the head in
-    float32 outside autocast) the head in float32 (TRL casts it at construction; an engine that keeps its own
-    copy, DeepSpeed's in bf16, is cast here as TRL's head casts it) with autocast off, so the engine's compute
-    dtype is float32 and the hidden states are cast to it; else both as they are."""
+    ``cast_lm_head_to_fp32`` (TRL 1.16's GRPO option; its fused head, which also gives the old and reference
+    log-probs, takes float32 hidden states and the head in float32 outside autocast) the head in float32 (TRL casts
+    it at construction; an engine that keeps its own copy, DeepSpeed's in bf16, is cast here as TRL's head casts it)
+    with autocast off, so the engine's compute dtype is float32 and the hidden states are cast to it; else both as
+    they are."""
     if not getattr(args, "cast_lm_head_to_fp32", False):
         yield weight, bias
         return
@@ -241,6 +242,6 @@ class GRPOTrainer(LigerTrainerMixin, trl.GRPOTrainer):
             counts["vespo_phi_seq_mean"] = n_seqs
         log_rl_metrics(self, mode, metrics, TRL_METRIC_NAMES, counts)
         if self._entropy_bonus_enabled and mode == "train" and self.accelerator.sync_gradients:
-            coef = self.entropy_coef  # appended after this step's other metrics, as TRL does
+            coef = self.entropy_coef  # once per optimizer step, after the controller moved it, as TRL logs it
             self._liger_defer(None, lambda _: self._metrics[mode]["entropy_coef"].append(coef))
         return loss

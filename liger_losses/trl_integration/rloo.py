@@ -17,9 +17,10 @@ liger_chunk_tokens=None)`` takes every argument of ``trl.RLOOTrainer`` plus thre
   tokens alone, packed (``patching/pad_free.py``; ``LIGER_LOSSES_PAD_FREE``). A vision-language model's backbone
   gets the batch's images as TRL's policy forward does (``multimodal.py``; such a call runs padded).
 
-A config with ``cast_lm_head_to_fp32=True`` (TRL 1.16's ``RLOOConfig`` has no such field; GRPO's has) runs the
-loss's head in float32 outside autocast, as GRPO's does (:func:`~.grpo.head_precision`). PEFT prompt learning
-raises ``ValueError`` at construction.
+Options use_liger=True cannot serve raise ``ValueError`` at construction, naming the option: PEFT prompt learning,
+and ``cast_lm_head_to_fp32=True`` on a config that has it (TRL 1.16's ``RLOOConfig`` has no such field: its old
+log-probs come from the head in the model's precision, so a float32 head in the loss alone would move every
+on-policy ratio off 1).
 """
 
 from __future__ import annotations
@@ -36,9 +37,10 @@ from .base import (
     LigerTrainerMixin,
     gathered_params,
     head_logit_options,
+    reject,
     unwrap_causal_lm,
 )
-from .grpo import head_precision, log_rl_metrics
+from .grpo import log_rl_metrics
 from .multimodal import rl_policy_inputs
 from .router_aux import log_router_aux_loss, policy_hidden_and_router_aux
 
@@ -50,6 +52,9 @@ class RLOOTrainer(LigerTrainerMixin, trl.RLOOTrainer):
                  liger_patch_model: bool = True, liger_chunk_tokens: Optional[int] = None, **trl_kwargs: Any):
         self._liger_setup(use_liger=use_liger, liger_patch_model=liger_patch_model,
                           liger_chunk_tokens=liger_chunk_tokens)
+        if use_liger and getattr(args, "cast_lm_head_to_fp32", False):
+            reject("cast_lm_head_to_fp32", True, "TRL's RLOO computes its old log-probs with the head in the model's "
+                   "precision; a float32 head in the loss alone would move every on-policy ratio off 1")
         super().__init__(model, reward_funcs, args, *trl_args, **trl_kwargs)
         if use_liger:
             self._liger_after_init(self.model, self.ref_model, trl_kwargs=trl_kwargs)
@@ -70,7 +75,7 @@ class RLOOTrainer(LigerTrainerMixin, trl.RLOOTrainer):
             hidden, aux = policy_hidden_and_router_aux(self, model, model_kwargs, read_mask=read)
             hidden = hidden[:, start:start + labels.size(1)]
             weight, bias = self._liger_head(model)
-            with gathered_params(weight, bias), head_precision(self.args, weight, bias) as (weight, bias):
+            with gathered_params(weight, bias):
                 return aux, fused_linear_rloo_loss(
                     weight, hidden, labels, bias=bias, advantages=inputs["advantages"],
                     old_logps=inputs["old_logps"], epsilon_low=self.epsilon_low, epsilon_high=self.epsilon_high,

@@ -208,7 +208,8 @@ class SFTTrainer(LigerTrainerMixin, trl.SFTTrainer):
         head = HeadOptions(ignore_index=IGNORE_INDEX, chunk_tokens=self.liger_chunk_tokens, need_entropy=True,
                            **self._liger_logit_opts)
         loss, _, stats = run_token_objective(weight, hidden, labels, _TokenMeanDFT(denom), head=head, bias=bias)
-        return loss, scored.sum(), stats.correct.sum(), stats.entropy.sum()
+        entropy_sum = loss.new_zeros(()) if stats.entropy is None else stats.entropy.sum()  # None: no scored token
+        return loss, scored.sum(), stats.correct.sum(), entropy_sum
 
     def _liger_smoothed(self, weight, bias, hidden, labels, num_items_in_batch, smoothing):
         """Label-smoothed CE, token accuracy and entropy from the same tiles (one engine pass)."""

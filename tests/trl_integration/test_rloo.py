@@ -77,3 +77,16 @@ def test_training_parity(tok, tmp_path):
     lo = [h for h in ours.state.log_history if "loss" in h]
     assert len(lt) == 3
     _assert_logs_match(lo, lt, 1e-3)
+
+
+def test_float32_head_refused(tok, tmp_path):
+    """A config carrying ``cast_lm_head_to_fp32=True`` (TRL 1.16's RLOOConfig has no such field; a subclass may add
+    it): TRL's RLOO would still take its old log-probs from the head in the model's precision, so a float32 head in
+    our loss alone would move every on-policy ratio off 1: ValueError at construction, naming the option."""
+    build_tiny_model(tok, seed=0).save_pretrained(tmp_path / "tiny")
+    config = trl_config(trl.RLOOConfig, tmp_path / "run", per_device_train_batch_size=4, num_generations=2,
+                        max_completion_length=8)
+    config.cast_lm_head_to_fp32 = True
+    with pytest.raises(ValueError, match="cast_lm_head_to_fp32"):
+        RLOOTrainer(str(tmp_path / "tiny"), _reward_len, config, train_dataset=_dataset(), processing_class=tok,
+                    use_liger=True)

@@ -181,6 +181,24 @@ def test_dft_parity(tok, tmp_path, monkeypatch, case):
     assert varlen_call_count() - calls == (ours.model.config.num_hidden_layers if case == "pad-free" else 0)
 
 
+@pytest.mark.parametrize("loss_type", ["nll", "dft"])
+def test_batch_without_scored_tokens(tok, tmp_path, loss_type):
+    """Every label ignored (a micro-batch of prompts only): loss 0 and zero metrics, as TRL's clamped divisor gives,
+    for both loss types (no crash on the statistics an empty pass leaves)."""
+    theirs, ours = _pair(tok, tmp_path, sft_dataset(), loss_type=loss_type)
+    batch = first_batch(theirs)
+    batch["labels"] = torch.full_like(batch["labels"], -100)
+    for trainer in (theirs, ours):
+        trainer._metrics["train"].clear()
+    with torch.no_grad():
+        losses = [float(t.compute_loss(t.model, dict(batch))) for t in (theirs, ours)]
+    assert losses == [0.0, 0.0]
+    m_t = {k: v[-1] for k, v in theirs._metrics["train"].items()}
+    m_o = {k: v[-1] for k, v in ours._metrics["train"].items()}
+    assert_metrics_match(m_o, m_t, TOL)
+    assert m_o["entropy"] == 0.0 and m_o["mean_token_accuracy"] == 0.0
+
+
 def test_dft_is_not_nll(tok, tmp_path):
     """The case is live: on the same batch DFT's loss differs from the NLL's by more than 10x the parity
     tolerance (each token's weight p_y < 1)."""

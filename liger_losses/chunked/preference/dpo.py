@@ -123,9 +123,9 @@ def dpo_pair_losses(
     For several loss types the result is ``sum_k loss_weights[k] * losses_k``. ``"aot"`` and
     ``"aot_unpaired"`` sort over the given pairs, so their values are per rank, not per pair: only
     their mean is meaningful, and they must see the whole batch at once. ``pair_weights [P]`` (WPO,
-    detached) multiply every term, as TRL multiplies each loss type's per-sequence loss; TRL's ``"sft"``
-    term is then its batch mean times each pair's weight, so with weights the given pairs must be the
-    whole batch.
+    detached) multiply every term, as TRL multiplies each loss type's per-sequence loss; the ``"sft"``
+    term is then the batch mean times each pair's weight (what TRL 1.16's code means: it raises there, its
+    in-place product writing into the expanded mean), so with weights the given pairs must be the whole batch.
     """
     types = [loss_type] if isinstance(loss_type, str) else list(loss_type)
     weights = [1.0] * len(types) if loss_weights is None else list(loss_weights)
@@ -370,6 +370,9 @@ class DPOObjective(Objective):
         nll = chosen_nll_per_unit(chosen, stats.batch_num_tokens) if "sft" in o.loss_types else None
         pair_weights = None
         if o.use_weighting:  # WPO: mean aligned log-prob over the completion's (label) tokens, detached
+            if stats.aligned_logps is None:
+                raise ValueError("use_weighting needs stats.aligned_logps: run the objective with "
+                                 "need_aligned_logps=True")
             w = torch.exp(stats.aligned_logps / stats.num_tokens.clamp(min=1.0)).detach()
             w_chosen, w_rejected = split_pairs(w)
             pair_weights = w_chosen * w_rejected
