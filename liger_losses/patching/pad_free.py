@@ -1,9 +1,11 @@
 """Run a Hugging Face backbone on the valid tokens of a padded batch only ("pad-free"), packed end to end.
 
 ``pack_batch(backbone, model_kwargs, read_mask) -> PackedBatch | None``: for ``model_kwargs`` with
-``input_ids [B, T]`` and a 2-D ``attention_mask [B, T]`` that has padding, the keywords that run ``backbone``
+``input_ids [B, T]`` (or ``inputs_embeds [B, T, H]``: a vision-language model's language model, called by its base
+model) and a 2-D ``attention_mask [B, T]`` that has padding, the keywords that run ``backbone``
 on the ``N`` attended tokens as one row ``[1, N]`` -- each row's tokens one causal sequence, at the
-positions the padded call gives them (``position_ids``, default ``0 .. T-1``, gathered) -- and
+positions the padded call gives them (``position_ids [B, T]`` or M-RoPE's ``[k, B, T]``, default ``0 .. T-1``,
+gathered) -- and
 ``PackedBatch.unpack(hidden [1, N, H]) -> [B, T, H]``, zeros at the padding. ``read_mask [B, T]`` (bool):
 the positions whose hidden states the caller's loss reads; packing is refused (``None``: run the padded
 call) unless every one is attended, so the loss sees exactly the hidden states of the padded call. Also
@@ -65,8 +67,10 @@ PAD_FREE_MODEL_TYPES = frozenset({
     "llama", "mistral", "ministral", "qwen2", "qwen3", "gemma", "gemma3_text", "phi3", "olmo2", "olmo3", "glm4",
     "granite", "smollm3", "exaone4", "mixtral", "qwen2_moe", "qwen3_moe",
     "ministral3", "seed_oss", "hunyuan_v1_dense", "olmoe", "glm4_moe", "dots1",
+    "qwen2_vl_text", "qwen2_5_vl_text",  # the language models of Qwen2-VL / Qwen2.5-VL (M-RoPE)
 })
-_PLAIN_KEYS = frozenset({"input_ids", "attention_mask", "position_ids", "use_cache", "return_dict"})
+_PLAIN_KEYS = frozenset({"input_ids", "inputs_embeds", "attention_mask", "position_ids", "use_cache", "return_dict",
+                         "cache"})
 
 
 # model types whose backbone takes a per-layer-type mask map and whose sliding layers hand the attention their
@@ -74,7 +78,7 @@ _PLAIN_KEYS = frozenset({"input_ids", "attention_mask", "position_ids", "use_cac
 # builds no mask and a window the packed row reaches is served by the varlen kernel (Qwen2-MoE's sliding layers do
 # not pass the window: not here)
 _MASK_MAP_MODEL_TYPES = frozenset({"gemma3_text", "olmo3", "ministral", "exaone4", "smollm3", "qwen2", "qwen3",
-                                   "dots1"})
+                                   "dots1", "qwen2_vl_text", "qwen2_5_vl_text"})
 # model types whose every decoder layer slides when the config has a window, each handing the attention the config's
 # ``sliding_window`` (transformers builds them one windowed mask for all layers)
 _ALL_SLIDING_MODEL_TYPES = frozenset({"mistral", "mixtral", "phi3", "ministral3"})
@@ -161,10 +165,13 @@ def pad_free_reason(backbone: nn.Module, model_kwargs: Dict[str, Any]) -> str:
         return "a compiled backbone"
     if set(model_kwargs) - _PLAIN_KEYS:
         return f"model inputs other than {sorted(_PLAIN_KEYS)}: {sorted(set(model_kwargs) - _PLAIN_KEYS)}"
-    ids, mask = model_kwargs.get("input_ids"), model_kwargs.get("attention_mask")
+    ids, mask, positions = _tokens(model_kwargs), model_kwargs.get("attention_mask"), model_kwargs.get("position_ids")
     if not isinstance(ids, torch.Tensor) or not isinstance(mask, torch.Tensor) or mask.dim() != 2 \
-            or mask.shape != ids.shape or model_kwargs.get("use_cache"):
-        return "not input_ids [B, T] with a 2-D attention_mask of its shape and no cache"
+            or mask.shape != ids.shape or model_kwargs.get("use_cache") or model_kwargs.get("cache") is not None:
+        return "not input_ids [B, T] (or inputs_embeds [B, T, H]) with a 2-D attention_mask of its shape and no cache"
+    if positions is not None and (positions.dim() > 3 or positions.shape[-1] != ids.shape[1]
+                                  or (positions.dim() > 1 and positions.shape[-2] not in (1, ids.shape[0]))):
+        return f"position_ids of shape {tuple(positions.shape)} for a batch of {tuple(ids.shape)}"
     window = sliding_window(config)
     if window is not None and window <= ids.shape[1] and not serves_window(config):
         return f"a sliding window ({window}) no longer than the batch ({ids.shape[1]} tokens)"
@@ -187,6 +194,15 @@ def pad_free_reason(backbone: nn.Module, model_kwargs: Dict[str, Any]) -> str:
         return "not a step torch's flash varlen kernel serves (CUDA sm80+, bf16/fp16, head size a multiple of 8 " \
                "up to 256; LIGER_LOSSES_PAD_FREE=1 packs anyway, with the reference attention)"
     return ""
+
+
+def _tokens(model_kwargs: Dict[str, Any]) -> Optional[torch.Tensor]:
+    """``input_ids [B, T]``, else a ``[B, T]`` view of ``inputs_embeds [B, T, H]`` (its shape and device are what is
+    read), else None."""
+    ids, embeds = model_kwargs.get("input_ids"), model_kwargs.get("inputs_embeds")
+    if ids is not None or not isinstance(embeds, torch.Tensor) or embeds.dim() != 3:
+        return ids
+    return embeds[..., 0]
 
 
 def sliding_window(config) -> Optional[int]:
@@ -250,7 +266,7 @@ def pack_batch(backbone: nn.Module, model_kwargs: Dict[str, Any],
     """See the module docstring (``read_mask`` None: nothing known of what the loss reads, so ``None``)."""
     if read_mask is None or pad_free_reason(backbone, model_kwargs):
         return None
-    ids, mask = model_kwargs["input_ids"], model_kwargs["attention_mask"]
+    ids, mask = _tokens(model_kwargs), model_kwargs["attention_mask"]
     if read_mask.shape != mask.shape:
         raise ValueError(f"read_mask must be [B, T] = {tuple(mask.shape)}, got {tuple(read_mask.shape)}")
     keep, read_mask = mask.bool(), read_mask.to(mask.device)
@@ -279,10 +295,13 @@ def pack_batch(backbone: nn.Module, model_kwargs: Dict[str, Any],
     positions = model_kwargs.get("position_ids")
     if positions is None:
         positions = torch.arange(length, device=ids.device)
-    positions = positions.expand(batch, length).flatten()[order]
+    rows = positions.shape[:-2] if positions.dim() == 3 else ()  # M-RoPE's [k, B, T]: each of the k rows packed
+    positions = positions.expand(*rows, batch, length).reshape(*rows, -1)[..., order].unsqueeze(-2)
     mask_map = getattr(config, "model_type", None) in _MASK_MAP_MODEL_TYPES
     packed_mask = {"full_attention": None, "sliding_attention": None} if mask_map else _packed_mask(ids.device)
-    kwargs = dict(model_kwargs, input_ids=ids.flatten()[order][None], position_ids=positions[None],
+    inputs = {"input_ids": ids.flatten()[order][None]} if model_kwargs.get("input_ids") is not None else {
+        "inputs_embeds": model_kwargs["inputs_embeds"].flatten(0, 1)[order][None]}
+    kwargs = dict(model_kwargs, **inputs, position_ids=positions,
                   attention_mask=packed_mask, liger_max_seqlen=int(longest), liger_window=window,
                   liger_cu_seqlens=F.pad(counts.cumsum(0, dtype=torch.int32), (1, 0)))
     return PackedBatch(kwargs, order, (batch, length), int(config.num_hidden_layers),

@@ -82,7 +82,7 @@ from .checkpointing import lean_allowed, lean_checkpointing
 from .logit_check import check_model_logits
 from .metrics import DeferredMetrics
 from .metrics import install as install_resolving_store
-from .multimodal import multimodal_backbone_of, runs_base_model
+from .multimodal import multimodal_backbone_of, packed_language_model, runs_base_model
 
 IGNORE_INDEX = -100
 
@@ -421,15 +421,15 @@ class LigerTrainerMixin:
 
     def _liger_backbone_hidden(self, model: nn.Module, model_kwargs: Dict[str, Any], read_mask=None) -> torch.Tensor:
         """Last hidden states [B, T, H] of ``model``'s backbone (no LM head); given ``read_mask [B, T]`` (what the loss
-        reads), on the attended tokens alone where :func:`~..patching.pad_free.pack_batch` packs them."""
+        reads), on the attended tokens alone where :func:`~..patching.pad_free.pack_batch` packs them (a base model's
+        language model: :func:`~.multimodal.packed_language_model`, in torch's checkpointing form, not the lean one)."""
         self._liger_check_logits(model, model_kwargs)
         backbone = self._liger_backbone(model, model_kwargs)
-        packed = pack_batch(backbone, model_kwargs, read_mask)
+        base = runs_base_model(unwrap_causal_lm(model), model_kwargs)
+        packed = None if base else pack_batch(backbone, model_kwargs, read_mask)
         kwargs = model_kwargs if packed is None else packed.kwargs
-        # the lean form is read for the language layers we patch, not an encoder's: torch's form through a base model
-        lean = (contextlib.nullcontext() if runs_base_model(unwrap_causal_lm(model), model_kwargs)
-                else self._liger_lean_checkpointing(model, backbone, kwargs))
-        with lean:
+        with (packed_language_model(backbone, read_mask) if base
+              else self._liger_lean_checkpointing(model, backbone, kwargs)):
             hidden = backbone(**kwargs).last_hidden_state
         return hidden if packed is None else packed.unpack(hidden)
 

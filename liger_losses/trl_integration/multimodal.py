@@ -5,7 +5,11 @@ the text ones (pixels, audio features, token types...) runs the model's base mod
 :func:`multimodal_backbone_of`: ``LlavaModel``, ``Qwen2VLModel``, ``Gemma4Model``...: the encoders, the projectors and
 the language model), as TRL's fused head runs every call; ``get_decoder()`` gives the language model alone, which
 takes those keywords through its ``**kwargs`` and ignores them. A text-only call keeps the language model (and
-pad-free). SFT, DPO and KTO hand the backbone their batch's keywords as TRL hands them to the model; the trainers that
+pad-free). In a base model's call, the language model runs pad-free where its family is served
+(:func:`packed_language_model`: Qwen2-VL / Qwen2.5-VL's M-RoPE text models, Llava's Llama...): the vision tower and
+the projector run on the padded batch as in TRL's forward, the language model on the attended tokens alone, packed
+(its input embeddings and the positions the base model gives it), and its output goes back to the padded layout.
+SFT, DPO and KTO hand the backbone their batch's keywords as TRL hands them to the model; the trainers that
 serve no images refuse a vision-language processor (:func:`reject_vision`).
 
 TRL 1.16's GRPO and RLOO steps pass the batch's image fields to the policy beside ``input_ids`` and
@@ -26,10 +30,13 @@ gives ``{}`` (or only its token types, where TRL keeps them).
 
 from __future__ import annotations
 
-from typing import Any, Dict, Mapping, Optional
+import contextlib
+from typing import Any, Dict, Iterator, Mapping, Optional
 
 import torch
 from torch import nn
+
+from ..patching.pad_free import pack_batch
 
 # the fields TRL passes through whatever the image layout, when present
 _PER_ROW_FIELDS = ("image_sizes", "token_type_ids", "mm_token_type_ids")
@@ -89,6 +96,39 @@ def multimodal_backbone_of(causal_lm: nn.Module) -> nn.Module:
         raise ValueError(f"{type(causal_lm).__name__} got multimodal inputs but has no base model to run them "
                          "through; pass use_liger=False to train with the model's own forward")
     return base
+
+
+@contextlib.contextmanager
+def packed_language_model(base_model: nn.Module, read_mask: Optional[torch.Tensor]) -> Iterator[None]:
+    """While ``base_model`` (:func:`multimodal_backbone_of`) is called in this context, its ``language_model`` runs
+    on the attended tokens alone where :func:`~..patching.pad_free.pack_batch` packs the call the base model makes
+    (``inputs_embeds [B, T, H]`` with the images' features in place, a 2-D ``attention_mask`` and the positions it
+    computed: M-RoPE's ``[3, B, T]`` for Qwen-VL), and hands back ``last_hidden_state [B, T, H]`` (zeros at the
+    padding) as the padded call would. A call it refuses -- a mask the base model built (Gemma-3's bidirectional
+    image blocks), inputs beyond those, another family -- runs as it is; so does everything with ``read_mask`` None."""
+    language_model = getattr(base_model, "language_model", None)
+    if read_mask is None or not isinstance(language_model, nn.Module):
+        yield
+        return
+    own = language_model.__dict__.get("forward")  # an instance-level forward (a hook's) to restore afterwards
+    original = language_model.forward
+
+    def forward(*args, **kwargs):
+        packed = None if args else pack_batch(language_model, kwargs, read_mask)
+        if packed is None:
+            return original(*args, **kwargs)
+        out = original(**packed.kwargs)
+        out.last_hidden_state = packed.unpack(out.last_hidden_state)
+        return out
+
+    language_model.forward = forward
+    try:
+        yield
+    finally:
+        if own is None:
+            del language_model.forward
+        else:
+            language_model.forward = own
 
 
 def reject_vision(processing_class: Any) -> None:

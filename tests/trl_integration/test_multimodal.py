@@ -27,6 +27,7 @@ trl = pytest.importorskip("trl")
 transformers = pytest.importorskip("transformers")
 
 from liger_losses.patching import revert_liger_kernels  # noqa: E402
+from liger_losses.patching.pad_free import varlen_call_count  # noqa: E402
 from liger_losses.trl_integration.dpo import DPOTrainer  # noqa: E402
 from liger_losses.trl_integration.grpo import GRPOTrainer  # noqa: E402
 from liger_losses.trl_integration.kto import KTOTrainer  # noqa: E402
@@ -259,13 +260,18 @@ def _assert_step_parity(theirs, ours, batch):
     return m_t
 
 
-@pytest.mark.parametrize("variant", ["plain", "lora-checkpointed"])
+@pytest.mark.parametrize("variant", ["plain", "lora-checkpointed", "pad-free"])
 @pytest.mark.parametrize("trainer_name", ["grpo", "rloo"])
 @pytest.mark.parametrize("family", sorted(MODELS))
-def test_vision_language_step_parity(tmp_path, trainer_name, family, variant):
+def test_vision_language_step_parity(tmp_path, monkeypatch, trainer_name, family, variant):
     """``lora-checkpointed``: PEFT LoRA on every linear layer (the vision tower's too) and transformers' activation
-    checkpointing, as users train these models."""
+    checkpointing, as users train these models. ``pad-free`` (forced, the CPU's reference attention): the language
+    model runs on the attended tokens alone, packed, inside the base model's call (one varlen call per text layer;
+    the vision tower unpacked); the padded batch's numbers all the same."""
     from datasets import Dataset
+
+    if variant == "pad-free":
+        monkeypatch.setenv("LIGER_LOSSES_PAD_FREE", "1")
 
     path, processing_class, images = MODELS[family](tmp_path)
     ours_cls, config_cls = (GRPOTrainer, trl.GRPOConfig) if trainer_name == "grpo" else (RLOOTrainer, trl.RLOOConfig)
@@ -283,7 +289,11 @@ def test_vision_language_step_parity(tmp_path, trainer_name, family, variant):
                  **({"liger_patch_model": False} if use else {}))
         for use in (False, True))
     assert ours.use_liger
-    _assert_step_parity(theirs, ours, _vl_batch(theirs, images))
+    batch = _vl_batch(theirs, images)
+    calls = varlen_call_count()
+    _assert_step_parity(theirs, ours, batch)
+    layers = ours.model.config.get_text_config().num_hidden_layers
+    assert varlen_call_count() - calls == (layers if variant == "pad-free" else 0)
 
 
 # Llava's processor renders a message's image parts as its image token (expanded to the image's four tokens), an
@@ -344,7 +354,27 @@ def test_vision_language_training_parity(tmp_path, device, monkeypatch):
             assert err <= TOL, (key, o[key], t[key])
 
 
-def test_vision_language_sft_parity(tmp_path):
+# packed language-model calls of one forced pad-free step: SFT's policy; DPO's policy and reference; KTO's policy,
+# reference and both models' KL completions
+VL_PACKED_CALLS = {"sft": 1, "dpo": 2, "kto": 4}
+
+
+def _pad_free(monkeypatch, on: bool):
+    """Force pad-free (the CPU's reference attention) when ``on``; the varlen call count before the step."""
+    if on:
+        monkeypatch.setenv("LIGER_LOSSES_PAD_FREE", "1")
+    return varlen_call_count()
+
+
+def _assert_packed(ours, trainer_name, on: bool, calls_before: int) -> None:
+    layers = ours.model.config.get_text_config().num_hidden_layers
+    assert varlen_call_count() - calls_before == (VL_PACKED_CALLS[trainer_name] * layers if on else 0)
+
+
+@pytest.mark.parametrize("pad_free", [False, True], ids=["padded", "pad-free"])
+def test_vision_language_sft_parity(tmp_path, monkeypatch, pad_free):
+    """Llava SFT on image + text conversations: the step equals TRL's; forced pad-free, with the language model's
+    call packed (answers of different lengths pad the batch)."""
     from datasets import Dataset
 
     path, processor, _ = _llava(tmp_path)
@@ -359,11 +389,16 @@ def test_vision_language_sft_parity(tmp_path):
                                **({"liger_patch_model": False} if use else {}))
                     for use in (False, True))
     batch = first_batch(theirs)
-    assert batch["pixel_values"].shape[0] == 4
+    assert batch["pixel_values"].shape[0] == 4 and not batch["attention_mask"].all()
+    calls = _pad_free(monkeypatch, pad_free)
     _assert_step_parity(theirs, ours, batch)
+    _assert_packed(ours, "sft", pad_free, calls)
 
 
-def test_vision_language_dpo_parity(tmp_path):
+@pytest.mark.parametrize("pad_free", [False, True], ids=["padded", "pad-free"])
+def test_vision_language_dpo_parity(tmp_path, monkeypatch, pad_free):
+    """Llava DPO with a reference model: the step equals TRL's; forced pad-free, both models' language-model calls
+    packed."""
     from datasets import Dataset
 
     path, processor, _ = _llava(tmp_path)
@@ -382,11 +417,16 @@ def test_vision_language_dpo_parity(tmp_path):
                     for use in (False, True))
     batch = first_batch(theirs)
     assert batch["pixel_values"].shape[0] == 8  # the prompt's image for the chosen and the rejected rows
+    calls = _pad_free(monkeypatch, pad_free)
     metrics = _assert_step_parity(theirs, ours, batch)
     assert metrics["rewards/margins"] != 0  # the reference differs: a live preference loss
+    _assert_packed(ours, "dpo", pad_free, calls)
 
 
-def test_vision_language_kto_parity(tmp_path):
+@pytest.mark.parametrize("pad_free", [False, True], ids=["padded", "pad-free"])
+def test_vision_language_kto_parity(tmp_path, monkeypatch, pad_free):
+    """Llava KTO with a reference model and KL completions: the step equals TRL's; forced pad-free, every
+    language-model call packed."""
     from datasets import Dataset
 
     path, processor, _ = _llava(tmp_path)
@@ -404,5 +444,7 @@ def test_vision_language_kto_parity(tmp_path):
                     for use in (False, True))
     batch = first_batch(theirs)
     assert "KL_input_ids" in batch and batch["pixel_values"].shape[0] == 4  # the KL completions reuse the images
+    calls = _pad_free(monkeypatch, pad_free)
     metrics = _assert_step_parity(theirs, ours, batch)
     assert metrics["rewards/chosen"] != 0  # the reference differs: live rewards (the KL estimate clamps at 0 here)
+    _assert_packed(ours, "kto", pad_free, calls)
