@@ -207,10 +207,15 @@ def _vl_batch(trainer, images, seed=0):
     batch = dict(prompt_ids=prompt, prompt_mask=prompt_mask, completion_ids=completion,
                  completion_mask=completion_mask, advantages=torch.randn(n, generator=g),
                  num_items_in_batch=completion_mask.sum().float(), **fields)
+    dev = trainer.accelerator.device  # drawn on the CPU, then moved: the same numbers on every device
+    batch = {k: v.to(dev) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+    fields = {k: batch[k] for k in fields}
     with torch.no_grad():
         logps = trainer._get_per_token_logps_and_entropies(
-            trainer.model, ids, torch.cat([prompt_mask, completion_mask], 1), 5, **fields)[0]
-    old = logps + 0.3 * torch.randn(logps.shape, generator=g)
+            trainer.model, ids.to(dev), torch.cat([batch["prompt_mask"], batch["completion_mask"]], 1), 5,
+            **fields)[0]
+    old = logps + 0.3 * torch.randn(logps.shape, generator=g).to(dev)
+    completion_mask = batch["completion_mask"]
     if isinstance(trainer, trl.RLOOTrainer):
         batch["old_logps"] = (old * completion_mask).sum(1)
     else:
@@ -294,6 +299,59 @@ def test_vision_language_step_parity(tmp_path, monkeypatch, trainer_name, family
     _assert_step_parity(theirs, ours, batch)
     layers = ours.model.config.get_text_config().num_hidden_layers
     assert varlen_call_count() - calls == (layers if variant == "pad-free" else 0)
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("family", sorted(MODELS))
+def test_vision_language_pad_free_against_padded(tmp_path, monkeypatch, family, device):
+    """Our GRPO step on a padded vision-language batch, pad-free (on CUDA by default: bf16 autocast, the flash varlen
+    kernel, the reference attention forbidden; on the CPU forced, fp32, the reference attention) against the same
+    trainer's padded step (``LIGER_LOSSES_PAD_FREE=0``): one packed call per text layer, and the loss and every
+    gradient within 2e-2 relative on CUDA (two bf16 attention kernels, bf16 GEMMs), 1e-5 on the CPU (fp32)."""
+    from datasets import Dataset
+
+    from liger_losses.kernels import varlen_attention
+    from tests.helpers import rel_err
+
+    if device == "cuda":
+        if not torch.cuda.is_available():
+            pytest.skip("CUDA")
+
+        def no_reference(*args, **kwargs):
+            raise AssertionError("the packed step took the reference attention, not the flash kernel")
+
+        monkeypatch.setattr(varlen_attention, "reference_varlen_attention", no_reference)
+        monkeypatch.delenv("LIGER_LOSSES_PAD_FREE", raising=False)
+    path, processing_class, images = MODELS[family](tmp_path)
+    data = Dataset.from_list([{"prompt": p} for p in ("abc", "hello", "xyz", "the cat")])
+    ours = GRPOTrainer(path, _reward, trl_config(trl.GRPOConfig, tmp_path / "run", per_device_train_batch_size=4,
+                                                 num_generations=2, max_completion_length=8, max_steps=1,
+                                                 loss_type="dapo", beta=0.0, bf16=device == "cuda",
+                                                 use_cpu=device == "cpu"),
+                       train_dataset=data, processing_class=processing_class, use_liger=True, liger_patch_model=False)
+    batch = _vl_batch(ours, images)
+    results = []
+    for mode in ("packed", "0"):
+        if mode == "0":
+            monkeypatch.setenv("LIGER_LOSSES_PAD_FREE", "0")
+        elif device == "cpu":
+            monkeypatch.setenv("LIGER_LOSSES_PAD_FREE", "1")
+        ours.model.zero_grad()
+        calls = varlen_call_count()
+        with ours.accelerator.autocast():  # as under train(): the prepared policy's forward runs in it
+            loss, _ = _step(ours, batch)
+        loss.backward()
+        layers = ours.model.config.get_text_config().num_hidden_layers
+        assert varlen_call_count() - calls == (layers if mode == "packed" else 0), mode
+        results.append((loss.detach().float(), {n: p.grad.float().clone() for n, p in ours.model.named_parameters()
+                                                if p.grad is not None}))
+    (packed, g_packed), (padded, g_padded) = results
+    tol = 2e-2 if device == "cuda" else 1e-5
+    assert rel_err(packed, padded) <= tol, (float(packed), float(padded))
+    assert g_packed.keys() == g_padded.keys() and g_packed
+    for name in g_padded:
+        if not name.endswith("k_proj.bias"):  # zero in exact arithmetic: rounding noise on both sides
+            assert rel_err(g_packed[name], g_padded[name]) <= tol, name
 
 
 # Llava's processor renders a message's image parts as its image token (expanded to the image's four tokens), an
