@@ -6,8 +6,10 @@ hidden states at the attended positions, and every parameter's gradient of a los
 padded call's: to 1e-10 in float64 (the same math; only the summation order differs), 1e-6 where Gemma's
 own norms compute in float32, and 2e-5 for the MoE families, which run in float32 (transformers' grouped
 expert GEMM has no float64). Masks cover left padding, right padding, a hole inside a row and an
-all-padding row. Sliding windows the packed row reaches (families whose sliding layers pass their window) must
-equal the padded call's windowed mask to the same tolerances, a hole inside the window keeping the padded call.
+all-padding row. Vision-language models' language models (Qwen2-VL / Qwen2.5-VL) are also called as their base
+models call them: input embeddings and M-RoPE's three position rows, each packed. Sliding windows the packed row
+reaches (families whose sliding layers pass their window) must equal the padded call's windowed mask to the same
+tolerances, a hole inside the window keeping the padded call.
 Refusals (``None``) keep the padded call: a model or input it cannot serve, no padding, a read position that is
 padding. A model whose attention did not take the packing or its window, or hands it a keyword that transformers'
 SDPA acts on and the packing does not serve, raises. Dropout and router noise in training are drawn on the packed
@@ -35,6 +37,19 @@ from .tiny_models import randomize_, tiny_config  # noqa: E402
 
 FAMILIES = sorted(PAD_FREE_MODEL_TYPES)
 MOE = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "glm4_moe", "dots1")
+# language models of vision-language models (no causal-LM class of their own; our layer kernels do not patch them)
+LANGUAGE_MODELS = ("qwen2_vl_text", "qwen2_5_vl_text")
+
+
+class _LanguageModel(torch.nn.Module):
+    """A vision-language model's language model alone, as ``.model`` of a causal LM for these tests."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.model, self.config = model, model.config
+
+    def gradient_checkpointing_enable(self, kwargs=None):
+        self.model.gradient_checkpointing_enable(kwargs)
 
 
 @pytest.fixture(autouse=True)
@@ -49,7 +64,10 @@ def _model(model_type, attn="sdpa", **overrides):
     if getattr(tiny_config(model_type), "sliding_window", None) is not None:
         overrides.setdefault("sliding_window", 32)
     config = tiny_config(model_type, **overrides)
-    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation=attn)
+    if model_type in LANGUAGE_MODELS:
+        model = _LanguageModel(transformers.AutoModel.from_config(config, attn_implementation=attn))
+    else:
+        model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation=attn)
     return randomize_(model).to(torch.float32 if model_type in MOE else torch.float64).train()
 
 
@@ -90,6 +108,8 @@ def _grads(model, loss):
 @pytest.mark.parametrize("model_type", FAMILIES)
 @pytest.mark.parametrize("variant", ["plain", "non-reentrant", "reentrant", "patched"])
 def test_packed_call_equals_the_padded_call(model_type, variant):
+    if variant == "patched" and model_type in LANGUAGE_MODELS:
+        pytest.skip("our layer kernels do not patch M-RoPE language models")
     model = _model(model_type)
     if variant.endswith("reentrant"):
         model.gradient_checkpointing_enable({"use_reentrant": variant == "reentrant"})
@@ -116,6 +136,35 @@ def test_packed_call_equals_the_padded_call(model_type, variant):
     assert got.keys() == want.keys()
     for name in want:
         _assert_within(got[name], want[name], tol, name)
+
+
+@pytest.mark.parametrize("model_type", LANGUAGE_MODELS)
+def test_mrope_positions_packed(model_type):
+    """A vision-language model's language model gets M-RoPE's three position rows ``[3, B, T]`` from its base model
+    (temporal, height, width: unequal where image tokens sit). Each row is packed like the tokens, and the packed
+    call equals the padded one to 1e-10 in float64, hidden states and gradients."""
+    model = _model(model_type)
+    backbone, kwargs = model.model, _batch(model.config.vocab_size)
+    mask = kwargs["attention_mask"].bool()
+    steps = torch.arange(9)
+    kwargs["position_ids"] = torch.stack([steps, steps // 2, steps % 3 + steps // 3])[:, None].expand(3, 4, 9)
+    ids = kwargs.pop("input_ids")
+
+    def embedded():  # as the base model calls it: the embeddings in, a graph of their own each call
+        return dict(kwargs, inputs_embeds=backbone.get_input_embeddings()(ids))
+
+    assert pad_free_reason(backbone, embedded()) == ""
+    padded = backbone(**embedded()).last_hidden_state
+    want = _grads(model, _loss(padded, mask))
+    packed = pack_batch(backbone, embedded(), mask)
+    assert packed.kwargs["position_ids"].shape == (3, 1, 19) and packed.kwargs["inputs_embeds"].shape[:2] == (1, 19)
+    assert packed.kwargs["position_ids"][1, 0, :6].tolist() == [1, 2, 2, 3, 3, 4]  # row 0's tokens 3..8, halved
+    hidden = packed.unpack(backbone(**packed.kwargs).last_hidden_state)
+    _assert_within(hidden[mask], padded[mask], 1e-10)
+    got = _grads(model, _loss(hidden, mask))
+    assert got.keys() == want.keys()
+    for name in want:
+        _assert_within(got[name], want[name], 1e-10, name)
 
 
 def _no_hole(kwargs):
@@ -303,6 +352,11 @@ def test_refusals_keep_the_padded_call(monkeypatch):
     assert pack_batch(model.model, kwargs, read) is None
     assert "model inputs other than" in pad_free_reason(model.model, dict(kwargs, token_type_ids=mask.long()))
     assert "no cache" in pad_free_reason(model.model, dict(kwargs, use_cache=True))
+    assert "no cache" in pad_free_reason(model.model, dict(kwargs, cache=object()))
+    # a base model's call of its language model: a mask it built (Gemma-3's bidirectional image blocks) or positions
+    # of another shape keep the padded call
+    assert "2-D attention_mask" in pad_free_reason(model.model, dict(kwargs, attention_mask={"full_attention": None}))
+    assert "position_ids of shape" in pad_free_reason(model.model, dict(kwargs, position_ids=torch.zeros(4, 5)))
     assert "'eager'" in pad_free_reason(_model("llama", attn="eager").model, kwargs)
     unserved = dict(use_sliding_window=True, max_window_layers=2)  # Qwen2-MoE: its sliding layers pass no window
     assert "sliding" in pad_free_reason(_model("qwen2_moe", sliding_window=4, **unserved).model, kwargs)

@@ -74,6 +74,9 @@ _PER_FAMILY = {
                                             original_max_position_embeddings=4, beta_fast=32.0, beta_slow=1.0,
                                             mscale_all_dim=1.0, mscale=1.0, llama_4_scaling_beta=0.1)),
     "seed_oss": dict(attention_dropout=0.0, residual_dropout=0.0),  # its defaults drop out (0.1): a test of its own
+    # the language models of Qwen2-VL / Qwen2.5-VL: M-RoPE over three position rows (sections of the 8 frequencies)
+    "qwen2_vl_text": dict(rope_parameters=dict(rope_type="default", rope_theta=10000.0, mrope_section=[2, 3, 3])),
+    "qwen2_5_vl_text": dict(rope_parameters=dict(rope_type="default", rope_theta=10000.0, mrope_section=[2, 3, 3])),
     "olmoe": dict(num_experts=4, **_MOE),
     # layer 0 dense, layer 1 MoE (4 routed experts in 2 groups + a shared one); GLM-4-MoE with its partial
     # rotary (factor 0.5) and q/k norms
