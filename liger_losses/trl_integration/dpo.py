@@ -17,7 +17,7 @@ liger_chunk_tokens=None)`` takes every argument of ``trl.DPOTrainer`` plus three
   ``liger_chunk_tokens`` fixes the tokens per logits tile (default: sized from a memory budget). The
   backbone calls run pad-free where they can: the attended tokens alone, packed (``patching/pad_free.py``). A
   vision-language model's batch with images runs the policy's and the reference's base models on them (the vision
-  tower included, as TRL's forward; ``multimodal.py``), padded.
+  tower included, as TRL's forward; ``multimodal.py``), the language model pad-free where its family is served.
 
 ``use_weighting`` (WPO) weights each pair with the statistic the loss takes from its own tiles (no extra GEMM). One
 deliberate difference: with an ``"sft"`` term (``rpo_alpha``) TRL 1.16's step raises (its in-place weighting writes into

@@ -19,7 +19,8 @@ liger_chunk_tokens=None)`` takes every argument of ``trl.GRPOTrainer`` plus thre
   loss and ``aux_loss`` logged (``router_aux.py``). Without router logits the backbone runs pad-free where it
   can: the attended tokens alone, packed (``patching/pad_free.py``; ``LIGER_LOSSES_PAD_FREE``). A
   vision-language model's backbone gets the batch's images as TRL's policy forward does (``multimodal.py``; such a
-  call runs padded). ``liger_patch_model=True`` also swaps the model's layers for our kernels.
+  call's language model runs pad-free where its family is served). ``liger_patch_model=True`` also swaps the model's
+  layers for our kernels.
 ``cast_lm_head_to_fp32=True`` (ScaleRL's float32 head; TRL casts the head's weight to float32 at construction):
 the loss's GEMMs and tiles run in float32 outside autocast, as TRL's fused head runs them
 (:func:`head_precision`); the backbone keeps the trainer's autocast.

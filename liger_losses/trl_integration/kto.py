@@ -22,7 +22,7 @@ liger_chunk_tokens=None)`` takes every argument of ``trl.KTOTrainer`` plus three
   ``aux_loss`` logged (``router_aux.py``; the KL and reference forwards take none, as TRL's). The backbone
   calls run pad-free where they can: the attended tokens alone, packed (``patching/pad_free.py``). A
   vision-language model's batch with images runs the base models on them (policy, reference and the KL
-  completions, which reuse the prompts' images; ``multimodal.py``), padded.
+  completions, which reuse the prompts' images; ``multimodal.py``), the language model pad-free where served.
 
 Options TRL supports that use_liger=True cannot serve raise ``ValueError`` at construction, naming the option:
 PEFT prompt learning.

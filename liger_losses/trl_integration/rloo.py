@@ -15,7 +15,8 @@ liger_chunk_tokens=None)`` takes every argument of ``trl.RLOOTrainer`` plus thre
   and, as TRL, ``router_aux_loss_coef * aux_loss`` is added to the (unscaled) loss and ``aux_loss``
   logged (``router_aux.py``). Without router logits the backbone runs pad-free where it can: the attended
   tokens alone, packed (``patching/pad_free.py``; ``LIGER_LOSSES_PAD_FREE``). A vision-language model's backbone
-  gets the batch's images as TRL's policy forward does (``multimodal.py``; such a call runs padded).
+  gets the batch's images as TRL's policy forward does (``multimodal.py``; its language model pad-free where
+  served).
 
 Options use_liger=True cannot serve raise ``ValueError`` at construction, naming the option: PEFT prompt learning,
 and ``cast_lm_head_to_fp32=True`` on a config that has it (TRL 1.16's ``RLOOConfig`` has no such field: its old

@@ -13,7 +13,8 @@ takes every argument of ``trl.SFTTrainer`` plus three keywords:
   Logged like TRL: ``entropy`` and ``mean_token_accuracy`` (over the scored tokens), ``num_tokens``.
   A padded batch whose scored positions are all attended runs the backbone pad-free: the attended
   tokens alone, packed (``patching/pad_free.py``). A vision-language model's batch with images runs its base
-  model on them (the vision tower included, as TRL's forward; ``multimodal.py``), padded.
+  model on them (the vision tower included, as TRL's forward; ``multimodal.py``), the language model pad-free where
+  its family is served.
 
 How: by default one call of the chunked engine
 (:func:`liger_losses.chunked.sequence.fused_linear_sequence_objective`, one unit per sequence, the
