@@ -6,7 +6,8 @@ the text ones (pixels, audio features, token types...) runs the model's base mod
 the language model), as TRL's fused head runs every call; ``get_decoder()`` gives the language model alone, which
 takes those keywords through its ``**kwargs`` and ignores them. A text-only call keeps the language model (and
 pad-free). In a base model's call, the language model runs pad-free where its family is served
-(:func:`packed_language_model`: Qwen2-VL / Qwen2.5-VL's M-RoPE text models, Llava's Llama...): the vision tower and
+(:func:`packed_language_model`: Qwen2-VL / Qwen2.5-VL's M-RoPE text models, the Llama of Llava, LLaVA-NeXT, Idefics3
+and SmolVLM, InternVL's Qwen2, Mistral-3's Mistral...): the vision tower and
 the projector run on the padded batch as in TRL's forward, the language model on the attended tokens alone, packed
 (its input embeddings and the positions the base model gives it), and its output goes back to the padded layout.
 SFT, DPO and KTO hand the backbone their batch's keywords as TRL hands them to the model; the trainers that
@@ -107,6 +108,8 @@ def packed_language_model(base_model: nn.Module, read_mask: Optional[torch.Tenso
     padding) as the padded call would. A call it refuses -- a mask the base model built (Gemma-3's bidirectional
     image blocks), inputs beyond those, another family -- runs as it is; so does everything with ``read_mask`` None."""
     language_model = getattr(base_model, "language_model", None)
+    if not isinstance(language_model, nn.Module):  # Idefics3 / SmolVLM name theirs text_model
+        language_model = getattr(base_model, "text_model", None)
     if read_mask is None or not isinstance(language_model, nn.Module):
         yield
         return

@@ -185,7 +185,31 @@ def _llava(tmp_path, seed=0):
     return str(path), processor, images
 
 
-MODELS = {"qwen2_vl": _qwen2_vl, "llava": _llava}
+def _smolvlm(tmp_path):
+    """A tiny SmolVLM (2 Llama layers of width 64 as its ``text_model``; a one-layer vision tower on 56 x 56 images,
+    pixel-shuffled by 2 into 4 image tokens), with our character tokenizer plus ``<image>`` as the processing class."""
+    tok = _tokenizer("<image>")
+    image = tok.convert_tokens_to_ids("<image>")
+    text = dict(model_type="llama", vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256, tie_word_embeddings=False,
+                pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id, bos_token_id=None)
+    vision = dict(model_type="smolvlm_vision", hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                  num_attention_heads=2, image_size=56, patch_size=14)
+    config = transformers.SmolVLMConfig(text_config=text, vision_config=vision, image_token_id=image, scale_factor=2)
+    torch.manual_seed(0)
+    path = tmp_path / "tiny-smolvlm"
+    transformers.SmolVLMForConditionalGeneration(config).float().save_pretrained(path)
+
+    def images(prompt, g):  # one image per prompt: four image tokens
+        n = prompt.shape[0]
+        prompt[:, 1:5] = image
+        return dict(pixel_values=torch.randn(n, 1, 3, 56, 56, generator=g),
+                    pixel_attention_mask=torch.ones(n, 1, 56, 56, dtype=torch.bool), num_images=[1] * n)
+
+    return str(path), tok, images
+
+
+MODELS = {"qwen2_vl": _qwen2_vl, "llava": _llava, "smolvlm": _smolvlm}
 
 
 def _vl_batch(trainer, images, seed=0):
@@ -259,7 +283,8 @@ def _assert_step_parity(theirs, ours, batch):
     assert_metrics_match(m_o, m_t, TOL)
     _assert_grads_match(loss_t, loss_o, theirs, ours)
     causal_lm = ours.model.get_base_model() if hasattr(ours.model, "get_base_model") else ours.model
-    tower = getattr(causal_lm.model, "visual", None) or causal_lm.model.vision_tower
+    base = causal_lm.model
+    tower = getattr(base, "visual", None) or getattr(base, "vision_model", None) or base.vision_tower
     vision = next(p for p in tower.parameters() if p.dim() > 1 and p.requires_grad).grad  # a LoRA factor under PEFT
     assert vision is not None and vision.abs().sum() > 0
     return m_t
