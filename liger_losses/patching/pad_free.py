@@ -67,10 +67,14 @@ PAD_FREE_MODEL_TYPES = frozenset({
     "llama", "mistral", "ministral", "qwen2", "qwen3", "gemma", "gemma3_text", "phi3", "olmo2", "olmo3", "glm4",
     "granite", "smollm3", "exaone4", "mixtral", "qwen2_moe", "qwen3_moe",
     "ministral3", "seed_oss", "hunyuan_v1_dense", "olmoe", "glm4_moe", "dots1",
-    "qwen2_vl_text", "qwen2_5_vl_text",  # the language models of Qwen2-VL / Qwen2.5-VL (M-RoPE)
+    "qwen2_vl_text", "qwen2_5_vl_text", "qwen3_vl_text",  # the language models of Qwen2/2.5/3-VL (M-RoPE)
 })
+# Qwen3-VL's deepstack inputs: the image tokens' mask [B, T], packed like the tokens, and their features from the
+# vision tower's layers (one [image tokens, H] tensor per decoder layer they join, in row-major token order, which
+# the packed row keeps: passed as they are)
+_PER_TOKEN_KEYS = frozenset({"visual_pos_masks"})
 _PLAIN_KEYS = frozenset({"input_ids", "inputs_embeds", "attention_mask", "position_ids", "use_cache", "return_dict",
-                         "cache"})
+                         "cache", "deepstack_visual_embeds"}) | _PER_TOKEN_KEYS
 
 
 # model types whose backbone takes a per-layer-type mask map and whose sliding layers hand the attention their
@@ -172,6 +176,10 @@ def pad_free_reason(backbone: nn.Module, model_kwargs: Dict[str, Any]) -> str:
     if positions is not None and (positions.dim() > 3 or positions.shape[-1] != ids.shape[1]
                                   or (positions.dim() > 1 and positions.shape[-2] not in (1, ids.shape[0]))):
         return f"position_ids of shape {tuple(positions.shape)} for a batch of {tuple(ids.shape)}"
+    for key in _PER_TOKEN_KEYS:
+        value = model_kwargs.get(key)
+        if value is not None and (not isinstance(value, torch.Tensor) or value.shape != ids.shape):
+            return f"{key} that is not [B, T] = {tuple(ids.shape)}"
     window = sliding_window(config)
     if window is not None and window <= ids.shape[1] and not serves_window(config):
         return f"a sliding window ({window}) no longer than the batch ({ids.shape[1]} tokens)"
@@ -301,6 +309,9 @@ def pack_batch(backbone: nn.Module, model_kwargs: Dict[str, Any],
     packed_mask = {"full_attention": None, "sliding_attention": None} if mask_map else _packed_mask(ids.device)
     inputs = {"input_ids": ids.flatten()[order][None]} if model_kwargs.get("input_ids") is not None else {
         "inputs_embeds": model_kwargs["inputs_embeds"].flatten(0, 1)[order][None]}
+    for key in _PER_TOKEN_KEYS:
+        if model_kwargs.get(key) is not None:
+            inputs[key] = model_kwargs[key].flatten()[order][None]
     kwargs = dict(model_kwargs, **inputs, position_ids=positions,
                   attention_mask=packed_mask, liger_max_seqlen=int(longest), liger_window=window,
                   liger_cu_seqlens=F.pad(counts.cumsum(0, dtype=torch.int32), (1, 0)))

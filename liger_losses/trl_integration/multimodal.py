@@ -6,7 +6,7 @@ the text ones (pixels, audio features, token types...) runs the model's base mod
 the language model), as TRL's fused head runs every call; ``get_decoder()`` gives the language model alone, which
 takes those keywords through its ``**kwargs`` and ignores them. A text-only call keeps the language model (and
 pad-free). In a base model's call, the language model runs pad-free where its family is served
-(:func:`packed_language_model`: Qwen2-VL / Qwen2.5-VL's M-RoPE text models, the Llama of Llava, LLaVA-NeXT, Idefics3
+(:func:`packed_language_model`: Qwen2/2.5/3-VL's M-RoPE text models, the Llama of Llava, LLaVA-NeXT, Idefics3
 and SmolVLM, InternVL's Qwen2, Mistral-3's Mistral...): the vision tower and
 the projector run on the padded batch as in TRL's forward, the language model on the attended tokens alone, packed
 (its input embeddings and the positions the base model gives it), and its output goes back to the padded layout.

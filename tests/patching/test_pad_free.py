@@ -38,7 +38,7 @@ from .tiny_models import randomize_, tiny_config  # noqa: E402
 FAMILIES = sorted(PAD_FREE_MODEL_TYPES)
 MOE = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "glm4_moe", "dots1")
 # language models of vision-language models (no causal-LM class of their own; our layer kernels do not patch them)
-LANGUAGE_MODELS = ("qwen2_vl_text", "qwen2_5_vl_text")
+LANGUAGE_MODELS = ("qwen2_vl_text", "qwen2_5_vl_text", "qwen3_vl_text")
 
 
 class _LanguageModel(torch.nn.Module):
@@ -141,14 +141,20 @@ def test_packed_call_equals_the_padded_call(model_type, variant):
 @pytest.mark.parametrize("model_type", LANGUAGE_MODELS)
 def test_mrope_positions_packed(model_type):
     """A vision-language model's language model gets M-RoPE's three position rows ``[3, B, T]`` from its base model
-    (temporal, height, width: unequal where image tokens sit). Each row is packed like the tokens, and the packed
-    call equals the padded one to 1e-10 in float64, hidden states and gradients."""
+    (temporal, height, width: unequal where image tokens sit), and Qwen3-VL's its deepstack inputs (the image
+    tokens' mask ``[B, T]``, packed like the tokens, and their features added after the first layer, in token
+    order). The packed call equals the padded one to 1e-10 in float64, hidden states and gradients."""
     model = _model(model_type)
     backbone, kwargs = model.model, _batch(model.config.vocab_size)
     mask = kwargs["attention_mask"].bool()
     steps = torch.arange(9)
     kwargs["position_ids"] = torch.stack([steps, steps // 2, steps % 3 + steps // 3])[:, None].expand(3, 4, 9)
     ids = kwargs.pop("input_ids")
+    if model_type == "qwen3_vl_text":
+        visual = torch.zeros(4, 9, dtype=torch.bool)
+        visual[0, 4:6] = visual[2, 1:3] = True  # attended "image" tokens of two rows
+        features = torch.randn(4, model.config.hidden_size, dtype=torch.float64)
+        kwargs.update(visual_pos_masks=visual, deepstack_visual_embeds=[features])
 
     def embedded():  # as the base model calls it: the embeddings in, a graph of their own each call
         return dict(kwargs, inputs_embeds=backbone.get_input_embeddings()(ids))
@@ -159,6 +165,8 @@ def test_mrope_positions_packed(model_type):
     packed = pack_batch(backbone, embedded(), mask)
     assert packed.kwargs["position_ids"].shape == (3, 1, 19) and packed.kwargs["inputs_embeds"].shape[:2] == (1, 19)
     assert packed.kwargs["position_ids"][1, 0, :6].tolist() == [1, 2, 2, 3, 3, 4]  # row 0's tokens 3..8, halved
+    if model_type == "qwen3_vl_text":
+        assert packed.kwargs["visual_pos_masks"].shape == (1, 19) and int(packed.kwargs["visual_pos_masks"].sum()) == 4
     hidden = packed.unpack(backbone(**packed.kwargs).last_hidden_state)
     _assert_within(hidden[mask], padded[mask], 1e-10)
     got = _grads(model, _loss(hidden, mask))

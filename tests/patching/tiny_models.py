@@ -77,6 +77,8 @@ _PER_FAMILY = {
     # the language models of Qwen2-VL / Qwen2.5-VL: M-RoPE over three position rows (sections of the 8 frequencies)
     "qwen2_vl_text": dict(rope_parameters=dict(rope_type="default", rope_theta=10000.0, mrope_section=[2, 3, 3])),
     "qwen2_5_vl_text": dict(rope_parameters=dict(rope_type="default", rope_theta=10000.0, mrope_section=[2, 3, 3])),
+    "qwen3_vl_text": dict(rope_parameters=dict(rope_type="default", rope_theta=10000.0, mrope_section=[2, 3, 3],
+                                               mrope_interleaved=True)),
     "olmoe": dict(num_experts=4, **_MOE),
     # layer 0 dense, layer 1 MoE (4 routed experts in 2 groups + a shared one); GLM-4-MoE with its partial
     # rotary (factor 0.5) and q/k norms

@@ -209,7 +209,35 @@ def _smolvlm(tmp_path):
     return str(path), tok, images
 
 
-MODELS = {"qwen2_vl": _qwen2_vl, "llava": _llava, "smolvlm": _smolvlm}
+def _qwen3_vl(tmp_path):
+    """A tiny Qwen3-VL (2 text layers of width 64, interleaved M-RoPE; a one-block vision tower of 16-pixel patches
+    merged 2 x 2, whose block also feeds the first text layer: deepstack) with our character tokenizer plus its
+    three image tokens."""
+    tok = _tokenizer("<|image_pad|>", "<|vision_start|>", "<|vision_end|>")
+    image_pad, start, end = tok.convert_tokens_to_ids(["<|image_pad|>", "<|vision_start|>", "<|vision_end|>"])
+    text = dict(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=256,
+                tie_word_embeddings=False, pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id,
+                bos_token_id=None, rope_parameters={"rope_type": "default", "mrope_section": [2, 3, 3],
+                                                    "mrope_interleaved": True, "rope_theta": 10000.0})
+    vision = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64, patch_size=16,
+                  spatial_merge_size=2, temporal_patch_size=2, num_position_embeddings=16, deepstack_visual_indexes=[0])
+    config = transformers.Qwen3VLConfig(text_config=text, vision_config=vision, image_token_id=image_pad,
+                                        vision_start_token_id=start, vision_end_token_id=end)
+    torch.manual_seed(0)
+    path = tmp_path / "tiny-qwen3-vl"
+    transformers.Qwen3VLForConditionalGeneration(config).float().save_pretrained(path)
+
+    def images(prompt, g):  # one 2 x 2-patch image per prompt: one merged token between the vision markers
+        n = prompt.shape[0]
+        prompt[:, 2], prompt[:, 3], prompt[:, 4] = start, image_pad, end
+        return dict(pixel_values=torch.randn(n * 4, 3 * 2 * 16 * 16, generator=g),
+                    image_grid_thw=torch.tensor([[1, 2, 2]] * n), num_images=[1] * n)
+
+    return str(path), tok, images
+
+
+MODELS = {"qwen2_vl": _qwen2_vl, "qwen3_vl": _qwen3_vl, "llava": _llava, "smolvlm": _smolvlm}
 
 
 def _vl_batch(trainer, images, seed=0):
