@@ -101,12 +101,13 @@ def multimodal_backbone_of(causal_lm: nn.Module) -> nn.Module:
 
 @contextlib.contextmanager
 def packed_language_model(base_model: nn.Module, read_mask: Optional[torch.Tensor]) -> Iterator[None]:
-    """While ``base_model`` (:func:`multimodal_backbone_of`) is called in this context, its ``language_model`` runs
-    on the attended tokens alone where :func:`~..patching.pad_free.pack_batch` packs the call the base model makes
-    (``inputs_embeds [B, T, H]`` with the images' features in place, a 2-D ``attention_mask`` and the positions it
-    computed: M-RoPE's ``[3, B, T]`` for Qwen-VL), and hands back ``last_hidden_state [B, T, H]`` (zeros at the
-    padding) as the padded call would. A call it refuses -- a mask the base model built (Gemma-3's bidirectional
-    image blocks), inputs beyond those, another family -- runs as it is; so does everything with ``read_mask`` None."""
+    """While ``base_model`` (:func:`multimodal_backbone_of`) is called in this context, its ``language_model`` (or
+    ``text_model``) runs on the attended tokens alone where :func:`~..patching.pad_free.pack_batch` packs the call the
+    base model makes (``inputs_embeds [B, T, H]`` with the images' features in place, a 2-D ``attention_mask``, the
+    positions it computed -- M-RoPE's ``[3, B, T]`` for Qwen-VL -- and Qwen3-VL's deepstack inputs), and hands back
+    ``last_hidden_state [B, T, H]`` (zeros at the padding) as the padded call would. A call it refuses -- a mask the
+    base model built (Gemma-3's bidirectional image blocks), other inputs, another family -- runs as it is; so does
+    everything with ``read_mask`` None."""
     language_model = getattr(base_model, "language_model", None)
     if not isinstance(language_model, nn.Module):  # Idefics3 / SmolVLM name theirs text_model
         language_model = getattr(base_model, "text_model", None)
