@@ -217,16 +217,10 @@ def test_adaptive_entropy_tracks_trl(tok, tmp_path, target, quantile):
     the entropy is below a target of 100 (the bonus applied), down to the minimum 0 above a target of 0 (the bonus
     then gated off, the logged ``policy_loss`` the whole loss); the third case averages the high-entropy tokens
     alone (``top_entropy_quantile=0.5``)."""
-    from transformers import set_seed
-
     theirs, ours = _pair(tok, tmp_path, max_steps=2, learning_rate=5e-3, gradient_accumulation_steps=2,
                          use_adaptive_entropy=True, entropy_coef=0.01, entropy_target=target,
                          top_entropy_quantile=quantile, loss_type="grpo")
-    for trainer in (theirs, ours):
-        set_seed(0)  # the same sampling RNG for both runs: the same generations
-        trainer.train()
-    lt = [h for h in theirs.state.log_history if "loss" in h]
-    lo = [h for h in ours.state.log_history if "loss" in h]
+    lt, lo = _seeded_runs(theirs, ours)
     assert len(lt) == 2
     _assert_logs_match(lo, lt, TOL)
     want = [0.015, 0.02] if target > 0 else [0.005, 0.0]
@@ -242,6 +236,17 @@ def test_use_liger_false_is_trl(tok, tmp_path):
     assert type(theirs)._compute_loss is not trl.GRPOTrainer._compute_loss
     loss, _ = _step0(theirs, _batch(theirs))
     assert torch.isfinite(loss)
+
+
+def _seeded_runs(theirs, ours):
+    """Train both trainers from the same sampling seed (the same generations while the weights agree); their logged
+    steps ``(TRL's, ours)``."""
+    from transformers import set_seed
+
+    for trainer in (theirs, ours):
+        set_seed(0)
+        trainer.train()
+    return tuple([h for h in t.state.log_history if "loss" in h] for t in (theirs, ours))
 
 
 def _assert_logs_match(ours, theirs, tol):
@@ -265,13 +270,7 @@ def test_training_parity(tok, tmp_path, cfg):
     differ from 1 and clipping can act): the loss and every metric TRL logs at each step equal ours
     within 1e-3 relative (the issue's bar; the same generations since the weights agree to ~1e-6)."""
     theirs, ours = _pair(tok, tmp_path, max_steps=3, learning_rate=5e-3, **cfg)
-    from transformers import set_seed
-
-    for trainer in (theirs, ours):
-        set_seed(0)  # the same sampling RNG for both runs: the same generations
-        trainer.train()
-    lt = [h for h in theirs.state.log_history if "loss" in h]
-    lo = [h for h in ours.state.log_history if "loss" in h]
+    lt, lo = _seeded_runs(theirs, ours)
     assert len(lt) == 3
     assert lt[1]["clip_ratio/region_mean"] > 0  # the reused generations' ratios were clipped
     _assert_logs_match(lo, lt, 1e-3)

@@ -130,31 +130,48 @@ def _tokenizer(*image_tokens):
     return tok
 
 
-def _qwen2_vl(tmp_path):
-    """A tiny Qwen2-VL (2 text layers of width 64, M-RoPE; a one-block vision tower merging 2 x 2 patches of 14)
-    saved under ``tmp_path``, with our character tokenizer plus its three image tokens as the processing class (its
-    processor needs torchvision). Returns (path, tokenizer, a batch maker)."""
+def _qwen_vl(tmp_path, version: int):
+    """A tiny Qwen2-VL (``version`` 2: 14-pixel patches) or Qwen3-VL (3: 16-pixel patches, interleaved M-RoPE, the
+    vision block also feeding the first text layer: deepstack) -- 2 text layers of width 64, M-RoPE, a one-block
+    vision tower merging 2 x 2 patches -- saved under ``tmp_path``, with our character tokenizer plus its three image
+    tokens as the processing class (its processor needs torchvision). Returns (path, tokenizer, a batch maker)."""
     tok = _tokenizer("<|image_pad|>", "<|vision_start|>", "<|vision_end|>")
     image_pad, start, end = tok.convert_tokens_to_ids(["<|image_pad|>", "<|vision_start|>", "<|vision_end|>"])
+    rope = {"rope_type": "default", "mrope_section": [2, 3, 3], "rope_theta": 10000.0}
     text = dict(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256, tie_word_embeddings=False,
-                rope_parameters={"rope_type": "default", "mrope_section": [2, 3, 3], "rope_theta": 10000.0},
-                pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id, bos_token_id=None)
-    vision = dict(depth=1, embed_dim=32, hidden_size=64, num_heads=2, in_chans=3, patch_size=14, spatial_merge_size=2,
-                  temporal_patch_size=2, mlp_ratio=2)
-    config = transformers.Qwen2VLConfig(text_config=text, vision_config=vision, image_token_id=image_pad,
-                                        vision_start_token_id=start, vision_end_token_id=end)
+                rope_parameters=rope, pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id, bos_token_id=None)
+    if version == 2:
+        patch, config_cls, model_cls = 14, transformers.Qwen2VLConfig, transformers.Qwen2VLForConditionalGeneration
+        vision = dict(depth=1, embed_dim=32, hidden_size=64, num_heads=2, in_chans=3, patch_size=patch,
+                      spatial_merge_size=2, temporal_patch_size=2, mlp_ratio=2)
+    else:
+        patch, config_cls, model_cls = 16, transformers.Qwen3VLConfig, transformers.Qwen3VLForConditionalGeneration
+        rope["mrope_interleaved"] = True
+        text["head_dim"] = 16
+        vision = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64, patch_size=patch,
+                      spatial_merge_size=2, temporal_patch_size=2, num_position_embeddings=16,
+                      deepstack_visual_indexes=[0])
+    config = config_cls(text_config=text, vision_config=vision, image_token_id=image_pad, vision_start_token_id=start,
+                        vision_end_token_id=end)
     torch.manual_seed(0)
-    path = tmp_path / "tiny-qwen2-vl"
-    transformers.Qwen2VLForConditionalGeneration(config).float().save_pretrained(path)
+    path = tmp_path / f"tiny-qwen{version}-vl"
+    model_cls(config).float().save_pretrained(path)
 
     def images(prompt, g):  # one 2 x 2-patch image per prompt: one merged token between the vision markers
         n = prompt.shape[0]
         prompt[:, 2], prompt[:, 3], prompt[:, 4] = start, image_pad, end
-        return dict(pixel_values=torch.randn(n * 4, 3 * 2 * 14 * 14, generator=g),
+        return dict(pixel_values=torch.randn(n * 4, 3 * 2 * patch * patch, generator=g),
                     image_grid_thw=torch.tensor([[1, 2, 2]] * n), num_images=[1] * n)
 
     return str(path), tok, images
+
+
+def _llama_text(tok):
+    """The text config of the Llama-based tiny VLMs: 2 layers of width 64, GQA 4:2, our tokenizer's ids."""
+    return dict(model_type="llama", vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256, tie_word_embeddings=False,
+                pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id, bos_token_id=None)
 
 
 def _llava(tmp_path, seed=0):
@@ -162,10 +179,7 @@ def _llava(tmp_path, seed=0):
     under ``tmp_path``, with its ``LlavaProcessor`` (our character tokenizer plus ``<image>``) as the processing
     class."""
     tok = _tokenizer("<image>")
-    image = tok.convert_tokens_to_ids("<image>")
-    text = dict(model_type="llama", vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256, tie_word_embeddings=False,
-                pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id, bos_token_id=None)
+    image, text = tok.convert_tokens_to_ids("<image>"), _llama_text(tok)
     vision = dict(model_type="clip_vision_model", hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                   num_attention_heads=2, image_size=28, patch_size=14, projection_dim=32)
     config = transformers.LlavaConfig(text_config=text, vision_config=vision, image_token_index=image,
@@ -189,10 +203,7 @@ def _smolvlm(tmp_path):
     """A tiny SmolVLM (2 Llama layers of width 64 as its ``text_model``; a one-layer vision tower on 56 x 56 images,
     pixel-shuffled by 2 into 4 image tokens), with our character tokenizer plus ``<image>`` as the processing class."""
     tok = _tokenizer("<image>")
-    image = tok.convert_tokens_to_ids("<image>")
-    text = dict(model_type="llama", vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256, tie_word_embeddings=False,
-                pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id, bos_token_id=None)
+    image, text = tok.convert_tokens_to_ids("<image>"), _llama_text(tok)
     vision = dict(model_type="smolvlm_vision", hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                   num_attention_heads=2, image_size=56, patch_size=14)
     config = transformers.SmolVLMConfig(text_config=text, vision_config=vision, image_token_id=image, scale_factor=2)
@@ -209,35 +220,8 @@ def _smolvlm(tmp_path):
     return str(path), tok, images
 
 
-def _qwen3_vl(tmp_path):
-    """A tiny Qwen3-VL (2 text layers of width 64, interleaved M-RoPE; a one-block vision tower of 16-pixel patches
-    merged 2 x 2, whose block also feeds the first text layer: deepstack) with our character tokenizer plus its
-    three image tokens."""
-    tok = _tokenizer("<|image_pad|>", "<|vision_start|>", "<|vision_end|>")
-    image_pad, start, end = tok.convert_tokens_to_ids(["<|image_pad|>", "<|vision_start|>", "<|vision_end|>"])
-    text = dict(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=256,
-                tie_word_embeddings=False, pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id,
-                bos_token_id=None, rope_parameters={"rope_type": "default", "mrope_section": [2, 3, 3],
-                                                    "mrope_interleaved": True, "rope_theta": 10000.0})
-    vision = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64, patch_size=16,
-                  spatial_merge_size=2, temporal_patch_size=2, num_position_embeddings=16, deepstack_visual_indexes=[0])
-    config = transformers.Qwen3VLConfig(text_config=text, vision_config=vision, image_token_id=image_pad,
-                                        vision_start_token_id=start, vision_end_token_id=end)
-    torch.manual_seed(0)
-    path = tmp_path / "tiny-qwen3-vl"
-    transformers.Qwen3VLForConditionalGeneration(config).float().save_pretrained(path)
-
-    def images(prompt, g):  # one 2 x 2-patch image per prompt: one merged token between the vision markers
-        n = prompt.shape[0]
-        prompt[:, 2], prompt[:, 3], prompt[:, 4] = start, image_pad, end
-        return dict(pixel_values=torch.randn(n * 4, 3 * 2 * 16 * 16, generator=g),
-                    image_grid_thw=torch.tensor([[1, 2, 2]] * n), num_images=[1] * n)
-
-    return str(path), tok, images
-
-
-MODELS = {"qwen2_vl": _qwen2_vl, "qwen3_vl": _qwen3_vl, "llava": _llava, "smolvlm": _smolvlm}
+MODELS = {"qwen2_vl": lambda tmp_path: _qwen_vl(tmp_path, 2), "qwen3_vl": lambda tmp_path: _qwen_vl(tmp_path, 3),
+          "llava": _llava, "smolvlm": _smolvlm}
 
 
 def _vl_batch(trainer, images, seed=0):
