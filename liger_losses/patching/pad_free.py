@@ -68,6 +68,7 @@ PAD_FREE_MODEL_TYPES = frozenset({
     "granite", "smollm3", "exaone4", "mixtral", "qwen2_moe", "qwen3_moe",
     "ministral3", "seed_oss", "hunyuan_v1_dense", "olmoe", "glm4_moe", "dots1",
     "qwen2_vl_text", "qwen2_5_vl_text", "qwen3_vl_text",  # the language models of Qwen2/2.5/3-VL (M-RoPE)
+    "cohere", "cohere2",
 })
 # Qwen3-VL's deepstack inputs: the image tokens' mask [B, T], packed like the tokens, and their features from the
 # vision tower's layers (one [image tokens, H] tensor per decoder layer they join, in row-major token order, which
@@ -82,7 +83,7 @@ _PLAIN_KEYS = frozenset({"input_ids", "inputs_embeds", "attention_mask", "positi
 # builds no mask and a window the packed row reaches is served by the varlen kernel (Qwen2-MoE's sliding layers do
 # not pass the window: not here)
 _MASK_MAP_MODEL_TYPES = frozenset({"gemma3_text", "olmo3", "ministral", "exaone4", "smollm3", "qwen2", "qwen3",
-                                   "dots1", "qwen2_vl_text", "qwen2_5_vl_text"})
+                                   "dots1", "qwen2_vl_text", "qwen2_5_vl_text", "cohere2"})
 # model types whose every decoder layer slides when the config has a window, each handing the attention the config's
 # ``sliding_window`` (transformers builds them one windowed mask for all layers)
 _ALL_SLIDING_MODEL_TYPES = frozenset({"mistral", "mixtral", "phi3", "ministral3"})
