@@ -68,7 +68,7 @@ PAD_FREE_MODEL_TYPES = frozenset({
     "granite", "smollm3", "exaone4", "mixtral", "qwen2_moe", "qwen3_moe",
     "ministral3", "seed_oss", "hunyuan_v1_dense", "olmoe", "glm4_moe", "dots1",
     "qwen2_vl_text", "qwen2_5_vl_text", "qwen3_vl_text",  # the language models of Qwen2/2.5/3-VL (M-RoPE)
-    "cohere", "cohere2",
+    "cohere", "cohere2", "ernie4_5", "arcee", "apertus", "starcoder2", "helium", "phi", "olmo", "exaone",
 })
 # Qwen3-VL's deepstack inputs: the image tokens' mask [B, T], packed like the tokens, and their features from the
 # vision tower's layers (one [image tokens, H] tensor per decoder layer they join, in row-major token order, which

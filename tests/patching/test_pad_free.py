@@ -39,7 +39,9 @@ FAMILIES = sorted(PAD_FREE_MODEL_TYPES)
 MOE = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "glm4_moe", "dots1")
 # language models of vision-language models (no causal-LM class of their own; our layer kernels do not patch them)
 LANGUAGE_MODELS = ("qwen2_vl_text", "qwen2_5_vl_text", "qwen3_vl_text")
-UNPATCHED = LANGUAGE_MODELS + ("cohere", "cohere2")  # served pad-free with transformers' layers only
+# served pad-free with transformers' layers only (our layer kernels do not patch them)
+UNPATCHED = LANGUAGE_MODELS + ("cohere", "cohere2", "ernie4_5", "arcee", "apertus", "starcoder2", "helium", "phi",
+                               "olmo", "exaone")
 
 
 class _LanguageModel(torch.nn.Module):
@@ -75,8 +77,8 @@ def _model(model_type, attn="sdpa", **overrides):
 def _tolerance(model_type, patched):
     if model_type in MOE:
         return 2e-5
-    # Gemma's and Cohere's own norms compute in float32
-    return 1e-6 if model_type.startswith(("gemma", "cohere")) and not patched else 1e-10
+    # Gemma's, Cohere's and Helium's own norms compute in float32
+    return 1e-6 if model_type.startswith(("gemma", "cohere", "helium")) and not patched else 1e-10
 
 
 def _batch(vocab, seed=0):
