@@ -31,9 +31,9 @@ compute dtype, head size a multiple of 8 up to 256); ``0`` off; ``1`` on whereve
 with the reference attention: how the tests run it). Refused also for dynamic/longrope RoPE (their frequencies
 follow the call's largest position), bidirectional attention, and where the packed row would reach a sliding window
 the model's layers do not hand their attention (:func:`serves_window`: served for Gemma-3, OLMo-3, Ministral,
-EXAONE-4, SmolLM3, Qwen2/3 and dots1, whose sliding layer types say which layers slide, and Mistral, Mixtral, Phi-3
-and Ministral-3, whose every layer slides; not for Qwen2-MoE or OLMoE); and wherever a row with a hole spans more
-positions than the window. The varlen kernel serves the window.
+EXAONE-4, SmolLM3, Qwen2/3, dots1 and Cohere-2, whose sliding layer types say which layers slide, and Mistral, Mixtral,
+Phi-3, Ministral-3 and StarCoder2, whose every layer slides; not for Qwen2-MoE or OLMoE); and wherever a row with a
+hole spans more positions than the window. The varlen kernel serves the window.
 
 Dropout and router noise in training (attention dropout, PEFT's ``lora_dropout``, Seed-OSS's output dropout,
 Mixtral's router jitter) are drawn on the packed row: other random numbers than the padded call draws, from the same
@@ -86,7 +86,7 @@ _MASK_MAP_MODEL_TYPES = frozenset({"gemma3_text", "olmo3", "ministral", "exaone4
                                    "dots1", "qwen2_vl_text", "qwen2_5_vl_text", "cohere2"})
 # model types whose every decoder layer slides when the config has a window, each handing the attention the config's
 # ``sliding_window`` (transformers builds them one windowed mask for all layers)
-_ALL_SLIDING_MODEL_TYPES = frozenset({"mistral", "mixtral", "phi3", "ministral3"})
+_ALL_SLIDING_MODEL_TYPES = frozenset({"mistral", "mixtral", "phi3", "ministral3", "starcoder2"})
 
 
 def _packed_mask(device) -> torch.Tensor:
@@ -290,8 +290,13 @@ def pack_batch(backbone: nn.Module, model_kwargs: Dict[str, Any],
         steps = torch.arange(length, device=keep.device, dtype=torch.int32)
         spans = (torch.where(keep, steps, -1).amax(1) - torch.where(keep, steps, length).amin(1) + 1).clamp(min=0)
         holed_rows = ((spans > counts) & (spans > window)).sum(dtype=torch.int32)
+    # what must be attended besides the positions read: Qwen3-VL's image tokens (one deepstack feature each)
+    unattended = read_mask.bool()
+    for key in _PER_TOKEN_KEYS:
+        if model_kwargs.get(key) is not None:
+            unattended = unattended | model_kwargs[key].to(keep.device).bool()
     total, longest, unattended_reads, holed_rows = torch.stack(  # one host read
-        [counts.sum(dtype=torch.int32), counts.max(), (read_mask.bool() & ~keep).sum(dtype=torch.int32),
+        [counts.sum(dtype=torch.int32), counts.max(), (unattended & ~keep).sum(dtype=torch.int32),
          holed_rows]).tolist()
     if total in (0, keep.numel()) or unattended_reads or holed_rows:
         return None

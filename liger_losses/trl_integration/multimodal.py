@@ -107,7 +107,8 @@ def packed_language_model(base_model: nn.Module, read_mask: Optional[torch.Tenso
     positions it computed -- M-RoPE's ``[3, B, T]`` for Qwen-VL -- and Qwen3-VL's deepstack inputs), and hands back
     ``last_hidden_state [B, T, H]`` (zeros at the padding) as the padded call would. A call it refuses -- a mask the
     base model built (Gemma-3's bidirectional image blocks), other inputs, another family -- runs as it is; so does
-    everything with ``read_mask`` None."""
+    everything with ``read_mask`` None. The swap is the module's, for the context's duration: one call of the model
+    at a time, as a trainer's step makes them."""
     language_model = getattr(base_model, "language_model", None)
     if not isinstance(language_model, nn.Module):  # Idefics3 / SmolVLM name theirs text_model
         language_model = getattr(base_model, "text_model", None)

@@ -133,8 +133,9 @@ def _tokenizer(*image_tokens):
 def _qwen_vl(tmp_path, version: int):
     """A tiny Qwen2-VL (``version`` 2: 14-pixel patches) or Qwen3-VL (3: 16-pixel patches, interleaved M-RoPE, the
     vision block also feeding the first text layer: deepstack) -- 2 text layers of width 64, M-RoPE, a one-block
-    vision tower merging 2 x 2 patches -- saved under ``tmp_path``, with our character tokenizer plus its three image
-    tokens as the processing class (its processor needs torchvision). Returns (path, tokenizer, a batch maker)."""
+    vision tower merging 2 x 2 patches, images of 4 x 4 patches -- saved under ``tmp_path``, with our character
+    tokenizer plus its three image tokens as the processing class (its processor needs torchvision). Returns (path,
+    tokenizer, a batch maker)."""
     tok = _tokenizer("<|image_pad|>", "<|vision_start|>", "<|vision_end|>")
     image_pad, start, end = tok.convert_tokens_to_ids(["<|image_pad|>", "<|vision_start|>", "<|vision_end|>"])
     rope = {"rope_type": "default", "mrope_section": [2, 3, 3], "rope_theta": 10000.0}
@@ -158,11 +159,11 @@ def _qwen_vl(tmp_path, version: int):
     path = tmp_path / f"tiny-qwen{version}-vl"
     model_cls(config).float().save_pretrained(path)
 
-    def images(prompt, g):  # one 2 x 2-patch image per prompt: one merged token between the vision markers
+    def images(prompt, g):  # one 4 x 4-patch image per prompt: 2 x 2 merged tokens (unequal M-RoPE rows) in markers
         n = prompt.shape[0]
-        prompt[:, 2], prompt[:, 3], prompt[:, 4] = start, image_pad, end
-        return dict(pixel_values=torch.randn(n * 4, 3 * 2 * patch * patch, generator=g),
-                    image_grid_thw=torch.tensor([[1, 2, 2]] * n), num_images=[1] * n)
+        prompt[:, 1], prompt[:, 2:6], prompt[:, 6] = start, image_pad, end
+        return dict(pixel_values=torch.randn(n * 16, 3 * 2 * patch * patch, generator=g),
+                    image_grid_thw=torch.tensor([[1, 4, 4]] * n), num_images=[1] * n)
 
     return str(path), tok, images
 
@@ -307,12 +308,12 @@ def _assert_step_parity(theirs, ours, batch):
 @pytest.mark.parametrize("family", sorted(MODELS))
 def test_vision_language_step_parity(tmp_path, monkeypatch, trainer_name, family, variant):
     """``lora-checkpointed``: PEFT LoRA on every linear layer (the vision tower's too) and transformers' activation
-    checkpointing, as users train these models. ``pad-free`` (forced, the CPU's reference attention): the language
-    model runs on the attended tokens alone, packed, inside the base model's call (one varlen call per text layer;
-    the vision tower unpacked); the padded batch's numbers all the same."""
+    checkpointing, as users train these models. ``pad-free`` (forced, the CPU's reference attention; checkpointed
+    too): the language model runs on the attended tokens alone, packed, inside the base model's call (one varlen call
+    per text layer; the vision tower unpacked); the padded batch's numbers all the same."""
     from datasets import Dataset
 
-    if variant == "pad-free":
+    if variant == "pad-free":  # with transformers' activation checkpointing, as users train
         monkeypatch.setenv("LIGER_LOSSES_PAD_FREE", "1")
 
     path, processing_class, images = MODELS[family](tmp_path)
@@ -322,7 +323,7 @@ def test_vision_language_step_parity(tmp_path, monkeypatch, trainer_name, family
     if variant == "lora-checkpointed":
         peft = pytest.importorskip("peft")
         peft_config = peft.LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", init_lora_weights=False)
-        extra["gradient_checkpointing"] = True
+    extra["gradient_checkpointing"] = variant != "plain"
     data = Dataset.from_list([{"prompt": p} for p in ("abc", "hello", "xyz", "the cat")])
     theirs, ours = (
         ours_cls(path, _reward, trl_config(config_cls, tmp_path / str(use), per_device_train_batch_size=4,
