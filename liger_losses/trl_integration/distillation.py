@@ -14,11 +14,13 @@ liger_chunk_tokens=None)`` takes every argument of ``trl.DistillationTrainer`` p
   ``num_items_in_batch``. Generation, batching, tool calls are TRL's, untouched. TRL's ``entropy`` metric (the
   student's mean per-token entropy at the temperature) is logged from our loss's statistics, reduced across
   processes as TRL does; the generation metrics are TRL's own. ``liger_patch_model=True`` also swaps both
-  models' layers for our kernels; ``liger_chunk_tokens`` fixes the tokens per logits tile.
+  models' layers for our kernels; ``liger_chunk_tokens`` fixes the tokens per logits tile. A vision-language
+  student and teacher get the batch's image inputs (TRL's ``_get_last_hidden_state`` runs their base models on
+  them), as in TRL's step.
 
 Options TRL supports that use_liger=True cannot serve raise ``ValueError`` at construction, naming the option:
-a student and a teacher whose heads transform logits differently (softcap / logit scale),
-vision-language models, a trainer without a local ``teacher_model``, PEFT prompt learning.
+a student and a teacher whose heads transform logits differently (softcap / logit scale), a trainer without a local
+``teacher_model``, PEFT prompt learning.
 """
 
 from __future__ import annotations
@@ -29,11 +31,16 @@ import trl
 from .base import IGNORE_INDEX
 from .gkd import LigerDistillationMixin
 
+# the batch's image fields TRL 1.16's step hands both backbones (DistillationTrainer._compute_loss)
+_MULTIMODAL_KEYS = ("pixel_values", "image_grid_thw", "pixel_attention_mask", "spatial_shapes", "image_sizes",
+                    "token_type_ids", "mm_token_type_ids", "image_position_ids")
+
 
 class DistillationTrainer(LigerDistillationMixin, trl.DistillationTrainer):
     """``trl.DistillationTrainer`` with ``use_liger`` (see the module docstring)."""
 
     _liger_require_teacher = True
+    _liger_serves_vision = True
 
     def _compute_loss(self, unwrapped_student, inputs, num_items_in_batch):
         """``(loss, entropy_sum, num_valid_tokens)`` of one generated batch (TRL's contract)."""
@@ -46,14 +53,15 @@ class DistillationTrainer(LigerDistillationMixin, trl.DistillationTrainer):
             loss_mask = loss_mask * inputs["tool_mask"]
         labels = inputs["completion_ids"].masked_fill(loss_mask == 0, IGNORE_INDEX)
         logits_to_keep = inputs["completion_ids"].size(1)
+        images = {k: inputs[k] for k in _MULTIMODAL_KEYS if k in inputs}  # a vision-language batch's, as TRL's
 
-        hidden = self._get_last_hidden_state(unwrapped_student, input_ids, attention_mask, logits_to_keep)
+        hidden = self._get_last_hidden_state(unwrapped_student, input_ids, attention_mask, logits_to_keep, **images)
         self.teacher_model.eval()
         unwrapped_teacher = self.accelerator.unwrap_model(self.teacher_model)
         with torch.no_grad():
             teacher_hidden = self._forward_redirection(
                 self.teacher_model, unwrapped_teacher, self._get_last_hidden_state, unwrapped_teacher,
-                input_ids, attention_mask, logits_to_keep,
+                input_ids, attention_mask, logits_to_keep, **images,
             )
         out = self._liger_jsd(unwrapped_student, unwrapped_teacher, hidden, teacher_hidden, labels,
                               temperature=self.temperature, num_items_in_batch=num_items_in_batch)

@@ -60,6 +60,7 @@ class LigerDistillationMixin(LigerTrainerMixin):
     heads. List it before the TRL trainer class; the trainer has ``teacher_model``, ``beta`` and ``_is_vlm``."""
 
     _liger_require_teacher: bool = False  # reject a trainer built without a local teacher_model
+    _liger_serves_vision: bool = False  # True where the batch's image inputs reach both backbones as in TRL's step
 
     def __init__(
         self,
@@ -81,9 +82,10 @@ class LigerDistillationMixin(LigerTrainerMixin):
             self._liger_after_trl_init(trl_kwargs)
 
     def _liger_after_trl_init(self, trl_kwargs) -> None:
-        """After TRL's ``__init__``: reject VLMs (and, with ``_liger_require_teacher``, a missing teacher), fix the
+        """After TRL's ``__init__``: reject VLMs where not served (and, with ``_liger_require_teacher``, a missing
+        teacher), fix the
         shared head transform, patch both models' layers."""
-        if self._is_vlm:
+        if self._is_vlm and not self._liger_serves_vision:
             reject_vision(self.processing_class)
         if self._liger_require_teacher and self.teacher_model is None:
             reject("teacher_model", None, "the chunked loss needs a local teacher model (its hidden states and head)")

@@ -137,9 +137,10 @@ def packed_language_model(base_model: nn.Module, read_mask: Optional[torch.Tenso
 
 
 def reject_vision(processing_class: Any) -> None:
-    """:func:`reject` a vision-language model's ``processing_class`` (the preference and distillation adapters
-    serve text-only causal LMs; SFT, DPO, KTO, GRPO and RLOO serve vision-language models too)."""
+    """:func:`reject` a vision-language model's ``processing_class`` (the GKD adapter serves text-only causal LMs, as
+    TRL's GKD collator does; SFT, DPO, KTO, GRPO, RLOO and Distillation serve vision-language models too)."""
     from .base import reject  # base imports this module
 
     reject("processing_class", type(processing_class).__name__,
-           "vision-language models are not supported by this trainer (SFT, DPO, KTO, GRPO and RLOO serve them)")
+           "vision-language models are not supported by this trainer (SFT, DPO, KTO, GRPO, RLOO and Distillation "
+           "serve them)")
