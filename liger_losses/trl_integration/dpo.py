@@ -20,8 +20,8 @@ liger_chunk_tokens=None)`` takes every argument of ``trl.DPOTrainer`` plus three
   tower included, as TRL's forward; ``multimodal.py``), the language model pad-free where its family is served.
 
 ``use_weighting`` (WPO) weights each pair with the statistic the loss takes from its own tiles (no extra GEMM). One
-deliberate difference: with an ``"sft"`` term (``rpo_alpha``) TRL 1.16's step raises (its in-place weighting writes into
-the expanded batch NLL); ours trains the batch NLL times each pair's weight, what that code means.
+deliberate difference: with an ``"sft"`` entry in ``loss_type`` TRL 1.16's step raises (its in-place weighting writes
+into the expanded batch NLL); ours trains the batch NLL times each pair's weight, what that code means.
 Options TRL supports that use_liger=True cannot serve raise ``ValueError`` at construction, naming the option:
 ``ld_alpha`` with an ``"sft"`` loss term, PEFT prompt learning. MoE models:
 ``router_aux_loss_coef * aux_loss`` of the policy's own backbone forward is added to the loss and logged as
