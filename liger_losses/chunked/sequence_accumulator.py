@@ -7,9 +7,9 @@
   ``c0, r0, c1, r1, ...``, :func:`~.planning.unit_order`), their rows (never copied) and the
   position (sequence in unit order) of every token;
 * the per-position statistics, one ``[7, B]`` float32 tensor (rows :data:`LOGPS` ...
-  :data:`ALIGNED_LOGPS`): a chunk adds its sums in one kernel (two with ``need_aligned_logps``)
-  and the objective's inputs for a chunk of units are gathered in one (the host issues a chunk's
-  small ops faster, which is what bounds a chunk at small models);
+  :data:`NUM_TOKENS`): a chunk adds its sums in one kernel and the objective's inputs for a chunk
+  of units are gathered in one (the host issues a chunk's small ops faster, which is what bounds a
+  chunk at small models);
 * the policy head (gathered, in the compute dtype), the reference head (when the reference
   log-probs are computed from ``ref_hidden``) and the :class:`~.gemm.HeadGrads` being filled;
 * the objective call on a range of positions (:meth:`call_objective`): the statistics reordered
@@ -53,8 +53,8 @@ class SequenceCall:
     need_aligned_logps: bool = False
 
 
-# Rows of the per-position statistics.
-LOGPS, LOGITS_SUM, CORRECT, ENTROPY_SUM, REF_LOGPS, NUM_TOKENS, ALIGNED_LOGPS = range(7)
+# Rows of the per-position statistics: a chunk's sums fill the leading rows up to ALIGNED_LOGPS.
+LOGPS, LOGITS_SUM, CORRECT, ENTROPY_SUM, ALIGNED_LOGPS, REF_LOGPS, NUM_TOKENS = range(7)
 
 
 class SequenceAccumulator:
@@ -142,13 +142,13 @@ class SequenceAccumulator:
                          need_entropy=self.need_entropy, need_log_sum_sq=self.need_aligned, **self.kernel_opts)
         v = st.logp if tw is None else st.logp * tw[ts:te]
         rows = [v, st.logits_sum / self.vocab, st.correct.float()]  # rows LOGPS, LOGITS_SUM, CORRECT
-        if self.need_entropy:
-            rows.append(st.entropy)  # ENTROPY_SUM
+        if self.need_entropy or self.need_aligned:
+            rows.append(st.entropy if self.need_entropy else torch.zeros_like(v))  # ENTROPY_SUM
+        if self.need_aligned:  # ALIGNED_LOGPS, unweighted: WPO reads the plain log-probs whatever the token weights
+            rows.append(st.logp - st.log_sum_sq)
         # summed straight into the accumulator's columns (a view): one kernel per chunk (the
         # statistics are float32 also for a float64 head, whose tile statistics are float64)
         acc[:len(rows), p0:p1].index_add_(1, seg, torch.stack(rows).to(acc.dtype))
-        if self.need_aligned:  # unweighted: WPO reads the plain log-probs whatever the token weights
-            acc[ALIGNED_LOGPS, p0:p1].index_add_(0, seg, (st.logp - st.log_sum_sq).to(acc.dtype))
         return tile, seg
 
     def gradient_tile(self, ts: int, te: int) -> Tensor:

@@ -83,8 +83,7 @@ class LigerDistillationMixin(LigerTrainerMixin):
 
     def _liger_after_trl_init(self, trl_kwargs) -> None:
         """After TRL's ``__init__``: reject VLMs where not served (and, with ``_liger_require_teacher``, a missing
-        teacher), fix the
-        shared head transform, patch both models' layers."""
+        teacher), fix the shared head transform, patch both models' layers."""
         if self._is_vlm and not self._liger_serves_vision:
             reject_vision(self.processing_class)
         if self._liger_require_teacher and self.teacher_model is None:
